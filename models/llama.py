@@ -1,0 +1,125 @@
+"""Llama-family forward as pure functions over a `Weights` pytree.
+
+The transformer body works on a flat list of tokens `[N, H]` and delegates attention to an `attend` callback, so
+the same layer code serves the dense forward here (`forward`, used for parity tests and as the oracle) and the paged
+engine step (`paged.step`), which writes K/V into cache pages and attends through a page table.
+
+    attend(layer: int32 scalar, q [N, nH, D], k [N, nKV, D], v [N, nKV, D], state) -> (out [N, nH, D], state)
+
+Layers run under `lax.scan` over the stacked weights, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.linear import matmul
+from models.rope import apply_rope, rope_cos_sin
+from models.weights import LayerWeights, Weights
+
+AttendFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], tuple[jnp.ndarray, Any]]
+
+
+def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
+
+
+def embed_tokens(params: Weights, token_ids: jnp.ndarray) -> jnp.ndarray:
+    """token_ids `[N]` -> hidden `[N, H]`."""
+    return jnp.take(params.embed, token_ids, axis=0)
+
+
+def _layer(
+    cfg: ModelConfig, lw: LayerWeights, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
+    layer: jnp.ndarray, attend: AttendFn, state: Any,
+) -> tuple[jnp.ndarray, Any]:
+    n = h.shape[0]
+    d, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
+    qkv = matmul(x, lw.wqkv, lw.bqkv)  # [N, (nH + 2 nKV) D]
+    q = qkv[:, : nh * d].reshape(n, nh, d)
+    k = qkv[:, nh * d : (nh + nkv) * d].reshape(n, nkv, d)
+    v = qkv[:, (nh + nkv) * d :].reshape(n, nkv, d)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    attn, state = attend(layer, q, k, v, state)  # [N, nH, D]
+    h = h + matmul(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo)
+    x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
+    gu = matmul(x, lw.w_gate_up, lw.b_gate_up)  # [N, 2F]
+    f = cfg.intermediate_size
+    act = jax.nn.silu(gu[:, :f].astype(jnp.float32)) * gu[:, f:].astype(jnp.float32)
+    h = h + matmul(act.astype(h.dtype), lw.w_down, lw.b_down)
+    return h, state
+
+
+def run_layers(
+    params: Weights, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray, attend: AttendFn, state: Any
+) -> tuple[jnp.ndarray, Any]:
+    """All decoder layers over hidden `[N, H]` at `positions` `[N]`; `state` is threaded through `attend`."""
+    cos, sin = rope_cos_sin(cfg, positions)
+
+    def body(carry, xs):
+        h, state = carry
+        lw, layer = xs
+        return _layer(cfg, lw, h, cos, sin, layer, attend, state), None
+
+    (h, state), _ = jax.lax.scan(body, (h, state), (params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    return h, state
+
+
+def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+    """Final norm and LM head: hidden `[N, H]` -> float32 logits `[N, V]`."""
+    x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    if params.lm_head is None:
+        return jnp.dot(x, params.embed.T.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.dot(x, params.lm_head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def dense_causal_attention(cfg: ModelConfig, batch: int, seqlen: int) -> AttendFn:
+    """Attention for `batch` sequences of `seqlen` tokens laid out row-major in `[N = batch * seqlen]`."""
+    g = cfg.q_per_kv
+    scale = cfg.head_dim**-0.5
+    t = jnp.arange(seqlen)
+    mask = t[:, None] >= t[None, :]  # [T, S]
+    if cfg.sliding_window is not None:
+        mask &= (t[:, None] - t[None, :]) < cfg.sliding_window
+
+    def attend(layer, q, k, v, state):
+        qb = q.reshape(batch, seqlen, cfg.num_kv_heads, g, cfg.head_dim).astype(jnp.float32)
+        kb = k.reshape(batch, seqlen, cfg.num_kv_heads, cfg.head_dim).astype(jnp.float32)
+        vb = v.reshape(batch, seqlen, cfg.num_kv_heads, cfg.head_dim).astype(jnp.float32)
+        s = jnp.einsum("btkgd,bskd->bkgts", qb, kb) * scale
+        s = jnp.where(mask, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("bkgts,bskd->btkgd", p, vb)
+        return o.reshape(batch * seqlen, cfg.num_heads, cfg.head_dim).astype(q.dtype), state
+
+    return attend
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
+    """Dense causal forward: tokens `[B, T]` -> float32 logits `[B, T, V]` (positions 0..T-1)."""
+    b, t = tokens.shape
+    flat = tokens.reshape(-1)
+    positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
+    h = embed_tokens(params, flat)
+    h, _ = run_layers(params, cfg, h, positions, dense_causal_attention(cfg, b, t), None)
+    return compute_logits(params, cfg, h).reshape(b, t, -1)
+
+
+def greedy_generate(params: Weights, cfg: ModelConfig, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy decoding by re-running the dense forward (O(n^2); tests and oracles only)."""
+    ids = list(prompt)
+    for _ in range(max_new_tokens):
+        logits = forward(params, cfg, jnp.asarray([ids], jnp.int32))
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    return ids[len(prompt) :]

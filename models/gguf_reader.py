@@ -1,0 +1,171 @@
+"""Read a GGUF file into plain Python metadata and HF-named, HF-oriented float arrays.
+
+`read_gguf` dequantizes every tensor (F32, F16, BF16, Q8_0, Q4_0, Q4_1) to `dtype`, renames llama.cpp tensor names to
+Hugging Face names, and undoes the row permutation that llama.cpp's converter applies to Llama q/k projections, so the
+result can be loaded exactly like a safetensors checkpoint. `read_gguf_metadata` reads only the key/value fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from models.errors import ModelError, ModelFileNotFoundError, UnsupportedTensorTypeError, WeightShapeError
+
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+# llama.cpp name -> HF name for tensors outside the layer stack.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp per-layer tensor stem -> HF suffix under `model.layers.{i}.`.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# Reader-made pseudo fields (file header values), not key/value pairs stored in the file.
+_HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+
+
+@dataclasses.dataclass
+class GGUFContents:
+    metadata: dict[str, Any]  # every KV field as plain Python values (str, int, float, bool, list)
+    tensors: dict[str, np.ndarray]  # HF name -> dequantized array in HF orientation ([out, in] for Linear weights)
+    tensor_types: dict[str, str]  # HF name -> GGML type name of the source tensor, e.g. "Q4_1"
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """HF name of a llama.cpp tensor name; names without a known HF counterpart come back unchanged."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        layer, stem, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[stem]}.{kind}"
+    return gguf_name
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs) back to HF's rotate-half row order.
+
+    `w` is a weight `[n_head * head_dim, in_features]` or a bias `[n_head * head_dim]`. The converter maps the HF rows
+    of each head, viewed as (2, head_dim/2), to (head_dim/2, 2); this swaps the two axes back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise WeightShapeError(
+            f"cannot un-permute a q/k tensor with {rows} rows into {n_head} heads of even size; "
+            "check the GGUF's attention.head_count / head_count_kv"
+        )
+    # [n_head, head_dim/2, 2, *rest] -> [n_head, 2, head_dim/2, *rest] -> [rows, *rest]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """Key/value metadata of a GGUF file as plain Python values, without touching tensor data."""
+    return _metadata(_open(path))
+
+
+def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32) -> GGUFContents:
+    """Metadata plus every tensor, dequantized to `dtype`, HF-named and HF-oriented."""
+    reader = _open(path)
+    metadata = _metadata(reader)
+    # Check every type before dequantizing anything, so an unreadable file fails at once.
+    for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise UnsupportedTensorTypeError(
+                f"GGUF tensor {t.name!r} in {os.fspath(path)} has type {t.tensor_type.name}, which this project "
+                f"cannot read; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}. Re-export the GGUF with one of "
+                "them, e.g. `llama-quantize model-f16.gguf model-q4_1.gguf Q4_1` (or convert_hf_to_gguf.py "
+                "--outtype f16/bf16/q8_0)."
+            )
+    if reader.byte_order == "S" and reader.tensors:
+        # The reader swaps typed views but not the fp16 scales packed inside quantized blocks.
+        raise ModelError(f"{os.fspath(path)} is a big-endian GGUF; re-export it in little-endian byte order")
+
+    arch = metadata.get("general.architecture")
+    n_head = metadata.get(f"{arch}.attention.head_count")
+    n_head_kv = metadata.get(f"{arch}.attention.head_count_kv", n_head)
+    tensors: dict[str, np.ndarray] = {}
+    tensor_types: dict[str, str] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        w = _dequantize(t, dtype)
+        # Only the Llama converter permutes q/k (for ggml's interleaved RoPE); Qwen2 etc. keep HF order.
+        if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            w = unpermute_qk(w, _head_count(n_head, f"{arch}.attention.head_count"))
+        elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            w = unpermute_qk(w, _head_count(n_head_kv, f"{arch}.attention.head_count_kv"))
+        tensors[name] = w
+        tensor_types[name] = t.tensor_type.name
+    return GGUFContents(metadata=metadata, tensors=tensors, tensor_types=tensor_types)
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def _open(path: str | os.PathLike) -> gguf.GGUFReader:
+    if not os.path.isfile(path):
+        raise ModelFileNotFoundError(f"GGUF file {os.fspath(path)} not found")
+    try:
+        return gguf.GGUFReader(path)  # memory-mapped: tensor data is read only when dequantized
+    except (ValueError, IndexError, OverflowError, KeyError) as e:
+        # Bad magic, unknown version/value type, or a header running past the end of the file.
+        raise ModelError(f"{os.fspath(path)} is not a GGUF file (or is truncated/corrupt): {e}") from e
+
+
+def _head_count(value: Any, key: str) -> int:
+    if value is None:
+        raise WeightShapeError(f"GGUF metadata lacks {key}, needed to un-permute the q/k projections")
+    return int(value)
+
+
+def _decode(raw: np.ndarray) -> str:
+    # surrogateescape keeps invalid UTF-8 (possible in token lists) lossless instead of raising like contents() does:
+    # s.encode("utf-8", "surrogateescape") gives the stored bytes back.
+    return raw.tobytes().decode("utf-8", errors="surrogateescape")
+
+
+def _field_value(field: Any) -> Any:
+    """One ReaderField as a Python value. Nested arrays come back flattened (as with ReaderField.contents())."""
+    if not field.types:
+        return None
+    if field.types[0] == GGUFValueType.ARRAY:
+        if not field.data:  # an empty array records no element type
+            return []
+        if field.types[-1] == GGUFValueType.STRING:
+            return [_decode(field.parts[i]) for i in field.data]
+        # Each element is its own 1-element array view; one concatenate + tolist gives Python ints/floats/bools.
+        return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    if field.types[0] == GGUFValueType.STRING:
+        return _decode(field.parts[field.data[0]])
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    return {name: _field_value(f) for name, f in reader.fields.items() if name not in _HEADER_FIELDS}
+
+
+def _dequantize(t: Any, dtype: Any) -> np.ndarray:
+    """A ReaderTensor as a fresh `dtype` array of shape reversed(t.shape), i.e. row-major [ne1, ne0] = [out, in]."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (the contiguous dim) first
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        # Typed memmap views; np.array copies so the result does not pin the mapped file and is writable.
+        w = np.array(t.data, dtype=dtype)
+    else:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # uint8 block rows [..., bytes] -> float32 [..., ne0]
+    return w.reshape(shape).astype(dtype, copy=False)

@@ -82,6 +82,7 @@ def test_bf16_and_sharded_checkpoints(tmp_path):
     ours = load_model(tmp_path, load_tokenizer=False)
     ids = np.arange(1, 13)[None]
     # the same bf16 weights, upcast at load on both sides
+    assert load_model(tmp_path).tokenizer is None  # the directory has no tokenizer files
     hf32 = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ref = hf_logits(hf32, ids)
     got = np.asarray(forward(ours.params, ours.config, jnp.asarray(ids, jnp.int32)))

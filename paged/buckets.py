@@ -1,0 +1,96 @@
+"""Shape buckets: the finite set of `BatchShape`s a generator pads its batches to, so the step compiles a known,
+small number of times. `BucketSpec.all_shapes()` lists them for `warmup()`; `BucketSpec.shape_for()` picks the
+smallest bucket that fits a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from paged.state import BatchShape
+from pallas_kernels.paged_attention import PrefillDecodeLayout
+
+
+def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    """lo, lo*factor, ... and finally hi itself (hi is always included)."""
+    out, x = [], lo
+    while x < hi:
+        out.append(x)
+        x *= factor
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    max_batch_size: int  # rows per step (decode rows + prefill rows)
+    max_chunk_size: int  # prefill tokens per row per step
+    max_pages_per_row: int  # ceil(max_seq_len / page_size)
+    max_prefill_rows: int = 2  # prefill chunks per step
+    page_size: int = 64
+    growth: int = 4  # ratio between consecutive buckets (larger: fewer compiles, more padding)
+    min_q_len: int = 16
+    min_context: int = 256  # smallest per-row context bucket, in tokens
+    history_buckets: tuple[int, ...] = (0, 256, 1024, 4096)
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.max_chunk_size < 1 or self.max_pages_per_row < 1:
+            raise ValueError(f"BucketSpec needs positive sizes, got {self}")
+
+    @property
+    def decode_rows(self) -> tuple[int, ...]:
+        return (0, *_geometric(1, self.max_batch_size, 2))
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        return (0, *_geometric(1, self.max_prefill_rows, 2))
+
+    @property
+    def q_lens(self) -> tuple[int, ...]:
+        return _geometric(min(self.min_q_len, self.max_chunk_size), self.max_chunk_size, self.growth)
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        lo = min(max(1, self.min_context // self.page_size), self.max_pages_per_row)
+        return _geometric(lo, self.max_pages_per_row, self.growth)
+
+    def layouts(self) -> list[PrefillDecodeLayout]:
+        out = []
+        for sp, sd in itertools.product(self.prefill_rows, self.decode_rows):
+            if sp + sd == 0:
+                continue
+            for qm in self.q_lens if sp else (1,):
+                out.append(PrefillDecodeLayout(sp, qm, sd))
+        return out
+
+    def all_shapes(self, history_lens: tuple[int, ...] | None = None) -> list[BatchShape]:
+        hist = self.history_buckets if history_lens is None else history_lens
+        return [
+            BatchShape(layout=lay, pages_per_row=p, history_len=r)
+            for lay in self.layouts()
+            for p in self.pages
+            for r in hist
+        ]
+
+    def shape_for(self, prefill_lens: list[int], num_decode: int, max_pages: int, history: int) -> BatchShape:
+        """Smallest bucket for `len(prefill_lens)` prefill rows of those lengths, `num_decode` single-token rows,
+        rows needing up to `max_pages` pages, and `history` tokens of penalty history."""
+        sp_need = len(prefill_lens)
+        if sp_need > self.max_prefill_rows:
+            raise ValueError(f"{sp_need} prefill rows exceed max_prefill_rows={self.max_prefill_rows}")
+        sp = next(x for x in self.prefill_rows if x >= sp_need)
+        sd = next((x for x in self.decode_rows if x >= num_decode), None)
+        if sd is None or sp_need + num_decode > self.max_batch_size:
+            raise ValueError(f"{sp_need} + {num_decode} rows exceed max_batch_size={self.max_batch_size}")
+        qm = 1
+        if sp:
+            need = max(prefill_lens)
+            qm = next((x for x in self.q_lens if x >= need), None)
+            if qm is None:
+                raise ValueError(f"prefill chunk of {need} tokens exceeds max_chunk_size={self.max_chunk_size}")
+        p = next((x for x in self.pages if x >= max_pages), None)
+        if p is None:
+            raise ValueError(f"{max_pages} pages per row exceed max_pages_per_row={self.max_pages_per_row}")
+        r = next((x for x in self.history_buckets if x >= history), self.history_buckets[-1])
+        return BatchShape(layout=PrefillDecodeLayout(sp, qm, sd), pages_per_row=p, history_len=r)

@@ -1,0 +1,478 @@
+"""Tests for paged/sampling.py against an independent NumPy reference (float64, per-row loops)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged.sampling import (
+    NEUTRAL,
+    SampleOutput,
+    SamplingParams,
+    apply_bias,
+    apply_penalties,
+    processed_logprobs,
+    sample,
+)
+
+# One main shape shared by most tests so each jitted function compiles once.
+S, V, R, B, K = 64, 512, 32, 8, 5
+
+_sample = jax.jit(sample, static_argnames="return_top_k")
+_processed = jax.jit(processed_logprobs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# NumPy reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x)
+    e = np.exp(x - m)
+    return e / e.sum()
+
+
+def ref_adjusted(logits: np.ndarray, st: dict, hist: np.ndarray, bias_ids: np.ndarray, bias_vals: np.ndarray):
+    """Penalties then sparse bias, one row, float64."""
+    x = logits.astype(np.float64).copy()
+    rep = st.get("repetition_penalty", 1.0)
+    freq = st.get("frequency_penalty", 0.0)
+    pres = st.get("presence_penalty", 0.0)
+    for tok, count in Counter(int(t) for t in hist if t >= 0).items():
+        x[tok] = x[tok] / rep if x[tok] > 0 else x[tok] * rep
+        x[tok] -= freq * count + pres
+    for tok, val in zip(bias_ids, bias_vals, strict=True):
+        if tok >= 0:
+            x[tok] += val
+    return x
+
+
+def _cut_count(mass_in_order: np.ndarray, target: float) -> int:
+    """Smallest n such that the first n entries reach `target` (all of them if never)."""
+    c = np.cumsum(mass_in_order)
+    return min(int(np.searchsorted(c, target, side="left")) + 1, len(c))
+
+
+def ref_final(logits: np.ndarray, st: dict, hist: np.ndarray, bias_ids: np.ndarray, bias_vals: np.ndarray):
+    """Final log-distribution of one row (-inf outside the kept set), float64.
+
+    Returns (log_q, ambiguous): `ambiguous` flags rows where some cut is so close to its threshold (1e-5) that float32
+    rounding in the implementation may legitimately decide it the other way; keep-set comparisons skip those rows.
+    """
+    eps = 1e-5
+    ambiguous = False
+    x = ref_adjusted(logits, st, hist, bias_ids, bias_vals)
+    temp = st.get("temperature", 0.0)
+    if not temp >= 0.01:
+        with np.errstate(divide="ignore"):
+            return np.log(_softmax(x)), False
+    p = _softmax(x / temp)
+    keep = p > 0
+
+    def renorm() -> np.ndarray:
+        q = np.where(keep, p, 0.0)
+        return q / q.sum()
+
+    k = st.get("top_k", 0)
+    if 0 < k < len(p):
+        ps = np.sort(p)[::-1]
+        keep &= p >= ps[k - 1]  # ties with the k-th largest survive
+        ambiguous |= 0 < ps[k - 1] - ps[k] < eps * ps[k - 1]
+    top_p = st.get("top_p", 1.0)
+    if 0 < top_p < 1:
+        q = renorm()
+        order = np.argsort(-q, kind="stable")
+        n = _cut_count(q[order], top_p)
+        keep &= q >= q[order[n - 1]]
+        ambiguous |= np.min(np.abs(np.cumsum(q[order]) - top_p)) < eps
+    min_p = st.get("min_p", 0.0)
+    if min_p > 0:
+        q = renorm()
+        keep &= q >= min_p * q.max()
+        ambiguous |= np.min(np.abs(q - min_p * q.max())) < eps * min_p * q.max()
+    typical = st.get("typical", 0.0)
+    if 0 < typical < 1:
+        q = renorm()
+        idx = np.flatnonzero(keep)
+        logq = np.log(q[idx])
+        entropy = -np.sum(q[idx] * logq)
+        score = np.abs(-logq - entropy)
+        order = np.argsort(score, kind="stable")
+        n = _cut_count(q[idx][order], typical)
+        kept = idx[score <= score[order[n - 1]]]
+        keep = np.zeros_like(keep)
+        keep[kept] = True
+        ambiguous |= np.min(np.abs(np.cumsum(q[idx][order]) - typical)) < eps
+        ambiguous |= n < len(order) and score[order[n]] - score[order[n - 1]] < 2 * eps
+    q = renorm()
+    with np.errstate(divide="ignore"):
+        return np.where(keep, np.log(np.where(keep, q, 1.0)), -np.inf), bool(ambiguous)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------------------------
+
+ROW_KINDS = [
+    {"temperature": 0.0},
+    {"temperature": 0.7},
+    {"temperature": 1.0, "top_k": 7},
+    {"temperature": 0.9, "top_p": 0.8},
+    {"temperature": 1.2, "min_p": 0.08},
+    {"temperature": 1.0, "typical": 0.6},
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02, "typical": 0.9},
+    {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.5},
+    {"temperature": 1.1, "repetition_penalty": 1.2, "frequency_penalty": 0.3, "presence_penalty": 0.2, "top_p": 0.9},
+    {"temperature": 0.005, "top_k": 3},  # below the greedy cut: truncation settings must be ignored
+    {"temperature": 1.5, "top_k": 20, "min_p": 0.05},
+]
+
+
+def random_rows(rng: np.random.Generator, n: int) -> list[dict]:
+    """Cycle through ROW_KINDS with jittered values and random seeds."""
+    rows = []
+    for i in range(n):
+        row = dict(ROW_KINDS[i % len(ROW_KINDS)])
+        for key in ("top_p", "min_p", "typical"):
+            if key in row:
+                row[key] = float(np.clip(row[key] * rng.uniform(0.8, 1.05), 0.01, 0.99))
+        if row.get("top_k", 0) > 0:
+            row["top_k"] = int(rng.integers(1, row["top_k"] + 1))
+        row["seed"] = int(rng.integers(0, 2**32))
+        rows.append(row)
+    return rows
+
+
+def random_batch(seed: int, rows: list[dict] | None = None, s: int = S, v: int = V, r: int = R, b: int = B):
+    rng = np.random.default_rng(seed)
+    rows = random_rows(rng, s) if rows is None else rows
+    logits = (rng.standard_normal((s, v)) * 3.0).astype(np.float32)
+    history = rng.integers(0, v, size=(s, r)).astype(np.int32)
+    # Make repeats likely (frequency counts > 1) and pad a random tail with -1.
+    history[:, : r // 2] = rng.integers(0, 16, size=(s, r // 2))
+    for i in range(s):
+        history[i, rng.integers(r // 2, r + 1) :] = -1
+    bias_ids = rng.integers(-1, v, size=(s, b)).astype(np.int32)
+    bias_values = rng.normal(0.0, 2.0, size=(s, b)).astype(np.float32)
+    bias_values[rng.random((s, b)) < 0.25] = -np.inf
+    return logits, rows, history, bias_ids, bias_values
+
+
+def run_sample(logits, rows, history, bias_ids, bias_values, positions, k: int = K) -> SampleOutput:
+    out = _sample(
+        jnp.asarray(logits),
+        SamplingParams.make(rows),
+        positions=jnp.asarray(positions, jnp.int32),
+        history=jnp.asarray(history),
+        bias_ids=jnp.asarray(bias_ids),
+        bias_values=jnp.asarray(bias_values),
+        return_top_k=k,
+    )
+    return jax.tree.map(np.asarray, out)
+
+
+def run_processed(logits, rows, history, bias_ids, bias_values) -> np.ndarray:
+    return np.asarray(
+        _processed(
+            jnp.asarray(logits),
+            SamplingParams.make(rows),
+            history=jnp.asarray(history),
+            bias_ids=jnp.asarray(bias_ids),
+            bias_values=jnp.asarray(bias_values),
+        )
+    )
+
+
+def ref_batch(logits, rows, history, bias_ids, bias_values) -> tuple[np.ndarray, np.ndarray]:
+    """([S, V] reference log-distributions, bool [S] ambiguous rows)."""
+    res = [ref_final(logits[i], rows[i], history[i], bias_ids[i], bias_values[i]) for i in range(len(rows))]
+    return np.stack([r[0] for r in res]), np.array([r[1] for r in res])
+
+
+def assert_same_distribution(got: np.ndarray, want: np.ndarray, ambiguous: np.ndarray, rows: list[dict]) -> None:
+    assert ambiguous.sum() <= 4, "too many near-threshold rows for the test to mean much"
+    for i in np.flatnonzero(~ambiguous):
+        np.testing.assert_array_equal(np.isfinite(got[i]), np.isfinite(want[i]), err_msg=f"row {i} keep set {rows[i]}")
+        finite = np.isfinite(want[i])
+        np.testing.assert_allclose(got[i][finite], want[i][finite], atol=2e-4, err_msg=f"row {i} {rows[i]}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_make_defaults_and_validation() -> None:
+    p = SamplingParams.make(3)
+    assert all(getattr(p, f).shape == (3,) for f in NEUTRAL)
+    assert p.top_k.dtype == np.int32 and p.seed.dtype == np.uint32 and p.temperature.dtype == np.float32
+    assert np.all(np.asarray(p.greedy))
+    p = SamplingParams.make([{"top_k": 3}, {"temperature": 0.5, "seed": -1}], temperature=1.0, top_p=0.9)
+    np.testing.assert_array_equal(p.top_k, [3, 0])
+    np.testing.assert_allclose(p.temperature, [1.0, 0.5])
+    np.testing.assert_allclose(p.top_p, [0.9, 0.9])
+    assert p.seed[1] == 0xFFFFFFFF
+    np.testing.assert_array_equal(np.asarray(p.greedy), [False, False])
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.make([{"topk": 3}])
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.make(2, temprature=1.0)
+
+
+def test_penalties_hand_computed() -> None:
+    logits = jnp.asarray([[2.0, -1.0, 3.0, -0.5, 1.0, 0.0]] * 4, jnp.float32)
+    history = jnp.asarray([[0, 1, 1, 2, 2, 2, -1, -1]] * 4, jnp.int32)
+    params = SamplingParams.make(
+        [
+            {"repetition_penalty": 2.0},
+            {"frequency_penalty": 0.5},
+            {"presence_penalty": 0.25},
+            {"repetition_penalty": 1.5, "frequency_penalty": 0.1, "presence_penalty": 1.0},
+        ]
+    )
+    got = np.asarray(apply_penalties(logits, params, history))
+    want = np.array(
+        [
+            [1.0, -2.0, 1.5, -0.5, 1.0, 0.0],  # positive divided, negative multiplied; absent tokens untouched
+            [1.5, -2.0, 1.5, -0.5, 1.0, 0.0],  # minus 0.5 per occurrence
+            [1.75, -1.25, 2.75, -0.5, 1.0, 0.0],  # minus 0.25 once per distinct token
+            [2 / 1.5 - 1.1, -1.5 - 1.2, 2.0 - 1.3, -0.5, 1.0, 0.0],
+        ]
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # "No history": an all-padding history and an empty [S, 0] history are both neutral.
+    for empty in (jnp.full((4, 3), -1, jnp.int32), jnp.zeros((4, 0), jnp.int32)):
+        np.testing.assert_array_equal(np.asarray(apply_penalties(logits, params, empty)), np.asarray(logits))
+
+
+def test_sparse_bias() -> None:
+    logits = jnp.zeros((2, 5), jnp.float32)
+    ids = jnp.asarray([[1, 1, -1, 4], [0, -1, -1, -1]], jnp.int32)
+    vals = jnp.asarray([[0.5, 0.25, 9.0, -jnp.inf], [-2.0, 7.0, 7.0, 7.0]], jnp.float32)
+    got = np.asarray(apply_bias(logits, ids, vals))
+    np.testing.assert_array_equal(got, [[0, 0.75, 0, 0, -np.inf], [-2.0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(np.asarray(apply_bias(logits, ids[:, :0], vals[:, :0])), np.zeros((2, 5)))
+
+
+def test_greedy_is_argmax_after_penalties_and_bias() -> None:
+    rng = np.random.default_rng(1)
+    rows = []
+    for i in range(S):
+        penalties = rng.uniform([1.0, 0.0, 0.0], [2.0, 1.0, 1.0])
+        rows.append({
+            "repetition_penalty": float(penalties[0]),
+            "frequency_penalty": float(penalties[1]),
+            "presence_penalty": float(penalties[2]),
+            "temperature": [0.0, -1.0, 0.009][i % 3],  # all below the greedy cut
+            "top_k": i % 4,  # truncation settings must not affect greedy rows
+        })
+    logits, rows, history, bias_ids, bias_values = random_batch(2, rows)
+    # Penalise / ban the raw argmax of every row so the greedy choice must move.
+    history[:, 0] = np.argmax(logits, axis=-1)
+    bias_ids[:, 0] = np.argsort(-logits, axis=-1)[:, 1]
+    bias_values[:, 0] = -np.inf
+    out = run_sample(logits, rows, history, bias_ids, bias_values, positions=np.arange(S))
+    for i in range(S):
+        adj = ref_adjusted(logits[i], rows[i], history[i], bias_ids[i], bias_values[i])
+        assert out.token[i] == np.argmax(adj)
+        # Greedy rows report log_softmax of the processed logits at temperature 1.
+        np.testing.assert_allclose(out.logprob[i], np.log(_softmax(adj)[out.token[i]]), atol=1e-4)
+    assert np.mean(out.token != np.argmax(logits, axis=-1)) > 0.5
+
+
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_processed_distribution_matches_reference(seed: int) -> None:
+    batch = random_batch(seed)
+    got = run_processed(*batch)
+    want, ambiguous = ref_batch(*batch)
+    assert_same_distribution(got, want, ambiguous, batch[1])
+    kept = np.isfinite(want).sum(-1)
+    # Sanity of the data: the mix really contains truncated and untruncated rows.
+    assert kept.min() < 10 and kept.max() > 100
+
+
+@pytest.mark.parametrize("field", ["top_p", "min_p", "typical", "top_k"])
+def test_single_filter_keep_sets(field: str) -> None:
+    rng = np.random.default_rng({"top_p": 21, "min_p": 22, "typical": 23, "top_k": 24}[field])
+    values = {
+        "top_p": lambda: float(rng.uniform(0.05, 0.99)),
+        "min_p": lambda: float(rng.uniform(0.001, 0.5)),
+        "typical": lambda: float(rng.uniform(0.05, 0.99)),
+        "top_k": lambda: int(rng.integers(1, V + 50)),
+    }[field]
+    rows = [{"temperature": float(rng.uniform(0.3, 2.0)), field: values(), "seed": i} for i in range(S)]
+    logits, rows, history, bias_ids, bias_values = random_batch(20, rows)
+    history[:] = -1
+    bias_ids[:] = -1
+    got = run_processed(logits, rows, history, bias_ids, bias_values)
+    want, ambiguous = ref_batch(logits, rows, history, bias_ids, bias_values)
+    assert_same_distribution(got, want, ambiguous, rows)
+    assert len(set(np.isfinite(want).sum(-1).tolist())) > S // 4  # many different keep-set sizes
+
+
+def test_top_k_never_outside_top_k() -> None:
+    rng = np.random.default_rng(30)
+    rows = [{"temperature": 3.0, "top_k": int(rng.integers(1, 9)), "seed": 7 * i} for i in range(S)]
+    logits, rows, history, bias_ids, bias_values = random_batch(31, rows)
+    history[:] = -1
+    bias_ids[:] = -1
+    allowed = [set(np.argsort(-logits[i])[: rows[i]["top_k"]].tolist()) for i in range(S)]
+    seen = [set() for _ in range(S)]
+    for call in range(12):
+        out = run_sample(logits, rows, history, bias_ids, bias_values, positions=np.full(S, 1000 + call))
+        for i in range(S):
+            assert out.token[i] in allowed[i]
+            seen[i].add(int(out.token[i]))
+    # At temperature 3 the draws are spread: rows with k >= 4 see more than one token.
+    assert all(len(seen[i]) > 1 for i in range(S) if rows[i]["top_k"] >= 4)
+
+
+def test_empirical_frequencies_match_reference() -> None:
+    """Chi-square and total variation of 16384 draws per setting against the reference (deterministic seeds)."""
+    rng = np.random.default_rng(40)
+    configs = [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_k": 6},
+        {"temperature": 1.3, "top_p": 0.8},
+        {"temperature": 1.0, "typical": 0.7, "min_p": 0.02},
+    ]
+    s, v, calls = 4096, 32, 16  # a separate small-vocab shape: many rows per call keeps the call count low
+    base = np.full((len(configs), v), -np.inf, np.float32)
+    for c in range(len(configs)):
+        support = rng.choice(v, size=12, replace=False)
+        base[c, support] = rng.normal(0.0, 1.0, size=12)
+    per = s // len(configs)
+    rows = [{**configs[i // per], "seed": 1000 + i} for i in range(s)]
+    logits = np.repeat(base, per, axis=0)
+    empty = np.zeros((s, 0), np.int32)  # also exercises R = 0 and B = 0
+    counts = np.zeros((len(configs), v))
+    for pos in range(calls):
+        out = run_sample(logits, rows, empty, empty, empty.astype(np.float32), positions=np.full(s, pos), k=0)
+        np.add.at(counts, (np.arange(s) // per, out.token), 1)
+    n = per * calls
+    for c, st in enumerate(configs):
+        p = np.exp(ref_final(base[c], st, empty[0], empty[0], empty[0])[0])
+        assert counts[c][p == 0].sum() == 0, f"config {st} drew outside the support"
+        support = p > 0
+        chi2 = np.sum((counts[c][support] - n * p[support]) ** 2 / (n * p[support]))
+        df = support.sum() - 1
+        # ~5 sigma of the chi2(df) null; a 15% temperature error gives a statistic several times larger.
+        assert chi2 < df + 5 * np.sqrt(2 * df), f"config {st}: chi2 {chi2:.1f} with df {df}"
+        assert 0.5 * np.abs(counts[c] / n - p).sum() < 0.02
+
+
+def test_seed_invariance_across_batch_composition() -> None:
+    rng = np.random.default_rng(50)
+    logits, rows, history, bias_ids, bias_values = random_batch(51)
+    # 8 sampling rows of interest; 4 of them share a seed but differ in position.
+    mine = [i for i in range(S) if rows[i].get("temperature", 0) >= 0.01][:8]
+    for j in mine[:4]:
+        rows[j]["seed"] = 123
+    positions = rng.integers(0, 4096, size=S)
+    big = run_sample(logits, rows, history, bias_ids, bias_values, positions)
+    # Same rows at shuffled indices inside a new 64-row batch of unrelated rows.
+    other = random_batch(52)
+    slots = rng.choice(S, size=8, replace=False)
+    mixed = [np.array(x, copy=True) for x in (other[0], other[2], other[3], other[4])]
+    mixed_rows = list(other[1])
+    mixed_pos = rng.integers(0, 4096, size=S)
+    for slot, j in zip(slots, mine, strict=True):
+        for arr, src in zip(mixed, (logits, history, bias_ids, bias_values), strict=True):
+            arr[slot] = src[j]
+        mixed_rows[slot] = rows[j]
+        mixed_pos[slot] = positions[j]
+    out_mixed = run_sample(mixed[0], mixed_rows, mixed[1], mixed[2], mixed[3], mixed_pos)
+    # And alone in a batch of 8 (a different batch size).
+    perm = rng.permutation(8)
+    sel = [mine[p] for p in perm]
+    small = run_sample(logits[sel], [rows[j] for j in sel], history[sel], bias_ids[sel], bias_values[sel],
+                       positions[sel])  # fmt: skip
+    for slot, j in zip(slots, mine, strict=True):
+        assert out_mixed.token[slot] == big.token[j]
+        np.testing.assert_allclose(out_mixed.logprob[slot], big.logprob[j], atol=1e-5)
+    np.testing.assert_array_equal(small.token, big.token[sel])
+    # The position really changes the draw: the same seed and row over many positions gives several tokens.
+    j = mine[1]
+    tiled = [np.repeat(x[j : j + 1], S, 0) for x in (logits, history, bias_ids, bias_values)]
+    rep = run_sample(tiled[0], [rows[j]] * S, tiled[1], tiled[2], tiled[3], np.arange(S))
+    assert len(set(rep.token.tolist())) > 1
+
+
+def test_banned_ids_never_drawn() -> None:
+    rng = np.random.default_rng(60)
+    rows = [{"temperature": float(rng.uniform(0.5, 4.0)), "seed": i} for i in range(S)]
+    rows[0]["temperature"] = 0.0  # greedy rows must also avoid them
+    logits, rows, history, bias_ids, bias_values = random_batch(61, rows)
+    history[:] = -1
+    # Ban the 8 most likely tokens of every row.
+    bias_ids[:] = np.argsort(-logits, axis=-1)[:, :B]
+    bias_values[:] = -np.inf
+    banned = [set(bias_ids[i].tolist()) for i in range(S)]
+    for call in range(10):
+        out = run_sample(logits, rows, history, bias_ids, bias_values, positions=np.full(S, call))
+        assert all(out.token[i] not in banned[i] for i in range(S))
+        assert np.all(np.isfinite(out.logprob))
+        assert all(not (set(out.top_ids[i].tolist()) & banned[i]) for i in range(S))
+
+
+def test_logprob_and_top_k_outputs_consistent() -> None:
+    batch = random_batch(70)
+    rows = batch[1]
+    out = run_sample(*batch, positions=np.arange(S) * 3)
+    want, ambiguous = ref_batch(*batch)
+    assert ambiguous.sum() <= 4
+    assert out.top_ids.shape == (S, K) and out.top_logprobs.shape == (S, K)
+    assert out.token.dtype == np.int32 and out.top_ids.dtype == np.int32
+    for i in np.flatnonzero(~ambiguous):
+        assert np.isfinite(want[i][out.token[i]]), f"row {i} drew a token outside the kept set"
+        np.testing.assert_allclose(out.logprob[i], want[i][out.token[i]], atol=2e-4)
+        assert out.top_ids[i, 0] == np.argmax(want[i])
+        assert np.all(out.top_logprobs[i][:-1] >= out.top_logprobs[i][1:])
+        np.testing.assert_allclose(out.top_logprobs[i], want[i][out.top_ids[i]], atol=2e-4)
+        if not rows[i].get("temperature", 0) >= 0.01:
+            assert out.token[i] == out.top_ids[i, 0]
+    # return_top_k=0 gives empty [S, 0] arrays and the same tokens.
+    out0 = run_sample(*batch, positions=np.arange(S) * 3, k=0)
+    assert out0.top_ids.shape == (S, 0) and out0.top_logprobs.shape == (S, 0)
+    np.testing.assert_array_equal(out0.token, out.token)
+
+
+def test_all_greedy_batch_and_empty_history_and_bias() -> None:
+    rng = np.random.default_rng(80)
+    logits = rng.standard_normal((4, 64)).astype(np.float32)
+    out = _sample(jnp.asarray(logits), SamplingParams.make(4), positions=jnp.zeros(4, jnp.int32),
+                  history=jnp.zeros((4, 0), jnp.int32), bias_ids=jnp.zeros((4, 0), jnp.int32),
+                  bias_values=jnp.zeros((4, 0), jnp.float32), return_top_k=2)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.token), np.argmax(logits, -1))
+    ls = logits - logits.max(-1, keepdims=True)
+    ls = ls - np.log(np.exp(ls).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(out.logprob), ls.max(-1), atol=1e-5)
+
+
+def test_large_vocab_batch() -> None:
+    """V = 49152, S = 64: compiles, runs and stays within a few [S, V] buffers (no [S, V, V])."""
+    s, v = 64, 49152
+    logits, rows, history, bias_ids, bias_values = random_batch(90, s=s, v=v, r=64, b=4)
+    args: dict[str, Any] = dict(
+        positions=jnp.arange(s, dtype=jnp.int32), history=jnp.asarray(history), bias_ids=jnp.asarray(bias_ids),
+        bias_values=jnp.asarray(bias_values),
+    )  # fmt: skip
+    params = SamplingParams.make(rows)
+    compiled = _sample.lower(jnp.asarray(logits), params, **args, return_top_k=4).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None and getattr(mem, "temp_size_in_bytes", 0):
+        assert mem.temp_size_in_bytes < 64 * s * v * 4  # generous; an [S, V, V] tensor would be ~V/64 times more
+    out = jax.tree.map(np.asarray, compiled(jnp.asarray(logits), params, **args))
+    for i in (0, 1, 2, 3, 4, 5, 6):  # one row of each of the first ROW_KINDS
+        want, ambiguous = ref_final(logits[i], rows[i], history[i], bias_ids[i], bias_values[i])
+        if ambiguous:
+            continue
+        assert np.isfinite(want[out.token[i]])
+        np.testing.assert_allclose(out.logprob[i], want[out.token[i]], atol=2e-4)
+        assert out.top_ids[i, 0] == np.argmax(want)

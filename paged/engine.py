@@ -1,0 +1,134 @@
+"""`Engine`: the host-side owner of the device state. It pads a list of `RowInput`s to a bucket, runs the jitted
+step, and returns host results. The scheduler and generator sit on top of it; it holds no job logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from models.loader import DTYPES, Model
+from paged.batch import RowInput, build_batch
+from paged.buckets import BucketSpec
+from paged.state import BatchShape, EngineState
+from paged.step import ATTN_IMPLS, decode_steps, step
+
+
+def enable_compilation_cache(path: str | os.PathLike) -> None:
+    """Persist compiled steps under `path`, so a second start skips compilation."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host copy of one step's results, indexed by input row (not by batch slot)."""
+
+    token: np.ndarray  # [n] int32
+    logprob: np.ndarray  # [n] float32
+    top_ids: np.ndarray  # [n, K]
+    top_logprobs: np.ndarray  # [n, K]
+    logits: np.ndarray | None  # [n, V]
+    shape: BatchShape
+    seconds: float
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        *,
+        num_pages: int = 512,
+        page_size: int = 64,
+        max_batch_size: int = 16,
+        max_chunk_size: int = 256,
+        max_seq_len: int = 2048,
+        max_prefill_rows: int = 2,
+        cache_dtype: str = "float32",
+        attn_impl: str = "xla",
+        compilation_cache_dir: str | os.PathLike | None = None,
+    ):
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl {attn_impl!r} is not one of {ATTN_IMPLS}")
+        if cache_dtype not in DTYPES:
+            raise ValueError(f"cache_dtype {cache_dtype!r} is not one of {tuple(DTYPES)}")
+        if max_seq_len < 1 or max_chunk_size < 1 or max_batch_size < 1:
+            raise ValueError("max_seq_len, max_chunk_size and max_batch_size must be positive")
+        if compilation_cache_dir is not None:
+            enable_compilation_cache(compilation_cache_dir)
+        self.model = model
+        self.cfg = model.config
+        self.page_size = page_size
+        self.max_seq_len = max_seq_len
+        self.attn_impl = attn_impl
+        self.state = EngineState.create(self.cfg, num_pages, page_size, DTYPES[cache_dtype])
+        self.spec = BucketSpec(
+            max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
+            max_pages_per_row=-(-max_seq_len // page_size), max_prefill_rows=max_prefill_rows, page_size=page_size,
+        )
+        self.steps = 0
+        self.tokens_processed = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.state.num_pages
+
+    def shape_for(self, rows: Sequence[RowInput]) -> BatchShape:
+        pages = max(-(-(r.start_pos + len(r.tokens)) // self.page_size) for r in rows)
+        hist = max((len(r.history) for r in rows), default=0)
+        return self.spec.shape_for(
+            [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
+        )
+
+    def run(
+        self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1
+    ) -> StepOutput:
+        """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`."""
+        shape = self.shape_for(rows)
+        if num_steps > 1:
+            last = max(r.start_pos + num_steps for r in rows)
+            shape = dataclasses.replace(shape, pages_per_row=max(
+                shape.pages_per_row, self.spec.shape_for([], len(rows), -(-last // self.page_size), 0).pages_per_row))
+        batch, slots = build_batch(rows, shape, self.page_size)
+        t0 = time.perf_counter()
+        kw = dict(cfg=self.cfg, shape=shape, return_top_k=return_top_k, return_logits=return_logits,
+                  attn_impl=self.attn_impl)
+        if num_steps > 1:
+            self.state, res = decode_steps(self.model.params, self.state, batch, num_steps=num_steps, **kw)
+        else:
+            self.state, res = step(self.model.params, self.state, batch, **kw)
+        res = jax.device_get(res)  # the one host sync of the step
+        dt = time.perf_counter() - t0
+        self.steps += num_steps
+        self.tokens_processed += sum(len(r.tokens) for r in rows) if num_steps == 1 else num_steps * len(rows)
+        idx = np.asarray(slots)
+        pick = (lambda a: a[idx]) if num_steps == 1 else (lambda a: a[:, idx])  # results are [S] or [n, S]
+        return StepOutput(
+            token=pick(res.token), logprob=pick(res.logprob), top_ids=pick(res.top_ids),
+            top_logprobs=pick(res.top_logprobs), logits=None if res.logits is None else pick(res.logits),
+            shape=shape, seconds=dt,
+        )
+
+    def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False) -> int:
+        """Compile the step for every bucket (default: all of `spec.all_shapes()`); returns how many.
+
+        Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
+        shapes = list(self.spec.all_shapes() if shapes is None else shapes)
+        it = shapes
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(shapes, desc="compiling step buckets", unit="shape")
+        for shape in it:
+            batch, _ = build_batch([], shape, self.page_size)
+            self.state, res = step(self.model.params, self.state, batch, cfg=self.cfg, shape=shape,
+                                   attn_impl=self.attn_impl)
+            jax.block_until_ready(res.token)
+        return len(shapes)

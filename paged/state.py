@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.paged_attention import PrefillDecodeLayout
 from paged.sampling import SamplingParams
+from pallas_kernels.paged_attention import PrefillDecodeLayout
 
 NULL_PAGE = 0
 

@@ -66,6 +66,7 @@ class Engine:
         self.model = model
         self.cfg = model.config
         self.page_size = page_size
+        self.vocab_size = self.cfg.vocab_size
         self.max_seq_len = max_seq_len
         self.attn_impl = attn_impl
         self.state = EngineState.create(self.cfg, num_pages, page_size, DTYPES[cache_dtype])
@@ -83,9 +84,11 @@ class Engine:
     def shape_for(self, rows: Sequence[RowInput]) -> BatchShape:
         pages = max(-(-(r.start_pos + len(r.tokens)) // self.page_size) for r in rows)
         hist = max((len(r.history) for r in rows), default=0)
-        return self.spec.shape_for(
+        shape = self.spec.shape_for(
             [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
         )
+        bias = max((len(r.bias) for r in rows if r.bias), default=0)
+        return dataclasses.replace(shape, num_bias=1 << (bias - 1).bit_length()) if bias else shape
 
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1

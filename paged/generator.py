@@ -1,0 +1,425 @@
+"""`DynamicGenerator`: the thin host loop. Each `iterate()` admits jobs (policy), plans one ragged step of prefill
+chunks and decode rows, runs it on the engine, and turns the sampled tokens into streamed result dicts.
+
+The device work is one call to `engine.run`; everything here is bookkeeping on Python ints. Any object with the
+`Engine` interface (`page_size`, `num_pages`, `max_seq_len`, `spec`, `run(rows, ...)`, `warmup()`) can stand in
+for the engine, which is how the scheduler is tested with a hand-checkable fake model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from paged.batch import RowInput
+from paged.errors import InvalidJobError, JobTooLargeError
+from paged.job import Job
+from paged.page_pool import PagePool, chain_hashes
+from paged.policy import Policy, make_policy
+from paged.settings import SamplingSettings
+from paged.streaming import TextStream
+
+
+def _pow2(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+class DynamicGenerator:
+    def __init__(
+        self,
+        model: Any = None,
+        tokenizer: Any = None,
+        *,
+        num_pages: int | None = None,
+        page_size: int = 64,
+        max_batch_size: int = 16,
+        max_chunk_size: int = 256,
+        max_seq_len: int | None = None,
+        max_prefill_rows: int = 1,
+        policy: str | Policy = "exllamav2",
+        cache_dtype: str = "float32",
+        attn_impl: str = "xla",
+        compilation_cache_dir: str | os.PathLike | None = None,
+        engine: Any = None,
+    ):
+        """model: a `models.Model`; tokenizer: None -> model.tokenizer. num_pages: KV-cache pages (page 0 is
+        reserved), default enough for max_batch_size sequences of max_seq_len. engine: an Engine-like object to use
+        instead of building one (tests)."""
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        if engine is None:
+            if model is None:
+                raise ValueError("DynamicGenerator needs a model (or an engine)")
+            from paged.engine import Engine
+
+            if max_seq_len is None:
+                max_seq_len = min(model.config.max_position_embeddings, 2048)
+            if num_pages is None:
+                num_pages = 1 + max_batch_size * -(-max_seq_len // page_size)
+            engine = Engine(model, num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
+                            max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
+                            max_prefill_rows=max_prefill_rows, cache_dtype=cache_dtype, attn_impl=attn_impl,
+                            compilation_cache_dir=compilation_cache_dir)
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+        self.page_size = engine.page_size
+        self.max_seq_len = engine.max_seq_len
+        self.max_batch_size = engine.spec.max_batch_size
+        self.max_chunk_size = engine.spec.max_chunk_size
+        self.max_prefill_rows = engine.spec.max_prefill_rows
+        self.pool = PagePool(engine.num_pages, self.page_size)
+        self.policy = make_policy(policy)
+        self.pending: list[Job] = []
+        self.active: list[Job] = []
+        self._stash: list[dict] = []  # results of other callers' jobs seen inside generate()
+        self._serial = 0
+        self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self.lock = threading.RLock()
+        self.steps = 0
+        self.tokens_prefilled = 0
+        self.tokens_generated = 0
+        self.jobs_completed = 0
+
+    # ------------------------------------------------------------------ queue
+    def num_remaining_jobs(self) -> int:
+        """Jobs pending or active, plus finished jobs whose final result `iterate()` has not handed out yet."""
+        return len(self.pending) + len(self.active) + sum(1 for r in self._stash if r["eos"])
+
+    def enqueue(self, job: Job | Sequence[Job]) -> int | list[int]:
+        """Queue a job (or a list of jobs); returns its serial (or serials). Raises before changing anything if a
+        job is invalid or can never fit."""
+        if isinstance(job, (list, tuple)):
+            for j in job:
+                self._validate(j)
+            return [self.enqueue(j) for j in job]
+        with self.lock:
+            self._validate(job)
+            self._serial += 1
+            job.mark_enqueued(self._serial)
+            if job.seed is None:
+                job.seed = self._rng.getrandbits(32)
+            job.stream = TextStream(self._token_bytes(job), job.stop_strings)
+            self.pending.append(job)
+            return job.serial
+
+    def _validate(self, job: Job) -> None:
+        if not isinstance(job, Job):
+            raise InvalidJobError(f"enqueue() takes Job objects, got {type(job).__name__}")
+        if job.serial is not None:
+            raise InvalidJobError(f"{job!r} was already enqueued; create a new Job")
+        bad = [t for t in job.input_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidJobError(f"input_ids contain ids >= vocab size {self.vocab_size}: {bad[:5]}")
+        bad = [t for t in job.stop_tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidJobError(f"stop token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
+        if job.stop_strings and self.tokenizer is None:
+            raise InvalidJobError("stop strings need a tokenizer; pass tokenizer= to the generator")
+        if job.total_len > self.max_seq_len:
+            raise JobTooLargeError(
+                f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
+                f"max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens or raise max_seq_len")
+        need = -(-job.total_len // self.page_size)
+        if need > self.pool.num_pages:
+            raise JobTooLargeError(
+                f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
+                "raise num_pages or lower max_new_tokens")
+
+    def _token_bytes(self, job: Job):
+        tok = self.tokenizer
+        if tok is None:
+            return lambda t: b""
+        special = getattr(tok, "special_token_ids", frozenset())
+        keep = job.decode_special_tokens
+        return lambda t: b"" if (t in special and not keep) else tok.token_bytes(t)
+
+    def cancel(self, job: Job) -> None:
+        """Remove a pending or active job; its pages are released. No result is emitted. No-op if finished."""
+        with self.lock:
+            if job in self.pending:
+                self.pending.remove(job)
+            elif job in self.active:
+                self._retire(job)
+
+    def clear_queue(self) -> None:
+        with self.lock:
+            for job in list(self.active):
+                self._retire(job)
+            self.pending.clear()
+            self._stash.clear()
+
+    def _retire(self, job: Job) -> None:
+        self.active.remove(job)
+        self.pool.release(job.pages)
+        job.pages = []
+
+    # ------------------------------------------------------------------ admission
+    def _prefix(self, job: Job) -> tuple[list[bytes], list[tuple[int, ...]]]:
+        n = (job.prompt_len - 1) // self.page_size  # the last prompt token always runs (it samples)
+        ps = self.page_size
+        toks = [tuple(job.input_ids[i * ps : (i + 1) * ps]) for i in range(n)]
+        return chain_hashes(job.input_ids, ps, n), toks
+
+    def _admit(self, results: list[dict]) -> None:
+        def fits(job: Job) -> bool:
+            if len(self.active) >= self.max_batch_size:
+                return False
+            hashes, toks = self._prefix(job)
+            return self.pool.pages_needed(hashes, toks, -(-job.total_len // self.page_size)) <= self.pool.available
+
+        def start(job: Job) -> None:
+            hashes, toks = self._prefix(job)
+            job.pages, complete = self.pool.allocate(hashes, toks, -(-job.total_len // self.page_size))
+            job.page_hashes = hashes
+            job.kv_position = job.cached_tokens = complete * self.page_size
+            self.pending.remove(job)
+            self.active.append(job)
+            results.append(self._base(job, "started"))
+
+        if self.pending and len(self.active) < self.max_batch_size:
+            self.policy.admit(list(self.pending), fits, start)
+
+    # ------------------------------------------------------------------ stepping
+    def _skip_complete_pages(self, job: Job) -> None:
+        """Advance over pages another job has finished writing since (shared prefix pages)."""
+        ps = self.page_size
+        while job.kv_position % ps == 0 and job.kv_position + ps <= len(job.sequence) - 1:
+            page = self.pool.pages[job.pages[job.kv_position // ps]]
+            if page.filled < ps:
+                break
+            job.kv_position += ps
+            job.cached_tokens = max(job.cached_tokens, job.kv_position)
+
+    def _row(self, job: Job, tokens: list[int], sample: bool) -> RowInput:
+        s = job.gen_settings
+        bias = s.bias()
+        if job.new_tokens < job.min_new_tokens:
+            bias.update({t: -math.inf for t in job.stop_tokens})
+        history = job.sequence[max(0, job.kv_position + len(tokens) - s.penalty_range) : job.kv_position
+                               + len(tokens)] if s.uses_penalties else ()
+        return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
+                        sampling=s.device_row(job.seed), history=history, bias=bias)
+
+    def _plan(self) -> tuple[list[RowInput], list[Job]]:
+        rows, owners = [], []
+        prefill_rows = 0
+        budget = self.max_chunk_size
+        for job in self.active:
+            self._skip_complete_pages(job)
+            remaining = len(job.sequence) - job.kv_position
+            if remaining == 1:
+                rows.append(self._row(job, [job.sequence[-1]], True))
+            else:
+                if prefill_rows >= self.max_prefill_rows or budget <= 0:
+                    continue  # waits for a later step
+                n = min(remaining, budget)
+                # stop before a page that is complete already (being shared): it is skipped next step
+                ps = self.page_size
+                end = job.kv_position + n
+                for p in range(-(-job.kv_position // ps), -(-end // ps)):
+                    if p * ps > job.kv_position and self.pool.pages[job.pages[p]].filled == ps and p * ps < end:
+                        end = p * ps
+                        break
+                n = end - job.kv_position  # a 1-token chunk rides in a decode slot, without sampling
+                prefill_rows += n > 1
+                budget -= n
+                rows.append(self._row(job, job.sequence[job.kv_position : end], end == len(job.sequence)))
+            owners.append(job)
+        return rows, owners
+
+    def iterate(self) -> list[dict]:
+        """Run one step; return the result dicts it produced (possibly none)."""
+        with self.lock:
+            results: list[dict] = self._stash
+            self._stash = []
+            self._admit(results)
+            rows, owners = self._plan()
+            if not rows:
+                return results
+            top_k = _pow2(max((j.return_top_tokens for j in owners), default=0))
+            want_logits = any(j.return_logits for j in owners)
+            out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits)
+            self.steps += 1
+            now = time.perf_counter()
+            for i, (row, job) in enumerate(zip(rows, owners)):
+                n = len(row.tokens)
+                if job.time_first_prefill is None:
+                    job.time_first_prefill = now - out.seconds
+                job.kv_position += n
+                self._mark_written(job, n)
+                if not row.sample:
+                    self.tokens_prefilled += n
+                    results.append({**self._base(job, "prefill"), "curr_progress": job.kv_position,
+                                    "max_progress": job.prompt_len})
+                    continue
+                if n > 1:
+                    self.tokens_prefilled += n
+                extras = {}
+                if job.return_probs:
+                    extras["token_probs"] = float(np.exp(out.logprob[i]))
+                if job.return_top_tokens:
+                    k = job.return_top_tokens
+                    extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
+                    extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
+                if job.return_logits:
+                    extras["logits"] = out.logits[i]
+                results.append(self._receive(job, int(out.token[i]), extras, now))
+            return results
+
+    def _mark_written(self, job: Job, n: int) -> None:
+        ps = self.page_size
+        kv = job.kv_position
+        for p in range((kv - n) // ps, -(-kv // ps)):
+            self.pool.mark_filled(job.pages[p], kv - p * ps)
+        # hash pages completed beyond the prompt prefix (generated text and the prompt's tail) for reuse
+        while (len(job.page_hashes) + 1) * ps <= kv:
+            p = len(job.page_hashes)
+            prev = job.page_hashes[-1] if job.page_hashes else b""
+            toks = tuple(job.sequence[p * ps : (p + 1) * ps])
+            h = chain_hashes(toks, ps, 1, prev)[0]
+            self.pool.register(job.pages[p], h, prev, toks)
+            job.page_hashes.append(h)
+
+    # ------------------------------------------------------------------ results
+    def _base(self, job: Job, stage: str) -> dict:
+        return {"job": job, "stage": stage, "eos": False, "serial": job.serial, "identifier": job.identifier}
+
+    def _receive(self, job: Job, token: int, extras: dict, now: float) -> dict:
+        job.sequence.append(token)
+        job.new_tokens += 1
+        self.tokens_generated += 1
+        if job.time_first_token is None:
+            job.time_first_token = now
+        job.time_last_token = now
+        job.pending_extras.append(extras)
+        r = self._base(job, "streaming")
+        reason = None
+        if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
+            reason = "stop_token"
+            text, toks = job.stream.flush()  # the stop token's own piece is not part of the completion
+            job.pending_extras.pop()
+            r.update(eos_triggering_token_id=token,
+                     eos_triggering_token_str=self._piece(token))
+            held = {"text": "", "token_ids": [token]}
+        else:
+            text, toks = job.stream.feed(token)
+            if job.stream.stopped is not None:
+                reason = "stop_string"
+                r["eos_triggering_string"] = job.stream.stopped
+                held = {"text": job.stream.held_text, "token_ids": []}
+            elif job.new_tokens >= job.max_new_tokens:
+                reason = "max_new_tokens"
+                more_text, more = job.stream.flush()
+                text, toks = text + more_text, toks + more
+                held = {"text": "", "token_ids": []}
+        released = job.pending_extras[: len(toks)]
+        job.pending_extras = job.pending_extras[len(toks):]
+        job.full_completion += text
+        r["text"] = text
+        r["token_ids"] = toks
+        for key in ("token_probs", "top_k_tokens", "top_k_probs", "logits"):
+            if released and key in released[0]:
+                vals = [e[key] for e in released]
+                r[key] = np.stack(vals) if key == "logits" else vals
+        if reason is not None:
+            r.update(
+                eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
+                prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens,
+                cached_pages=job.cached_tokens // self.page_size,
+                time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
+                time_prefill=job.time_first_token - (job.time_first_prefill or job.time_first_token),
+                time_generate=job.time_last_token - job.time_first_token, held=held,
+            )
+            self._retire(job)
+            self.jobs_completed += 1
+        return r
+
+    def _piece(self, token: int) -> str:
+        tok = self.tokenizer
+        return "" if tok is None else tok.token_bytes(token).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ conveniences
+    def metrics(self) -> dict:
+        pool = self.pool
+        return {
+            "pages_total": pool.num_pages, "pages_used": pool.num_referenced, "pages_cached": pool.num_cached,
+            "pages_free": pool.num_free, "prefix_queries": pool.prefix_queries, "prefix_hits": pool.prefix_hits,
+            "prefix_hit_rate": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
+            "steps": self.steps, "tokens_prefilled": self.tokens_prefilled,
+            "tokens_generated": self.tokens_generated, "jobs_completed": self.jobs_completed,
+            "jobs_pending": len(self.pending), "jobs_active": len(self.active),
+        }
+
+    def warmup(self, progress: bool = False) -> int:
+        """Compile every step bucket, then forget the prompt cache. Returns the number of buckets compiled."""
+        with self.lock:
+            n = self.engine.warmup(progress=progress)
+            self.pool.reset_cache()
+            return n
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        max_new_tokens: int,
+        *,
+        min_new_tokens: int = 0,
+        gen_settings: SamplingSettings | Sequence[SamplingSettings] | None = None,
+        stop_conditions: Sequence[int | str] | None = None,
+        seed: int | None = None,
+        completion_only: bool = True,
+        add_bos: bool = False,
+        encode_special_tokens: bool = False,
+        decode_special_tokens: bool = False,
+        abort_event: threading.Event | None = None,
+        return_last_results: bool = False,
+    ):
+        """Generate completions for one prompt (-> str) or a list (-> list[str]) through the job API. Jobs enqueued
+        by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
+        uses seed + i. With `abort_event` set, the jobs are cancelled and None is returned."""
+        if self.tokenizer is None:
+            raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        settings = gen_settings if isinstance(gen_settings, (list, tuple)) else [gen_settings] * len(prompts)
+        if len(settings) != len(prompts):
+            raise InvalidJobError(f"{len(settings)} gen_settings for {len(prompts)} prompts")
+        jobs = []
+        for i, (p, s) in enumerate(zip(prompts, settings)):
+            ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+            jobs.append(Job(ids, max_new_tokens, min_new_tokens=min_new_tokens, gen_settings=s,
+                            stop_conditions=stop_conditions, seed=None if seed is None else seed + i,
+                            decode_special_tokens=decode_special_tokens, identifier=("generate", i)))
+        self.enqueue(jobs)
+        index = {id(j): i for i, j in enumerate(jobs)}
+        texts = [""] * len(jobs)
+        last: list[dict | None] = [None] * len(jobs)
+        remaining = len(jobs)
+        while remaining:
+            if abort_event is not None and abort_event.is_set():
+                for j in jobs:
+                    self.cancel(j)
+                return None
+            mine, others = [], []
+            for r in self.iterate():
+                (mine if id(r["job"]) in index else others).append(r)
+            self._stash.extend(others)
+            for r in mine:
+                i = index[id(r["job"])]
+                texts[i] += r.get("text", "")
+                if r["eos"]:
+                    last[i] = r
+                    remaining -= 1
+            if not mine and not self.active and not self.pending:
+                break
+        if not completion_only:
+            texts = [p + t for p, t in zip(prompts, texts)]
+        out = texts[0] if single else texts
+        if return_last_results:
+            return out, (last[0] if single else last)
+        return out

@@ -1,0 +1,234 @@
+"""`PagePool`: host-side bookkeeping of KV-cache pages with reference counts, chained prefix hashes and an LRU
+prompt cache.
+
+Every page except the null page 0 is in exactly one state:
+- **referenced** (`ref_count > 0`): owned or shared by live jobs;
+- **cached** (`ref_count == 0`, complete, hashed): a finished job's page kept for prefix reuse, evicted LRU;
+- **free** (`ref_count == 0`, no hash).
+
+A page's hash is chained: `blake2b(prev_hash || its tokens)`, so it names the whole prefix up to the page's end. A
+hit is verified against the stored tokens and the stored previous hash, so a hash collision can never hand one
+sequence another's KV. Prompt pages are hashed at admission, before they are written ("pending"), so jobs admitted
+together with a shared prefix share physical pages while it is prefilled; a pending page counts as cached only
+once it is complete.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class PagePoolError(RuntimeError):
+    """The pool cannot satisfy a request (the scheduler checks availability first, so this signals a bug)."""
+
+
+@dataclasses.dataclass
+class Page:
+    index: int
+    ref_count: int = 0
+    hash: bytes | None = None
+    prev_hash: bytes = b""
+    tokens: tuple[int, ...] = ()
+    filled: int = 0  # token slots holding valid KV, from the start of the page
+    last_access: int = 0
+
+
+def chain_hashes(tokens: Sequence[int], page_size: int, num_pages: int, prev: bytes = b"") -> list[bytes]:
+    """Chained hashes of the first `num_pages` full pages of `tokens`."""
+    out = []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for i in range(num_pages):
+        prev = hashlib.blake2b(prev + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
+        self.page_size = page_size
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low indices first
+        self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self.by_hash: dict[bytes, int] = {}
+        self.clock = 0
+        self.prefix_queries = 0  # full prompt pages looked up
+        self.prefix_hits = 0  # of which found complete in the cache or a live job
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages) - 1  # usable pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_pages - self.num_free - self.num_cached
+
+    @property
+    def available(self) -> int:
+        """Pages that can be handed out now (free + cached, evicting the latter)."""
+        return self.num_free + self.num_cached
+
+    def _verified(self, h: bytes, prev: bytes, tokens: tuple[int, ...]) -> int | None:
+        idx = self.by_hash.get(h)
+        if idx is None:
+            return None
+        p = self.pages[idx]
+        return idx if p.prev_hash == prev and p.tokens == tokens else None
+
+    def match(self, hashes: Sequence[bytes], page_tokens: Sequence[tuple[int, ...]]) -> list[int]:
+        """Leading pages already registered for this prefix (complete or pending), without taking references."""
+        out, prev = [], b""
+        for h, toks in zip(hashes, page_tokens):
+            idx = self._verified(h, prev, toks)
+            if idx is None:
+                break
+            out.append(idx)
+            prev = h
+        return out
+
+    def pages_needed(self, hashes: Sequence[bytes], page_tokens: Sequence[tuple[int, ...]], total: int) -> int:
+        """How many free-or-cached pages admitting a job of `total` pages would consume."""
+        hit = self.match(hashes, page_tokens)
+        revived = sum(1 for i in hit if self.pages[i].ref_count == 0)
+        return revived + total - len(hit)
+
+    # ------------------------------------------------------------------ mutations
+    def _touch(self, p: Page) -> None:
+        self.clock += 1
+        p.last_access = self.clock
+
+    def _ref(self, idx: int) -> None:
+        p = self.pages[idx]
+        if p.ref_count == 0:
+            del self.cached[idx]  # only cached pages are referenced from ref 0 through a hash
+        p.ref_count += 1
+        self._touch(p)
+
+    def _take(self) -> int:
+        if self.free:
+            idx = self.free.pop()
+        elif self.cached:
+            idx, _ = self.cached.popitem(last=False)  # evict least recently used
+            p = self.pages[idx]
+            del self.by_hash[p.hash]
+        else:
+            raise PagePoolError("no free or cached page left")
+        p = self.pages[idx]
+        p.hash, p.prev_hash, p.tokens, p.filled = None, b"", (), 0
+        p.ref_count = 1
+        self._touch(p)
+        return idx
+
+    def allocate(
+        self, hashes: Sequence[bytes], page_tokens: Sequence[tuple[int, ...]], total: int
+    ) -> tuple[list[int], int]:
+        """Pages for a job: shared/revived pages for the hashed prefix, fresh pages (registered pending) for the
+        rest of it, fresh unhashed pages up to `total`. Returns (pages, number of leading pages already complete)."""
+        if self.pages_needed(hashes, page_tokens, total) > self.available:
+            raise PagePoolError("not enough pages; check pages_needed() before allocate()")
+        self.prefix_queries += len(hashes)
+        hit = self.match(hashes, page_tokens)
+        for idx in hit:
+            self._ref(idx)
+        complete = 0
+        while complete < len(hit) and self.pages[hit[complete]].filled == self.page_size:
+            complete += 1
+        self.prefix_hits += complete
+        pages = list(hit)
+        prev = hashes[len(hit) - 1] if hit else b""
+        for h, toks in zip(hashes[len(hit) :], page_tokens[len(hit) :]):
+            idx = self._take()
+            if h not in self.by_hash:  # register pending so concurrent jobs share it
+                p = self.pages[idx]
+                p.hash, p.prev_hash, p.tokens = h, prev, toks
+                self.by_hash[h] = idx
+            pages.append(idx)
+            prev = h
+        while len(pages) < total:
+            pages.append(self._take())
+        return pages, complete
+
+    def mark_filled(self, idx: int, filled: int) -> None:
+        p = self.pages[idx]
+        p.filled = max(p.filled, min(filled, self.page_size))
+
+    def register(self, idx: int, h: bytes, prev: bytes, tokens: tuple[int, ...]) -> None:
+        """Hash a page that has just become complete (e.g. generated text), so later jobs can reuse it."""
+        p = self.pages[idx]
+        if p.hash is not None or h in self.by_hash:
+            return  # already hashed, or an identical page is registered (keep the first)
+        p.hash, p.prev_hash, p.tokens = h, prev, tuple(tokens)
+        self.by_hash[h] = idx
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one reference to each page; complete hashed pages become cached, others free."""
+        for idx in pages:
+            p = self.pages[idx]
+            if p.ref_count <= 0:
+                raise PagePoolError(f"page {idx} released more often than referenced")
+            p.ref_count -= 1
+            if p.ref_count:
+                continue
+            if p.hash is not None and p.filled == self.page_size:
+                self.cached[idx] = None
+                self.cached.move_to_end(idx)
+            else:
+                if p.hash is not None:
+                    del self.by_hash[p.hash]
+                p.hash, p.prev_hash, p.tokens, p.filled = None, b"", (), 0
+                self.free.append(idx)
+
+    def unregister(self, idx: int) -> None:
+        """Forget a referenced page's hash (its content is about to change, e.g. on a rewind)."""
+        p = self.pages[idx]
+        if p.hash is not None and self.by_hash.get(p.hash) == idx:
+            del self.by_hash[p.hash]
+        p.hash, p.prev_hash, p.tokens = None, b"", ()
+
+    def reset_cache(self) -> None:
+        """Forget every cached page (live jobs keep theirs)."""
+        for idx in list(self.cached):
+            p = self.pages[idx]
+            del self.by_hash[p.hash]
+            p.hash, p.prev_hash, p.tokens, p.filled = None, b"", (), 0
+            self.free.append(idx)
+        self.cached.clear()
+
+    def check(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Assert the pool's invariants; with `expected_refs` (page -> count over live jobs), the exact counts."""
+        free, cached = set(self.free), set(self.cached)
+        assert len(free) == len(self.free), "duplicate page in free list"
+        assert not free & cached, "page both free and cached"
+        assert 0 not in free and 0 not in cached and self.pages[0].ref_count == 0, "null page handed out"
+        for p in self.pages[1:]:
+            in_free, in_cached = p.index in free, p.index in cached
+            if p.ref_count > 0:
+                assert not in_free and not in_cached, f"referenced page {p.index} is free/cached"
+            else:
+                assert in_free != in_cached, f"unreferenced page {p.index} must be free xor cached"
+            if in_cached:
+                assert p.hash is not None and p.filled == self.page_size, f"cached page {p.index} incomplete"
+            if in_free:
+                assert p.hash is None, f"free page {p.index} still hashed"
+            if p.hash is not None:
+                assert self.by_hash.get(p.hash) == p.index, f"page {p.index} hash not indexed"
+        assert all(self.pages[i].hash == h for h, i in self.by_hash.items()), "stale hash index"
+        if expected_refs is not None:
+            for p in self.pages[1:]:
+                assert p.ref_count == expected_refs.get(p.index, 0), (
+                    f"page {p.index}: ref_count {p.ref_count} != {expected_refs.get(p.index, 0)} held by jobs")

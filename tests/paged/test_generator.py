@@ -1,0 +1,92 @@
+"""DynamicGenerator on a tiny random-weight model: continuous batching, prefix sharing and seeds give exactly the
+tokens each job produces alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random_weights
+from models.llama import greedy_generate
+from models.loader import Model
+from paged import DynamicGenerator, Job, SamplingSettings
+from tests.paged.fakes import drain
+
+CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1), tokenizer=None, source="tiny")
+
+
+@pytest.fixture(scope="module")
+def gen():
+    g = DynamicGenerator(MODEL, num_pages=48, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64)
+    return g
+
+
+def tokens_of(c, ident):
+    return [t for r in c.results if r["identifier"] == ident and r["stage"] == "streaming" for t in r["token_ids"]]
+
+
+def test_continuous_batching_matches_each_job_alone(gen):
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, 96, size=n)) for n in (3, 20, 9, 33, 1, 14)]
+    news = [6, 4, 9, 5, 7, 3]
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        gen.enqueue(Job(p, n, gen_settings=SamplingSettings.greedy(), identifier=i))
+    c = drain(gen)
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        assert tokens_of(c, i) == greedy_generate(MODEL.params, CFG, p, n), f"job {i}"
+    gen.pool.check({})
+
+
+def test_shared_prefix_jobs_are_exact_and_share_pages(gen):
+    rng = np.random.default_rng(1)
+    prefix = list(rng.integers(0, 96, size=24))
+    prompts = [prefix + list(rng.integers(0, 96, size=k)) for k in (2, 5, 9)]
+    for i, p in enumerate(prompts):
+        gen.enqueue(Job(p, 5, gen_settings=SamplingSettings.greedy(), identifier=("shared", i)))
+    gen.iterate()
+    shared = [j.pages[:3] for j in gen.active]
+    assert all(s == shared[0] for s in shared)
+    c = drain(gen)
+    for i, p in enumerate(prompts):
+        assert tokens_of(c, ("shared", i)) == greedy_generate(MODEL.params, CFG, p, 5)
+    # the same prompt again is served from the prompt cache, with the same output
+    gen.enqueue(Job(prompts[1], 5, gen_settings=SamplingSettings.greedy(), identifier="again"))
+    c = drain(gen)
+    assert c.finals["again"]["cached_tokens"] == 24
+    assert tokens_of(c, "again") == greedy_generate(MODEL.params, CFG, prompts[1], 5)
+
+
+def test_seeded_job_samples_the_same_alone_and_in_a_crowd(gen):
+    s = SamplingSettings(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.1)
+    prompt = [5, 6, 7, 8, 9]
+    gen.enqueue(Job(prompt, 8, gen_settings=s, seed=42, identifier="alone"))
+    alone = tokens_of(drain(gen), "alone")
+    gen.pool.reset_cache()
+    rng = np.random.default_rng(3)
+    for i in range(3):
+        gen.enqueue(Job(list(rng.integers(0, 96, size=7 + i)), 8, gen_settings=s, seed=i, identifier=("crowd", i)))
+    gen.enqueue(Job(prompt, 8, gen_settings=s, seed=42, identifier="crowded"))
+    assert tokens_of(drain(gen), "crowded") == alone
+
+
+def test_min_new_tokens_and_stop_token(gen):
+    prompt = [1, 2, 3]
+    ref = greedy_generate(MODEL.params, CFG, prompt, 6)
+    stop = ref[1]
+    gen.enqueue(Job(prompt, 6, gen_settings=SamplingSettings.greedy(), stop_conditions=[stop], identifier="s"))
+    c = drain(gen)
+    assert c.finals["s"]["eos_reason"] == "stop_token" and c.finals["s"]["new_tokens"] == 2
+    assert tokens_of(c, "s") == ref[:1]
+
+
+def test_return_probs_top_tokens_and_logits(gen):
+    gen.enqueue(Job([4, 4, 4], 3, gen_settings=SamplingSettings.greedy(), return_probs=True, return_top_tokens=3,
+                    return_logits=True, identifier="x"))
+    c = drain(gen)
+    rows = [r for r in c.results if r["identifier"] == "x" and r["stage"] == "streaming"]
+    for r in rows:
+        assert r["top_k_tokens"][0][0] == r["token_ids"][0]  # greedy: the chosen token is the most probable
+        assert 0 < r["token_probs"][0] <= 1 and len(r["top_k_probs"][0]) == 3
+        assert r["logits"].shape == (1, CFG.vocab_size) and int(np.argmax(r["logits"][0])) == r["token_ids"][0]

@@ -1,0 +1,211 @@
+"""Scheduler, page pool and streaming behaviour of DynamicGenerator on a hand-checkable fake engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
+from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
+
+TOK = ByteTokenizer()
+
+
+def make(**kw):
+    script = kw.pop("script", None)
+    policy = kw.pop("policy", "exllamav2")
+    return DynamicGenerator(tokenizer=TOK, engine=FakeEngine(script=script, **kw), policy=policy)
+
+
+def job(prompt, n=5, **kw):
+    return Job(TOK.encode(prompt) if isinstance(prompt, str) else prompt, n, identifier=kw.pop("identifier", prompt),
+               gen_settings=kw.pop("gen_settings", SamplingSettings.greedy()), **kw)
+
+
+def test_result_stages_and_counts():
+    gen = make()
+    gen.enqueue(job("abc", 4))  # fake: next = last + 1 -> "defg"
+    c = drain(gen)
+    stages = [r["stage"] for r in c.results]
+    assert stages[0] == "started" and stages.count("streaming") == 4
+    final = c.finals["abc"]
+    assert final["eos_reason"] == "max_new_tokens" and final["full_completion"] == "defg" == c.texts["abc"]
+    assert final["new_tokens"] == 4 and final["prompt_tokens"] == 3 and final["cached_tokens"] == 0
+    for key in ("job", "serial", "identifier", "time_enqueued", "time_prefill", "time_generate", "held"):
+        assert key in final
+    assert [r["token_ids"] for r in c.results if r["stage"] == "streaming"] == [[100], [101], [102], [103]]
+
+
+def test_chunked_prefill_reports_progress_and_samples_in_the_last_chunk():
+    gen = make(max_chunk_size=16)
+    gen.enqueue(job("x" * 40, 2))
+    c = drain(gen)
+    prefill = [r for r in c.results if r["stage"] == "prefill"]
+    assert [r["curr_progress"] for r in prefill] == [16, 32]
+    assert all(r["max_progress"] == 40 for r in prefill)
+    assert c.finals["x" * 40]["full_completion"] == "yz"
+
+
+def test_stop_token_and_min_new_tokens():
+    gen = make(script={ord("q"): (1, [ord("a"), 256, ord("b"), 256])})
+    gen.enqueue(job("q", 10, stop_conditions=[256], identifier="stop"))
+    c = drain(gen)
+    f = c.finals["stop"]
+    assert f["eos_reason"] == "stop_token" and f["full_completion"] == "a" and f["eos_triggering_token_id"] == 256
+    gen = make(script={ord("q"): (1, [ord("a"), 256, ord("b"), 256])})
+    gen.enqueue(job("q", 10, stop_conditions=[256], min_new_tokens=2, identifier="min"))
+    f = drain(gen).finals["min"]
+    # the stop token was banned at token 2 (fake takes id 257 instead), allowed at token 4
+    assert f["new_tokens"] == 4 and f["eos_reason"] == "stop_token"
+
+
+def test_stop_string_split_across_tokens_is_held_and_excluded():
+    text = "hello END world"
+    gen = make(script={ord("p"): (1, list(text.encode()))})
+    gen.enqueue(job("p", 30, stop_conditions=["END"], identifier="s"))
+    c = drain(gen)
+    f = c.finals["s"]
+    assert f["eos_reason"] == "stop_string" and f["eos_triggering_string"] == "END"
+    assert f["full_completion"] == "hello " == c.texts["s"]
+    assert f["held"]["text"] == "END"
+    streamed = [r["text"] for r in c.results if r["stage"] == "streaming"]
+    assert "E" not in "".join(streamed) and streamed.count("") >= 2  # "E", "N" were held back
+
+
+def test_incomplete_utf8_is_held_back():
+    emitted = list("é😀".encode())  # 2 + 4 bytes
+    gen = make(script={ord("u"): (1, emitted)})
+    gen.enqueue(job("u", len(emitted), identifier="u"))
+    c = drain(gen)
+    texts = [r["text"] for r in c.results if r["stage"] == "streaming"]
+    assert texts == ["", "é", "", "", "", "😀"]
+    assert c.finals["u"]["full_completion"] == "é😀"
+
+
+def test_max_skips_limits_how_often_a_big_job_is_passed_over():
+    # 8 usable pages of 8 tokens; a running job holds 4, the big job needs 6, small ones need 1
+    gen = make(num_pages=9, page_size=8, max_batch_size=8)
+    gen.enqueue(job("r", 30, identifier="runner"))  # 31 tokens -> 4 pages
+    gen.iterate()
+    big = job("B" * 40, 5, identifier="big", max_skips=2)  # 45 tokens -> 6 pages: waits for the runner
+    gen.enqueue(big)
+    smalls = [job("s", 2, identifier=f"small{i}") for i in range(4)]
+    gen.enqueue(smalls)
+    started = []
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r["stage"] == "started":
+                started.append(r["identifier"])
+    assert started.index("big") == 2  # two small jobs passed it, then the queue waited for it
+    assert big.skips == 2
+    assert started[:2] == ["small0", "small1"]
+
+
+def test_prefix_dedup_shares_pages_and_prompt_cache_hits():
+    prefix = "P" * 32  # 4 full pages of 8
+    gen = make(num_pages=40, page_size=8, max_batch_size=4)
+    gen.enqueue([job(prefix + "a", 3, identifier="a"), job(prefix + "b", 3, identifier="b")])
+    gen.iterate()  # admits both
+    a, b = gen.active
+    assert a.pages[:4] == b.pages[:4]  # shared physical pages for the common prefix
+    assert set(a.pages[4:]).isdisjoint(b.pages[4:])
+    drain(gen)
+    used_pages = gen.pool.num_cached
+    gen.enqueue(job(prefix + "c", 3, identifier="c"))
+    f = drain(gen).finals["c"]
+    assert f["cached_tokens"] == 32 and f["cached_pages"] == 4
+    m = gen.metrics()
+    assert m["prefix_hits"] >= 4 and m["pages_used"] == 0 and used_pages >= 4
+
+
+def test_generated_pages_are_cached_for_a_follow_up_turn():
+    gen = make(num_pages=40, page_size=8)
+    gen.enqueue(job("A", 24, identifier="turn1"))  # 25 tokens: 3 complete pages incl. generated text
+    out = drain(gen).finals["turn1"]
+    follow = TOK.encode("A" + out["full_completion"]) + TOK.encode("more")
+    gen.enqueue(job(follow, 2, identifier="turn2"))
+    assert drain(gen).finals["turn2"]["cached_tokens"] == 24
+
+
+def test_lru_eviction_keeps_recently_used_prefixes():
+    gen = make(num_pages=9, page_size=8, max_batch_size=1)
+    for name in ("A", "B"):
+        gen.enqueue(job(name * 17, 1, identifier=name))  # 2 full prompt pages each, 3 pages reserved
+        drain(gen)
+    gen.enqueue(job("A" * 17, 1, identifier="A2"))  # touch A again
+    drain(gen)
+    gen.enqueue(job("C" * 33, 1, identifier="C"))  # needs 5 pages: evicts B's pages (least recent) first
+    drain(gen)
+    gen.enqueue(job("A" * 17, 1, identifier="A3"))
+    gen.enqueue(job("B" * 17, 1, identifier="B2"))
+    c = drain(gen)
+    assert c.finals["A3"]["cached_tokens"] == 16
+    assert c.finals["B2"]["cached_tokens"] == 0
+
+
+def test_cancel_and_clear_queue_free_pages_and_emit_nothing():
+    gen = make(num_pages=20)
+    j1, j2, j3 = job("a", 20, identifier=1), job("b", 20, identifier=2), job("c", 20, identifier=3)
+    gen.enqueue([j1, j2, j3])
+    gen.iterate()
+    gen.cancel(j2)
+    results = drain(gen).results
+    assert all(r["identifier"] != 2 for r in results if r["stage"] == "streaming")
+    gen.pool.check({})
+    gen.enqueue([job("d", 50, identifier=4), job("e", 50, identifier=5)])
+    gen.iterate()
+    gen.clear_queue()
+    assert gen.num_remaining_jobs() == 0 and gen.pool.num_referenced == 0
+    gen.pool.check({})
+
+
+def test_generate_does_not_swallow_other_jobs_results():
+    gen = make()
+    other = job("z", 3, identifier="other")
+    gen.enqueue(other)
+    assert gen.generate("abc", 3, gen_settings=SamplingSettings.greedy()) == "def"
+    assert gen.generate(["a", "b"], 2, gen_settings=SamplingSettings.greedy(), completion_only=False) == ["abc",
+                                                                                                        "bcd"]
+    c = drain(gen)
+    seen = [r for r in c.results if r["identifier"] == "other"]
+    assert seen  # still delivered to whoever iterates next
+    assert "".join(r["text"] for r in seen if r["stage"] == "streaming") == "{|}"
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (lambda: Job([], 5), InvalidJobError),
+    (lambda: Job(["a"], 5), InvalidJobError),
+    (lambda: Job([1.5, 2], 5), InvalidJobError),
+    (lambda: Job([1, 2], 0), InvalidJobError),
+    (lambda: Job([1, 2], 5, stop_conditions=[1.5]), InvalidJobError),
+    (lambda: Job([1, 2], 5, stop_conditions=[None]), InvalidJobError),
+    (lambda: Job([1, 2], 5, min_new_tokens=6), InvalidJobError),
+    (lambda: Job([1, 2], 5, max_skips=None), InvalidJobError),
+    (lambda: SamplingSettings(temperature=-1), InvalidSettingsError),
+    (lambda: SamplingSettings(top_p=0), InvalidSettingsError),
+    (lambda: SamplingSettings(top_p=1.5), InvalidSettingsError),
+    (lambda: SamplingSettings(top_k=-3), InvalidSettingsError),
+])
+def test_bad_job_inputs_raise_named_errors(bad, exc):
+    with pytest.raises(exc):
+        bad()
+
+
+def test_bad_enqueues_leave_the_generator_serving():
+    gen = make(num_pages=5, page_size=8, max_seq_len=64)
+    good = job("ok", 4, identifier="good")
+    gen.enqueue(good)
+    gen.iterate()
+    with pytest.raises(InvalidJobError, match="vocab"):
+        gen.enqueue(Job([1, 999], 3))
+    with pytest.raises(JobTooLargeError, match="max_seq_len"):
+        gen.enqueue(Job([1] * 60, 10))
+    with pytest.raises(JobTooLargeError, match="pages"):
+        gen.enqueue(Job([1] * 40, 10))
+    with pytest.raises(InvalidJobError, match="already enqueued"):
+        gen.enqueue(good)
+    with pytest.raises(InvalidJobError, match="stop token"):
+        gen.enqueue(Job([1], 3, stop_conditions=[5000]))
+    c = drain(gen)
+    assert c.finals["good"]["full_completion"] == "lmno"
+    gen.pool.check({})

@@ -26,6 +26,8 @@ from paged.policy import Policy, make_policy
 from paged.settings import SamplingSettings
 from paged.streaming import TextStream
 
+HEALING_BOOST = 1e4
+
 
 def _pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
@@ -80,6 +82,7 @@ class DynamicGenerator:
         self._stash: list[dict] = []  # results of other callers' jobs seen inside generate()
         self._serial = 0
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self._vocab_bytes: list[bytes] | None = None
         self.lock = threading.RLock()
         self.steps = 0
         self.tokens_prefilled = 0
@@ -104,7 +107,9 @@ class DynamicGenerator:
             job.mark_enqueued(self._serial)
             if job.seed is None:
                 job.seed = self._rng.getrandbits(32)
-            job.stream = TextStream(self._token_bytes(job), job.stop_strings)
+            job.stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
+            if job.token_healing and job.prompt_len > 1:
+                self._setup_healing(job)
             self.pending.append(job)
             return job.serial
 
@@ -119,8 +124,8 @@ class DynamicGenerator:
         bad = [t for t in job.stop_tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidJobError(f"stop token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
-        if job.stop_strings and self.tokenizer is None:
-            raise InvalidJobError("stop strings need a tokenizer; pass tokenizer= to the generator")
+        if (job.stop_strings or job.banned_strings or job.token_healing) and self.tokenizer is None:
+            raise InvalidJobError("stop strings, banned strings and token healing need a tokenizer; pass tokenizer=")
         if job.total_len > self.max_seq_len:
             raise JobTooLargeError(
                 f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
@@ -130,6 +135,20 @@ class DynamicGenerator:
             raise JobTooLargeError(
                 f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
                 "raise num_pages or lower max_new_tokens")
+
+    def _setup_healing(self, job: Job) -> None:
+        """Drop the last prompt token; the first sample must start with its text (and that text is not repeated
+        in the output)."""
+        last = job.input_ids[-1]
+        prefix = self.tokenizer.token_bytes(last)
+        if self._vocab_bytes is None:
+            self._vocab_bytes = [self.tokenizer.token_bytes(i) for i in range(self.vocab_size)]
+        special = getattr(self.tokenizer, "special_token_ids", frozenset())
+        job.healing_allowed = [i for i, b in enumerate(self._vocab_bytes)
+                               if b.startswith(prefix) and b and i not in special]
+        job.input_ids = job.input_ids[:-1]
+        job.sequence = list(job.input_ids)
+        job.stream.strip_prefix = prefix.decode("utf-8", errors="replace")
 
     def _token_bytes(self, job: Job):
         tok = self.tokenizer
@@ -201,6 +220,11 @@ class DynamicGenerator:
         bias = s.bias()
         if job.new_tokens < job.min_new_tokens:
             bias.update({t: -math.inf for t in job.stop_tokens})
+        sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
+        if job.new_tokens == 0 and job.healing_allowed:
+            # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
+            bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
+        bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
         history = job.sequence[max(0, job.kv_position + len(tokens) - s.penalty_range) : job.kv_position
                                + len(tokens)] if s.uses_penalties else ()
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
@@ -277,8 +301,13 @@ class DynamicGenerator:
         kv = job.kv_position
         for p in range((kv - n) // ps, -(-kv // ps)):
             self.pool.mark_filled(job.pages[p], kv - p * ps)
-        # hash pages completed beyond the prompt prefix (generated text and the prompt's tail) for reuse
-        while (len(job.page_hashes) + 1) * ps <= kv:
+        self._hash_pages(job, min(kv, len(job.sequence) - len(job.stream.held)))
+
+    def _hash_pages(self, job: Job, limit: int) -> None:
+        """Hash and register the job's pages complete below `limit` (prompt tail, generated text) for reuse.
+        Tokens still held by the stream may be rewound by a banned string, so their pages wait."""
+        ps = self.page_size
+        while (len(job.page_hashes) + 1) * ps <= limit:
             p = len(job.page_hashes)
             prev = job.page_hashes[-1] if job.page_hashes else b""
             toks = tuple(job.sequence[p * ps : (p + 1) * ps])
@@ -300,24 +329,28 @@ class DynamicGenerator:
         job.pending_extras.append(extras)
         r = self._base(job, "streaming")
         reason = None
+        held = {"text": "", "token_ids": []}
         if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
             reason = "stop_token"
-            text, toks = job.stream.flush()  # the stop token's own piece is not part of the completion
+            text, toks = job.stream.flush()  # the stop token's own text is not part of the completion
             job.pending_extras.pop()
-            r.update(eos_triggering_token_id=token,
-                     eos_triggering_token_str=self._piece(token))
-            held = {"text": "", "token_ids": [token]}
+            held["token_ids"] = [token]
+            r.update(eos_triggering_token_id=token, eos_triggering_token_str=self._piece(token))
         else:
-            text, toks = job.stream.feed(token)
-            if job.stream.stopped is not None:
+            ev = job.stream.feed(token)
+            text, toks = ev.text, ev.tokens
+            if ev.rewind:
+                self._rewind(job, ev.rewind, ev.suppressed_tokens[0])
+                r.update(suppressed_text=ev.suppressed_text, suppressed_tokens=ev.suppressed_tokens,
+                         suppressed_by=ev.banned)
+            elif ev.stopped is not None:
                 reason = "stop_string"
-                r["eos_triggering_string"] = job.stream.stopped
-                held = {"text": job.stream.held_text, "token_ids": []}
+                r["eos_triggering_string"] = ev.stopped
+                held["text"] = job.stream.held_text
             elif job.new_tokens >= job.max_new_tokens:
                 reason = "max_new_tokens"
                 more_text, more = job.stream.flush()
                 text, toks = text + more_text, toks + more
-                held = {"text": "", "token_ids": []}
         released = job.pending_extras[: len(toks)]
         job.pending_extras = job.pending_extras[len(toks):]
         job.full_completion += text
@@ -328,6 +361,7 @@ class DynamicGenerator:
                 vals = [e[key] for e in released]
                 r[key] = np.stack(vals) if key == "logits" else vals
         if reason is not None:
+            self._hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
             r.update(
                 eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
                 prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens,
@@ -339,6 +373,21 @@ class DynamicGenerator:
             self._retire(job)
             self.jobs_completed += 1
         return r
+
+    def _rewind(self, job: Job, n: int, first: int) -> None:
+        """Take back the job's last `n` tokens (a banned string began at the first of them) and forbid `first`
+        at that position. Their pages were never hashed (hashing waits for released text), so they are the job's
+        own and are simply overwritten."""
+        c = len(job.sequence) - n  # index of the first token taken back
+        del job.sequence[c:]
+        job.new_tokens -= n
+        del job.pending_extras[len(job.pending_extras) - n :]
+        job.explored.setdefault(c, set()).add(first)
+        job.kv_position = min(job.kv_position, c - 1)  # re-feed token c - 1 to sample position c again
+        ps = self.page_size
+        assert len(job.page_hashes) * ps <= c, "a page holding rewound tokens was hashed"
+        for p in range(c // ps, len(job.pages)):  # position c - 1 is re-fed with the same token: keep it
+            self.pool.truncate(job.pages[p], c - p * ps)
 
     def _piece(self, token: int) -> str:
         tok = self.tokenizer

@@ -55,6 +55,8 @@ class Job:
         return_probs: bool = False,
         return_logits: bool = False,
         decode_special_tokens: bool = False,
+        banned_strings: Iterable[str] | None = None,
+        token_healing: bool = False,
     ):
         self.input_ids = _as_id_list(input_ids)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -83,6 +85,10 @@ class Job:
             raise InvalidJobError(f"return_top_tokens must be an int >= 0, got {return_top_tokens!r}")
         if seed is not None and not isinstance(seed, (int, np.integer)):
             raise InvalidJobError(f"seed must be an int or None, got {seed!r}")
+        self.banned_strings = [str(b) for b in banned_strings or ()]
+        if any(not b for b in self.banned_strings):
+            raise InvalidJobError("empty banned string")
+        self.token_healing = bool(token_healing)
         self.max_new_tokens = int(max_new_tokens)
         self.min_new_tokens = int(min_new_tokens)
         self.gen_settings = gen_settings
@@ -104,6 +110,8 @@ class Job:
         self.cached_tokens = 0
         self.full_completion = ""
         self.stream = None
+        self.explored: dict[int, set[int]] = {}  # sequence index -> tokens banned there after a rewind
+        self.healing_allowed: list[int] = []  # token healing: ids allowed for the first sample
         self.pending_extras: list[dict] = []  # per-token extras (probs, top-k, logits) not yet released with text
         self.time_enqueue = 0.0
         self.time_first_prefill: float | None = None

@@ -167,6 +167,12 @@ class PagePool:
         p = self.pages[idx]
         p.filled = max(p.filled, min(filled, self.page_size))
 
+    def truncate(self, idx: int, filled: int) -> None:
+        """The page's valid content now ends at `filled` (a job rewound into it; it must not be hashed)."""
+        p = self.pages[idx]
+        assert p.hash is None or p.filled <= filled, f"rewinding into hashed page {idx}"
+        p.filled = min(p.filled, max(0, filled))
+
     def register(self, idx: int, h: bytes, prev: bytes, tokens: tuple[int, ...]) -> None:
         """Hash a page that has just become complete (e.g. generated text), so later jobs can reuse it."""
         p = self.pages[idx]

@@ -1,63 +1,122 @@
-"""Incremental text for one job: token bytes -> complete UTF-8 characters -> stop-string hold-back.
+"""Incremental text for one job: token bytes -> complete UTF-8 characters -> stop-string and banned-string logic.
 
-`TextStream.feed(token)` returns the text that can be shown now. Incomplete UTF-8 sequences (byte-level BPE or
-byte-fallback tokens) are held until complete; text that could still be the start of a stop string is held until
-it can no longer match. When a stop string appears, `stopped` holds it, the text before it is released, and the
-stop string plus anything after it stays in `held_text` (never in the completion).
+`TextStream.feed(token)` returns a `StreamEvent` saying what can be shown now. Rules, in order:
+1. Bytes of an incomplete UTF-8 character are held until the token that completes it (byte-level BPE and
+   byte-fallback tokens split characters).
+2. Stop strings (case-sensitive): on a full match the text before it is released and the stream stops; the stop
+   string and anything after it stay in `held_text` and never reach the completion.
+3. Banned strings (case-insensitive): on a full match the stream asks the generator to rewind every held token from
+   the one where the match began (`rewind`), reporting the removed text as `suppressed_text`.
+4. Text that could still become a stop or banned string is held, from the token where that possible match begins,
+   and released with its tokens as soon as it cannot match.
+Held text is always released at token boundaries, so each streamed chunk comes with exactly the tokens that made it.
 """
 
 from __future__ import annotations
 
 import codecs
+import dataclasses
 from collections.abc import Callable, Sequence
 
 
+@dataclasses.dataclass
+class StreamEvent:
+    text: str = ""  # text released now
+    tokens: list[int] = dataclasses.field(default_factory=list)  # tokens released with it
+    stopped: str | None = None  # the stop string that ended the stream
+    rewind: int = 0  # number of most recent tokens the generator must take back (banned string)
+    banned: str | None = None  # the banned string that caused the rewind
+    suppressed_text: str = ""
+    suppressed_tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+def _partial_start(text: str, patterns: Sequence[str]) -> int | None:
+    """Smallest index i such that text[i:] is a proper prefix of some pattern (None if there is none)."""
+    best = None
+    for p in patterns:
+        for n in range(min(len(p) - 1, len(text)), 0, -1):
+            if text.endswith(p[:n]):
+                i = len(text) - n
+                best = i if best is None else min(best, i)
+                break
+    return best
+
+
 class TextStream:
-    def __init__(self, token_bytes: Callable[[int], bytes], stop_strings: Sequence[str] = ()):
+    def __init__(
+        self,
+        token_bytes: Callable[[int], bytes],
+        stop_strings: Sequence[str] = (),
+        banned_strings: Sequence[str] = (),
+    ):
         self._token_bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stop_strings = [s for s in stop_strings if s]
-        self.held_text = ""  # decoded text not yet released (possible stop-string prefix, or after a stop)
-        self.held_tokens: list[int] = []  # tokens whose text is (partly) unreleased
+        self.banned = [s.lower() for s in banned_strings if s]
+        self.held: list[tuple[int, str]] = []  # (token, text it completed), not yet released
+        self.held_text = ""  # after a stop: the stop string and what followed it
         self.stopped: str | None = None
+        self.strip_prefix = ""  # token healing: text to drop from the start of the output
 
-    def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop_strings:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+    @property
+    def held_tokens(self) -> list[int]:
+        return [t for t, _ in self.held]
 
-    def feed(self, token: int) -> tuple[str, list[int]]:
-        """Add one token; return (released text, tokens released with it)."""
+    def _text(self) -> str:
+        return "".join(p for _, p in self.held)
+
+    def _release(self, n: int) -> tuple[str, list[int]]:
+        out, self.held = self.held[:n], self.held[n:]
+        return "".join(p for _, p in out), [t for t, _ in out]
+
+    def _token_at(self, char_index: int) -> int:
+        """Index into `held` of the token whose text contains `char_index`."""
+        pos = 0
+        for i, (_, piece) in enumerate(self.held):
+            pos += len(piece)
+            if char_index < pos:
+                return i
+        return len(self.held)
+
+    def feed(self, token: int) -> StreamEvent:
         if self.stopped is not None:
             raise RuntimeError("stream already stopped")
-        self.held_tokens.append(token)
-        self.held_text += self._utf8.decode(self._token_bytes(token))
-        if self._utf8.getstate()[0]:  # incomplete UTF-8 sequence pending: hold everything
-            return "", []
-        for s in self.stop_strings:
-            i = self.held_text.find(s)
-            if i >= 0 and (self.stopped is None or i < self._stop_at):
-                self.stopped, self._stop_at = s, i
-        if self.stopped is not None:
-            out, self.held_text = self.held_text[: self._stop_at], self.held_text[self._stop_at :]
-            toks, self.held_tokens = self.held_tokens, []
-            return out, toks
-        keep = self._holdback(self.held_text)
-        if keep:
-            out, self.held_text = self.held_text[:-keep], self.held_text[-keep:]
-            return out, []  # tokens stay held until their text is released
-        out, self.held_text = self.held_text, ""
-        toks, self.held_tokens = self.held_tokens, []
-        return out, toks
+        piece = self._utf8.decode(self._token_bytes(token))
+        if self.strip_prefix:
+            n = min(len(self.strip_prefix), len(piece))
+            if piece[:n] == self.strip_prefix[:n]:
+                piece, self.strip_prefix = piece[n:], self.strip_prefix[n:]
+            else:
+                self.strip_prefix = ""
+        self.held.append((token, piece))
+        if self._utf8.getstate()[0]:  # incomplete UTF-8 character pending
+            return StreamEvent()
+        text = self._text()
+        stop_at = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
+        lower = text.lower()
+        ban_at = min((i for i in (lower.find(b) for b in self.banned) if i >= 0), default=-1)
+        if ban_at >= 0 and (stop_at < 0 or ban_at < stop_at):
+            j = self._token_at(ban_at)
+            banned = next(b for b in self.banned if lower.find(b) == ban_at)
+            released, toks = self._release(j)
+            suppressed, sup_toks = self._release(len(self.held))
+            self._utf8.reset()
+            return StreamEvent(text=released, tokens=toks, rewind=len(sup_toks), banned=banned,
+                               suppressed_text=suppressed, suppressed_tokens=sup_toks)
+        if stop_at >= 0:
+            self.stopped = next(s for s in self.stop_strings if text.find(s) == stop_at)
+            self.held_text = text[stop_at:]
+            toks = self.held_tokens
+            self.held = []
+            return StreamEvent(text=text[:stop_at], tokens=toks, stopped=self.stopped)
+        starts = [i for i in (_partial_start(text, self.stop_strings), _partial_start(lower, self.banned))
+                  if i is not None]
+        keep_from = self._token_at(min(starts)) if starts else len(self.held)
+        text_out, toks = self._release(keep_from)
+        return StreamEvent(text=text_out, tokens=toks)
 
     def flush(self) -> tuple[str, list[int]]:
-        """Release everything held (end of generation without a stop string)."""
-        out = self.held_text + self._utf8.decode(b"", final=True)
-        toks = self.held_tokens
-        self.held_text, self.held_tokens = "", []
-        return out, toks
+        """Release everything held (the job ends without a stop string)."""
+        tail = self._utf8.decode(b"", final=True)
+        text, toks = self._release(len(self.held))
+        return text + tail, toks

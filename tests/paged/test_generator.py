@@ -90,3 +90,24 @@ def test_return_probs_top_tokens_and_logits(gen):
         assert r["top_k_tokens"][0][0] == r["token_ids"][0]  # greedy: the chosen token is the most probable
         assert 0 < r["token_probs"][0] <= 1 and len(r["top_k_probs"][0]) == 3
         assert r["logits"].shape == (1, CFG.vocab_size) and int(np.argmax(r["logits"][0])) == r["token_ids"][0]
+
+
+def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
+    import dataclasses
+
+    from models.tokenizer import load_tokenizer_from_dir
+
+    tok = load_tokenizer_from_dir("tests/models/data/tiny_bpe")
+    cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
+    model = Model(config=cfg, params=init_random_weights(cfg, seed=2), tokenizer=tok, source="tiny-bpe")
+    gen = DynamicGenerator(model, num_pages=16, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64)
+    ids = tok.encode("the quick brown fox jump")
+    dropped = tok.token_bytes(ids[-1])
+    gen.enqueue(Job(ids, 6, token_healing=True, gen_settings=SamplingSettings(temperature=1.0, top_k=0, top_p=1.0),
+                    seed=3, identifier="h"))
+    c = drain(gen)
+    generated = [t for r in c.results if r["stage"] == "streaming" for t in r["token_ids"]]
+    assert tok.token_bytes(generated[0]).startswith(dropped)
+    assert c.finals["h"]["prompt_tokens"] == len(ids) - 1
+    full = tok.decode(ids[:-1] + generated)
+    assert tok.decode(ids[:-1]) + dropped.decode() + c.finals["h"]["full_completion"] == full

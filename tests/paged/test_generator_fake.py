@@ -6,7 +6,7 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
-from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
+from tests.paged.fakes import ByteTokenizer, Collected, FakeEngine, drain
 
 TOK = ByteTokenizer()
 
@@ -208,4 +208,37 @@ def test_bad_enqueues_leave_the_generator_serving():
         gen.enqueue(Job([1], 3, stop_conditions=[5000]))
     c = drain(gen)
     assert c.finals["good"]["full_completion"] == "lmno"
+    gen.pool.check({})
+
+
+def test_banned_string_rewinds_and_bans_the_first_token():
+    text = "say bad word"
+    gen = make(num_pages=20, page_size=4, script={ord("p"): (1, list(text.encode()))})
+    gen.enqueue(job("p", len(text), banned_strings=["BAD"], identifier="b"))
+    results = []
+    while gen.num_remaining_jobs():
+        results += gen.iterate()
+        for j in gen.active:  # what the cache holds for the job is its (rewritten) sequence
+            for pos in range(j.kv_position):
+                assert gen.engine.written[(j.pages[pos // 4], pos % 4)] == j.sequence[pos]
+    c = Collected(results, {"b": "".join(r["text"] for r in results if r["stage"] == "streaming")},
+                  {"b": results[-1]})
+    f = c.finals["b"]
+    # 'b' was banned where "bad" began; the fake then takes the next id, 'c', and the script continues
+    assert f["full_completion"] == "say cad word" == c.texts["b"]
+    rewinds = [r for r in c.results if r.get("suppressed_text")]
+    assert len(rewinds) == 1 and rewinds[0]["suppressed_text"] == "bad"
+    assert f["new_tokens"] == len(text)
+    gen.pool.check({})
+
+
+def test_banned_strings_with_other_jobs_in_the_batch():
+    gen = make(num_pages=30, page_size=4, max_batch_size=3,
+               script={ord("p"): (1, list(b"oh no NO")), ord("q"): (1, list(b"fine text"))})
+    gen.enqueue([job("p", 8, banned_strings=["no"], identifier="p"), job("q", 9, identifier="q"),
+                 job("abc", 5, identifier="abc")])
+    c = drain(gen)
+    assert c.finals["q"]["full_completion"] == "fine text"
+    assert c.finals["abc"]["full_completion"] == "defgh"
+    assert "no" not in c.finals["p"]["full_completion"].lower()
     gen.pool.check({})

@@ -24,7 +24,7 @@ def held_refs(gen) -> dict[int, int]:
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("enqueue"), st.sampled_from(["", "AAAAAAAA", "AAAAAAAABBBBBBBB", "CCCCCCCCCCCCCCCC"]),
-                  st.text(alphabet="abc", min_size=1, max_size=12), st.integers(1, 12)),
+                  st.text(alphabet="abc", min_size=1, max_size=12), st.integers(1, 12), st.booleans()),
         st.tuples(st.just("cancel"), st.integers(0, 50)),
         st.tuples(st.just("iterate"), st.integers(1, 4)),
     ),
@@ -42,8 +42,10 @@ def test_pool_invariants_hold_under_random_operations(ops, page_size, num_pages)
     jobs = []
     for op in ops:
         if op[0] == "enqueue":
-            _, prefix, suffix, n = op
-            j = Job(TOK.encode(prefix + suffix), n, gen_settings=SamplingSettings.greedy())
+            _, prefix, suffix, n, ban = op
+            # the fake emits last+1, so "...a" continues "bcd...": banning "cd" forces rewinds
+            j = Job(TOK.encode(prefix + suffix), n, gen_settings=SamplingSettings.greedy(),
+                    banned_strings=["cd"] if ban else None)
             try:
                 gen.enqueue(j)
                 jobs.append(j)

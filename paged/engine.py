@@ -51,6 +51,7 @@ class Engine:
         max_chunk_size: int = 256,
         max_seq_len: int = 2048,
         max_prefill_rows: int = 2,
+        max_penalty_range: int = 1024,
         cache_dtype: str = "float32",
         attn_impl: str = "xla",
         compilation_cache_dir: str | os.PathLike | None = None,
@@ -73,6 +74,7 @@ class Engine:
         self.spec = BucketSpec(
             max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_pages_per_row=-(-max_seq_len // page_size), max_prefill_rows=max_prefill_rows, page_size=page_size,
+            history_buckets=(0, max_penalty_range) if max_penalty_range > 0 else (0,),
         )
         self.steps = 0
         self.tokens_processed = 0

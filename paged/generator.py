@@ -45,6 +45,7 @@ class DynamicGenerator:
         max_chunk_size: int = 256,
         max_seq_len: int | None = None,
         max_prefill_rows: int = 1,
+        max_penalty_range: int = 1024,
         policy: str | Policy = "exllamav2",
         cache_dtype: str = "float32",
         attn_impl: str = "xla",
@@ -66,7 +67,8 @@ class DynamicGenerator:
                 num_pages = 1 + max_batch_size * -(-max_seq_len // page_size)
             engine = Engine(model, num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
                             max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
-                            max_prefill_rows=max_prefill_rows, cache_dtype=cache_dtype, attn_impl=attn_impl,
+                            max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
+                            cache_dtype=cache_dtype, attn_impl=attn_impl,
                             compilation_cache_dir=compilation_cache_dir)
         self.engine = engine
         self.vocab_size = engine.vocab_size
@@ -75,6 +77,7 @@ class DynamicGenerator:
         self.max_batch_size = engine.spec.max_batch_size
         self.max_chunk_size = engine.spec.max_chunk_size
         self.max_prefill_rows = engine.spec.max_prefill_rows
+        self.max_penalty_range = max(engine.spec.history_buckets)
         self.pool = PagePool(engine.num_pages, self.page_size)
         self.policy = make_policy(policy)
         self.pending: list[Job] = []
@@ -225,8 +228,9 @@ class DynamicGenerator:
             # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
             bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
         bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
-        history = job.sequence[max(0, job.kv_position + len(tokens) - s.penalty_range) : job.kv_position
-                               + len(tokens)] if s.uses_penalties else ()
+        end = job.kv_position + len(tokens)
+        window = min(s.penalty_range, self.max_penalty_range)
+        history = job.sequence[max(0, end - window) : end] if s.uses_penalties and window else ()
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
                         sampling=s.device_row(job.seed), history=history, bias=bias)
 

@@ -111,3 +111,20 @@ def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
     assert c.finals["h"]["prompt_tokens"] == len(ids) - 1
     full = tok.decode(ids[:-1] + generated)
     assert tok.decode(ids[:-1]) + dropped.decode() + c.finals["h"]["full_completion"] == full
+
+
+def test_warmup_compiles_every_bucket_once_and_forgets_the_prompt_cache():
+    from paged.step import count_compiles
+
+    g = DynamicGenerator(MODEL, num_pages=12, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=16,
+                         max_penalty_range=0)
+    g.enqueue(Job(list(range(1, 12)), 3, gen_settings=SamplingSettings.greedy()))
+    drain(g)
+    assert g.pool.num_cached > 0
+    shapes = g.engine.spec.all_shapes()
+    n = g.warmup()
+    assert n == len(shapes)
+    assert g.pool.num_cached == 0 and g.pool.num_free == g.pool.num_pages
+    before = count_compiles()["step"]
+    g.warmup()  # everything is compiled now
+    assert count_compiles()["step"] == before

@@ -1,0 +1,92 @@
+"""Decode throughput of the paged step on the current backend: one jitted step per token versus `decode_steps`
+(n steps in one call via lax.scan), at several batch sizes.
+
+    python -m experiments.bench_decode --model smollm2-135m --batch_sizes 1,16 --context 256 --multi_steps 1,4,8
+
+Greedy rows, no penalties. Compilation is excluded (each configuration is run once before timing). Prints tokens/s
+and the model-bytes bandwidth it implies (weights read once per step), and writes JSON with --json_out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
+flags.DEFINE_list("batch_sizes", ["1", "16"], "decode rows")
+flags.DEFINE_list("multi_steps", ["1", "4", "8"], "decode steps per call (1 = plain step)")
+flags.DEFINE_integer("context", 256, "tokens already in each row's cache")
+flags.DEFINE_integer("tokens", 32, "decode tokens per row per measurement")
+flags.DEFINE_integer("page_size", 64, "tokens per page")
+flags.DEFINE_string("json_out", None, "write results here")
+
+
+def timed_decode(engine, pages: list[list[int]], steps_per_call: int, pos: int, tokens: int) -> float:
+    """Seconds to decode `tokens` tokens on every row, `steps_per_call` steps per engine call."""
+    from paged.batch import RowInput
+
+    t0 = time.perf_counter()
+    for done in range(0, tokens, steps_per_call):
+        rows = [RowInput(tokens=[1], start_pos=pos + done, pages=p) for p in pages]
+        engine.run(rows, num_steps=steps_per_call)
+    return time.perf_counter() - t0
+
+
+def main(argv):
+    del argv
+    import logging
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    import jax
+    import numpy as np
+
+    from models import ModelConfig, init_random_weights, load_model
+    from models.loader import Model
+    from paged.batch import RowInput
+    from paged.engine import Engine
+
+
+    if FLAGS.model == "tiny":
+        cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16)
+        model = Model(config=cfg, params=init_random_weights(cfg), tokenizer=None, source="tiny")
+    else:
+        model = load_model(FLAGS.model)
+    weight_bytes = model.params.nbytes()
+    ps = FLAGS.page_size
+    results = []
+    for bs in (int(b) for b in FLAGS.batch_sizes):
+        max_len = FLAGS.context + FLAGS.tokens + 8
+        per_row = -(-max_len // ps)
+        engine = Engine(model, num_pages=1 + bs * per_row, page_size=ps, max_batch_size=bs,
+                        max_chunk_size=max(16, FLAGS.context), max_seq_len=per_row * ps)
+        pages = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(bs)]
+        rng = np.random.default_rng(0)
+        # fill the cache with a context (one prefill row at a time)
+        for r in range(bs):
+            ids = rng.integers(0, model.config.vocab_size, size=FLAGS.context).tolist()
+            engine.run([RowInput(tokens=ids, start_pos=0, pages=pages[r], sample=False)])
+        for n in (int(m) for m in FLAGS.multi_steps):
+            timed_decode(engine, pages, n, FLAGS.context, FLAGS.tokens)  # compile
+            dt = timed_decode(engine, pages, n, FLAGS.context, FLAGS.tokens)
+            tps = bs * FLAGS.tokens / dt
+            steps_per_s = FLAGS.tokens / dt
+            rec = dict(batch=bs, steps_per_call=n, tokens_per_s=tps, ms_per_step=1e3 * dt / FLAGS.tokens,
+                       weight_gb_per_s=weight_bytes * steps_per_s / 1e9)
+            results.append(rec)
+            print(f"batch {bs:3d}  steps/call {n:2d}: {tps:8.1f} tok/s  {rec['ms_per_step']:7.1f} ms/step  "
+                  f"{rec['weight_gb_per_s']:5.1f} GB/s of weights")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(dict(model=FLAGS.model, context=FLAGS.context, device=str(jax.devices()[0]),
+                           machine=platform.machine(), cpus=os.cpu_count(), load_avg=os.getloadavg(),
+                           results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

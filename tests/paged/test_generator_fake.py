@@ -242,3 +242,33 @@ def test_banned_strings_with_other_jobs_in_the_batch():
     assert c.finals["abc"]["full_completion"] == "defgh"
     assert "no" not in c.finals["p"]["full_completion"].lower()
     gen.pool.check({})
+
+
+def test_fcfs_never_skips_and_shortest_prompt_first_reorders():
+    for policy, expected in (("fcfs", ["big", "small0", "small1"]),
+                             ("shortest_prompt_first", ["small0", "small1", "big"])):
+        gen = make(num_pages=9, page_size=8, max_batch_size=8, policy=policy)
+        gen.enqueue(job("r", 30, identifier="runner"))
+        gen.iterate()
+        gen.enqueue([job("B" * 40, 5, identifier="big"), job("s", 2, identifier="small0"),
+                     job("t", 2, identifier="small1")])
+        started = []
+        while gen.num_remaining_jobs():
+            started += [r["identifier"] for r in gen.iterate() if r["stage"] == "started"]
+        assert started == expected, policy
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make(policy="lottery")
+
+
+def test_generate_abort_event_cancels_its_jobs():
+    import threading
+
+    gen = make()
+    ev = threading.Event()
+    ev.set()
+    assert gen.generate("abc", 10, abort_event=ev) is None
+    assert gen.num_remaining_jobs() == 0
+    gen.pool.check({})

@@ -272,3 +272,11 @@ def test_generate_abort_event_cancels_its_jobs():
     assert gen.generate("abc", 10, abort_event=ev) is None
     assert gen.num_remaining_jobs() == 0
     gen.pool.check({})
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_special_tokens_hidden_unless_decode_special_tokens(show):
+    gen = make(script={ord("q"): (1, [ord("a"), 257, ord("b")])})
+    gen.enqueue(job("q", 3, decode_special_tokens=show, identifier="sp"))
+    f = drain(gen).finals["sp"]
+    assert f["full_completion"] == ("a<bos>b" if show else "ab")

@@ -1,4 +1,5 @@
-"""Ragged paged attention: the pure-jnp reference (the spec) and the XLA fast path used on the CPU.
+"""Ragged paged attention: the pure-jnp reference (the spec), the XLA fast path used on the CPU, and a Pallas
+kernel for the GPU (Triton lowering; interpreted on the CPU).
 
 KV cache layout (per layer): head-major pages `[KH, num_pages, page_size, D]`. Head-major keeps each head's pages
 contiguous, so a decode gather reads `page_size * D` contiguous floats per page and the score/value contractions are
@@ -13,15 +14,28 @@ Ragged batch semantics (shared by every implementation):
   only the last `sliding_window` of them;
 - the row's keys live in pages `page_table[s, 0..]`, token j at page `page_table[s, j // page_size]`, offset
   `j % page_size`;
-- tokens that belong to no row produce zeros.
+- tokens that belong to no row, and rows whose keys are all masked, produce zeros.
+
+Quantized KV: `k_pages`/`v_pages` may be int8 with float32 scales `k_scales`/`v_scales` `[KH, num_pages,
+page_size]`, one per token per head (`quantize_kv` makes them); a key is `int8 * scale`. Every implementation
+folds the scales into the scores and the softmax weights instead of dequantizing whole pages.
+
+Implementations: `ragged_paged_attention_reference` (the spec), `ragged_paged_attention_xla` (batches in
+`PrefillDecodeLayout`, the CPU path), `ragged_paged_attention_pallas` (a Pallas kernel over any ragged batch, for
+the GPU; interpreted on the CPU), and `paged_attention`, the `impl` switch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.tuning import AttentionTuning, default_tuning
 
 NEG_INF = -1e30
 
@@ -62,6 +76,30 @@ def _visible(q_pos: jnp.ndarray, k_pos: jnp.ndarray, kv_len: jnp.ndarray, slidin
     return ok
 
 
+def _check_scales(k_pages, v_pages, k_scales, v_scales) -> None:
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales, or neither")
+    if k_scales is None:
+        return
+    want = k_pages.shape[:3]
+    if k_scales.shape != want or v_scales.shape != v_pages.shape[:3]:
+        raise ValueError(f"scales must be [KH, num_pages, page_size] = {want}, got k_scales {k_scales.shape}, "
+                         f"v_scales {v_scales.shape}")
+
+
+@jax.jit
+def quantize_kv(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Symmetric int8 quantization per token per head: `x` `[T, KH, D]` float -> (`[T, KH, D]` int8, scales
+    `[T, KH]` float32) with `scale = max|x| / 127` over D and `x ~= q * scale`; an all-zero vector gets scale 0.
+    The engine writes both into the cache: `k_pages[:, page, off] = q`, `k_scales[:, page, off] = scale`."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(xf), axis=-1) / 127.0  # [T, KH]
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = jnp.clip(jnp.round(xf / safe[..., None]), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jnp.ndarray,  # [T, nH, D]
     k_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
@@ -74,8 +112,11 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 k_pages
+    v_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 v_pages
 ) -> jnp.ndarray:  # [T, nH, D]
     """The spec: every token gathers its own row's whole context. Simple, memory-hungry; for tests."""
+    _check_scales(k_pages, v_pages, k_scales, v_scales)
     t_count, nh, d = q.shape
     kh, _, ps, _ = k_pages.shape
     g = nh // kh
@@ -88,6 +129,9 @@ def ragged_paged_attention_reference(
     pages = page_table[row]  # [T, P]
     k = k_pages[:, pages].reshape(kh, t_count, p * ps, d).astype(jnp.float32)  # [KH, T, L, D]
     v = v_pages[:, pages].reshape(kh, t_count, p * ps, d).astype(jnp.float32)
+    if k_scales is not None:
+        k = k * k_scales[:, pages].reshape(kh, t_count, p * ps, 1)
+        v = v * v_scales[:, pages].reshape(kh, t_count, p * ps, 1)
     qf = q.reshape(t_count, kh, g, d).astype(jnp.float32)
     s = jnp.einsum("tkgd,ktld->tkgl", qf, k) * sm_scale
     s = _soft_cap(s, soft_cap)
@@ -109,8 +153,12 @@ def _attend_rows(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scale: jnp.ndarray | None = None,  # [R, KH, L] float32 (int8 k)
+    v_scale: jnp.ndarray | None = None,  # [R, KH, L] float32 (int8 v)
 ) -> jnp.ndarray:  # [R, Q, KH, G, D]
     s = jnp.einsum("rqkgd,rkld->rkgql", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if k_scale is not None:
+        s = s * k_scale[:, :, None, None, :]
     s = _soft_cap(s, soft_cap)
     k_pos = jnp.arange(k.shape[2])
     vis = _visible(q_pos[:, :, None], k_pos[None, None, :], kv_len[:, None, None], sliding_window)  # [R, Q, L]
@@ -119,10 +167,14 @@ def _attend_rows(
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.exp(s - m) * vis
     denom = jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-    o = jnp.einsum("rkgql,rkld->rqkgd", e / denom, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    w = e / denom
+    if v_scale is not None:
+        w = w * v_scale[:, :, None, None, :]
+    o = jnp.einsum("rkgql,rkld->rqkgd", w, v.astype(jnp.float32), preferred_element_type=jnp.float32)
     return o
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_xla(
     q: jnp.ndarray,  # [T, nH, D], T = layout.num_tokens
     k_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
@@ -135,9 +187,12 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 k_pages
+    v_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 v_pages
 ) -> jnp.ndarray:  # [T, nH, D]
     """Fast path for batches in `PrefillDecodeLayout`: prefill windows as one batched block, decode rows as
     another; each row gathers only its own pages once (not once per query token)."""
+    _check_scales(k_pages, v_pages, k_scales, v_scales)
     t_count, nh, d = q.shape
     kh, _, ps, _ = k_pages.shape
     g = nh // kh
@@ -145,26 +200,30 @@ def ragged_paged_attention_xla(
     p = page_table.shape[1]
     qf = q.astype(jnp.float32)
 
-    def gather(rows: slice) -> tuple[jnp.ndarray, jnp.ndarray]:
+    def gather(rows: slice) -> tuple[jnp.ndarray, ...]:
         pt = page_table[rows]  # [R, P]
         r = pt.shape[0]
         k = jnp.moveaxis(k_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)  # [R, KH, L, D]
         v = jnp.moveaxis(v_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)
-        return k.astype(jnp.float32), v.astype(jnp.float32)
+        if k_scales is None:
+            return k.astype(jnp.float32), v.astype(jnp.float32), None, None
+        ks = jnp.moveaxis(k_scales[:, pt], 0, 1).reshape(r, kh, p * ps)  # [R, KH, L]
+        vs = jnp.moveaxis(v_scales[:, pt], 0, 1).reshape(r, kh, p * ps)
+        return k.astype(jnp.float32), v.astype(jnp.float32), ks, vs
 
     outs = []
     if sp:
-        k, v = gather(slice(0, sp))
+        k, v, ksc, vsc = gather(slice(0, sp))
         qp = qf[: sp * qm].reshape(sp, qm, kh, g, d)
         q_pos = (kv_lens[:sp] - query_lens[:sp])[:, None] + jnp.arange(qm)[None, :]  # [Sp, Qm]
-        o = _attend_rows(qp, k, v, q_pos, kv_lens[:sp], sm_scale, sliding_window, soft_cap)
+        o = _attend_rows(qp, k, v, q_pos, kv_lens[:sp], sm_scale, sliding_window, soft_cap, ksc, vsc)
         real = jnp.arange(qm)[None, :] < query_lens[:sp, None]  # [Sp, Qm]
         outs.append((o * real[:, :, None, None, None]).reshape(sp * qm, nh, d))
     if sd:
-        k, v = gather(slice(sp, sp + sd))
+        k, v, ksc, vsc = gather(slice(sp, sp + sd))
         qd = qf[sp * qm :].reshape(sd, 1, kh, g, d)
         q_pos = (kv_lens[sp:] - 1)[:, None]  # [Sd, 1]
-        o = _attend_rows(qd, k, v, q_pos, kv_lens[sp:], sm_scale, sliding_window, soft_cap)
+        o = _attend_rows(qd, k, v, q_pos, kv_lens[sp:], sm_scale, sliding_window, soft_cap, ksc, vsc)
         real = query_lens[sp:] > 0
         outs.append((o * real[:, None, None, None, None]).reshape(sd, nh, d))
     return jnp.concatenate(outs, axis=0).astype(q.dtype) if len(outs) > 1 else outs[0].astype(q.dtype)
@@ -175,3 +234,333 @@ def layout_query_start(layout: PrefillDecodeLayout) -> jnp.ndarray:
     pre = jnp.arange(layout.num_prefill_rows, dtype=jnp.int32) * layout.max_q_len
     dec = layout.num_prefill_rows * layout.max_q_len + jnp.arange(layout.num_decode_rows, dtype=jnp.int32)
     return jnp.concatenate([pre, dec])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pallas kernel
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Grid (token block b, KV head h, key split c). A program owns `block_q` consecutive slots of the flat token axis
+# for one KV head, all `G` query heads of that KV head stacked into the rows of one matrix (`M = block_q * G`
+# rows), so every key block loaded is used by the whole group. The block may hold tokens of several rows (decode
+# rows sit next to each other); the wrapper lists, per block, the distinct rows present, and the kernel runs the
+# online softmax over each listed row's visible pages in turn, masking the tokens of other rows. A token's
+# softmax state is touched only by its own row's keys, so visiting rows one after another is exact.
+#
+# No scalar prefetch and no scratch buffers (GPU Pallas accepts neither): the page table and the row metadata
+# are ordinary operands, read as scalars inside the kernel, and pages are gathered from this head's whole pool
+# `[num_pages, page_size, D]` with an indexed load. The accumulators are loop carries.
+#
+# With `k_splits > 1`, split c attends only the c-th part of each row's visible key blocks and writes its
+# un-normalised output with the running max and sum; the wrapper merges the splits.
+
+
+def _ragged_kernel(
+    block_rows_ref,  # [block_q] int32: the distinct rows with tokens in this block, first `nrows` valid
+    block_nrows_ref,  # [1] int32
+    query_start_ref,  # [S] int32
+    query_lens_ref,  # [S] int32
+    kv_lens_ref,  # [S] int32
+    page_table_ref,  # [S, P'] int32, P' a multiple of pages_per_block
+    q_ref,  # [block_q, G', D]
+    k_pages_ref,  # [num_pages, page_size, D]
+    k_scales_ref,  # [num_pages, page_size] float32, or None
+    v_pages_ref,  # [num_pages, page_size, D]
+    v_scales_ref,  # [num_pages, page_size] float32, or None
+    o_ref,  # [block_q, G', D]: the output (k_splits == 1) or this split's un-normalised float32 partial
+    *stat_refs,  # k_splits > 1: m_ref, l_ref [block_q, G'] float32 (running max and sum of this split)
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    pages_per_block: int,
+    k_splits: int,
+    compute_dtype: jnp.dtype,
+):
+    b = pl.program_id(0)
+    split = pl.program_id(2)
+    block_q, gp, d = q_ref.shape
+    num_pages, page_size, _ = k_pages_ref.shape
+    m_rows = block_q * gp
+    block_k = pages_per_block * page_size
+    blk_start = b * block_q
+
+    q = q_ref[...].reshape(m_rows, d).astype(compute_dtype)  # [M, D]
+    tok = blk_start + lax.broadcasted_iota(jnp.int32, (m_rows, 1), 0) // gp  # [M, 1] token of each q row
+    key_iota = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, Bk]
+
+    def row_body(n, carry):
+        r = block_rows_ref[n]
+        qs = query_start_ref[r]
+        ql = query_lens_ref[r]
+        kv = kv_lens_ref[r]
+        # The row's tokens in this block and the keys any of them can see.
+        t_lo = jnp.maximum(blk_start, qs)
+        t_hi = jnp.minimum(blk_start + block_q, qs + ql)  # exclusive; > t_lo since the row is listed
+        first_pos = kv - ql + (t_lo - qs)
+        last_pos = kv - ql + (t_hi - 1 - qs)
+        key_hi = jnp.minimum(kv, last_pos + 1)
+        key_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        blk_lo = key_lo // block_k
+        blk_hi = jnp.maximum((key_hi + block_k - 1) // block_k, blk_lo)
+        if k_splits > 1:
+            per = (blk_hi - blk_lo + k_splits - 1) // k_splits
+            blk_lo = jnp.minimum(blk_lo + split * per, blk_hi)
+            blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+        in_row = (tok >= qs) & (tok < qs + ql)  # [M, 1]
+        q_pos = kv - ql + (tok - qs)  # [M, 1]
+
+        def page_body(j, carry):
+            acc, m_i, l_i = carry  # [M, D] un-normalised output, [M] running max, [M] running sum
+            pages = page_table_ref[r, pl.ds(j * pages_per_block, pages_per_block)]  # [ppb]
+            pages = jnp.clip(pages, 0, num_pages - 1)
+            k = k_pages_ref[pages].reshape(block_k, d).astype(compute_dtype)  # [Bk, D]
+            v = v_pages_ref[pages].reshape(block_k, d).astype(compute_dtype)  # [Bk, D]
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, Bk]
+            s = s * sm_scale
+            if k_scales_ref is not None:
+                s = s * k_scales_ref[pages].reshape(1, block_k)
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            k_pos = j * block_k + key_iota  # [1, Bk]
+            vis = in_row & (k_pos <= q_pos) & (k_pos < kv)  # [M, Bk]
+            if sliding_window is not None:
+                vis &= (q_pos - k_pos) < sliding_window
+            s = jnp.where(vis, s, NEG_INF)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))  # [M]
+            corr = jnp.exp(m_i - m_new)
+            p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)  # [M, Bk]
+            l_i = corr * l_i + jnp.sum(p, axis=1)
+            if v_scales_ref is not None:
+                p = p * v_scales_ref[pages].reshape(1, block_k)
+            pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [M, D]
+            return corr[:, None] * acc + pv, m_new, l_i
+
+        return lax.fori_loop(blk_lo, blk_hi, page_body, carry)
+
+    init = (
+        jnp.zeros((m_rows, d), jnp.float32),
+        jnp.full((m_rows,), NEG_INF, jnp.float32),
+        jnp.zeros((m_rows,), jnp.float32),
+    )
+    acc, m_i, l_i = lax.fori_loop(0, block_nrows_ref[0], row_body, init)
+    if k_splits == 1:
+        o = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        o_ref[...] = o.reshape(block_q, gp, d).astype(o_ref.dtype)
+    else:
+        m_ref, l_ref = stat_refs
+        o_ref[...] = acc.reshape(block_q, gp, d)
+        m_ref[...] = m_i.reshape(block_q, gp)
+        l_ref[...] = l_i.reshape(block_q, gp)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _block_rows(
+    query_start: jnp.ndarray,  # [S] int32
+    query_lens: jnp.ndarray,  # [S] int32
+    num_blocks: int,
+    block_q: int,
+) -> tuple[jnp.ndarray, jnp.ndarray]:  # [NB, block_q] rows (-1 padded), [NB, 1] counts
+    """For each block of `block_q` token slots, the distinct rows owning tokens in it, in token order."""
+    t = jnp.arange(num_blocks * block_q)
+    member = (t[:, None] >= query_start[None, :]) & (t[:, None] < (query_start + query_lens)[None, :])  # [T', S]
+    tok_row = jnp.where(member.any(axis=1), jnp.argmax(member, axis=1), -1).astype(jnp.int32)
+    r = tok_row.reshape(num_blocks, block_q)
+    prev = jnp.concatenate([jnp.full((num_blocks, 1), -1, jnp.int32), r[:, :-1]], axis=1)
+    first = (r >= 0) & (r != prev)  # a row's tokens are contiguous, so each row starts once per block
+    i = jnp.arange(block_q)[None, :]
+    order = jnp.argsort(jnp.where(first, i, block_q + i), axis=1)
+    rows = jnp.where(jnp.take_along_axis(first, order, axis=1), jnp.take_along_axis(r, order, axis=1), -1)
+    return rows.astype(jnp.int32), first.sum(axis=1, keepdims=True).astype(jnp.int32)
+
+
+def _should_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "config", "interpret")
+)
+def ragged_paged_attention_pallas(
+    q: jnp.ndarray,  # [T, nH, D]
+    k_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
+    v_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
+    query_start: jnp.ndarray,  # [S] int32
+    query_lens: jnp.ndarray,  # [S] int32
+    kv_lens: jnp.ndarray,  # [S] int32
+    page_table: jnp.ndarray,  # [S, P] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 k_pages
+    v_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 v_pages
+    config: AttentionTuning | None = None,
+    interpret: bool | None = None,
+) -> jnp.ndarray:  # [T, nH, D]
+    """The Pallas kernel over a fully ragged batch (semantics in the module docstring). `interpret=None`
+    interprets wherever the backend is not a GPU (the kernel lowers through Triton)."""
+    t_count, nh, d = q.shape
+    kh, num_pages, ps, d_k = k_pages.shape
+    s_count, p = page_table.shape
+    if k_pages.shape != v_pages.shape or d_k != d:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [KH, num_pages, "
+                         f"page_size, D={d}]")
+    if nh % kh:
+        raise ValueError(f"query heads ({nh}) must be a multiple of KV heads ({kh})")
+    if not query_start.shape == query_lens.shape == kv_lens.shape == (s_count,):
+        raise ValueError(f"query_start {query_start.shape}, query_lens {query_lens.shape}, kv_lens "
+                         f"{kv_lens.shape} must all be [S={s_count}] like page_table {page_table.shape}")
+    _check_scales(k_pages, v_pages, k_scales, v_scales)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if config is None:
+        config = default_tuning(num_tokens=t_count, max_query_len=1 if t_count <= s_count else t_count,
+                                num_kv_heads=kh, page_size=ps, pages_per_row=p)
+    interpret = _should_interpret(interpret)
+    g = nh // kh
+    bq, ppb, ks = config.block_q, config.pages_per_block, config.k_splits
+    # Triton wants power-of-two block sizes and dot dims >= 16: pad the group so that M = block_q * G' >= 16
+    # (done in interpret mode too, so the CPU tests run the shapes the GPU runs).
+    gp = max(_next_power_of_two(g), _next_power_of_two(-(-16 // bq)))
+    if not interpret:
+        if d & (d - 1) or d < 16 or ps & (ps - 1) or ppb * ps < 16:
+            raise ValueError(f"the GPU kernel needs a power-of-two head_dim >= 16, a power-of-two page_size and "
+                             f"pages_per_block * page_size >= 16; got head_dim={d}, page_size={ps}, "
+                             f"pages_per_block={ppb}")
+
+    nb = -(-t_count // bq)
+    t_pad = nb * bq
+    qg = q.reshape(t_count, kh, g, d)
+    qg = jnp.pad(qg, ((0, t_pad - t_count), (0, 0), (0, gp - g), (0, 0)))  # [T', KH, G', D]
+    p_pad = -(-p // ppb) * ppb
+    table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, p_pad - p)))  # padded with the null page
+    block_rows, block_nrows = _block_rows(query_start.astype(jnp.int32), query_lens.astype(jnp.int32), nb, bq)
+
+    if jnp.issubdtype(k_pages.dtype, jnp.floating):
+        compute_dtype = jnp.promote_types(q.dtype, k_pages.dtype)
+    else:
+        compute_dtype = q.dtype if jnp.issubdtype(q.dtype, jnp.floating) else jnp.float32
+
+    kernel = functools.partial(
+        _ragged_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        pages_per_block=ppb, k_splits=ks, compute_dtype=compute_dtype,
+    )
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, c: (0,) * len(shape))
+    pool_spec = pl.BlockSpec((None, num_pages, ps, d), lambda b, h, c: (h, 0, 0, 0))
+    scale_spec = None if k_scales is None else pl.BlockSpec((None, num_pages, ps), lambda b, h, c: (h, 0, 0))
+    in_specs = [
+        pl.BlockSpec((None, bq), lambda b, h, c: (b, 0)),  # block_rows
+        pl.BlockSpec((None, 1), lambda b, h, c: (b, 0)),  # block_nrows
+        full((s_count,)),  # query_start
+        full((s_count,)),  # query_lens
+        full((s_count,)),  # kv_lens
+        full((s_count, p_pad)),  # page_table
+        pl.BlockSpec((bq, None, gp, d), lambda b, h, c: (b, h, 0, 0)),  # q
+        pool_spec,  # k_pages
+        scale_spec,  # k_scales
+        pool_spec,  # v_pages
+        scale_spec,  # v_scales
+    ]
+    if ks == 1:
+        out_shape = jax.ShapeDtypeStruct((t_pad, kh, gp, d), q.dtype)
+        out_specs = pl.BlockSpec((bq, None, gp, d), lambda b, h, c: (b, h, 0, 0))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((ks, t_pad, kh, gp, d), jnp.float32),
+            jax.ShapeDtypeStruct((ks, t_pad, kh, gp), jnp.float32),
+            jax.ShapeDtypeStruct((ks, t_pad, kh, gp), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, bq, None, gp, d), lambda b, h, c: (c, b, h, 0, 0)),
+            pl.BlockSpec((None, bq, None, gp), lambda b, h, c: (c, b, h, 0)),
+            pl.BlockSpec((None, bq, None, gp), lambda b, h, c: (c, b, h, 0)),
+        )
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    out = pl.pallas_call(
+        kernel,
+        grid=(nb, kh, ks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name=f"ragged_paged_attention_bq{bq}_ppb{ppb}_ks{ks}",
+    )(
+        block_rows, block_nrows, query_start.astype(jnp.int32), query_lens.astype(jnp.int32),
+        kv_lens.astype(jnp.int32), table, qg, k_pages, k_scales, v_pages, v_scales,
+    )
+    if ks > 1:
+        acc, m_i, l_i = out  # [K, T', KH, G', D], [K, T', KH, G'] x2
+        m_all = jnp.max(m_i, axis=0)
+        w = jnp.exp(m_i - m_all[None])  # [K, T', KH, G']
+        l_all = jnp.sum(w * l_i, axis=0)
+        o = jnp.sum(w[..., None] * acc, axis=0)
+        out = jnp.where(l_all[..., None] > 0, o / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+    return out[:t_count, :, :g].reshape(t_count, nh, d).astype(q.dtype)
+
+
+IMPLS = ("auto", "xla", "pallas", "reference")
+
+
+def paged_attention(
+    q: jnp.ndarray,  # [T, nH, D]
+    k_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
+    v_pages: jnp.ndarray,  # [KH, num_pages, page_size, D]
+    query_start: jnp.ndarray,  # [S] int32
+    query_lens: jnp.ndarray,  # [S] int32
+    kv_lens: jnp.ndarray,  # [S] int32
+    page_table: jnp.ndarray,  # [S, P] int32
+    *,
+    sm_scale: float,
+    impl: str = "auto",
+    layout: PrefillDecodeLayout | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 pages
+    v_scales: jnp.ndarray | None = None,
+    config: AttentionTuning | None = None,
+    interpret: bool | None = None,
+) -> jnp.ndarray:  # [T, nH, D]
+    """Ragged paged attention through the implementation `impl` picks:
+    "pallas" the kernel; "xla" the layout fast path (the reference when `layout` is None); "reference" the spec;
+    "auto" the kernel on a GPU, otherwise "xla". `layout`, when given, must describe the batch (the XLA path
+    ignores `query_start`) and lets the kernel's default tuning know the longest query."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+                  v_scales=v_scales)
+    if impl == "pallas":
+        if config is None and layout is not None:
+            config = default_tuning(num_tokens=q.shape[0], max_query_len=layout.max_q_len,
+                                    num_kv_heads=k_pages.shape[0], page_size=k_pages.shape[2],
+                                    pages_per_row=page_table.shape[1])
+        return ragged_paged_attention_pallas(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
+                                             config=config, interpret=interpret, **common)
+    if impl == "xla" and layout is not None:
+        return ragged_paged_attention_xla(q, k_pages, v_pages, query_lens, kv_lens, page_table, layout=layout,
+                                          **common)
+    return ragged_paged_attention_reference(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
+                                            **common)
+
+
+__all__ = [
+    "IMPLS",
+    "AttentionTuning",
+    "PrefillDecodeLayout",
+    "layout_query_start",
+    "paged_attention",
+    "quantize_kv",
+    "ragged_paged_attention_pallas",
+    "ragged_paged_attention_reference",
+    "ragged_paged_attention_xla",
+]

@@ -1,0 +1,70 @@
+"""Tuning of the ragged paged attention kernel: the `AttentionTuning` block sizes and the default table.
+
+The defaults are heuristics, not measurements: no GPU was available when they were written, so they follow the
+usual shape rules (keys per compute block near 64, one token per program for decode with the context split over
+enough programs to fill an H100's 132 SMs twice, 16 query tokens per program for prefill). Replace the table
+with measured values when a benchmark on the target GPU exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _is_power_of_two(n: int) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTuning:
+    """Block sizes of `ragged_paged_attention_pallas`.
+
+    block_q: query tokens per program (a power of two). One program attends a block of `block_q` consecutive
+        tokens of the flat token axis for one KV head; the block may span several rows.
+    pages_per_block: pages loaded and scored per inner-loop step (a power of two); keys per step is
+        `pages_per_block * page_size`.
+    k_splits: the key range of every row is split into this many parts, attended by separate programs and merged
+        afterwards (split-K / flash-decoding); 1 for prefill, more for decode with long contexts.
+    num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
+    """
+
+    block_q: int = 16
+    pages_per_block: int = 4
+    k_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "pages_per_block"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value):
+                raise ValueError(f"AttentionTuning.{name} must be a power of two >= 1, got {name}={value!r}")
+        if not isinstance(self.k_splits, int) or self.k_splits < 1:
+            raise ValueError(f"AttentionTuning.k_splits must be an int >= 1, got k_splits={self.k_splits!r}")
+        if not _is_power_of_two(self.num_warps) or self.num_warps > 32:
+            raise ValueError(f"AttentionTuning.num_warps must be a power of two in [1, 32], got "
+                             f"num_warps={self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"AttentionTuning.num_stages must be an int >= 1, got num_stages={self.num_stages!r}")
+
+
+TARGET_KEYS_PER_BLOCK = 64
+TARGET_DECODE_PROGRAMS = 2 * 132  # two waves on an H100 (132 SMs)
+
+
+def default_tuning(
+    *, num_tokens: int, max_query_len: int, num_kv_heads: int, page_size: int, pages_per_row: int
+) -> AttentionTuning:
+    """The tuning used when the caller passes none. Everything here is static (shapes, not values)."""
+    ppb = 1
+    while ppb * 2 * page_size <= TARGET_KEYS_PER_BLOCK and ppb * 2 <= max(pages_per_row, 1):
+        ppb *= 2
+    if max_query_len <= 1:  # decode: one token per program, split the context to fill the GPU
+        programs = max(num_tokens, 1) * num_kv_heads
+        blocks_per_row = -(-max(pages_per_row, 1) // ppb)
+        k_splits = max(1, min(blocks_per_row, TARGET_DECODE_PROGRAMS // max(programs, 1)))
+        return AttentionTuning(block_q=1, pages_per_block=ppb, k_splits=k_splits)
+    block_q = 1
+    while block_q < 16 and block_q < max_query_len:
+        block_q *= 2
+    return AttentionTuning(block_q=block_q, pages_per_block=ppb, k_splits=1)

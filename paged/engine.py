@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.loader import DTYPES, Model
@@ -17,6 +18,8 @@ from paged.batch import RowInput, build_batch
 from paged.buckets import BucketSpec
 from paged.state import BatchShape, EngineState
 from paged.step import ATTN_IMPLS, decode_steps, step
+
+CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 
 
 def enable_compilation_cache(path: str | os.PathLike) -> None:
@@ -53,13 +56,13 @@ class Engine:
         max_prefill_rows: int = 2,
         max_penalty_range: int = 1024,
         cache_dtype: str = "float32",
-        attn_impl: str = "xla",
+        attn_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
     ):
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl {attn_impl!r} is not one of {ATTN_IMPLS}")
-        if cache_dtype not in DTYPES:
-            raise ValueError(f"cache_dtype {cache_dtype!r} is not one of {tuple(DTYPES)}")
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype {cache_dtype!r} is not one of {tuple(CACHE_DTYPES)}")
         if max_seq_len < 1 or max_chunk_size < 1 or max_batch_size < 1:
             raise ValueError("max_seq_len, max_chunk_size and max_batch_size must be positive")
         if compilation_cache_dir is not None:
@@ -70,7 +73,7 @@ class Engine:
         self.vocab_size = self.cfg.vocab_size
         self.max_seq_len = max_seq_len
         self.attn_impl = attn_impl
-        self.state = EngineState.create(self.cfg, num_pages, page_size, DTYPES[cache_dtype])
+        self.state = EngineState.create(self.cfg, num_pages, page_size, CACHE_DTYPES[cache_dtype])
         self.spec = BucketSpec(
             max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_pages_per_row=-(-max_seq_len // page_size), max_prefill_rows=max_prefill_rows, page_size=page_size,

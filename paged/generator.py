@@ -48,7 +48,7 @@ class DynamicGenerator:
         max_penalty_range: int = 1024,
         policy: str | Policy = "exllamav2",
         cache_dtype: str = "float32",
-        attn_impl: str = "xla",
+        attn_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
         engine: Any = None,
     ):

@@ -49,8 +49,10 @@ class BatchShape:
 class EngineState:
     """The paged KV cache of every layer, head-major. Donated to `step`, so updated in place."""
 
-    k: jnp.ndarray  # [L, KH, num_pages, page_size, D]
+    k: jnp.ndarray  # [L, KH, num_pages, page_size, D] (float, or int8 with scales)
     v: jnp.ndarray  # [L, KH, num_pages, page_size, D]
+    k_scale: jnp.ndarray | None = None  # [L, KH, num_pages, page_size] float32, int8 cache only
+    v_scale: jnp.ndarray | None = None  # [L, KH, num_pages, page_size] float32, int8 cache only
 
     @property
     def num_pages(self) -> int:
@@ -60,16 +62,24 @@ class EngineState:
     def page_size(self) -> int:
         return self.k.shape[3]
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
     def nbytes(self) -> int:
-        return 2 * int(self.k.size) * self.k.dtype.itemsize
+        return tree_nbytes(self)
 
     @staticmethod
     def create(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
+        """An empty cache. `dtype` float32/bfloat16/float16, or int8 (per-token-per-head scales alongside)."""
         if page_size < 8 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        if jnp.dtype(dtype) == jnp.int8:
+            return EngineState(k=jnp.zeros(shape, jnp.int8), v=jnp.zeros(shape, jnp.int8),
+                               k_scale=jnp.zeros(shape[:-1], jnp.float32), v_scale=jnp.zeros(shape[:-1], jnp.float32))
         return EngineState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 

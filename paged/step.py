@@ -20,12 +20,9 @@ from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
 from paged.sampling import sample
 from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results, query_starts, token_offsets, token_rows
-from pallas_kernels.paged_attention import (
-    ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
-)
+from pallas_kernels.paged_attention import IMPLS, paged_attention, quantize_kv
 
-ATTN_IMPLS = ("xla", "reference")
+ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "reference"
 
 
 def _forward(
@@ -44,25 +41,25 @@ def _forward(
     qstart = jnp.asarray(query_starts(layout))
 
     def attend(layer, q, k, v, kv):
-        kc, vc = kv
-        # k, v: [T, KH, D]; the index (layer, :, [T], [T]) addresses [T, KH, D] slots
+        kc, vc, ks, vs = kv
+        # k, v: [T, KH, D]; the index (layer, :, [T], [T]) addresses [T, KH, (D)] slots
+        if ks is not None:  # int8 cache: per-token-per-head scales written beside the values
+            k, k_sc = quantize_kv(k)
+            v, v_sc = quantize_kv(v)
+            ks = ks.at[layer, :, write_page, write_off].set(k_sc)
+            vs = vs.at[layer, :, write_page, write_off].set(v_sc)
         kc = kc.at[layer, :, write_page, write_off].set(k.astype(kc.dtype))
         vc = vc.at[layer, :, write_page, write_off].set(v.astype(vc.dtype))
-        if attn_impl == "xla":
-            o = ragged_paged_attention_xla(
-                q, kc[layer], vc[layer], batch.query_lens, batch.kv_lens, batch.page_table,
-                layout=layout, sm_scale=sm_scale, sliding_window=cfg.sliding_window,
-            )
-        else:
-            o = ragged_paged_attention_reference(
-                q, kc[layer], vc[layer], qstart, batch.query_lens, batch.kv_lens, batch.page_table,
-                sm_scale=sm_scale, sliding_window=cfg.sliding_window,
-            )
-        return o, (kc, vc)
+        o = paged_attention(
+            q, kc[layer], vc[layer], qstart, batch.query_lens, batch.kv_lens, batch.page_table,
+            sm_scale=sm_scale, impl=attn_impl, layout=layout, sliding_window=cfg.sliding_window,
+            k_scales=None if ks is None else ks[layer], v_scales=None if vs is None else vs[layer],
+        )
+        return o, (kc, vc, ks, vs)
 
     h = embed_tokens(params, batch.token_ids)
-    h, (k, v) = run_layers(params, cfg, h, pos, attend, (state.k, state.v))
-    return EngineState(k=k, v=v), h
+    h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale))
+    return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h
 
 
 def _sample_rows(
@@ -96,7 +93,7 @@ def step(
     shape: BatchShape,
     return_top_k: int = 0,
     return_logits: bool = False,
-    attn_impl: str = "xla",
+    attn_impl: str = "auto",
 ) -> tuple[EngineState, Results]:
     """One engine step over a ragged batch of prefill chunks and decode rows."""
     state, h = _forward(params, state, batch, cfg, shape, attn_impl)
@@ -118,7 +115,7 @@ def decode_steps(
     num_steps: int,
     return_top_k: int = 0,
     return_logits: bool = False,
-    attn_impl: str = "xla",
+    attn_impl: str = "auto",
 ) -> tuple[EngineState, Results]:
     """`num_steps` decode steps in one call; `batch` must be decode-only (no prefill rows) and its page tables must
     already cover positions up to `kv_lens + num_steps - 1`. Results are stacked `[num_steps, S, ...]`."""

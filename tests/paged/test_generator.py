@@ -128,3 +128,15 @@ def test_warmup_compiles_every_bucket_once_and_forgets_the_prompt_cache():
     before = count_compiles()["step"]
     g.warmup()  # everything is compiled now
     assert count_compiles()["step"] == before
+
+
+@pytest.mark.parametrize("attn_impl, cache_dtype", [("pallas", "float32"), ("xla", "int8")])
+def test_generator_output_with_other_attention_impls_and_int8_cache(attn_impl, cache_dtype):
+    g = DynamicGenerator(MODEL, num_pages=8, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=32,
+                         attn_impl=attn_impl, cache_dtype=cache_dtype, max_penalty_range=0)
+    prompts = [[7, 3, 9, 1, 4, 4, 2, 8, 5], [11, 12]]
+    for i, p in enumerate(prompts):
+        g.enqueue(Job(p, 4, gen_settings=SamplingSettings.greedy(), identifier=i))
+    c = drain(g)
+    for i, p in enumerate(prompts):
+        assert tokens_of(c, i) == greedy_generate(MODEL.params, CFG, p, 4)

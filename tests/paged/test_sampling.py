@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
@@ -16,7 +17,9 @@ from paged.sampling import (
     SamplingParams,
     apply_bias,
     apply_penalties,
+    gumbel_at,
     processed_logprobs,
+    row_keys,
     sample,
 )
 
@@ -59,11 +62,13 @@ def _cut_count(mass_in_order: np.ndarray, target: float) -> int:
     return min(int(np.searchsorted(c, target, side="left")) + 1, len(c))
 
 
-def ref_final(logits: np.ndarray, st: dict, hist: np.ndarray, bias_ids: np.ndarray, bias_vals: np.ndarray):
+def ref_final(logits: np.ndarray, st: dict, hist: np.ndarray, bias_ids: np.ndarray, bias_vals: np.ndarray,
+              exact_ties: bool = False):
     """Final log-distribution of one row (-inf outside the kept set), float64.
 
     Returns (log_q, ambiguous): `ambiguous` flags rows where some cut is so close to its threshold (1e-5) that float32
     rounding in the implementation may legitimately decide it the other way; keep-set comparisons skip those rows.
+    `exact_ties`: typical scores that are exactly equal (tied logits) are ties, not near-ties.
     """
     eps = 1e-5
     ambiguous = False
@@ -109,7 +114,8 @@ def ref_final(logits: np.ndarray, st: dict, hist: np.ndarray, bias_ids: np.ndarr
         keep = np.zeros_like(keep)
         keep[kept] = True
         ambiguous |= np.min(np.abs(np.cumsum(q[idx][order]) - typical)) < eps
-        ambiguous |= n < len(order) and score[order[n]] - score[order[n - 1]] < 2 * eps
+        gap = score[order[n]] - score[order[n - 1]] if n < len(order) else np.inf
+        ambiguous |= (0 < gap if exact_ties else True) and gap < 2 * eps
     q = renorm()
     with np.errstate(divide="ignore"):
         return np.where(keep, np.log(np.where(keep, q, 1.0)), -np.inf), bool(ambiguous)
@@ -189,9 +195,10 @@ def run_processed(logits, rows, history, bias_ids, bias_values) -> np.ndarray:
     )
 
 
-def ref_batch(logits, rows, history, bias_ids, bias_values) -> tuple[np.ndarray, np.ndarray]:
+def ref_batch(logits, rows, history, bias_ids, bias_values, exact_ties: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """([S, V] reference log-distributions, bool [S] ambiguous rows)."""
-    res = [ref_final(logits[i], rows[i], history[i], bias_ids[i], bias_values[i]) for i in range(len(rows))]
+    res = [ref_final(logits[i], rows[i], history[i], bias_ids[i], bias_values[i], exact_ties)
+           for i in range(len(rows))]
     return np.stack([r[0] for r in res]), np.array([r[1] for r in res])
 
 
@@ -476,3 +483,113 @@ def test_large_vocab_batch() -> None:
         assert np.isfinite(want[out.token[i]])
         np.testing.assert_allclose(out.logprob[i], want[out.token[i]], atol=2e-4)
         assert out.top_ids[i, 0] == np.argmax(want)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sort-free truncation: candidates, bracketing search, sparse noise
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _processed_with(candidates: int):
+    return jax.jit(functools.partial(processed_logprobs, candidates=candidates))
+
+
+def _sample_with(candidates: int):
+    return jax.jit(functools.partial(sample, candidates=candidates, return_top_k=K))
+
+
+def _hard_rows(rng: np.random.Generator, n: int, v: int) -> list[dict]:
+    """Rows whose cuts often fall beyond a few candidates: large top_k, flat top_p/typical, combinations."""
+    kinds = [
+        {"temperature": 2.0, "top_k": int(rng.integers(v // 4, v))},
+        {"temperature": 2.5, "top_p": float(rng.uniform(0.5, 0.99))},
+        {"temperature": 2.0, "typical": float(rng.uniform(0.3, 0.99))},
+        {"temperature": 1.5, "top_k": int(rng.integers(100, v)), "top_p": float(rng.uniform(0.8, 0.99))},
+        {"temperature": 3.0, "top_p": 0.95, "typical": 0.9},
+        {"temperature": 1.0, "min_p": 0.001, "typical": 0.95},
+        {"temperature": 0.7, "top_k": 5, "top_p": 0.9, "typical": 0.5},
+        {"temperature": 1.0},
+        {"temperature": 0.0, "top_k": 3},
+    ]
+    return [{**kinds[i % len(kinds)], "seed": int(rng.integers(0, 2**32))} for i in range(n)]
+
+
+def _tied_batch(seed: int, rows: list[dict], v: int = V):
+    """Logits on a coarse grid (many exact ties, as with bf16 logits) and some banned tokens."""
+    logits, rows, history, bias_ids, bias_values = random_batch(seed, rows, v=v)
+    logits = np.round(logits * 2.0) / 2.0
+    logits[:, :3] = logits[:, 3:4]  # ties at the top too
+    return logits, rows, history, bias_ids, bias_values
+
+
+@pytest.mark.parametrize("candidates", [1, 4, 64, V])
+def test_candidates_only_change_speed(candidates: int) -> None:
+    """Any number of candidates gives the reference distribution: cuts beyond them are found by the bracketing
+    search over the row (exactly, also through ties and into -inf), cuts among them directly."""
+    rng = np.random.default_rng(100 + candidates)
+    for batch in (random_batch(101, _hard_rows(rng, S, V)), _tied_batch(102, _hard_rows(rng, S, V))):
+        args = dict(history=jnp.asarray(batch[2]), bias_ids=jnp.asarray(batch[3]), bias_values=jnp.asarray(batch[4]))
+        got = np.asarray(_processed_with(candidates)(jnp.asarray(batch[0]), SamplingParams.make(batch[1]), **args))
+        want, ambiguous = ref_batch(*batch, exact_ties=True)
+        assert_same_distribution(got, want, ambiguous, batch[1])
+
+
+def test_draws_do_not_depend_on_candidates() -> None:
+    """The sparse draw (noise only at the candidates) picks the same tokens as the full draw over the vocabulary."""
+    rng = np.random.default_rng(110)
+    rows = [{**r, "seed": int(rng.integers(0, 2**32))} for r in random_rows(rng, S)]
+    for batch in (random_batch(111, rows), random_batch(112, _hard_rows(rng, S, V)), _tied_batch(113, rows)):
+        outs = []
+        for candidates in (2, 64, V):  # mostly full draws / mostly sparse / always sparse
+            out = _sample_with(candidates)(
+                jnp.asarray(batch[0]), SamplingParams.make(batch[1]), positions=jnp.arange(S, dtype=jnp.int32) * 7,
+                history=jnp.asarray(batch[2]), bias_ids=jnp.asarray(batch[3]), bias_values=jnp.asarray(batch[4]),
+            )  # fmt: skip
+            outs.append(jax.tree.map(np.asarray, out))
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out.token, outs[0].token)
+            np.testing.assert_allclose(out.logprob, outs[0].logprob, atol=1e-5)
+            np.testing.assert_allclose(out.top_logprobs, outs[0].top_logprobs, atol=1e-5)
+
+
+def test_gumbel_at_matches_jax_gumbel() -> None:
+    """`gumbel_at` reproduces `jax.random.gumbel` bit for bit at any ids (the sparse draw relies on it)."""
+    keys = row_keys(jnp.asarray([0, 1, 2**32 - 1, 12345], jnp.uint32), jnp.asarray([0, 7, 3, 2**20], jnp.int32))
+    for v in (5, 1000, 49152):
+        full = jax.jit(lambda k, v=v: jax.vmap(lambda kk: jax.random.gumbel(kk, (v,), jnp.float32))(k))(keys)
+        ids = jnp.asarray(np.random.default_rng(v).integers(0, v, size=(4, 64)), jnp.int32)
+        got = jax.jit(gumbel_at)(keys, ids)
+        np.testing.assert_array_equal(np.asarray(got), np.take_along_axis(np.asarray(full), np.asarray(ids), -1))
+
+
+def test_small_vocab_unfiltered_rows_draw_from_full_distribution() -> None:
+    """Rows without filters in a vocabulary smaller than the candidate count still use all tokens."""
+    s, v = 512, 8
+    logits = np.tile(np.linspace(-1.0, 1.0, v, dtype=np.float32), (s, 1))
+    bias_ids = np.tile(np.asarray([[0, 5]], np.int32), (s, 1))
+    bias_values = np.full((s, 2), -np.inf, np.float32)
+    rows = [{"temperature": 1.0, "seed": i} for i in range(s)]
+    out = _sample(jnp.asarray(logits), SamplingParams.make(rows), positions=jnp.zeros(s, jnp.int32),
+                  history=jnp.zeros((s, 0), jnp.int32), bias_ids=jnp.asarray(bias_ids),
+                  bias_values=jnp.asarray(bias_values), return_top_k=0)  # fmt: skip
+    counts = np.bincount(np.asarray(out.token), minlength=v)
+    assert counts[0] == 0 and counts[5] == 0
+    assert np.all(counts[[1, 2, 3, 4, 6, 7]] > 0)
+
+
+def test_top_k_cut_into_banned_tokens() -> None:
+    """top_k around and beyond the number of allowed tokens, with cuts found by the bracketing search."""
+    ks = [100, 249, 250, 251, 300, 511]
+    rows = [{"temperature": 1.0, "top_k": ks[i % len(ks)], "top_p": [1.0, 0.9][i % 2], "seed": i} for i in range(S)]
+    logits, rows, history, bias_ids, bias_values = random_batch(120, rows)
+    history[:] = -1
+    bias_ids[:] = -1
+    logits[:, 250:] = -np.inf  # only 250 allowed tokens
+    got = np.asarray(_processed_with(4)(jnp.asarray(logits), SamplingParams.make(rows), history=jnp.asarray(history),
+                                        bias_ids=jnp.asarray(bias_ids), bias_values=jnp.asarray(bias_values)))
+    want, ambiguous = ref_batch(logits, rows, history, bias_ids, bias_values)
+    assert_same_distribution(got, want, ambiguous, rows)
+    kept = np.isfinite(got).sum(-1)
+    for i, row in enumerate(rows):
+        if row["top_p"] == 1.0:
+            assert kept[i] == min(row["top_k"], 250)

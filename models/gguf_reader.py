@@ -82,8 +82,13 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     return _metadata(_open(path))
 
 
-def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32) -> GGUFContents:
-    """Metadata plus every tensor, dequantized to `dtype`, HF-named and HF-oriented."""
+KEEPABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantized: bool = False) -> GGUFContents:
+    """Metadata plus every tensor, HF-named and HF-oriented, dequantized to `dtype`; with `keep_quantized`, 2-D
+    Q4_0/Q4_1/Q8_0 tensors come back as `models.quant.QuantizedArray` (logical `[in, out]`, blocks imported without
+    requantization) instead."""
     reader = _open(path)
     metadata = _metadata(reader)
     # Check every type before dequantizing anything, so an unreadable file fails at once.
@@ -106,12 +111,24 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32) -> GGUFConten
     tensor_types: dict[str, str] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
-        w = _dequantize(t, dtype)
+        heads = None
         # Only the Llama converter permutes q/k (for ggml's interleaved RoPE); Qwen2 etc. keep HF order.
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            w = unpermute_qk(w, _head_count(n_head, f"{arch}.attention.head_count"))
+            heads = _head_count(n_head, f"{arch}.attention.head_count")
         elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            w = unpermute_qk(w, _head_count(n_head_kv, f"{arch}.attention.head_count_kv"))
+            heads = _head_count(n_head_kv, f"{arch}.attention.head_count_kv")
+        if keep_quantized and t.tensor_type.name in KEEPABLE_TYPES and len(t.shape) == 2:
+            from models import quant
+
+            out_in = tuple(int(x) for x in reversed(t.shape))
+            importer = {"Q4_0": quant.from_gguf_q4_0, "Q4_1": quant.from_gguf_q4_1, "Q8_0": quant.from_gguf_q8_0}
+            w = importer[t.tensor_type.name](np.asarray(t.data), out_in)
+            if heads is not None:  # the row permutation of [out, in] is a column selection of [in, out]
+                w = quant.select_out(w, unpermute_qk(np.arange(out_in[0]), heads))
+        else:
+            w = _dequantize(t, dtype)
+            if heads is not None:
+                w = unpermute_qk(w, heads)
         tensors[name] = w
         tensor_types[name] = t.tensor_type.name
     return GGUFContents(metadata=metadata, tensors=tensors, tensor_types=tensor_types)

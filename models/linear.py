@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from models.quant import QuantizedArray
 
-def matmul(x: jnp.ndarray, w, bias: jnp.ndarray | None = None) -> jnp.ndarray:
-    """`x @ w (+ bias)` with float32 accumulation. x: `[N, in]`; w: `[in, out]`."""
-    y = jnp.dot(x, w.astype(x.dtype) if w.dtype != x.dtype else w, preferred_element_type=jnp.float32)
+MATMUL_IMPLS = ("auto", "xla", "pallas", "reference")
+
+
+def matmul(x: jnp.ndarray, w, bias: jnp.ndarray | None = None, *, impl: str = "auto") -> jnp.ndarray:
+    """`x @ w (+ bias)` with float32 accumulation. x: `[N, in]`; w: `[in, out]` float, or a `QuantizedArray`
+    standing for one (then `impl` picks the dequant-matmul: "auto", "xla", "pallas", "reference")."""
+    if isinstance(w, QuantizedArray):
+        from pallas_kernels.dequant_matmul import dequant_matmul
+
+        y = dequant_matmul(x, w, impl=impl)
+    else:
+        y = jnp.dot(x, w.astype(x.dtype) if w.dtype != x.dtype else w, preferred_element_type=jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.linear import matmul
+from models.quant import QuantizedArray, gather_out
 from models.rope import apply_rope, rope_cos_sin
 from models.weights import LayerWeights, Weights
 
@@ -32,52 +33,59 @@ def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
     return (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 
-def embed_tokens(params: Weights, token_ids: jnp.ndarray) -> jnp.ndarray:
-    """token_ids `[N]` -> hidden `[N, H]`."""
+def embed_tokens(params: Weights, token_ids: jnp.ndarray, dtype=None) -> jnp.ndarray:
+    """token_ids `[N]` -> hidden `[N, H]`. A quantized embedding is stored as the LM head `[H, V]`."""
+    if isinstance(params.embed, QuantizedArray):
+        return gather_out(params.embed, token_ids).astype(dtype or params.final_norm.dtype)
     return jnp.take(params.embed, token_ids, axis=0)
 
 
 def _layer(
     cfg: ModelConfig, lw: LayerWeights, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
-    layer: jnp.ndarray, attend: AttendFn, state: Any,
+    layer: jnp.ndarray, attend: AttendFn, state: Any, mm: str = "auto",
 ) -> tuple[jnp.ndarray, Any]:
     n = h.shape[0]
     d, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
-    qkv = matmul(x, lw.wqkv, lw.bqkv)  # [N, (nH + 2 nKV) D]
+    qkv = matmul(x, lw.wqkv, lw.bqkv, impl=mm)  # [N, (nH + 2 nKV) D]
     q = qkv[:, : nh * d].reshape(n, nh, d)
     k = qkv[:, nh * d : (nh + nkv) * d].reshape(n, nkv, d)
     v = qkv[:, (nh + nkv) * d :].reshape(n, nkv, d)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     attn, state = attend(layer, q, k, v, state)  # [N, nH, D]
-    h = h + matmul(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo)
+    h = h + matmul(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo, impl=mm)
     x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
-    gu = matmul(x, lw.w_gate_up, lw.b_gate_up)  # [N, 2F]
+    gu = matmul(x, lw.w_gate_up, lw.b_gate_up, impl=mm)  # [N, 2F]
     f = cfg.intermediate_size
     act = jax.nn.silu(gu[:, :f].astype(jnp.float32)) * gu[:, f:].astype(jnp.float32)
-    h = h + matmul(act.astype(h.dtype), lw.w_down, lw.b_down)
+    h = h + matmul(act.astype(h.dtype), lw.w_down, lw.b_down, impl=mm)
     return h, state
 
 
 def run_layers(
-    params: Weights, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray, attend: AttendFn, state: Any
+    params: Weights, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray, attend: AttendFn, state: Any,
+    matmul_impl: str = "auto",
 ) -> tuple[jnp.ndarray, Any]:
-    """All decoder layers over hidden `[N, H]` at `positions` `[N]`; `state` is threaded through `attend`."""
+    """All decoder layers over hidden `[N, H]` at `positions` `[N]`; `state` is threaded through `attend`.
+    `matmul_impl` picks the dequant-matmul for quantized weights."""
     cos, sin = rope_cos_sin(cfg, positions)
 
     def body(carry, xs):
         h, state = carry
         lw, layer = xs
-        return _layer(cfg, lw, h, cos, sin, layer, attend, state), None
+        return _layer(cfg, lw, h, cos, sin, layer, attend, state, matmul_impl), None
 
     (h, state), _ = jax.lax.scan(body, (h, state), (params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return h, state
 
 
-def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
     """Final norm and LM head: hidden `[N, H]` -> float32 logits `[N, V]`."""
     x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
+    head = params.embed if params.lm_head is None else params.lm_head
+    if isinstance(head, QuantizedArray):  # stored [H, V] either way
+        return matmul(x.astype(jnp.float32), head, impl=matmul_impl).astype(jnp.float32)
     if params.lm_head is None:
         return jnp.dot(x, params.embed.T.astype(x.dtype), preferred_element_type=jnp.float32)
     return jnp.dot(x, params.lm_head.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -105,15 +113,15 @@ def dense_causal_attention(cfg: ModelConfig, batch: int, seqlen: int) -> AttendF
     return attend
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
+@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl"))
+def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
     """Dense causal forward: tokens `[B, T]` -> float32 logits `[B, T, V]` (positions 0..T-1)."""
     b, t = tokens.shape
     flat = tokens.reshape(-1)
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
     h = embed_tokens(params, flat)
-    h, _ = run_layers(params, cfg, h, positions, dense_causal_attention(cfg, b, t), None)
-    return compute_logits(params, cfg, h).reshape(b, t, -1)
+    h, _ = run_layers(params, cfg, h, positions, dense_causal_attention(cfg, b, t), None, matmul_impl)
+    return compute_logits(params, cfg, h, matmul_impl).reshape(b, t, -1)
 
 
 def greedy_generate(params: Weights, cfg: ModelConfig, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from models import quant as quant_lib
 from models.config import ModelConfig
 from models.errors import MissingWeightError, WeightShapeError
+from models.quant import QuantizedArray
 
 
 @struct.dataclass
@@ -44,73 +46,99 @@ class Weights:
         return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
 
-def weights_from_state_dict(
-    cfg: ModelConfig, get: Callable[[str], np.ndarray | None], dtype=jnp.float32
-) -> Weights:
-    """Build `Weights` from HF tensor names. `get(name)` returns the tensor (any float dtype) or None if absent.
+QUANT_MODES = (None, "keep", "int8", "int4")
+_KINDS = {"int8": "int8", "int4": "q4_1"}  # round-to-nearest formats for float checkpoints
 
-    Shapes are checked against `cfg`; a mismatch raises WeightShapeError naming the tensor.
+
+def weights_from_state_dict(
+    cfg: ModelConfig, get: Callable[[str], np.ndarray | QuantizedArray | None], dtype=jnp.float32,
+    quant: str | None = None,
+) -> Weights:
+    """Build `Weights` from HF tensor names. `get(name)` returns the tensor (a float array `[out, in]`, or a
+    `QuantizedArray` standing for `[in, out]`) or None if absent. Shapes are checked against `cfg`.
+
+    quant: None (float weights of `dtype`; quantized tensors are dequantized), "keep" (quantized tensors stay
+    quantized, float ones stay float), "int8" / "int4" (every projection, the embedding and the LM head are
+    quantized round-to-nearest at load, group 32; int4 uses the asymmetric Q4_1 format; the embedding stays int8).
     """
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant={quant!r} is not one of {QUANT_MODES}")
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
 
-    def need(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def need(name: str, shape: tuple[int, ...]):
         t = get(name)
         if t is None:
             raise MissingWeightError(f"tensor {name!r} is missing from the checkpoint (expected shape {shape})")
-        t = np.asarray(t)
-        if tuple(t.shape) != shape:
+        got = tuple(reversed(t.shape)) if isinstance(t, QuantizedArray) else tuple(np.shape(t))
+        if got != shape:
             raise WeightShapeError(
-                f"tensor {name!r} has shape {tuple(t.shape)}, but the config implies {shape}; "
+                f"tensor {name!r} has shape {got}, but the config implies {shape}; "
                 "check that config.json belongs to these weights"
             )
-        return t.astype(np.float32)
+        return t if isinstance(t, QuantizedArray) else np.asarray(t).astype(np.float32)
 
-    def stack(fn: Callable[[int], np.ndarray]) -> jnp.ndarray:
-        return jnp.asarray(np.stack([fn(i) for i in range(cfg.num_layers)]), dtype)
+    def as_float(t) -> np.ndarray:  # -> [in, out]
+        return np.asarray(quant_lib.dequantize(t)) if isinstance(t, QuantizedArray) else t.T
+
+    def linear(parts: list, kind: str | None = None):
+        """Fuse `[out_i, in]` tensors along `out` into one `[in, sum out_i]` matrix, float or quantized."""
+        qas = [t for t in parts if isinstance(t, QuantizedArray)]
+        if quant == "keep" and len(qas) == len(parts) and len({(q.kind, q.group_size) for q in qas}) == 1:
+            return qas[0] if len(qas) == 1 else quant_lib.concat_out(qas)
+        w = np.concatenate([as_float(t) for t in parts], axis=1)
+        want = kind or _KINDS.get(quant)
+        if want is not None:
+            return quant_lib.quantize(jnp.asarray(w), want, 32)
+        return jnp.asarray(w, dtype)
+
+    def stack(mats: list):
+        if all(isinstance(m, QuantizedArray) for m in mats):
+            if len({(m.kind, m.group_size, m.shape) for m in mats}) == 1:
+                return quant_lib.stack(mats)
+            mats = [quant_lib.dequantize(m) for m in mats]  # mixed formats across layers: fall back to float
+        return jnp.stack([m if not isinstance(m, QuantizedArray) else quant_lib.dequantize(m) for m in mats]).astype(
+            dtype)
 
     def p(i: int, rest: str) -> str:
         return f"model.layers.{i}.{rest}"
 
-    def qkv(i: int) -> np.ndarray:
-        q = need(p(i, "self_attn.q_proj.weight"), (nq, h))
-        k = need(p(i, "self_attn.k_proj.weight"), (nkv, h))
-        v = need(p(i, "self_attn.v_proj.weight"), (nkv, h))
-        return np.concatenate([q, k, v], axis=0).T
+    L = range(cfg.num_layers)
 
-    def gate_up(i: int) -> np.ndarray:
-        g = need(p(i, "mlp.gate_proj.weight"), (f, h))
-        u = need(p(i, "mlp.up_proj.weight"), (f, h))
-        return np.concatenate([g, u], axis=0).T
+    def fstack(fn) -> jnp.ndarray:
+        return jnp.asarray(np.stack([fn(i) for i in L]), dtype)
 
     layers = LayerWeights(
-        attn_norm=stack(lambda i: need(p(i, "input_layernorm.weight"), (h,))),
-        wqkv=stack(qkv),
-        wo=stack(lambda i: need(p(i, "self_attn.o_proj.weight"), (h, nq)).T),
-        mlp_norm=stack(lambda i: need(p(i, "post_attention_layernorm.weight"), (h,))),
-        w_gate_up=stack(gate_up),
-        w_down=stack(lambda i: need(p(i, "mlp.down_proj.weight"), (h, f)).T),
-        bqkv=stack(
-            lambda i: np.concatenate(
-                [need(p(i, f"self_attn.{n}_proj.bias"), (s,)) for n, s in (("q", nq), ("k", nkv), ("v", nkv))]
-            )
-        )
-        if cfg.qkv_bias
-        else None,
-        bo=stack(lambda i: need(p(i, "self_attn.o_proj.bias"), (h,))) if cfg.o_bias else None,
-        b_gate_up=stack(
-            lambda i: np.concatenate([need(p(i, "mlp.gate_proj.bias"), (f,)), need(p(i, "mlp.up_proj.bias"), (f,))])
-        )
-        if cfg.mlp_bias
-        else None,
-        b_down=stack(lambda i: need(p(i, "mlp.down_proj.bias"), (h,))) if cfg.mlp_bias else None,
+        attn_norm=fstack(lambda i: need(p(i, "input_layernorm.weight"), (h,))),
+        wqkv=stack([linear([need(p(i, "self_attn.q_proj.weight"), (nq, h)),
+                            need(p(i, "self_attn.k_proj.weight"), (nkv, h)),
+                            need(p(i, "self_attn.v_proj.weight"), (nkv, h))]) for i in L]),
+        wo=stack([linear([need(p(i, "self_attn.o_proj.weight"), (h, nq))]) for i in L]),
+        mlp_norm=fstack(lambda i: need(p(i, "post_attention_layernorm.weight"), (h,))),
+        w_gate_up=stack([linear([need(p(i, "mlp.gate_proj.weight"), (f, h)),
+                                 need(p(i, "mlp.up_proj.weight"), (f, h))]) for i in L]),
+        w_down=stack([linear([need(p(i, "mlp.down_proj.weight"), (h, f))]) for i in L]),
+        bqkv=fstack(lambda i: np.concatenate(
+            [need(p(i, f"self_attn.{n}_proj.bias"), (s,)) for n, s in (("q", nq), ("k", nkv), ("v", nkv))]))
+        if cfg.qkv_bias else None,
+        bo=fstack(lambda i: need(p(i, "self_attn.o_proj.bias"), (h,))) if cfg.o_bias else None,
+        b_gate_up=fstack(lambda i: np.concatenate(
+            [need(p(i, "mlp.gate_proj.bias"), (f,)), need(p(i, "mlp.up_proj.bias"), (f,))]))
+        if cfg.mlp_bias else None,
+        b_down=fstack(lambda i: need(p(i, "mlp.down_proj.bias"), (h,))) if cfg.mlp_bias else None,
     )
-    embed = need("model.embed_tokens.weight", (cfg.vocab_size, h))
+    embed_t = need("model.embed_tokens.weight", (cfg.vocab_size, h))
+    head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (cfg.vocab_size, h))
+    if quant is None or (quant == "keep" and not isinstance(embed_t, QuantizedArray)):
+        embed = jnp.asarray(as_float(embed_t).T, dtype)  # [V, H]
+    else:  # quantized embeddings are stored as the LM head [H, V]
+        embed = linear([embed_t], kind=None if quant == "keep" else "int8")
     lm_head = None
-    if not cfg.tie_word_embeddings:
-        lm_head = jnp.asarray(need("lm_head.weight", (cfg.vocab_size, h)).T, dtype)
+    if head_t is not None:
+        lm_head = linear([head_t], kind=None if quant in (None, "keep") else "int8") if quant else jnp.asarray(
+            as_float(head_t), dtype)
     return Weights(
-        embed=jnp.asarray(embed, dtype),
+        embed=embed,
         layers=layers,
         final_norm=jnp.asarray(need("model.norm.weight", (h,)), dtype),
         lm_head=lm_head,

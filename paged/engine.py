@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.linear import MATMUL_IMPLS
 from models.loader import DTYPES, Model
 from paged.batch import RowInput, build_batch
 from paged.buckets import BucketSpec
@@ -57,10 +58,13 @@ class Engine:
         max_penalty_range: int = 1024,
         cache_dtype: str = "float32",
         attn_impl: str = "auto",
+        matmul_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
     ):
         if attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl {attn_impl!r} is not one of {ATTN_IMPLS}")
+        if matmul_impl not in MATMUL_IMPLS:
+            raise ValueError(f"matmul_impl {matmul_impl!r} is not one of {MATMUL_IMPLS}")
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype {cache_dtype!r} is not one of {tuple(CACHE_DTYPES)}")
         if max_seq_len < 1 or max_chunk_size < 1 or max_batch_size < 1:
@@ -73,6 +77,7 @@ class Engine:
         self.vocab_size = self.cfg.vocab_size
         self.max_seq_len = max_seq_len
         self.attn_impl = attn_impl
+        self.matmul_impl = matmul_impl
         self.state = EngineState.create(self.cfg, num_pages, page_size, CACHE_DTYPES[cache_dtype])
         self.spec = BucketSpec(
             max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
@@ -107,7 +112,7 @@ class Engine:
         batch, slots = build_batch(rows, shape, self.page_size)
         t0 = time.perf_counter()
         kw = dict(cfg=self.cfg, shape=shape, return_top_k=return_top_k, return_logits=return_logits,
-                  attn_impl=self.attn_impl)
+                  attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
         if num_steps > 1:
             self.state, res = decode_steps(self.model.params, self.state, batch, num_steps=num_steps, **kw)
         else:
@@ -137,6 +142,6 @@ class Engine:
         for shape in it:
             batch, _ = build_batch([], shape, self.page_size)
             self.state, res = step(self.model.params, self.state, batch, cfg=self.cfg, shape=shape,
-                                   attn_impl=self.attn_impl)
+                                   attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
             jax.block_until_ready(res.token)
         return len(shapes)

@@ -49,6 +49,7 @@ class DynamicGenerator:
         policy: str | Policy = "exllamav2",
         cache_dtype: str = "float32",
         attn_impl: str = "auto",
+        matmul_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
         engine: Any = None,
     ):
@@ -68,7 +69,7 @@ class DynamicGenerator:
             engine = Engine(model, num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
                             max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
                             max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
-                            cache_dtype=cache_dtype, attn_impl=attn_impl,
+                            cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
                             compilation_cache_dir=compilation_cache_dir)
         self.engine = engine
         self.vocab_size = engine.vocab_size

@@ -26,7 +26,8 @@ ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "refe
 
 
 def _forward(
-    params: Weights, state: EngineState, batch: Batch, cfg: ModelConfig, shape: BatchShape, attn_impl: str
+    params: Weights, state: EngineState, batch: Batch, cfg: ModelConfig, shape: BatchShape, attn_impl: str,
+    matmul_impl: str = "auto",
 ) -> tuple[EngineState, jnp.ndarray]:
     """Run the model over the batch's tokens, writing K/V; returns the new state and hidden `[T, H]`."""
     layout = shape.layout
@@ -58,17 +59,18 @@ def _forward(
         return o, (kc, vc, ks, vs)
 
     h = embed_tokens(params, batch.token_ids)
-    h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale))
+    h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
+                                   matmul_impl)
     return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h
 
 
 def _sample_rows(
     params: Weights, cfg: ModelConfig, shape: BatchShape, batch: Batch, h: jnp.ndarray, return_top_k: int,
-    return_logits: bool,
+    return_logits: bool, matmul_impl: str = "auto",
 ) -> Results:
     layout = shape.layout
     last = jnp.asarray(query_starts(layout)) + jnp.maximum(batch.query_lens - 1, 0)  # [S]
-    logits = compute_logits(params, cfg, h[last])  # [S, V]
+    logits = compute_logits(params, cfg, h[last], matmul_impl)  # [S, V]
     out = sample(
         logits, batch.sampling, positions=batch.kv_lens, history=batch.history,
         bias_ids=batch.bias_ids, bias_values=batch.bias_values, return_top_k=return_top_k,
@@ -81,7 +83,7 @@ def _sample_rows(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "shape", "return_top_k", "return_logits", "attn_impl"),
+    static_argnames=("cfg", "shape", "return_top_k", "return_logits", "attn_impl", "matmul_impl"),
     donate_argnames=("state",),
 )
 def step(
@@ -94,15 +96,16 @@ def step(
     return_top_k: int = 0,
     return_logits: bool = False,
     attn_impl: str = "auto",
+    matmul_impl: str = "auto",
 ) -> tuple[EngineState, Results]:
     """One engine step over a ragged batch of prefill chunks and decode rows."""
-    state, h = _forward(params, state, batch, cfg, shape, attn_impl)
-    return state, _sample_rows(params, cfg, shape, batch, h, return_top_k, return_logits)
+    state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
+    return state, _sample_rows(params, cfg, shape, batch, h, return_top_k, return_logits, matmul_impl)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "shape", "num_steps", "return_top_k", "return_logits", "attn_impl"),
+    static_argnames=("cfg", "shape", "num_steps", "return_top_k", "return_logits", "attn_impl", "matmul_impl"),
     donate_argnames=("state",),
 )
 def decode_steps(
@@ -116,6 +119,7 @@ def decode_steps(
     return_top_k: int = 0,
     return_logits: bool = False,
     attn_impl: str = "auto",
+    matmul_impl: str = "auto",
 ) -> tuple[EngineState, Results]:
     """`num_steps` decode steps in one call; `batch` must be decode-only (no prefill rows) and its page tables must
     already cover positions up to `kv_lens + num_steps - 1`. Results are stacked `[num_steps, S, ...]`."""
@@ -125,8 +129,8 @@ def decode_steps(
 
     def body(carry, _):
         state, b = carry
-        state, h = _forward(params, state, b, cfg, shape, attn_impl)
-        res = _sample_rows(params, cfg, shape, b, h, return_top_k, return_logits)
+        state, h = _forward(params, state, b, cfg, shape, attn_impl, matmul_impl)
+        res = _sample_rows(params, cfg, shape, b, h, return_top_k, return_logits, matmul_impl)
         tok = jnp.where(active, res.token, 0)
         history = b.history
         if history.shape[1]:

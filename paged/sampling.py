@@ -184,7 +184,7 @@ def _exclusive_cumsum(x: jax.Array) -> jax.Array:
     """[S, C] -> [S, C]: sums of the entries before each one. A product with a triangular matrix: for the small C
     here as fast as `jnp.cumsum`, and much quicker to compile on XLA:CPU."""
     c = x.shape[-1]
-    return jnp.dot(x, jnp.triu(jnp.ones((c, c), x.dtype), 1), precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(x, np.triu(np.ones((c, c), np.float32), 1), precision=jax.lax.Precision.HIGHEST)
 
 
 def _bracket_cut(key: jax.Array, weight: jax.Array | None, target: jax.Array, need: jax.Array,
@@ -197,10 +197,9 @@ def _bracket_cut(key: jax.Array, weight: jax.Array | None, target: jax.Array, ne
     candidates before it, < target. The sums only shrink as the cut value grows, so the bracket ends exactly at the
     cut (a key value); only if lo never moved can the walk go past every finite key, into the -inf ones.
     """
-    okey = _ordered(key)  # [S, V]
-
-    def above(o: jax.Array) -> jax.Array:  # [S]: weight of the entries with key > o
-        gt = okey > o[:, None]
+    def above(o: jax.Array) -> jax.Array:  # [S]: weight of the entries with key > unordered(o)
+        # A float comparison: the same as ordered(key) > o, since `_ordered` is monotone and keeps ties.
+        gt = key > _unordered(o)[:, None]
         return jnp.sum(gt, axis=-1).astype(jnp.float32) if weight is None else jnp.sum(jnp.where(gt, weight, 0.0), -1)
 
     def halve(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -375,11 +374,12 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def _gumbel_at_supported(keys: jax.Array) -> bool:
-    """Whether `gumbel_at` reproduces `jax.random.gumbel` for these keys (decided when tracing)."""
+def _threefry_draws_supported() -> bool:
+    """Whether `row_key_data` and `gumbel_at` reproduce `row_keys` and `jax.random.gumbel` under the current JAX
+    configuration (decided when tracing; otherwise `sample` uses JAX's own functions)."""
     try:
         return (
-            str(jax.random.key_impl(keys)) == "threefry2x32"
+            jax.config.jax_default_prng_impl == "threefry2x32"
             and bool(jax.config.jax_threefry_partitionable)
             and not bool(jax.config.jax_high_dynamic_range_gumbel)
         )
@@ -404,15 +404,23 @@ def _threefry2x32(k0: jax.Array, k1: jax.Array, x0: jax.Array, x1: jax.Array) ->
     return x0, x1
 
 
-def gumbel_at(keys: jax.Array, ids: jax.Array) -> jax.Array:
-    """f32 [S, N]: entries `ids` [S, N] of `jax.random.gumbel(keys[i], (V,))` for each row i, without drawing all V.
+def row_key_data(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """u32 [S, 2]: `jax.random.key_data(row_keys(seeds, positions))`, computed directly: key(seed) is (0, seed) and
+    fold_in hashes the counter (0, position) under it."""
+    zero = jnp.zeros(seeds.shape, jnp.uint32)
+    k0, k1 = _threefry2x32(zero, seeds.astype(jnp.uint32), zero, positions.astype(jnp.uint32))
+    return jnp.stack([k0, k1], axis=-1)
+
+
+def gumbel_at(key_data: jax.Array, ids: jax.Array) -> jax.Array:
+    """f32 [S, N]: entries `ids` [S, N] of `jax.random.gumbel(key_i, (V,))` for each row's key (data [S, 2] u32),
+    without drawing all V.
 
     With partitionable threefry, element j of a 1-D draw hashes the counter (0, j) under the key and xors the two
     output words; then the same uniform in [tiny, 1) and -log(-log(u)) as `jax.random.gumbel` (mode "low"). Valid
-    only where `_gumbel_at_supported`; the tests check it bit for bit against `jax.random.gumbel`.
+    where `_threefry_draws_supported`; the tests check it bit for bit against `jax.random.gumbel`.
     """
-    kd = jax.random.key_data(keys)  # [S, 2] u32
-    b0, b1 = _threefry2x32(kd[:, :1], kd[:, 1:], jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32))
+    b0, b1 = _threefry2x32(key_data[:, :1], key_data[:, 1:], jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32))
     mantissa = ((b0 ^ b1) >> np.uint32(32 - 23)) | np.uint32(0x3F800000)  # a float in [1, 2)
     floats = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - np.float32(1.0)
     tiny = np.float32(np.finfo(np.float32).tiny)
@@ -451,8 +459,8 @@ def sample(
     )
 
     def draw() -> jax.Array:
-        keys = row_keys(params.seed, positions)
-        supported = _gumbel_at_supported(keys)
+        supported = _threefry_draws_supported()
+        keys = row_key_data(params.seed, positions) if supported else row_keys(params.seed, positions)
 
         def dense() -> jax.Array:  # Gumbel-max: an exact draw from softmax(final)
             def noise() -> jax.Array:

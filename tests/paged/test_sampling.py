@@ -19,6 +19,7 @@ from paged.sampling import (
     apply_penalties,
     gumbel_at,
     processed_logprobs,
+    row_key_data,
     row_keys,
     sample,
 )
@@ -552,14 +553,21 @@ def test_draws_do_not_depend_on_candidates() -> None:
             np.testing.assert_allclose(out.top_logprobs, outs[0].top_logprobs, atol=1e-5)
 
 
-def test_gumbel_at_matches_jax_gumbel() -> None:
-    """`gumbel_at` reproduces `jax.random.gumbel` bit for bit at any ids (the sparse draw relies on it)."""
-    keys = row_keys(jnp.asarray([0, 1, 2**32 - 1, 12345], jnp.uint32), jnp.asarray([0, 7, 3, 2**20], jnp.int32))
+def test_threefry_draws_match_jax() -> None:
+    """`row_key_data` and `gumbel_at` reproduce `row_keys` and `jax.random.gumbel` bit for bit at any ids (the
+    draws, sparse or not, rely on it)."""
+    seeds = jnp.asarray([0, 1, 2**32 - 1, 12345], jnp.uint32)
+    positions = jnp.asarray([0, 7, 3, 2**20], jnp.int32)
+    keys = row_keys(seeds, positions)
+    key_data = jax.jit(row_key_data)(seeds, positions)
+    np.testing.assert_array_equal(np.asarray(key_data), np.asarray(jax.random.key_data(keys)))
     for v in (5, 1000, 49152):
         full = jax.jit(lambda k, v=v: jax.vmap(lambda kk: jax.random.gumbel(kk, (v,), jnp.float32))(k))(keys)
         ids = jnp.asarray(np.random.default_rng(v).integers(0, v, size=(4, 64)), jnp.int32)
-        got = jax.jit(gumbel_at)(keys, ids)
+        got = jax.jit(gumbel_at)(key_data, ids)
         np.testing.assert_array_equal(np.asarray(got), np.take_along_axis(np.asarray(full), np.asarray(ids), -1))
+        every = jax.jit(gumbel_at)(key_data, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (4, v)))
+        np.testing.assert_array_equal(np.asarray(every), np.asarray(full))
 
 
 def test_small_vocab_unfiltered_rows_draw_from_full_distribution() -> None:

@@ -1,0 +1,298 @@
+"""Dequantizing matmul `x @ dequantize(qa)`: the pure-jnp reference, the XLA fast path for the CPU, a Pallas kernel.
+
+`qa` is a `models.quant.QuantizedArray` standing for a float matrix `[in, out]` (groups of `group_size` along `in`;
+kinds "q4_1", "q4_0", "int8"; layout and nibble order in `models/quant.py`). Every implementation returns float32
+`[N, out]` accumulated in float32.
+
+- `dequant_matmul_reference`: dequantize to float32, one dot at HIGHEST precision. The spec.
+- XLA path (`impl="xla"`, the CPU default): dequantize into a float32 matrix and run one dot. On XLA:CPU this
+  beats every formulation that avoids materializing the weight (grouped partial dots, a fused multiply-reduce, an
+  `[out, in]` layout: measured 2-10x slower), and float32 beats bf16 here (bf16 x is upcast). int4 is expanded
+  nibble-plane-major (all low nibbles, then all high ones) against correspondingly permuted x columns, because the
+  in-group concatenate that `dequantize` uses compiles ~6x slower inside `lax.scan`. Per-channel int8 dots the
+  converted int8 values and scales the `[N, out]` result. Very large matrices (the LM head) loop over output-column
+  chunks so the float32 temporary stays a few MB.
+- Pallas kernel (`impl="pallas"`, the GPU default): grid over (N blocks, out blocks, in splits); each program loops
+  over its share of `in` in steps of `block_in` rows, and per quantization group dots the x slice with the group's
+  raw quants (converted to x's dtype: exact, since |q| <= 127) and applies the group's scale (and min, via the
+  group's x row sums) to the `[block_n, block_out]` partial product in float32. Applying the scale after the dot
+  costs `block_n * block_out` multiplies per group instead of `group_size * block_out`, and leaves the weight
+  operand exact in bf16. int4 groups are two contiguous half-groups (low and high nibbles), so the kernel does two
+  dots of `group_size/2` rows per group and never reshapes or interleaves. No scalar prefetch and no scratch
+  buffers (Triton rejects both); the accumulator is a loop carry. `split_in > 1` gives each program a slice of `in`
+  and sums the float32 partials outside -- parallelism for decode, where N is 1 and `out / block_out` is small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from models.quant import QuantizedArray, dequantize
+
+IMPLS = ("auto", "xla", "pallas", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTuning:
+    """Block sizes of the Pallas kernel (the XLA path ignores them).
+
+    block_n: rows of x per program (x is zero-padded up to a multiple); on GPU at least 16 (tensor-core dot).
+    block_out: output columns per program; must divide `out`.
+    block_in: input rows per loop step; a multiple of the group size (or a divisor of `in` for per-channel int8).
+    split_in: programs sharing one output tile, each over `in / split_in` rows; partials summed in float32.
+    """
+
+    block_n: int = 16
+    block_out: int = 128
+    block_in: int = 64
+    split_in: int = 1
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MatmulTuning.{f.name} must be a positive int; got {v!r}")
+
+
+def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
+    """A tuning that fits the shape: power-of-two blocks that divide `in`/`out`, `split_in` for small outputs."""
+    k, out = qa.shape
+
+    def largest_pow2_divisor(size: int, cap: int, floor: int = 1) -> int:
+        b = cap
+        while b > floor and size % b:
+            b //= 2
+        return b
+
+    block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
+    block_out = largest_pow2_divisor(out, 128)
+    if qa.per_channel:
+        block_in = largest_pow2_divisor(k, 128)
+    else:
+        g = qa.group_size
+        block_in = g * largest_pow2_divisor(k // g, max(1, 128 // g))
+    steps = k // block_in
+    tiles = -(-n // block_n) * (out // block_out)
+    split = 1
+    while tiles * split < 64 and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
+        split *= 2
+    return MatmulTuning(block_n=block_n, block_out=block_out, block_in=block_in, split_in=split)
+
+
+# ------------------------------------------------------------------------------------------------- reference
+def dequant_matmul_reference(x: jnp.ndarray, qa: QuantizedArray) -> jnp.ndarray:
+    """The spec: `x` `[N, in]` @ dequantize(qa) `[in, out]` -> float32 `[N, out]`."""
+    w = dequantize(qa)  # [in, out] float32
+    return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+# -------------------------------------------------------------------------------------------------- XLA path
+# Above this many bytes of dequantized float32 weight (e.g. a 576 x 49152 LM head: 113 MB), the XLA path loops over
+# output-column chunks of about XLA_CHUNK_BYTES, so the dequantized tile stays in cache instead of being written to
+# and read back from fresh memory (measured ~10x faster at N=1 for the LM head). Smaller matrices run in one piece.
+XLA_CHUNK_ABOVE = 16 << 20
+XLA_CHUNK_BYTES = 4 << 20
+
+
+def _plane_major_x(x: jnp.ndarray, group_size: int) -> jnp.ndarray:
+    """x `[N, in]` with columns reordered (half, group, j): all low-nibble elements first, then all high ones."""
+    n, k = x.shape
+    return x.reshape(n, k // group_size, 2, group_size // 2).transpose(0, 2, 1, 3).reshape(n, k)
+
+
+def _dequantize_q4_plane_major(qa: QuantizedArray) -> jnp.ndarray:
+    """float32 `[in, out]` with rows in (half, group, j) order, to pair with `_plane_major_x`.
+
+    Same values as `dequantize`, but the nibble planes are expanded along a new leading axis instead of being
+    concatenated inside each group: inside a `lax.scan` over layers XLA:CPU compiles the concatenate ~6x slower.
+    """
+    k, out = qa.shape
+    g = qa.group_size
+    p = qa.values.reshape(1, k // g, g // 2, out)
+    q = ((p >> jnp.array([0, 4], jnp.uint8).reshape(2, 1, 1, 1)) & 15).astype(jnp.float32)  # [2, in/G, G/2, out]
+    s = qa.scales.astype(jnp.float32)[None, :, None, :]
+    w = q * s + qa.mins.astype(jnp.float32)[None, :, None, :] if qa.kind == "q4_1" else (q - 8.0) * s
+    return w.reshape(k, out)
+
+
+def _xla_dot(x: jnp.ndarray, qa: QuantizedArray) -> jnp.ndarray:  # x: [N, in] float32 -> [N, out] float32
+    if qa.kind == "int8":
+        if qa.per_channel:
+            return jnp.dot(x, qa.values.astype(jnp.float32)) * qa.scales.astype(jnp.float32)  # [N, out] * [1, out]
+        return jnp.dot(x, dequantize(qa))
+    return jnp.dot(_plane_major_x(x, qa.group_size), _dequantize_q4_plane_major(qa))
+
+
+def dequant_matmul_xla(x: jnp.ndarray, qa: QuantizedArray) -> jnp.ndarray:
+    """Dequantize to float32 and run one dot (bf16 x is upcast: measured faster on XLA:CPU, and more accurate)."""
+    x = x.astype(jnp.float32)
+    k, out = qa.shape
+    if k * out * 4 <= XLA_CHUNK_ABOVE:
+        return _xla_dot(x, qa)
+    cols = max(128, XLA_CHUNK_BYTES // (4 * k) // 128 * 128)
+    n_full = out // cols
+
+    def columns(start: int | jnp.ndarray, size: int) -> QuantizedArray:
+        sub = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=a.ndim - 1), qa)
+        return sub.replace(shape=(k, size))
+
+    def step(i, y):  # y: [N, out]
+        return jax.lax.dynamic_update_slice_in_dim(y, _xla_dot(x, columns(i * cols, cols)), i * cols, axis=1)
+
+    y = jax.lax.fori_loop(0, n_full, step, jnp.zeros((x.shape[0], out), jnp.float32))
+    if out > n_full * cols:
+        y = y.at[:, n_full * cols :].set(_xla_dot(x, columns(n_full * cols, out - n_full * cols)))
+    return y
+
+
+# ------------------------------------------------------------------------------------------------ Pallas path
+def _dequant_matmul_kernel(
+    x_ref,  # [block_n, in / split_in] (x's dtype)
+    v_ref,  # q4: uint8 [in / split_in / 2, block_out]; int8: int8 [in / split_in, block_out]
+    s_ref,  # [groups / split_in, block_out] (per-channel: [1, block_out])
+    *rest,  # m_ref [groups / split_in, block_out] for q4_1; then o_ref [block_n, block_out] float32
+    kind: str,
+    group_size: int,
+    block_in: int,
+    num_steps: int,
+    per_channel: bool,
+):
+    m_ref = rest[0] if kind == "q4_1" else None
+    o_ref = rest[-1]
+    cdt = x_ref.dtype
+    g = group_size
+    f32 = jnp.float32
+
+    def dot(a, b):
+        return jnp.dot(a, b.astype(cdt), preferred_element_type=f32)
+
+    def step(c, acc):  # acc: [block_n, block_out] float32
+        row0 = pl.multiple_of(c * block_in, block_in)
+        if per_channel:
+            return acc + dot(x_ref[:, pl.ds(row0, block_in)], v_ref[pl.ds(row0, block_in), :])
+        for j in range(block_in // g):  # static: the groups of this step
+            row = row0 + j * g
+            grp = c * (block_in // g) + j
+            s = s_ref[pl.ds(grp, 1), :].astype(f32)  # [1, block_out]
+            if kind == "int8":
+                acc += dot(x_ref[:, pl.ds(row, g)], v_ref[pl.ds(row, g), :]) * s
+                continue
+            p = v_ref[pl.ds(pl.multiple_of(row // 2, g // 2), g // 2), :]  # [g/2, block_out] uint8
+            x_lo = x_ref[:, pl.ds(row, g // 2)]  # [block_n, g/2]: group elements 0 .. g/2-1 (low nibbles)
+            x_hi = x_ref[:, pl.ds(row + g // 2, g // 2)]  # [block_n, g/2]: elements g/2 .. g-1 (high nibbles)
+            part = dot(x_lo, p & 15) + dot(x_hi, p >> 4)  # [block_n, block_out]
+            xsum = jnp.sum(x_lo.astype(f32), axis=1, keepdims=True) + jnp.sum(x_hi.astype(f32), axis=1, keepdims=True)
+            if kind == "q4_1":
+                acc += part * s + xsum * m_ref[pl.ds(grp, 1), :].astype(f32)
+            else:  # q4_0: (q - 8) * s
+                acc += (part - 8.0 * xsum) * s
+        return acc
+
+    acc = jax.lax.fori_loop(0, num_steps, step, jnp.zeros(o_ref.shape, f32))
+    if per_channel:
+        acc = acc * s_ref[...].astype(f32)
+    o_ref[...] = acc
+
+
+def _check_tuning(n: int, qa: QuantizedArray, t: MatmulTuning, native_gpu: bool) -> None:
+    k, out = qa.shape
+    if out % t.block_out:
+        raise ValueError(f"out={out} is not a multiple of block_out={t.block_out}; pick a block_out that divides it")
+    if k % t.split_in or (k // t.split_in) % t.block_in:
+        raise ValueError(
+            f"in={k} must split into split_in={t.split_in} parts that are multiples of block_in={t.block_in}"
+        )
+    if not qa.per_channel and t.block_in % qa.group_size:
+        raise ValueError(f"block_in={t.block_in} must be a multiple of group_size={qa.group_size}")
+    if native_gpu:
+        dims = {"block_n": t.block_n, "block_out": t.block_out}
+        dims["dot depth"] = t.block_in if qa.per_channel else (qa.group_size // (2 if qa.kind != "int8" else 1))
+        bad = {name: v for name, v in dims.items() if v < 16 or v & (v - 1)}
+        if bad:
+            raise ValueError(f"the GPU kernel needs powers of two >= 16 for its dot shapes; got {bad}")
+
+
+def dequant_matmul_pallas(
+    x: jnp.ndarray, qa: QuantizedArray, config: MatmulTuning | None = None, *, interpret: bool | None = None
+) -> jnp.ndarray:
+    """The Pallas kernel; `interpret=None` interprets where Pallas cannot lower (the CPU)."""
+    n, k = x.shape
+    out = qa.shape[1]
+    if interpret is None:
+        interpret = jax.default_backend() not in ("gpu", "tpu")
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        x = x.astype(jnp.float32)
+    t = config if config is not None else default_tuning(n, qa)
+    _check_tuning(n, qa, t, native_gpu=not interpret and jax.default_backend() == "gpu")
+    n_pad = -(-n // t.block_n) * t.block_n
+    if n_pad != n:
+        x = jnp.pad(x, ((0, n_pad - n), (0, 0)))
+    k_split = k // t.split_in
+    rows_split = k_split // 2 if qa.kind != "int8" else k_split
+    groups_split = 1 if qa.per_channel else k_split // qa.group_size
+
+    kernel = functools.partial(
+        _dequant_matmul_kernel,
+        kind=qa.kind,
+        group_size=qa.group_size,
+        block_in=t.block_in,
+        num_steps=k_split // t.block_in,
+        per_channel=qa.per_channel,
+    )
+    scale_map = (lambda i, j, s: (0, j)) if qa.per_channel else (lambda i, j, s: (s, j))
+    in_specs = [
+        pl.BlockSpec((t.block_n, k_split), lambda i, j, s: (i, s)),
+        pl.BlockSpec((rows_split, t.block_out), lambda i, j, s: (s, j)),
+        pl.BlockSpec((groups_split, t.block_out), scale_map),
+    ]
+    operands = [x, qa.values, qa.scales]
+    if qa.kind == "q4_1":
+        in_specs.append(pl.BlockSpec((groups_split, t.block_out), scale_map))
+        operands.append(qa.mins)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(n_pad // t.block_n, out // t.block_out, t.split_in),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, t.block_n, t.block_out), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((t.split_in, n_pad, out), jnp.float32),
+        interpret=interpret,
+        name=f"dequant_matmul_{qa.kind}",
+    )(*operands)  # [split_in, n_pad, out]
+    y = partials[0] if t.split_in == 1 else jnp.sum(partials, axis=0)
+    return y[:n]
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def dequant_matmul(
+    x: jnp.ndarray,
+    qa: QuantizedArray,
+    *,
+    impl: str = "auto",
+    config: MatmulTuning | None = None,
+    interpret: bool | None = None,
+) -> jnp.ndarray:
+    """`x` `[N, in]` @ the matrix `qa` stands for `[in, out]` -> float32 `[N, out]`.
+
+    impl: "auto" (Pallas on GPU, XLA elsewhere), "xla", "pallas" or "reference". `config` and `interpret` only
+    affect the Pallas kernel.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    if not isinstance(qa, QuantizedArray):
+        raise TypeError(f"dequant_matmul needs a QuantizedArray; got {type(qa).__name__}")
+    if qa.batch_shape:
+        raise ValueError(f"qa is stacked (batch_shape={qa.batch_shape}); slice one matrix out first")
+    if x.ndim != 2 or x.shape[1] != qa.shape[0]:
+        raise ValueError(f"x must be [N, in={qa.shape[0]}]; got shape {tuple(x.shape)}")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl == "reference":
+        return dequant_matmul_reference(x, qa)
+    if impl == "xla":
+        return dequant_matmul_xla(x, qa)
+    return dequant_matmul_pallas(x, qa, config, interpret=interpret)

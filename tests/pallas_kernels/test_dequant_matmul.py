@@ -1,0 +1,167 @@
+"""dequant_matmul: the XLA path and the Pallas kernel (interpret mode on the CPU) against the pure-jnp reference."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import quant
+from pallas_kernels import dequant_matmul as dm
+from pallas_kernels.dequant_matmul import (
+    MatmulTuning,
+    _check_tuning,
+    default_tuning,
+    dequant_matmul,
+    dequant_matmul_reference,
+)
+
+KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None)]
+K, OUT = 128, 64  # small: interpret mode costs grid points x operand bytes
+
+
+@functools.cache
+def _qa(kind, group_size, k=K, out=OUT, seed=0):
+    w = np.random.default_rng(seed).normal(0.0, 0.05, size=(k, out)).astype(np.float32)
+    return quant.quantize(w, kind, group_size)
+
+
+def _x(n, k=K, seed=1, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32), dtype)
+
+
+def _close(got, want, rtol=2e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind,group_size", KINDS)
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_xla_matches_reference(kind, group_size, n):
+    qa, x = _qa(kind, group_size), _x(n)
+    _close(jax.jit(functools.partial(dequant_matmul, impl="xla"))(x, qa), dequant_matmul_reference(x, qa))
+
+
+@pytest.mark.parametrize("kind,group_size", KINDS)
+def test_xla_chunked_over_out(monkeypatch, kind, group_size):
+    """Large matrices loop over output-column chunks: 2 full chunks of 128 columns and a 64-column tail here."""
+    monkeypatch.setattr(dm, "XLA_CHUNK_ABOVE", 0)
+    monkeypatch.setattr(dm, "XLA_CHUNK_BYTES", 4 * K * 128)
+    qa, x = _qa(kind, group_size, out=320), _x(3)
+    _close(dequant_matmul(x, qa, impl="xla"), dequant_matmul_reference(x, qa))
+
+
+# (kind, group, N, tuning): every kind at N in {1, 3, 16}, cycling through tuning points (None = default_tuning).
+_TUNINGS = [
+    None,
+    MatmulTuning(block_n=8, block_out=32, block_in=64, split_in=2),
+    MatmulTuning(block_n=16, block_out=64, block_in=32, split_in=1),
+    MatmulTuning(block_n=4, block_out=16, block_in=128, split_in=1),
+]
+_PALLAS_CASES = [
+    (kind, g, n, _TUNINGS[(i + j) % len(_TUNINGS)])
+    for i, (kind, g) in enumerate(KINDS)
+    for j, n in enumerate([1, 3, 16])
+]
+
+
+@pytest.mark.parametrize("kind,group_size,n,tuning", _PALLAS_CASES)
+def test_pallas_matches_reference(kind, group_size, n, tuning):
+    qa, x = _qa(kind, group_size), _x(n)
+    got = dequant_matmul(x, qa, impl="pallas", config=tuning, interpret=True)
+    _close(got, dequant_matmul_reference(x, qa))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_bf16_activations(impl, kind):
+    qa, x = _qa(kind, 32), _x(5, dtype=jnp.bfloat16)
+    got = dequant_matmul(x, qa, impl=impl)
+    _close(got, dequant_matmul_reference(x, qa), rtol=2e-2)  # the weight is rounded to bf16 (XLA) or exact (Pallas)
+
+
+def test_odd_sizes():
+    """N=5, out=48 (no power-of-two tile above 16), in=96 (3 groups): default tuning copes; the grid is 1 x 3."""
+    qa, x = _qa("q4_1", 32, k=96, out=48), _x(5, k=96)
+    assert default_tuning(5, qa) == MatmulTuning(block_n=16, block_out=16, block_in=32, split_in=1)
+    want = dequant_matmul_reference(x, qa)
+    _close(dequant_matmul(x, qa, impl="pallas"), want)
+    _close(dequant_matmul(x, qa, impl="xla"), want)
+
+
+@pytest.mark.parametrize(
+    "tuning,match",
+    [
+        (MatmulTuning(block_out=48), "out=64 is not a multiple of block_out=48"),
+        (MatmulTuning(block_out=64, block_in=48), "split_in=1 parts that are multiples of block_in=48"),
+        (MatmulTuning(block_out=64, block_in=64, split_in=4), "split_in=4 parts that are multiples of block_in=64"),
+        (MatmulTuning(block_out=64, block_in=16), "block_in=16 must be a multiple of group_size=32"),
+    ],
+)
+def test_unsupported_tunings_raise(tuning, match):
+    with pytest.raises(ValueError, match=match):
+        dequant_matmul(_x(2), _qa("q4_1", 32), impl="pallas", config=tuning)
+
+
+@pytest.mark.parametrize("field", ["block_n", "block_out", "block_in", "split_in"])
+@pytest.mark.parametrize("bad", [0, -16, 2.0, True])
+def test_tuning_validates_itself(field, bad):
+    with pytest.raises(ValueError, match=f"MatmulTuning.{field} must be a positive int; got {bad!r}"):
+        MatmulTuning(**{field: bad})
+
+
+def test_gpu_shape_rules_checked_before_lowering():
+    qa = _qa("q4_1", 32)
+    with pytest.raises(ValueError, match=r"powers of two >= 16.*'block_n': 8"):
+        _check_tuning(1, qa, MatmulTuning(block_n=8, block_out=64, block_in=64), native_gpu=True)
+
+
+@pytest.mark.parametrize(
+    "k,out,group_size",
+    [(576, 1536, 32), (1536, 576, 32), (576, 960, 32), (576, 3072, 32), (576, 49152, 32), (576, 1536, None)],
+)
+@pytest.mark.parametrize("n", [1, 16, 300])
+def test_default_tuning_fits_smollm2_shapes(k, out, group_size, n):
+    qa = quant.QuantizedArray(
+        values=jax.ShapeDtypeStruct((k, out), jnp.int8),
+        scales=jax.ShapeDtypeStruct((1, out), jnp.float16),
+        mins=None,
+        kind="int8",
+        group_size=group_size or k,
+        shape=(k, out),
+    )
+    t = default_tuning(n, qa)
+    _check_tuning(n, qa, t, native_gpu=True)
+
+
+def test_entry_point_errors():
+    qa, x = _qa("int8", 32), _x(2)
+    with pytest.raises(ValueError, match="impl='triton' is not one of"):
+        dequant_matmul(x, qa, impl="triton")
+    with pytest.raises(ValueError, match=r"x must be \[N, in=128\]; got shape \(2, 64\)"):
+        dequant_matmul(x[:, :64], qa)
+    with pytest.raises(ValueError, match="stacked"):
+        dequant_matmul(x, quant.stack([qa, qa]))
+    with pytest.raises(TypeError, match="QuantizedArray"):
+        dequant_matmul(x, jnp.zeros((128, 64)))
+
+
+def test_auto_is_xla_on_cpu():
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks the CPU default")
+    qa, x = _qa("q4_0", 32), _x(3)
+    np.testing.assert_array_equal(np.asarray(dequant_matmul(x, qa)), np.asarray(dequant_matmul(x, qa, impl="xla")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="native Pallas lowering needs a GPU")
+@pytest.mark.parametrize("kind,group_size", KINDS)
+@pytest.mark.parametrize("n", [1, 16, 64])
+@pytest.mark.parametrize("k,out", [(576, 1536), (1536, 576)])
+def test_native_gpu_kernel(kind, group_size, n, k, out):
+    qa, x = _qa(kind, group_size, k=k, out=out), _x(n, k=k)
+    _close(dequant_matmul(x, qa, impl="pallas", interpret=False), dequant_matmul_reference(x, qa), rtol=1e-3)

@@ -45,18 +45,12 @@ def main(argv):
     import jax
     import numpy as np
 
-    from models import ModelConfig, init_random_weights, load_model
-    from models.loader import Model
+    from experiments.common import load_experiment_model
     from paged.batch import RowInput
     from paged.engine import Engine
 
 
-    if FLAGS.model == "tiny":
-        cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=16)
-        model = Model(config=cfg, params=init_random_weights(cfg), tokenizer=None, source="tiny")
-    else:
-        model = load_model(FLAGS.model)
+    model = load_experiment_model(FLAGS.model)
     weight_bytes = model.params.nbytes()
     ps = FLAGS.page_size
     results = []

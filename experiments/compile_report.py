@@ -29,17 +29,11 @@ def main(argv):
     del argv
     import jax
 
-    from models import ModelConfig, init_random_weights, load_model
-    from models.loader import Model
+    from experiments.common import load_experiment_model
     from paged.engine import Engine
     from paged.step import count_compiles
 
-    if FLAGS.model == "tiny":
-        cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                          num_heads=4, num_kv_heads=2, head_dim=16)
-        model = Model(config=cfg, params=init_random_weights(cfg), tokenizer=None, source="tiny")
-    else:
-        model = load_model(FLAGS.model)
+    model = load_experiment_model(FLAGS.model)
     engine = Engine(model, num_pages=16, page_size=FLAGS.page_size, max_batch_size=FLAGS.max_batch_size,
                     max_chunk_size=FLAGS.max_chunk_size, max_seq_len=FLAGS.max_seq_len,
                     max_prefill_rows=FLAGS.max_prefill_rows)

@@ -116,7 +116,7 @@ class TextStream:
         return StreamEvent(text=text_out, tokens=toks)
 
     def flush(self) -> tuple[str, list[int]]:
-        """Release everything held (the job ends without a stop string)."""
-        tail = self._utf8.decode(b"", final=True)
-        text, toks = self._release(len(self.held))
-        return text + tail, toks
+        """Release everything held (the job ends without a stop string). Bytes of a character the output stopped
+        in the middle of are dropped rather than shown as U+FFFD; their tokens are still released."""
+        self._utf8.reset()
+        return self._release(len(self.held))

@@ -62,6 +62,11 @@ def test_stop_string_split_across_tokens_is_caught(before, after, stop, cuts):
     assert all(stop not in c for c in chunks)
 
 
+def test_output_cut_inside_a_character_drops_the_partial_bytes():
+    s, chunks, events = run([b"a", b"\xf0\x9f", b"\x98"])
+    assert "".join(chunks) == "a" and all("\ufffd" not in c for c in chunks)
+
+
 def test_incomplete_utf8_released_with_the_completing_token():
     s, chunks, _ = run([b"a", b"\xf0\x9f", b"\x98", b"\x80", b"b"])
     assert chunks[:4] == ["a", "", "", "😀"]

@@ -119,12 +119,5 @@ def token_offsets(layout: PrefillDecodeLayout) -> np.ndarray:
     return np.concatenate([pre, np.zeros(layout.num_decode_rows, np.int64)]).astype(np.int32)
 
 
-def query_starts(layout: PrefillDecodeLayout) -> np.ndarray:
-    """[S] the first token slot of each row."""
-    pre = np.arange(layout.num_prefill_rows) * layout.max_q_len
-    dec = layout.num_prefill_rows * layout.max_q_len + np.arange(layout.num_decode_rows)
-    return np.concatenate([pre, dec]).astype(np.int32)
-
-
 def tree_nbytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))

@@ -19,8 +19,8 @@ from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
 from paged.sampling import sample
-from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results, query_starts, token_offsets, token_rows
-from pallas_kernels.paged_attention import IMPLS, paged_attention, quantize_kv
+from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results, token_offsets, token_rows
+from pallas_kernels.paged_attention import IMPLS, layout_query_start, paged_attention, quantize_kv
 
 ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "reference"
 
@@ -39,7 +39,7 @@ def _forward(
     write_page = jnp.where(real, batch.page_table[rows, pos // ps], NULL_PAGE)  # [T]
     write_off = jnp.where(real, pos % ps, 0)
     sm_scale = cfg.head_dim**-0.5
-    qstart = jnp.asarray(query_starts(layout))
+    qstart = layout_query_start(layout)
 
     def attend(layer, q, k, v, kv):
         kc, vc, ks, vs = kv
@@ -69,7 +69,7 @@ def _sample_rows(
     return_logits: bool, matmul_impl: str = "auto",
 ) -> Results:
     layout = shape.layout
-    last = jnp.asarray(query_starts(layout)) + jnp.maximum(batch.query_lens - 1, 0)  # [S]
+    last = layout_query_start(layout) + jnp.maximum(batch.query_lens - 1, 0)  # [S]
     logits = compute_logits(params, cfg, h[last], matmul_impl)  # [S, V]
     out = sample(
         logits, batch.sampling, positions=batch.kv_lens, history=batch.history,

@@ -29,7 +29,11 @@ class BucketSpec:
     max_pages_per_row: int  # ceil(max_seq_len / page_size)
     max_prefill_rows: int = 2  # prefill chunks per step
     page_size: int = 64
-    growth: int = 4  # ratio between consecutive buckets (larger: fewer compiles, more padding)
+    growth: int = 4  # ratio between consecutive prefill chunk buckets (larger: fewer compiles, more padding)
+    # ratio between consecutive context (pages per row) buckets. Decode attention reads every page of the bucket,
+    # so padding here costs bandwidth on every step; 2 wastes at most half (a quarter on average) for one extra
+    # bucket or so over 4 (measured: docs/performance.md).
+    page_growth: int = 2
     min_q_len: int = 16
     min_context: int = 256  # smallest per-row context bucket, in tokens
     history_buckets: tuple[int, ...] = (0, 1024)  # penalty-history lengths (0: no row uses penalties)
@@ -53,7 +57,7 @@ class BucketSpec:
     @property
     def pages(self) -> tuple[int, ...]:
         lo = min(max(1, self.min_context // self.page_size), self.max_pages_per_row)
-        return _geometric(lo, self.max_pages_per_row, self.growth)
+        return _geometric(lo, self.max_pages_per_row, self.page_growth)
 
     def layouts(self) -> list[PrefillDecodeLayout]:
         out = []

@@ -92,6 +92,8 @@ class DynamicGenerator:
         self.tokens_prefilled = 0
         self.tokens_generated = 0
         self.jobs_completed = 0
+        # host-loop profile (seconds, cumulative): admission + planning, the engine call, turning samples into results
+        self.timings = {"schedule_s": 0.0, "engine_s": 0.0, "results_s": 0.0}
 
     # ------------------------------------------------------------------ queue
     def num_remaining_jobs(self) -> int:
@@ -265,41 +267,53 @@ class DynamicGenerator:
     def iterate(self) -> list[dict]:
         """Run one step; return the result dicts it produced (possibly none)."""
         with self.lock:
+            t0 = time.perf_counter()
             results: list[dict] = self._stash
             self._stash = []
             self._admit(results)
             rows, owners = self._plan()
             if not rows:
+                self.timings["schedule_s"] += time.perf_counter() - t0
                 return results
             top_k = _pow2(max((j.return_top_tokens for j in owners), default=0))
             want_logits = any(j.return_logits for j in owners)
+            t1 = time.perf_counter()
             out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits)
             self.steps += 1
             now = time.perf_counter()
-            for i, (row, job) in enumerate(zip(rows, owners)):
-                n = len(row.tokens)
-                if job.time_first_prefill is None:
-                    job.time_first_prefill = now - out.seconds
-                job.kv_position += n
-                self._mark_written(job, n)
-                if not row.sample:
-                    self.tokens_prefilled += n
-                    results.append({**self._base(job, "prefill"), "curr_progress": job.kv_position,
-                                    "max_progress": job.prompt_len})
-                    continue
-                if n > 1:
-                    self.tokens_prefilled += n
-                extras = {}
-                if job.return_probs:
-                    extras["token_probs"] = float(np.exp(out.logprob[i]))
-                if job.return_top_tokens:
-                    k = job.return_top_tokens
-                    extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
-                    extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
-                if job.return_logits:
-                    extras["logits"] = out.logits[i]
-                results.append(self._receive(job, int(out.token[i]), extras, now))
+            self.timings["schedule_s"] += t1 - t0
+            self.timings["engine_s"] += now - t1
+            try:
+                self._collect(rows, owners, out, now, results)
+            finally:
+                self.timings["results_s"] += time.perf_counter() - now
             return results
+
+    def _collect(self, rows: list[RowInput], owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
+        """Advance each row's job by the step's output and append its result dicts."""
+        for i, (row, job) in enumerate(zip(rows, owners)):
+            n = len(row.tokens)
+            if job.time_first_prefill is None:
+                job.time_first_prefill = now - out.seconds
+            job.kv_position += n
+            self._mark_written(job, n)
+            if not row.sample:
+                self.tokens_prefilled += n
+                results.append({**self._base(job, "prefill"), "curr_progress": job.kv_position,
+                                "max_progress": job.prompt_len})
+                continue
+            if n > 1:
+                self.tokens_prefilled += n
+            extras = {}
+            if job.return_probs:
+                extras["token_probs"] = float(np.exp(out.logprob[i]))
+            if job.return_top_tokens:
+                k = job.return_top_tokens
+                extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
+                extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
+            if job.return_logits:
+                extras["logits"] = out.logits[i]
+            results.append(self._receive(job, int(out.token[i]), extras, now))
 
     def _mark_written(self, job: Job, n: int) -> None:
         ps = self.page_size
@@ -408,6 +422,8 @@ class DynamicGenerator:
             "steps": self.steps, "tokens_prefilled": self.tokens_prefilled,
             "tokens_generated": self.tokens_generated, "jobs_completed": self.jobs_completed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
+            **{f"time_{k}": v for k, v in self.timings.items()},
+            **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},
         }
 
     def warmup(self, progress: bool = False) -> int:

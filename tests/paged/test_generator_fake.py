@@ -280,3 +280,16 @@ def test_special_tokens_hidden_unless_decode_special_tokens(show):
     gen.enqueue(job("q", 3, decode_special_tokens=show, identifier="sp"))
     f = drain(gen).finals["sp"]
     assert f["full_completion"] == ("a<bos>b" if show else "ab")
+
+
+def test_metrics_split_the_host_loop_time():
+    gen = DynamicGenerator(engine=FakeEngine(), tokenizer=ByteTokenizer())
+    gen.enqueue([Job(list(b"hello"), 6), Job(list(b"world!"), 4)])
+    m0 = gen.metrics()
+    assert m0["time_schedule_s"] == m0["time_engine_s"] == m0["time_results_s"] == 0.0
+    drain(gen)
+    m = gen.metrics()
+    assert m["time_schedule_s"] > 0 and m["time_engine_s"] > 0 and m["time_results_s"] > 0
+    assert not any(k.startswith("time_engine_") and k != "time_engine_s" for k in m)  # the fake has no timers
+    gen.engine.timings = {"wait_s": 1.5}
+    assert gen.metrics()["time_engine_wait_s"] == 1.5

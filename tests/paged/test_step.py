@@ -225,3 +225,24 @@ def test_int8_kv_cache_stays_close_to_float():
     scale = np.abs(ref).max()
     assert np.abs(q - ref).max() < 0.02 * scale  # int8 KV: small, bounded deviation
     assert (q.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_context_buckets_double_and_prefill_buckets_grow_by_four():
+    spec = BucketSpec(max_batch_size=4, max_chunk_size=256, max_pages_per_row=32, page_size=64, min_context=256)
+    assert spec.pages == (4, 8, 16, 32)  # decode attention reads the whole bucket: at most 2x padding
+    assert spec.q_lens == (16, 64, 256)
+    assert spec.shape_for([], 3, 5, 0).pages_per_row == 8
+    assert dataclasses.replace(spec, page_growth=4).pages == (4, 16, 32)
+
+
+def test_engine_run_accounts_its_wall_time():
+    from models.loader import Model
+    from paged.engine import Engine
+
+    eng = Engine(Model(config=CFG, params=PARAMS, tokenizer=None, source="tiny"), num_pages=8, page_size=8,
+                 max_batch_size=2, max_chunk_size=8, max_seq_len=32, max_penalty_range=0)
+    assert eng.timings == {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
+    out = eng.run([RowInput(tokens=[1, 2, 3], start_pos=0, pages=[1])])
+    t = eng.timings
+    assert t["build_s"] > 0 and t["dispatch_s"] > 0 and t["wait_s"] > 0
+    assert out.seconds == pytest.approx(t["dispatch_s"] + t["wait_s"], rel=1e-6)

@@ -1,0 +1,198 @@
+"""Where a decode step's time goes: the host loop (scheduling, batch building, dispatch, turning samples into
+results) against the device (waiting for the jitted step), and inside the device step, the layers' matmuls against
+paged attention against logits + sampling.
+
+    python -m experiments.profile_step --model smollm2-135m --concurrency 1,16,64 --context 256 \
+        --json_out experiments/results/profile_smollm2_cpu.json
+
+Host loop: `--concurrency` jobs of `--context` prompt tokens each decode `--tokens` tokens through
+`DynamicGenerator` (greedy, no stop tokens) after a warm-up run of the same shape; the generator's and engine's
+timers (`generator.metrics()["time_*"]`) split the wall time of the decode phase. Device: the same decode
+batch shape is timed as the whole step and as its parts, each jitted alone — the layer stack with attention replaced
+by a pass-through (matmuls, norms, rope, KV writes skipped), `num_layers` calls of paged attention over one layer's
+cache, and final norm + LM head + the sampler. Parts are timed separately, so they need not add up exactly to the
+step (fusion across parts, cache effects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
+flags.DEFINE_string("quant", None, "weights: None (as stored, dequantized), keep, int8, int4")
+flags.DEFINE_list("concurrency", ["1", "16"], "decode rows (concurrent jobs)")
+flags.DEFINE_integer("context", 256, "prompt tokens per job")
+flags.DEFINE_integer("tokens", 32, "decode tokens per job in the measured phase")
+flags.DEFINE_integer("page_size", 64, "tokens per page")
+flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
+flags.DEFINE_integer("iters", 5, "timed calls per device part")
+flags.DEFINE_string("json_out", None, "write the breakdown here")
+
+
+def _timeit(fn, *args, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_breakdown(model, rows: int) -> dict:
+    """Decode `FLAGS.tokens` tokens on `rows` concurrent jobs through the generator; split the wall time."""
+    import numpy as np
+
+    from paged import DynamicGenerator, Job, SamplingSettings
+
+    ctx, n = FLAGS.context, FLAGS.tokens
+    max_len = ctx + 2 * n + 8
+    gen = DynamicGenerator(model, page_size=FLAGS.page_size, max_batch_size=rows, max_chunk_size=256,
+                           max_seq_len=-(-max_len // FLAGS.page_size) * FLAGS.page_size, cache_dtype=FLAGS.cache_dtype)
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+
+    def run(tokens: int) -> tuple[float, dict]:
+        for _ in range(rows):
+            gen.enqueue(Job(rng.integers(0, vocab, size=ctx).tolist(), tokens,
+                            gen_settings=SamplingSettings.greedy()))
+        while any(j.kv_position < j.prompt_len for j in gen.active) or gen.pending:  # prefill (not measured)
+            gen.iterate()
+        m0 = gen.metrics()
+        t0 = time.perf_counter()
+        steps0 = gen.steps
+        while gen.num_remaining_jobs():
+            gen.iterate()
+        wall = time.perf_counter() - t0
+        m1 = gen.metrics()
+        d = {k: m1[k] - m0[k] for k in m1 if k.startswith("time_")}
+        return wall, {**d, "steps": gen.steps - steps0}
+
+    run(n)  # the same run once untimed: compiles every bucket it touches
+    wall, d = run(n)
+    steps = d["steps"]
+    ms = lambda k: 1e3 * d[k] / steps
+    engine_wait = ms("time_engine_wait_s")
+    rec = dict(rows=rows, steps=steps, tokens_per_s=rows * n / wall, ms_per_step=1e3 * wall / steps,
+               schedule_ms=ms("time_schedule_s"), build_ms=ms("time_engine_build_s"),
+               dispatch_ms=ms("time_engine_dispatch_s"), device_wait_ms=engine_wait, results_ms=ms("time_results_s"))
+    rec["host_ms"] = rec["ms_per_step"] - engine_wait
+    rec["host_frac"] = rec["host_ms"] / rec["ms_per_step"]
+    return rec
+
+
+def device_breakdown(model, rows: int) -> dict:
+    """Time the decode step for `rows` rows and its parts, each jitted alone."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.llama import compute_logits, embed_tokens, run_layers
+    from paged.batch import RowInput, build_batch
+    from paged.engine import Engine
+    from paged.sampling import sample
+    from paged.step import step
+    from pallas_kernels.paged_attention import layout_query_start, paged_attention
+
+    cfg, params = model.config, model.params
+    ps = FLAGS.page_size
+    per_row = -(-(FLAGS.context + 1) // ps)
+    eng = Engine(model, num_pages=1 + rows * per_row, page_size=ps, max_batch_size=rows, max_chunk_size=256,
+                 max_seq_len=per_row * ps, cache_dtype=FLAGS.cache_dtype)
+    pages = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
+    row_inputs = [RowInput(tokens=[1], start_pos=FLAGS.context, pages=p) for p in pages]
+    shape = eng.shape_for(row_inputs)
+    batch, _ = build_batch(row_inputs, shape, ps)
+    kw = dict(cfg=cfg, shape=shape, attn_impl=eng.attn_impl, matmul_impl=eng.matmul_impl)
+
+    state = {"s": eng.state}
+
+    def full(b):
+        state["s"], res = step(params, state["s"], b, **kw)
+        return res.token
+
+    h0 = embed_tokens(params, batch.token_ids)
+
+    @jax.jit
+    def layers_no_attention(h, pos):
+        return run_layers(params, cfg, h, pos, lambda layer, q, k, v, kv: (q, kv), None, eng.matmul_impl)[0]
+
+    lay = shape.layout
+    qs = layout_query_start(lay)
+    kc, vc = eng.state.k[0], eng.state.v[0]
+    q = jnp.zeros((lay.num_tokens, cfg.num_heads, cfg.head_dim), jnp.float32)
+
+    @jax.jit
+    def attention_all_layers(q, kc, vc):
+        def body(o, _):
+            o = paged_attention(o, kc, vc, qs, batch.query_lens, batch.kv_lens, batch.page_table,
+                                sm_scale=cfg.head_dim**-0.5, impl=eng.attn_impl, layout=lay)
+            return o, None
+
+        return jax.lax.scan(body, q, None, length=cfg.num_layers)[0]
+
+    @jax.jit
+    def logits_and_sample(h):
+        logits = compute_logits(params, cfg, h, eng.matmul_impl)
+        return sample(logits, batch.sampling, positions=batch.kv_lens, history=batch.history,
+                      bias_ids=batch.bias_ids, bias_values=batch.bias_values).token
+
+    it = FLAGS.iters
+    rec = dict(rows=rows, shape=str(dataclasses.asdict(shape)),
+               step_ms=1e3 * _timeit(full, batch, iters=it),
+               layers_without_attention_ms=1e3 * _timeit(layers_no_attention, h0, batch.positions, iters=it),
+               attention_ms=1e3 * _timeit(attention_all_layers, q, kc, vc, iters=it),
+               logits_sampling_ms=1e3 * _timeit(logits_and_sample, h0[: shape.num_rows], iters=it))
+    kv_item = np.dtype(eng.state.k.dtype).itemsize
+    keys = shape.pages_per_row * ps
+    rec["attention_bytes_per_step"] = 2 * rows * keys * cfg.num_kv_heads * cfg.head_dim * kv_item * cfg.num_layers
+    return rec
+
+
+def main(argv):
+    del argv
+    import logging
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    import jax
+
+    from experiments.common import load_experiment_model
+
+    model = load_experiment_model(FLAGS.model) if FLAGS.quant is None else __import__("models").load_model(
+        FLAGS.model, quant=FLAGS.quant)
+    load = os.getloadavg()
+    if load[0] > 0.5:
+        print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")
+    out = []
+    for rows in (int(c) for c in FLAGS.concurrency):
+        host = host_breakdown(model, rows)
+        dev = device_breakdown(model, rows)
+        out.append(dict(host=host, device=dev))
+        print(f"{rows:3d} rows: {host['tokens_per_s']:7.1f} tok/s, {host['ms_per_step']:6.1f} ms/step = host "
+              f"{host['host_ms']:5.1f} (schedule {host['schedule_ms']:.1f}, build {host['build_ms']:.1f}, dispatch "
+              f"{host['dispatch_ms']:.1f}, results {host['results_ms']:.1f}) + device wait "
+              f"{host['device_wait_ms']:.1f}")
+        print(f"          device: step {dev['step_ms']:.1f} ms; parts: layers w/o attention "
+              f"{dev['layers_without_attention_ms']:.1f}, attention {dev['attention_ms']:.1f}, logits+sampling "
+              f"{dev['logits_sampling_ms']:.1f}")
+    if FLAGS.json_out:
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(dict(model=FLAGS.model, quant=FLAGS.quant, context=FLAGS.context, tokens=FLAGS.tokens,
+                           cache_dtype=FLAGS.cache_dtype, device=str(jax.devices()[0]), machine=platform.machine(),
+                           cpus=os.cpu_count(), load_avg_before=load, load_avg_after=os.getloadavg(),
+                           jax=jax.__version__, results=out), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,81 +1,684 @@
-"""Main job: stream a generation from the embedded SmolLM2-135M-Instruct (or any supported model).
+"""Main job: generate text with `paged.DynamicGenerator` from the embedded SmolLM2-135M-Instruct (or any supported
+model): one prompt streamed live, a JSONL file of prompts run with continuous batching, or a multi-turn chat.
 
-    python -m experiments.generate --prompt "Write a haiku about paged attention."
+    python -m experiments.generate --prompt "Give me three facts about octopuses."
     python -m experiments.generate --nochat --prompt "Once upon a time" --temperature 0.8 --seed 1
+    echo "Explain paged attention in one sentence." | python -m experiments.generate
+    python -m experiments.generate                       # in a terminal: chat (/reset, /quit, Ctrl-D)
+    python -m experiments.generate --prompts_file prompts.jsonl --output results.jsonl --max_batch_size 16
+    python -m experiments.generate --model path/to/hf_dir --dtype bfloat16 --cache_dtype int8 --warmup
 
-One job through `paged.DynamicGenerator`: the prompt is prefilled in chunks, then tokens stream as they are
-sampled. Timing (time to first token, decode rate) goes to stderr.
+Modes (the first that applies):
+  --prompts_file F   bulk: every line of F becomes a job, all enqueued into one generator and run with continuous
+                     batching (default --max_batch_size 16); a progress bar and a summary table (prefix-cache hits,
+                     TTFT mean/median/p90, decode and aggregate tokens/s) go to stderr.
+  --prompt P         one job; its text streams to stdout as it is sampled, a timing line goes to stderr.
+  stdin a terminal   chat REPL: type a message, the reply streams; the conversation is kept (each turn re-encodes
+                     it, and the prefix cache serves the earlier turns' pages: see "cached" in the timing line).
+                     /reset forgets it, /quit or Ctrl-D exits, Ctrl-C stops a reply (at the prompt: exits).
+  stdin a pipe       its text is the prompt (the default prompt when it is empty).
+
+Prompts file (JSONL), one object a line; blank lines are skipped, a bad line is reported by its number:
+    {"id": "q1", "prompt": "Name three moons of Jupiter.", "max_new_tokens": 64, "seed": 7}
+    {"messages": [{"role": "user", "content": "Hi!"}], "temperature": 0.7, "top_p": 0.9, "stop": ["\\n\\n"]}
+  "prompt" (string) or "messages" (chat list) is required; optional: "id" (default: the line number), "system",
+  "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop" (strings; replaces --stop for that line). Other
+  settings come from the flags. With --seed and no per-line seed, job i (0-based) uses seed + i.
+
+Output (--output PATH, JSONL; in bulk mode without --output the records go to stdout): one record per finished job,
+in input order (chat: one per turn): id, prompt (the exact text given to the model, after the chat template),
+completion, new_tokens, prompt_tokens, cached_tokens (prompt tokens served by the prefix cache), eos_reason, ttft_s
+(enqueue to first token, queueing included), decode_tok_s, time_generate_s.
+
+With --chat (default) prompts are wrapped in the model's chat template (--system adds a system message); --nochat
+sends the raw text. The model's EOS token always stops a job; --stop adds comma-separated stop strings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+# --- what to run
 flags.DEFINE_string("model", "smollm2-135m", "embedded name, HF directory, or .gguf file")
-flags.DEFINE_string("prompt", "What is the capital of France? Answer in one sentence.", "the prompt")
-flags.DEFINE_string("system", None, "optional system message (chat mode)")
-flags.DEFINE_bool("chat", True, "wrap the prompt in the model's chat template (needs a template)")
+flags.DEFINE_string("prompt", DEFAULT_PROMPT, "the prompt (single mode; streams the reply)")
+flags.DEFINE_string("prompts_file", None, "JSONL file of prompts (bulk mode; see the module docstring)")
+flags.DEFINE_string("output", None, "write one JSONL record per finished job (or chat turn) here")
+flags.DEFINE_string("system", None, "optional system message (chat template only)")
+flags.DEFINE_bool("chat", True, "wrap prompts in the model's chat template (--nochat: raw text)")
+flags.DEFINE_bool("progress", True, "bulk mode: show a progress bar on stderr")
+flags.DEFINE_bool("warmup", False, "compile every step bucket before the first job (generator.warmup)")
+# --- sampling (a JSONL line may override max_new_tokens, temperature, top_k, top_p, seed and stop)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
+flags.DEFINE_integer("min_new_tokens", 0, "stop tokens are banned until this many tokens are out")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top_k", 50, "top-k (0 = off)")
-flags.DEFINE_float("top_p", 0.8, "top-p (1 = off)")
-flags.DEFINE_float("min_p", 0.0, "min-p (0 = off)")
-flags.DEFINE_float("repetition_penalty", 1.0, "1 = off")
-flags.DEFINE_integer("seed", None, "sampling seed (None = random)")
-flags.DEFINE_list("stop", [], "extra stop strings")
-flags.DEFINE_integer("page_size", 64, "KV-cache page size (tokens)")
+flags.DEFINE_float("top_p", 0.8, "top-p in (0, 1] (1 = off)")
+flags.DEFINE_float("min_p", 0.0, "min-p in [0, 1) (0 = off)")
+flags.DEFINE_float("typical", 0.0, "locally typical sampling mass in [0, 1] (0 = off)")
+flags.DEFINE_float("repetition_penalty", 1.0, "> 0, 1 = off")
+flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence (0 = off)")
+flags.DEFINE_float("presence_penalty", 0.0, "subtracted once per present token (0 = off)")
+flags.DEFINE_integer("seed", None, "sampling seed (None = random); bulk job i uses seed + i")
+flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the EOS token always stops)")
+# --- cache and engine
+flags.DEFINE_integer("page_size", 64, "KV-cache page size in tokens (a power of two >= 8)")
 flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: enough for max_batch_size x max_seq_len)")
-flags.DEFINE_integer("max_chunk_size", 256, "prefill chunk (tokens per step)")
-flags.DEFINE_integer("max_seq_len", 2048, "longest sequence")
+flags.DEFINE_integer("max_seq_len", None, "longest prompt + max_new_tokens (default: min(model max, 2048))")
+flags.DEFINE_integer("max_chunk_size", 256, "prefill tokens per step")
+flags.DEFINE_integer("max_batch_size", None, "jobs per step (default: 16 in bulk mode, 1 otherwise)")
+flags.DEFINE_string("cache_dtype", "float32", "KV-cache dtype: float32, bfloat16, float16 or int8")
+flags.DEFINE_string("dtype", "float32", "weight dtype: float32, bfloat16 or float16")
+flags.DEFINE_string("quant", None, "weight quantization: keep (GGUF blocks), int8 or int4 (default: none)")
+flags.DEFINE_string("attn_impl", "auto", "attention: auto, xla, pallas or reference")
+flags.DEFINE_string("matmul_impl", "auto", "quantized matmul: auto, xla, pallas or reference")
+flags.DEFINE_string("policy", "exllamav2", "scheduling policy: exllamav2, fcfs or shortest_prompt_first")
 flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache directory")
+
+PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
+BULK_BATCH_SIZE = 16
+
+
+class PromptsFileError(app.UsageError):
+    """A line of the prompts file is malformed or cannot run; the message names the file and line."""
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request: what to say (prompt or messages) and how (settings); `text`/`ids` once encoded."""
+
+    id: Any
+    settings: Any  # paged.SamplingSettings
+    max_new_tokens: int
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    system: str | None = None
+    seed: int | None = None
+    stop: list[str] = dataclasses.field(default_factory=list)
+    line: int | None = None  # 1-based line in the prompts file
+    text: str | None = None  # the exact text given to the model
+    ids: list[int] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{FLAGS.prompts_file}:{self.line}" if self.line is not None else "prompt"
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def validate_flags() -> None:
+    """Check flag values before loading anything; raises app.UsageError with what is wrong and what is allowed."""
+    from models.linear import MATMUL_IMPLS
+    from models.loader import DTYPES
+    from models.weights import QUANT_MODES
+    from paged.engine import CACHE_DTYPES
+    from paged.policy import POLICIES
+    from paged.step import ATTN_IMPLS
+
+    def one_of(name: str, allowed) -> None:
+        value = getattr(FLAGS, name)
+        if value not in allowed:
+            raise app.UsageError(f"--{name}={value} is not one of: {', '.join(str(a) for a in allowed)}")
+
+    one_of("cache_dtype", tuple(CACHE_DTYPES))
+    one_of("dtype", tuple(DTYPES))
+    one_of("attn_impl", ATTN_IMPLS)
+    one_of("matmul_impl", MATMUL_IMPLS)
+    one_of("policy", tuple(POLICIES))
+    if FLAGS.quant is not None and FLAGS.quant not in QUANT_MODES:
+        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(q for q in QUANT_MODES if q)}")
+    if FLAGS.max_new_tokens < 1:
+        raise app.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
+    if not 0 <= FLAGS.min_new_tokens <= FLAGS.max_new_tokens:
+        raise app.UsageError(f"--min_new_tokens must be in [0, --max_new_tokens], got {FLAGS.min_new_tokens}")
+    ps = FLAGS.page_size
+    if ps < 8 or ps & (ps - 1):
+        raise app.UsageError(f"--page_size must be a power of two >= 8, got {ps}")
+    for name in ("max_seq_len", "max_batch_size", "max_chunk_size"):
+        value = getattr(FLAGS, name)
+        if value is not None and value < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {value}")
+    if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
+        raise app.UsageError(f"--num_pages must be >= 2 (page 0 is reserved), got {FLAGS.num_pages}")
+    if any(not s for s in FLAGS.stop):
+        raise app.UsageError("--stop contains an empty stop string")
+    if FLAGS.prompts_file is not None:
+        if FLAGS["prompt"].present:
+            raise app.UsageError("give either --prompt or --prompts_file, not both")
+        if not os.path.isfile(FLAGS.prompts_file):
+            raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} does not exist")
+    if FLAGS["prompt"].present and not FLAGS.prompt.strip():
+        raise app.UsageError("--prompt is empty")
+    if FLAGS.output is not None:
+        parent = os.path.dirname(os.path.abspath(FLAGS.output))
+        if not os.path.isdir(parent):
+            raise app.UsageError(f"--output {FLAGS.output}: directory {parent} does not exist")
+    build_settings()  # sampling flags
+
+
+def build_settings(**overrides: Any):
+    """SamplingSettings from the sampling flags, with `overrides` (e.g. a prompts-file line's temperature) on top.
+    Out-of-range values raise app.UsageError with the settings' own message."""
+    from paged import InvalidSettingsError, SamplingSettings
+
+    kw = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+              typical=FLAGS.typical, repetition_penalty=FLAGS.repetition_penalty,
+              frequency_penalty=FLAGS.frequency_penalty, presence_penalty=FLAGS.presence_penalty)
+    kw.update(overrides)
+    try:
+        return SamplingSettings(**kw)
+    except InvalidSettingsError as e:
+        flagged = "" if overrides else " (check the sampling flags)"
+        raise app.UsageError(f"{e}{flagged}") from e
+
+
+def load_model_from_flags():
+    from models import ModelError, load_model
+
+    try:
+        model = load_model(FLAGS.model, dtype=FLAGS.dtype, quant=FLAGS.quant)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
+    if model.tokenizer is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; this job needs one")
+    return model
+
+
+def build_generator(model, *, max_batch_size: int | None = None, uses_penalties: bool | None = None):
+    """A DynamicGenerator configured by the cache/engine flags. `max_batch_size` is the mode's default, used when
+    --max_batch_size is not given. Without penalties the penalty-history buckets are left out (fewer compiles)."""
+    from paged import DynamicGenerator
+
+    if uses_penalties is None:
+        uses_penalties = build_settings().uses_penalties
+    try:
+        return DynamicGenerator(
+            model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size,
+            max_batch_size=FLAGS.max_batch_size or max_batch_size or 1, max_chunk_size=FLAGS.max_chunk_size,
+            max_seq_len=FLAGS.max_seq_len, max_penalty_range=1024 if uses_penalties else 0, policy=FLAGS.policy,
+            cache_dtype=FLAGS.cache_dtype, attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl,
+            compilation_cache_dir=FLAGS.compilation_cache_dir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+
+
+# ---------------------------------------------------------------------------------------------------- prompts
+def stop_conditions(tok, strings: Sequence[str]) -> list:
+    return [t for t in (tok.eos_token_id,) if t is not None] + list(strings)
+
+
+def use_template(tok) -> bool:
+    return bool(FLAGS.chat and tok.chat_template)
+
+
+def format_prompt(tok, req: Request) -> str:
+    """The exact text given to the model: the chat template over (system +) the prompt or messages, or the raw
+    prompt with --nochat (or a model without a template)."""
+    if req.messages is not None:
+        if not use_template(tok):
+            why = "--nochat was given" if not FLAGS.chat else "the model has no chat template"
+            raise PromptsFileError(f"{req.where}: \"messages\" need the chat template, but {why}; use \"prompt\"")
+        messages = list(req.messages)
+        if req.system is not None:
+            messages = [{"role": "system", "content": req.system}] + messages
+        return tok.apply_chat_template(messages, add_generation_prompt=True)
+    if not use_template(tok):
+        return req.prompt
+    messages = [{"role": "system", "content": req.system}] if req.system else []
+    return tok.apply_chat_template(messages + [{"role": "user", "content": req.prompt}], add_generation_prompt=True)
+
+
+def encode_request(tok, req: Request) -> Request:
+    """Fill `req.text` and `req.ids`."""
+    req.text = format_prompt(tok, req)
+    req.ids = tok.encode(req.text, encode_special_tokens=use_template(tok))
+    if not req.ids:
+        raise PromptsFileError(f"{req.where}: the prompt encodes to no tokens")
+    return req
+
+
+def make_job(tok, req: Request, identifier: Any = None):
+    from paged import Job
+
+    return Job(req.ids, req.max_new_tokens, min_new_tokens=min(FLAGS.min_new_tokens, req.max_new_tokens),
+               gen_settings=req.settings, stop_conditions=stop_conditions(tok, req.stop), seed=req.seed,
+               identifier=identifier)
+
+
+def single_request(prompt: str, rid: Any = 1) -> Request:
+    return Request(id=rid, prompt=prompt, system=FLAGS.system, settings=build_settings(),
+                   max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed, stop=list(FLAGS.stop))
+
+
+def parse_prompt_line(obj: Any, lineno: int, index: int) -> Request:
+    """Validate one decoded JSONL line (`index`: 0-based job number) into a Request; raises ValueError."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(PROMPT_KEYS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError('give exactly one of "prompt" (a string) or "messages" (a chat list)')
+    prompt, messages, system = obj.get("prompt"), obj.get("messages"), obj.get("system")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
+        raise ValueError('"prompt" must be a non-empty string')
+    if "messages" in obj:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f'"messages"[{i}] must be an object with string "role" and "content"')
+        if system is not None and messages[0]["role"] == "system":
+            raise ValueError('"system" given but "messages" already starts with a system message')
+    if system is not None and not isinstance(system, str):
+        raise ValueError('"system" must be a string')
+    rid = obj.get("id", lineno)
+    if not (isinstance(rid, str) or _is_int(rid)):
+        raise ValueError('"id" must be a string or an integer')
+    max_new = obj.get("max_new_tokens", FLAGS.max_new_tokens)
+    if not _is_int(max_new) or max_new < 1:
+        raise ValueError(f'"max_new_tokens" must be an integer >= 1, got {max_new!r}')
+    overrides = {}
+    for key, check, kind in (("temperature", _is_number, "a number"), ("top_p", _is_number, "a number"),
+                             ("top_k", _is_int, "an integer")):
+        if key in obj:
+            if not check(obj[key]):
+                raise ValueError(f'"{key}" must be {kind}, got {obj[key]!r}')
+            overrides[key] = obj[key]
+    seed = obj.get("seed", None if FLAGS.seed is None else FLAGS.seed + index)
+    if seed is not None and not _is_int(seed):
+        raise ValueError(f'"seed" must be an integer, got {seed!r}')
+    stop = obj.get("stop", list(FLAGS.stop))
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError('"stop" must be a list of non-empty strings')
+    try:
+        settings = build_settings(**overrides)
+    except app.UsageError as e:
+        raise ValueError(str(e)) from e
+    return Request(id=rid, prompt=prompt, messages=messages, system=system if system is not None else FLAGS.system,
+                   settings=settings, max_new_tokens=max_new, seed=seed, stop=stop, line=lineno)
+
+
+def read_prompts_file(path: str) -> list[Request]:
+    """Parse and validate every line of a JSONL prompts file (before the model loads). All bad lines are reported
+    together in one PromptsFileError, each by its line number."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptsFileError(f"cannot read --prompts_file {path}: {e}") from e
+    requests, errors = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        try:
+            requests.append(parse_prompt_line(obj, lineno, len(requests) + len(errors)))
+        except ValueError as e:
+            errors.append(f"{path}:{lineno}: {e}")
+    if errors:
+        shown = errors[:10] + ([f"... and {len(errors) - 10} more bad lines"] if len(errors) > 10 else [])
+        raise PromptsFileError(f"{len(errors)} bad line(s) in --prompts_file (line 1 is the first line):\n  "
+                               + "\n  ".join(shown))
+    if not requests:
+        raise PromptsFileError(f"--prompts_file {path} has no prompts")
+    return requests
+
+
+# ---------------------------------------------------------------------------------------------------- results
+def make_record(req: Request, final: dict) -> dict:
+    """The JSONL record of a finished job (its eos result)."""
+    n = final["new_tokens"]
+    gen_s = final["time_generate"]
+    rate = (n - 1) / gen_s if n > 1 and gen_s > 0 else None
+    return {
+        "id": req.id, "prompt": req.text, "completion": final["full_completion"], "new_tokens": n,
+        "prompt_tokens": final["prompt_tokens"], "cached_tokens": final["cached_tokens"],
+        "eos_reason": final["eos_reason"], "ttft_s": round(final["time_enqueued"] + final["time_prefill"], 6),
+        "decode_tok_s": None if rate is None else round(rate, 3), "time_generate_s": round(gen_s, 6),
+    }
+
+
+def write_record(sink: IO[str] | None, record: dict) -> None:
+    if sink is not None:
+        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sink.flush()
+
+
+class OrderedWriter:
+    """Writes records in input order as soon as every earlier one is done (a crash keeps a clean prefix)."""
+
+    def __init__(self, sink: IO[str] | None):
+        self.sink = sink
+        self.ready: dict[int, dict] = {}
+        self.next = 0
+
+    def add(self, index: int, record: dict) -> None:
+        self.ready[index] = record
+        while self.next in self.ready:
+            write_record(self.sink, self.ready.pop(self.next))
+            self.next += 1
+
+
+def stream_job(gen, job, write: Callable[[str], Any]) -> dict:
+    """Run the generator until the (enqueued) `job` finishes, passing its text to `write` as it streams; returns its
+    final result. On KeyboardInterrupt the job is cancelled and the interrupt re-raised."""
+    try:
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if r["job"] is not job or r["stage"] != "streaming":
+                    continue
+                if r["text"]:
+                    write(r["text"])
+                if r["eos"]:
+                    return r
+    except KeyboardInterrupt:
+        gen.cancel(job)
+        raise
+    raise RuntimeError(f"{job!r} left the generator without a final result")
+
+
+def _stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _fmt_rate(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:.1f}"
+
+
+def timing_line(record: dict, *, compiled: bool, total_s: float | None = None) -> str:
+    n, cached = record["new_tokens"], record["cached_tokens"]
+    parts = [f"{n} tokens, {record['eos_reason']}",
+             f"prompt {record['prompt_tokens']} tokens ({cached} cached)",
+             f"first token after {record['ttft_s']:.2f}s" + ("" if compiled else " (includes compilation)"),
+             f"{_fmt_rate(record['decode_tok_s'])} tok/s decode"]
+    if total_s is not None:
+        parts.append(f"{total_s:.1f}s total")
+    return "[" + "; ".join(parts) + "]"
+
+
+# ---------------------------------------------------------------------------------------------------- modes
+def run_single(gen, tok, req: Request, *, sink: IO[str] | None = None, compiled: bool = False) -> dict:
+    """One job; its text streams to stdout, the timing line goes to stderr. Returns its record."""
+    from paged import InvalidJobError, JobTooLargeError
+
+    encode_request(tok, req)
+    print(f"[prompt {len(req.ids)} tokens]", file=sys.stderr)
+    t0 = time.perf_counter()
+    job = make_job(tok, req)
+    try:
+        gen.enqueue(job)
+    except (JobTooLargeError, InvalidJobError) as e:
+        raise app.UsageError(str(e)) from e
+    final = stream_job(gen, job, _stdout_write)
+    print()
+    record = make_record(req, final)
+    print(timing_line(record, compiled=compiled, total_s=time.perf_counter() - t0), file=sys.stderr)
+    write_record(sink, record)
+    return record
+
+
+@dataclasses.dataclass
+class BulkResult:
+    records: list[dict]  # finished jobs, input order
+    wall_s: float
+    total: int  # jobs enqueued
+    metrics: dict
+    interrupted: bool = False
+
+
+def run_bulk(gen, tok, requests: Sequence[Request], *, sink: IO[str] | None = None,
+             progress: bool = True) -> BulkResult:
+    """Enqueue every request into `gen` and run them with continuous batching; records are written to `sink` in
+    input order as they complete. A progress bar (jobs done / total, tokens, tok/s) goes to stderr."""
+    from tqdm import tqdm
+
+    from paged import InvalidJobError, JobTooLargeError
+
+    for r in requests:
+        encode_request(tok, r)
+    t0 = time.perf_counter()
+    tokens0 = gen.tokens_generated
+    for i, r in enumerate(requests):
+        try:
+            gen.enqueue(make_job(tok, r, identifier=i))
+        except (JobTooLargeError, InvalidJobError) as e:
+            gen.clear_queue()
+            raise PromptsFileError(f"{r.where}: {e}") from e
+    records: list[dict | None] = [None] * len(requests)
+    writer = OrderedWriter(sink)
+    bar = tqdm(total=len(requests), unit="job", desc="generating", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    last_refresh = 0.0
+    interrupted = False
+    try:
+        while gen.num_remaining_jobs():
+            for res in gen.iterate():
+                if res["eos"]:
+                    i = res["identifier"]
+                    records[i] = make_record(requests[i], res)
+                    writer.add(i, records[i])
+                    bar.update(1)
+            now = time.perf_counter()
+            if now - last_refresh > 0.25 or not gen.num_remaining_jobs():
+                made = gen.tokens_generated - tokens0
+                bar.set_postfix(tokens=made, tok_s=f"{made / max(now - t0, 1e-9):.1f}")
+                last_refresh = now
+    except KeyboardInterrupt:
+        gen.clear_queue()
+        interrupted = True
+    finally:
+        bar.close()
+    wall = time.perf_counter() - t0
+    return BulkResult(records=[r for r in records if r is not None], wall_s=wall, total=len(requests),
+                      metrics=gen.metrics(), interrupted=interrupted)
+
+
+def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str] | None = None,
+             compiled: bool = False) -> list[dict]:
+    """Multi-turn REPL. Each turn re-encodes the whole templated conversation; the generator's prefix cache serves
+    the pages of the earlier turns (the timing line shows how many prompt tokens were cached). Without a chat
+    template (or with --nochat) every line is an independent raw completion. Returns the turns' records."""
+    from paged import InvalidJobError, JobTooLargeError
+
+    read = read or input
+    templated = use_template(tok)
+    history: list[dict] = []
+    records: list[dict] = []
+    note = "" if templated else " (no chat template: each line is a raw completion, no history)"
+    print(f"[chat with {FLAGS.model}{note}; /reset clears the conversation, /quit or Ctrl-D exits]", file=sys.stderr)
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/quit", "/exit"):
+            break
+        if command == "/reset":
+            history.clear()
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        user = {"role": "user", "content": command}
+        while True:
+            req = single_request(command, rid=len(records) + 1)
+            if templated:
+                req.prompt, req.messages = None, history + [user]
+            encode_request(tok, req)
+            try:
+                job = make_job(tok, req)
+                gen.enqueue(job)
+                break
+            except JobTooLargeError as e:
+                if len(history) < 2:
+                    print(f"[{e}]", file=sys.stderr)
+                    job = None
+                    break
+                del history[:2]  # forget the oldest exchange and try again
+                print("[conversation too long: dropped the oldest exchange]", file=sys.stderr)
+            except InvalidJobError as e:
+                print(f"[{e}]", file=sys.stderr)
+                job = None
+                break
+        if job is None:
+            continue
+        try:
+            final = stream_job(gen, job, _stdout_write)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            continue
+        print()
+        record = make_record(req, final)
+        records.append(record)
+        write_record(sink, record)
+        print(timing_line(record, compiled=compiled or len(records) > 1), file=sys.stderr)
+        if templated:
+            history += [user, {"role": "assistant", "content": final["full_completion"]}]
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int | None = None) -> dict:
+    """Aggregate figures of a bulk run (`metrics`: generator.metrics() after it)."""
+    import numpy as np
+
+    ttft = np.asarray([r["ttft_s"] for r in records], dtype=float)
+    rates = [r["decode_tok_s"] for r in records if r["decode_tok_s"] is not None]
+    prompt = sum(r["prompt_tokens"] for r in records)
+    generated = sum(r["new_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    nan = float("nan")
+    return {
+        "jobs": len(records), "jobs_total": len(records) if total is None else total,
+        "prompt_tokens": prompt, "generated_tokens": generated, "cached_tokens": cached,
+        "cached_fraction": cached / prompt if prompt else 0.0,
+        "prefix_hits": metrics.get("prefix_hits", 0), "prefix_queries": metrics.get("prefix_queries", 0),
+        "prefix_hit_rate": metrics.get("prefix_hit_rate", 0.0),
+        "ttft_mean_s": float(ttft.mean()) if len(ttft) else nan,
+        "ttft_median_s": float(np.median(ttft)) if len(ttft) else nan,
+        "ttft_p90_s": float(np.percentile(ttft, 90)) if len(ttft) else nan,
+        "decode_tok_s_mean": float(np.mean(rates)) if rates else nan,
+        "output_tok_s": generated / wall_s if wall_s > 0 else nan,
+        "wall_s": wall_s,
+    }
+
+
+def format_summary(s: dict) -> str:
+    jobs = f"{s['jobs']}" if s["jobs"] == s["jobs_total"] else f"{s['jobs']} of {s['jobs_total']} (interrupted)"
+    rows = [
+        ("jobs", jobs),
+        ("prompt tokens", f"{s['prompt_tokens']}"),
+        ("generated tokens", f"{s['generated_tokens']}"),
+        ("cached prompt tokens", f"{s['cached_tokens']} ({100 * s['cached_fraction']:.1f}% of prompt tokens)"),
+        ("prefix pages hit", f"{s['prefix_hits']} / {s['prefix_queries']} "
+                             f"({100 * s['prefix_hit_rate']:.1f}%)"),
+        ("TTFT mean / median / p90", f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s"),
+        ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}"),
+        ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}"),
+        ("wall time", f"{s['wall_s']:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    rule = "-" * (width + 2 + max(len(v) for _, v in rows))
+    return "\n".join([rule] + [f"{k:<{width}}  {v}" for k, v in rows] + [rule])
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def _mode() -> str:
+    if FLAGS.prompts_file is not None:
+        return "bulk"
+    if FLAGS["prompt"].present:
+        return "single"
+    if sys.stdin is not None and sys.stdin.isatty():
+        return "chat"
+    return "stdin"
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])} (quote the prompt: --prompt \"...\")")
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" notices are noise here
-    from models import load_model
-    from paged import DynamicGenerator, Job, SamplingSettings
+    validate_flags()
+    mode = _mode()
+    requests = read_prompts_file(FLAGS.prompts_file) if mode == "bulk" else None
+    prompt = FLAGS.prompt
+    if mode == "stdin":
+        data = sys.stdin.read() if sys.stdin is not None else ""
+        prompt = data.strip() or DEFAULT_PROMPT
+        mode = "single"
 
     t0 = time.perf_counter()
-    model = load_model(FLAGS.model)
+    model = load_model_from_flags()
     tok = model.tokenizer
-    if tok is None:
-        raise app.UsageError(f"{FLAGS.model} has no tokenizer; this job needs one")
-    text = FLAGS.prompt
-    if FLAGS.chat and tok.chat_template:
-        messages = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else [])
-        text = tok.apply_chat_template(messages + [{"role": "user", "content": text}], add_generation_prompt=True)
-    ids = tok.encode(text, encode_special_tokens=True)
-    gen = DynamicGenerator(model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size, max_batch_size=1,
-                           max_chunk_size=FLAGS.max_chunk_size, max_seq_len=FLAGS.max_seq_len,
-                           compilation_cache_dir=FLAGS.compilation_cache_dir)
-    settings = SamplingSettings(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
-                                min_p=FLAGS.min_p, repetition_penalty=FLAGS.repetition_penalty)
-    stops = [t for t in (tok.eos_token_id,) if t is not None] + list(FLAGS.stop)
-    print(f"[loaded {FLAGS.model} in {time.perf_counter() - t0:.1f}s; prompt {len(ids)} tokens]", file=sys.stderr)
-    gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=settings, stop_conditions=stops, seed=FLAGS.seed))
-    t_start = time.perf_counter()
-    final = None
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            if r["stage"] == "streaming":
-                sys.stdout.write(r["text"])
-                sys.stdout.flush()
-            if r["eos"]:
-                final = r
-    print()
-    n = final["new_tokens"]
-    ttft = final["time_enqueued"] + final["time_prefill"]
-    rate = (n - 1) / final["time_generate"] if n > 1 and final["time_generate"] > 0 else float("nan")
-    print(f"[{n} tokens, {final['eos_reason']}; first token after {ttft:.2f}s (includes compilation); "
-          f"{rate:.1f} tok/s decode; {time.perf_counter() - t_start:.1f}s total]", file=sys.stderr)
+    gen = build_generator(model, max_batch_size=BULK_BATCH_SIZE if mode == "bulk" else 1)
+    note = "" if use_template(tok) or not FLAGS.chat else "; no chat template: raw text"
+    print(f"[loaded {FLAGS.model} in {time.perf_counter() - t0:.1f}s{note}]", file=sys.stderr)
+    if FLAGS.warmup:
+        t1 = time.perf_counter()
+        n = gen.warmup(progress=True)
+        print(f"[compiled {n} step buckets in {time.perf_counter() - t1:.1f}s]", file=sys.stderr)
+
+    sink = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else None
+    try:
+        if mode == "bulk":
+            result = run_bulk(gen, tok, requests, sink=sink or sys.stdout, progress=FLAGS.progress)
+            summary = summarise(result.records, result.metrics, result.wall_s, result.total)
+            print(format_summary(summary), file=sys.stderr)
+            if result.interrupted:
+                raise SystemExit(130)
+        elif mode == "chat":
+            run_chat(gen, tok, sink=sink, compiled=FLAGS.warmup)
+        else:
+            run_single(gen, tok, single_request(prompt), sink=sink, compiled=FLAGS.warmup)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if sink is not None:
+            sink.close()
+            print(f"[wrote {FLAGS.output}]", file=sys.stderr)
+
+
+def cli_main(argv):
+    """`main` with input errors (bad flags, a bad prompts-file line) shown as one short message, not the whole
+    usage text."""
+    try:
+        main(argv)
+    except app.UsageError as e:
+        print(f"error: {e}\n(python -m experiments.generate --helpshort lists the flags)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(cli_main)

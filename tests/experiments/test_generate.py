@@ -1,0 +1,342 @@
+"""experiments/generate.py end to end on a tiny random Llama with the tiny BPE tokenizer (ChatML template): single
+prompt streaming, bulk JSONL with continuous batching and prefix caching, the chat REPL, and input errors.
+
+Every run uses the same engine geometry (page 8, chunk 16, batch 4, max_seq_len 128), so the jitted step compiles
+a handful of shapes once for the whole module."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import re
+import shutil
+import sys
+
+import pytest
+from absl import app, flags
+from absl.testing import flagsaver
+
+from experiments import generate
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+FLAGS = flags.FLAGS
+TOKENIZER_DIR = pathlib.Path(__file__).parents[1] / "models" / "data" / "tiny_bpe"
+SHARED = ("You are a careful assistant. Read the following shared context carefully and completely before you "
+          "answer the question that comes at the very end of it. ")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    vocab = len(json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())["model"]["vocab"]) + 1  # + "<think>"
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=1, eos_token_id=3, pad_token_id=0)
+    d = tmp_path_factory.mktemp("tiny_chat_model")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, d / name)
+    return d
+
+
+@contextlib.contextmanager
+def flags_set(*args: str):
+    """Parse `args` into FLAGS from defaults; restored afterwards."""
+    with flagsaver.flagsaver():
+        FLAGS.unparse_flags()
+        FLAGS(["generate", *args])
+        yield
+
+
+def engine_args(model_dir, *extra: str) -> list[str]:
+    return [f"--model={model_dir}", "--max_seq_len=128", "--page_size=8", "--max_chunk_size=16",
+            "--max_batch_size=4", "--max_new_tokens=6", *extra]
+
+
+def run_main(*args: str) -> None:
+    with flags_set(*args):
+        generate.main(["generate"])
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def write_jsonl(path, rows) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.fixture
+def chunks(monkeypatch):
+    """Every piece of text streamed to stdout, in order."""
+    out: list[str] = []
+    monkeypatch.setattr(generate, "_stdout_write", out.append)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ single prompt
+def test_single_prompt_streams_and_writes_a_record(model_dir, tmp_path, capsys, chunks):
+    out = tmp_path / "single.jsonl"
+    run_main(*engine_args(model_dir, "--prompt=Tell me about octopuses.", f"--output={out}"))
+    [rec] = read_jsonl(out)
+    assert set(rec) == {"id", "prompt", "completion", "new_tokens", "prompt_tokens", "cached_tokens", "eos_reason",
+                        "ttft_s", "decode_tok_s", "time_generate_s"}
+    assert rec["prompt"] == ("<|startoftext|><|im_start|>user\nTell me about octopuses.<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    assert rec["new_tokens"] == 6 and rec["eos_reason"] == "max_new_tokens"
+    assert len(chunks) > 1 and "".join(chunks) == rec["completion"] != ""  # streamed piece by piece
+    assert rec["ttft_s"] > 0 and rec["prompt_tokens"] > 0
+    err = capsys.readouterr().err
+    assert "[6 tokens, max_new_tokens; prompt" in err and "tok/s decode" in err
+
+
+def test_nochat_sends_the_raw_text(model_dir, tmp_path, chunks):
+    out = tmp_path / "raw.jsonl"
+    run_main(*engine_args(model_dir, "--nochat", "--prompt=Once upon a time", f"--output={out}"))
+    [rec] = read_jsonl(out)
+    assert rec["prompt"] == "Once upon a time"
+
+
+def test_piped_stdin_is_the_prompt(model_dir, tmp_path, monkeypatch, chunks):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Piped question?\n"))
+    out = tmp_path / "stdin.jsonl"
+    run_main(*engine_args(model_dir, f"--output={out}"))
+    [rec] = read_jsonl(out)
+    assert "user\nPiped question?<|im_end|>" in rec["prompt"]
+
+
+def test_empty_stdin_uses_the_default_prompt(model_dir, tmp_path, monkeypatch, chunks):
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    out = tmp_path / "default.jsonl"
+    run_main(*engine_args(model_dir, f"--output={out}"))
+    assert generate.DEFAULT_PROMPT in read_jsonl(out)[0]["prompt"]
+
+
+# ------------------------------------------------------------------------------------------------ bulk
+def test_bulk_runs_every_line_in_input_order(model_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "prompts.jsonl", [
+        {"id": "first", "prompt": "Name a colour."},
+        {"prompt": "Name a fruit.", "max_new_tokens": 3, "seed": 11, "temperature": 0.9, "top_p": 0.9},
+        "",  # blank lines are skipped (and still counted for line numbers)
+        {"messages": [{"role": "user", "content": "Name an animal."}], "system": "Be brief.", "max_new_tokens": 4},
+        {"prompt": "Name a city.", "top_k": 1, "stop": ["zzz"]},
+        {"id": 99, "prompt": "Name a river.", "max_new_tokens": 2},
+    ])
+    out = tmp_path / "results.jsonl"
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", f"--output={out}"))
+    recs = read_jsonl(out)
+    assert [r["id"] for r in recs] == ["first", 2, 4, 5, 99]  # default id: the line number
+    assert [r["new_tokens"] for r in recs] == [6, 3, 4, 6, 2]
+    assert all(r["eos_reason"] == "max_new_tokens" for r in recs)
+    assert recs[2]["prompt"].startswith("<|startoftext|><|im_start|>system\nBe brief.<|im_end|>")
+    err = capsys.readouterr().err
+    assert "generating" in err  # the progress bar
+    summary = err[err.index("\njobs "):]
+    assert summary.split("\n")[1].split() == ["jobs", "5"]
+    for label in ("prompt tokens", "generated tokens", "cached prompt tokens", "prefix pages hit",
+                  "TTFT mean / median / p90", "decode tok/s per job", "output tok/s", "wall time"):
+        assert label in summary
+    assert re.search(rf"\ngenerated tokens +{6 + 3 + 4 + 6 + 2}\n", summary)
+
+
+def test_bulk_without_output_prints_records_to_stdout(model_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "One."}, {"prompt": "Two."}])
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", "--noprogress"))
+    cap = capsys.readouterr()
+    assert [json.loads(line)["id"] for line in cap.out.splitlines()] == [1, 2]
+    assert "generating" not in cap.err
+
+
+def test_bulk_shared_prefix_hits_the_cache(model_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "shared.jsonl", [{"prompt": SHARED + f"Question {i}?"} for i in range(5)])
+    out = tmp_path / "shared_out.jsonl"
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", f"--output={out}", "--noprogress"))
+    recs = read_jsonl(out)
+    assert recs[0]["prompt_tokens"] > 60
+    assert recs[0]["cached_tokens"] == 0
+    assert all(r["cached_tokens"] >= 48 for r in recs[1:])  # the shared prefix spans many 8-token pages
+    assert all(r["cached_tokens"] % 8 == 0 for r in recs)
+    cached_line = next(line for line in capsys.readouterr().err.splitlines() if "cached prompt tokens" in line)
+    assert int(cached_line.split()[3]) == sum(r["cached_tokens"] for r in recs)
+
+
+def test_greedy_bulk_equals_single(model_dir, tmp_path, chunks):
+    single = tmp_path / "s.jsonl"
+    run_main(*engine_args(model_dir, "--prompt=Name a colour.", "--max_new_tokens=8", f"--output={single}"))
+    src = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "Something else entirely."}, {"prompt": "Name a colour."},
+                                             {"prompt": "Name a colour.", "max_new_tokens": 4}])
+    bulk = tmp_path / "b_out.jsonl"
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", "--max_new_tokens=8", f"--output={bulk}",
+                          "--noprogress"))
+    [s] = read_jsonl(single)
+    b = read_jsonl(bulk)
+    assert b[1]["completion"] == s["completion"] and b[1]["new_tokens"] == 8
+    assert s["completion"].startswith(b[2]["completion"])
+
+
+def test_flag_seed_gives_job_i_seed_plus_i(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b", "seed": 5}, {"prompt": "c"}])
+    with flags_set(*engine_args(model_dir, "--seed=100", f"--prompts_file={src}")):
+        reqs = generate.read_prompts_file(str(src))
+    assert [r.seed for r in reqs] == [100, 5, 102]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "invalid JSON"),
+    ('["a list"]', "expected a JSON object"),
+    ('{"id": 3}', 'exactly one of "prompt"'),
+    ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}]}', 'exactly one of "prompt"'),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"messages": [{"role": "user"}]}', '"messages"[0]'),
+    ('{"prompt": "x", "max_new_tokens": 0}', '"max_new_tokens" must be an integer >= 1'),
+    ('{"prompt": "x", "top_p": 0}', "top_p must be in (0, 1]"),
+    ('{"prompt": "x", "temperature": "hot"}', '"temperature" must be a number'),
+    ('{"prompt": "x", "seed": 1.5}', '"seed" must be an integer'),
+    ('{"prompt": "x", "stop": [""]}', '"stop" must be a list of non-empty strings'),
+    ('{"prompt": "x", "max_tokens": 5}', "unknown key(s) 'max_tokens'"),
+])
+def test_bad_prompts_file_line_names_the_line(model_dir, tmp_path, line, message):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"prompt": "fine"}\n\n' + line + '\n{"prompt": "also fine"}\n')
+    with flags_set(*engine_args(model_dir, f"--prompts_file={src}")):
+        with pytest.raises(generate.PromptsFileError) as e:
+            generate.main(["generate"])  # raised before the model loads
+    assert isinstance(e.value, app.UsageError)
+    assert f"{src}:3: " in str(e.value) and message in str(e.value)
+
+
+def test_all_bad_lines_are_reported_together(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "bad.jsonl", ["{oops", '{"prompt": "ok"}', '{"prompt": 7}'])
+    with flags_set(*engine_args(model_dir, f"--prompts_file={src}")):
+        with pytest.raises(generate.PromptsFileError, match=r"2 bad line\(s\)") as e:
+            generate.read_prompts_file(str(src))
+    assert f"{src}:1:" in str(e.value) and f"{src}:3:" in str(e.value)
+
+
+def test_prompt_too_long_for_the_cache_names_the_line(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "short"}, {"prompt": "word " * 200}])
+    with pytest.raises(generate.PromptsFileError, match=r"long\.jsonl:2: .*max_seq_len=128"):
+        run_main(*engine_args(model_dir, f"--prompts_file={src}", "--noprogress"))
+
+
+def test_messages_need_the_chat_template(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(generate.PromptsFileError, match=r"m\.jsonl:1: .*--nochat"):
+        run_main(*engine_args(model_dir, f"--prompts_file={src}", "--nochat"))
+
+
+def test_cli_shows_a_short_error_and_exits_1(model_dir, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "x", "top_k": -1}'])
+    with flags_set(*engine_args(model_dir, f"--prompts_file={src}")):
+        with pytest.raises(SystemExit) as e:
+            generate.cli_main(["generate"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.jsonl:1: " in err and "top_k" in err
+
+
+# ------------------------------------------------------------------------------------------------ chat REPL
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def scripted_input(monkeypatch, lines):
+    """Make input() return `lines` in order; an exception instance in the list is raised instead."""
+    calls: list[str] = []
+    feed = iter(lines)
+
+    def fake_input(prompt=""):
+        calls.append(prompt)
+        item = next(feed, EOFError())
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr(sys, "stdin", _Tty())
+    monkeypatch.setattr("builtins.input", fake_input)
+    return calls
+
+
+def test_chat_keeps_history_and_reuses_the_cache(model_dir, tmp_path, monkeypatch, capsys, chunks):
+    calls = scripted_input(monkeypatch, ["Hello there, who are you?", "Tell me more about that."])
+    out = tmp_path / "chat.jsonl"
+    run_main(*engine_args(model_dir, f"--output={out}"))
+    assert calls == ["> "] * 3  # two turns, then EOF
+    first, second = read_jsonl(out)
+    assert [first["id"], second["id"]] == [1, 2]
+    # the second turn's prompt is the whole conversation: turn 1's prompt + its reply + the new message
+    assert second["prompt"].startswith(first["prompt"] + first["completion"] + "<|im_end|>\n<|im_start|>user\n"
+                                       "Tell me more about that.<|im_end|>")
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] >= 8 * ((first["prompt_tokens"] - 1) // 8)
+    assert "".join(chunks) == first["completion"] + second["completion"]
+    timing = [line for line in capsys.readouterr().err.splitlines() if "tok/s decode" in line]
+    assert len(timing) == 2
+    assert f"({second['cached_tokens']} cached)" in timing[1]
+
+
+def test_chat_reset_clears_the_history(model_dir, tmp_path, monkeypatch, capsys, chunks):
+    scripted_input(monkeypatch, ["Hi!", "/reset", "Hi!", "/quit", "never read"])
+    out = tmp_path / "reset.jsonl"
+    run_main(*engine_args(model_dir, f"--output={out}"))
+    first, second = read_jsonl(out)
+    assert second["prompt"] == first["prompt"]  # a fresh conversation
+    assert second["completion"] == first["completion"]  # greedy
+    assert second["cached_tokens"] > 0  # the identical prompt is still in the prefix cache
+    assert "[conversation cleared]" in capsys.readouterr().err
+
+
+def test_chat_ctrl_c_at_the_prompt_exits_cleanly(model_dir, monkeypatch, capsys):
+    calls = scripted_input(monkeypatch, [KeyboardInterrupt()])
+    run_main(*engine_args(model_dir))
+    assert calls == ["> "]
+    assert "/reset clears the conversation" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ flags
+@pytest.mark.parametrize("flag, message", [
+    ("--top_p=0", "top_p must be in (0, 1]"),
+    ("--temperature=-1", "temperature must be >= 0"),
+    ("--min_p=1.5", "min_p must be in [0, 1)"),
+    ("--repetition_penalty=0", "repetition_penalty must be > 0"),
+    ("--cache_dtype=int4", "--cache_dtype=int4 is not one of: float32, bfloat16, float16, int8"),
+    ("--policy=lifo", "--policy=lifo is not one of"),
+    ("--quant=int2", "--quant=int2 is not one of: keep, int8, int4"),
+    ("--page_size=12", "--page_size must be a power of two >= 8"),
+    ("--min_new_tokens=10", "--min_new_tokens must be in [0, --max_new_tokens]"),
+    ("--max_batch_size=0", "--max_batch_size must be >= 1"),
+    ("--prompt=", "--prompt is empty"),
+])
+def test_invalid_flags_give_a_clear_usage_error(model_dir, flag, message):
+    with flags_set(*engine_args(model_dir, flag)):
+        with pytest.raises(app.UsageError) as e:
+            generate.main(["generate"])
+    assert message in str(e.value)
+
+
+def test_prompt_and_prompts_file_conflict(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    with pytest.raises(app.UsageError, match="either --prompt or --prompts_file"):
+        run_main(*engine_args(model_dir, "--prompt=hi", f"--prompts_file={src}"))
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def test_summarise_figures():
+    recs = [dict(ttft_s=t, decode_tok_s=d, prompt_tokens=p, new_tokens=n, cached_tokens=c)
+            for t, d, p, n, c in [(1.0, 10.0, 40, 5, 0), (2.0, 20.0, 40, 5, 32), (3.0, None, 20, 1, 16),
+                                  (10.0, 30.0, 100, 9, 0)]]
+    s = generate.summarise(recs, {"prefix_hits": 6, "prefix_queries": 12, "prefix_hit_rate": 0.5}, wall_s=4.0)
+    assert s["jobs"] == 4 and s["prompt_tokens"] == 200 and s["generated_tokens"] == 20
+    assert s["cached_tokens"] == 48 and s["cached_fraction"] == pytest.approx(0.24)
+    assert s["ttft_mean_s"] == pytest.approx(4.0) and s["ttft_median_s"] == pytest.approx(2.5)
+    assert s["ttft_p90_s"] == pytest.approx(7.9)
+    assert s["decode_tok_s_mean"] == pytest.approx(20.0) and s["output_tok_s"] == pytest.approx(5.0)
+    table = generate.format_summary(s)
+    assert "48 (24.0% of prompt tokens)" in table and "6 / 12 (50.0%)" in table
+    assert "4.000 / 2.500 / 7.900 s" in table

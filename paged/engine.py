@@ -151,7 +151,8 @@ class Engine:
             it = tqdm(shapes, desc="compiling step buckets", unit="shape")
         for shape in it:
             batch, _ = build_batch([], shape, self.page_size)
-            self.state, res = step(self.model.params, self.state, batch, cfg=self.cfg, shape=shape,
-                                   attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+            # the same static arguments, passed the same way, as `run`: jit keys its cache on how they are passed
+            self.state, res = step(self.model.params, self.state, batch, cfg=self.cfg, shape=shape, return_top_k=0,
+                                   return_logits=False, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
             jax.block_until_ready(res.token)
         return len(shapes)

@@ -1,0 +1,297 @@
+"""The same workloads through this framework, llama.cpp (`llama-cpp-python`, same GGUF file) and HF transformers,
+in one run, with the ratios. Peers that are not installed are skipped (never a CI dependency).
+
+    python -m experiments.bench_peers --json_out experiments/results/peers_cpu.json
+    python -m experiments.bench_peers --engines ours,transformers --batch_sizes 16,64 --quant keep
+
+Workloads (greedy, end-of-text ignored so every sequence decodes exactly `--decode_tokens` tokens):
+  single   one sequence with a `--prompt_len`-token prompt: decode tokens/s after the first token;
+  prefill  one `--prefill_len`-token prompt: prompt tokens/s until its first token;
+  batch B  B sequences with distinct `--prompt_len`-token prompts decoding together: aggregate decode tokens/s,
+           timed from the moment every sequence has its first token (prefill excluded) to the last token.
+Every engine runs each workload once untimed first (our compilation, their warm-up) and gets `--threads` threads.
+Figures are only meaningful on an idle machine; the load average is recorded before and after.
+
+llama-cpp-python builds llama.cpp from source on install (~10 minutes on 2 cores):
+`CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("engines", ["ours", "llama.cpp", "transformers"], "engines to run (skipped when not installed)")
+flags.DEFINE_list("workloads", ["single", "prefill", "batch"], "workloads")
+flags.DEFINE_list("batch_sizes", ["16", "64"], "sequences for the batch workload")
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens per sequence (single, batch)")
+flags.DEFINE_integer("prefill_len", 512, "prompt tokens of the prefill workload")
+flags.DEFINE_integer("decode_tokens", 64, "tokens decoded per sequence")
+flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
+flags.DEFINE_string("quant", "keep", "our weights: keep (Q4_1 as stored), none (dequantized f32), int8, int4")
+flags.DEFINE_string("cache_dtype", "float32", "our KV cache dtype")
+flags.DEFINE_integer("page_size", 64, "our KV page size")
+flags.DEFINE_string("json_out", None, "write the record here")
+
+
+def prompts(tokenizer, n: int, length: int, salt: int = 0) -> list[list[int]]:
+    """n distinct prompts of exactly `length` token ids, from ordinary text (no special tokens)."""
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches near "
+             "the old harbour and count ships").split()
+    out = []
+    for i in range(n):
+        text = " ".join(words[(i * 7 + salt + j) % len(words)] + (str(i) if j == 0 else "") for j in range(length))
+        ids = tokenizer.encode(text)
+        while len(ids) < length:
+            ids = ids + ids
+        out.append(ids[:length])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- ours
+class Ours:
+    name = "ours"
+
+    def __init__(self):
+        from models import load_model
+
+        quant = None if FLAGS.quant == "none" else FLAGS.quant
+        self.model = load_model("smollm2-135m", quant=quant)
+        self.tokenizer = self.model.tokenizer
+        self.gens = {}
+
+    def _gen(self, batch: int, max_len: int):
+        from paged import DynamicGenerator
+
+        key = (batch, max_len)
+        if key not in self.gens:
+            ps = FLAGS.page_size
+            self.gens[key] = DynamicGenerator(
+                self.model, page_size=ps, max_batch_size=batch, max_chunk_size=512,
+                max_seq_len=-(-max_len // ps) * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0)
+        return self.gens[key]
+
+    def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        """(seconds until every sequence has its first token, seconds for the rest of the decode)."""
+        from paged import Job, SamplingSettings
+
+        gen = self._gen(len(seqs), max(len(s) for s in seqs) + new_tokens)
+        gen.pool.reset_cache()  # no prefix hits across repetitions
+        t0 = time.perf_counter()
+        gen.enqueue([Job(s, new_tokens, gen_settings=SamplingSettings.greedy()) for s in seqs])
+        while gen.pending or any(j.new_tokens == 0 for j in gen.active):
+            gen.iterate()
+        t1 = time.perf_counter()
+        while gen.num_remaining_jobs():
+            gen.iterate()
+        return t1 - t0, time.perf_counter() - t1
+
+
+# ------------------------------------------------------------------------------------------------ llama.cpp
+class LlamaCpp:
+    name = "llama.cpp"
+
+    def __init__(self):
+        import llama_cpp
+        import numpy as np
+
+        from models.embedded import embedded_gguf_path
+
+        self.lib, self.np = llama_cpp, np
+        # llama.cpp logs every load and context to stderr; keep the callback referenced while the library lives
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(self._quiet, None)
+        self.path = embedded_gguf_path()
+        self.tokenizer = None
+        self.ctx = None
+        self.key = None
+
+    def _context(self, batch: int, max_len: int):
+        lc = self.lib
+        if self.key == (batch, max_len):
+            return self.ctx
+        if self.ctx is not None:
+            lc.llama_free(self.ctx)
+        if not hasattr(self, "model"):
+            mp = lc.llama_model_default_params()
+            self.model = lc.llama_model_load_from_file(self.path.encode(), mp)
+            self.vocab = lc.llama_model_get_vocab(self.model)
+            self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = batch * max_len + 64
+        cp.n_batch = max(512, batch * max_len)
+        cp.n_ubatch = 512
+        cp.n_seq_max = batch
+        cp.n_threads = cp.n_threads_batch = FLAGS.threads
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        self.key = (batch, max_len)
+        return self.ctx
+
+    def _clear(self, ctx):
+        lc = self.lib
+        if hasattr(lc, "llama_memory_clear"):
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        else:
+            lc.llama_kv_self_clear(ctx)
+
+    def _decode(self, ctx, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, pos, seq, want_logits); returns the greedy token for each item that wants logits."""
+        lc, np = self.lib, self.np
+        b = lc.llama_batch_init(len(items), 0, 1)
+        try:
+            b.n_tokens = len(items)
+            for i, (tok, pos, seq, want) in enumerate(items):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
+                b.seq_id[i][0] = seq
+            if lc.llama_decode(ctx, b) != 0:
+                raise RuntimeError("llama_decode failed")
+            out = []
+            for i, item in enumerate(items):
+                if item[3]:
+                    logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
+                    out.append(int(logits.argmax()))
+            return out
+        finally:
+            lc.llama_batch_free(b)
+
+    def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        ctx = self._context(len(seqs), max(len(s) for s in seqs) + new_tokens)
+        self._clear(ctx)
+        t0 = time.perf_counter()
+        last = []
+        for s, ids in enumerate(seqs):  # one prompt per decode call, like our one-prefill-row steps
+            last += self._decode(ctx, [(t, p, s, p == len(ids) - 1) for p, t in enumerate(ids)])
+        t1 = time.perf_counter()
+        for k in range(1, new_tokens):
+            last = self._decode(ctx, [(t, len(seqs[s]) + k - 1, s, True) for s, t in enumerate(last)])
+        return t1 - t0, time.perf_counter() - t1
+
+
+# --------------------------------------------------------------------------------------------- transformers
+class Transformers:
+    name = "transformers"
+
+    def __init__(self):
+        import torch
+        import transformers
+
+        from models.embedded import embedded_gguf_path
+
+        torch.set_num_threads(FLAGS.threads)
+        path = embedded_gguf_path()
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+        self.tokenizer = None
+
+    def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        torch = self.torch
+        from transformers import DynamicCache
+
+        ids = torch.tensor(seqs)  # equal lengths: no padding needed
+        cache = DynamicCache()
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            t1 = time.perf_counter()
+            for _ in range(1, new_tokens):
+                out = self.model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        return t1 - t0, time.perf_counter() - t1
+
+
+ENGINES = {"ours": (Ours, "jax"), "llama.cpp": (LlamaCpp, "llama_cpp"), "transformers": (Transformers, "transformers")}
+
+
+def measure(engine, tokenizer, workload: str, batch: int = 1) -> dict:
+    n = FLAGS.decode_tokens
+    if workload == "prefill":
+        seqs = prompts(tokenizer, 1, FLAGS.prefill_len)
+        engine.run(seqs, 1)
+        t_pre, _ = engine.run(seqs, 1)
+        return dict(workload="prefill", tokens_per_s=FLAGS.prefill_len / t_pre, seconds=t_pre)
+    seqs = prompts(tokenizer, batch, FLAGS.prompt_len, salt=batch)
+    engine.run(seqs, n)
+    t_pre, t_dec = engine.run(seqs, n)
+    name = "single" if workload == "single" else f"batch {batch}"
+    return dict(workload=name, tokens_per_s=batch * (n - 1) / t_dec, seconds=t_dec, prefill_seconds=t_pre)
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv):
+    del argv
+    import logging
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    load_before = os.getloadavg()
+    if load_before[0] > 0.5:
+        print(f"warning: load average {load_before[0]:.2f}; peer ratios are only valid on an idle machine")
+    ours = None
+    results: dict[str, list[dict]] = {}
+    versions = {}
+    for name in FLAGS.engines:
+        if name not in ENGINES:
+            raise app.UsageError(f"--engines: unknown engine {name!r}; choose from {sorted(ENGINES)}")
+        cls, module = ENGINES[name]
+        if importlib.util.find_spec(module) is None:
+            print(f"[{name}: not installed ({module}), skipped]")
+            continue
+        engine = cls()
+        if name == "ours":
+            ours = engine
+        tokenizer = (ours or Ours()).tokenizer if engine.tokenizer is None else engine.tokenizer
+        if ours is None:
+            ours = Ours.__new__(Ours)
+            ours.tokenizer = tokenizer
+        versions[name] = getattr(__import__(module), "__version__", "?")
+        rows = []
+        for w in FLAGS.workloads:
+            for b in ([int(x) for x in FLAGS.batch_sizes] if w == "batch" else [1]):
+                rec = measure(engine, tokenizer, w, b)
+                rows.append(rec)
+                print(f"{name:13s} {rec['workload']:10s} {rec['tokens_per_s']:8.1f} tok/s", flush=True)
+        results[name] = rows
+        del engine
+    table = []
+    if "ours" in results:
+        for i, rec in enumerate(results["ours"]):
+            row = dict(workload=rec["workload"], ours=rec["tokens_per_s"])
+            for peer in results:
+                if peer != "ours":
+                    row[peer] = results[peer][i]["tokens_per_s"]
+                    row[f"ours/{peer}"] = rec["tokens_per_s"] / results[peer][i]["tokens_per_s"]
+            table.append(row)
+        print("\nworkload    " + "  ".join(f"{k:>16s}" for k in table[0] if k != "workload"))
+        for row in table:
+            print(f"{row['workload']:10s}  " + "  ".join(f"{v:16.2f}" for k, v in row.items() if k != "workload"))
+    if FLAGS.json_out:
+        import jax
+
+        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
+                                                               "prefill_len", "decode_tokens", "threads", "quant",
+                                                               "cache_dtype", "page_size")},
+                           git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
+                           cpu=platform.processor(), jax=jax.__version__, versions=versions,
+                           load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,
+                           table=table), f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,305 @@
+"""Serving benchmark of `DynamicGenerator`, in-process, with vLLM `benchmark_serving`'s workloads and metrics.
+
+    python -m experiments.bench_serving --model smollm2-135m --dataset random --num_prompts 64 \\
+        --input_len 256 --output_len 64 --max_concurrency 1,4,16 --plot
+    python -m experiments.bench_serving --dataset sharegpt --request_rate 2 --burstiness 0.5 --slo ttft:2000,tpot:200
+    python -m experiments.bench_serving --dataset prefix --num_prefixes 4 --prefix_len 512 --input_len 64
+
+Closed loop (`--max_concurrency N`: N requests in flight), open loop (`--request_rate R` req/s, gamma arrivals with
+shape `--burstiness`), or both. Each concurrency value is one run; each run appends one JSON record to
+`<output_dir>/<run_name>.jsonl` and prints a summary table. Compilation (`generator.warmup()`) and `--num_warmup`
+requests are excluded; the prompt cache is reset before each measured run. See docs/performance.md, "Serving
+benchmark", for the metric definitions and the record's schema. The logic lives in `experiments/serving/`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import time
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+_BEFORE = set(FLAGS)
+# workload
+flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "prefix"], "request workload")
+flags.DEFINE_integer("num_prompts", 32, "measured requests per run")
+flags.DEFINE_integer("seed", 0, "seed of the workload, the arrival times and the per-request sampling seeds")
+flags.DEFINE_integer("input_len", 128, "random: prompt tokens; prefix: suffix tokens after the shared prefix")
+flags.DEFINE_integer("output_len", 32, "random / prefix: output tokens (exact: no stop tokens)")
+flags.DEFINE_float("range_ratio", 0.0, "random / prefix: lengths uniform in [len*(1-r), len*(1+r)]")
+flags.DEFINE_integer("num_prefixes", 4, "prefix: number of distinct shared prefixes")
+flags.DEFINE_integer("prefix_len", 256, "prefix: tokens per shared prefix")
+flags.DEFINE_string("dataset_path", None,
+                    "sharegpt: length-pair file (default experiments/data/sharegpt_like_lengths.json)")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise plain temperature sampling (no top-k/p, no penalties)")
+# load
+flags.DEFINE_list("max_concurrency", ["4"], "requests in flight; a comma list runs a sweep; 'inf' = no limit")
+flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0)")
+flags.DEFINE_float("burstiness", 1.0, "gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier)")
+flags.DEFINE_integer("num_warmup", None, "unmeasured requests run before each measured run, at its concurrency "
+                     "(default: max(2, max_concurrency), or max_batch_size without a limit)")
+flags.DEFINE_bool("compile_all_buckets", True, "generator.warmup(): compile every step bucket before measuring")
+flags.DEFINE_string("slo", "", "goodput SLOs in ms, e.g. 'ttft:2000,tpot:100,e2el:30000'")
+# output
+flags.DEFINE_string("output_dir", "experiments/results/serving", "where records (and plots) are written")
+flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
+flags.DEFINE_bool("plot", False, "write latency-CDF PNGs (and throughput / TPOT vs concurrency for a sweep)")
+flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
+flags.DEFINE_bool("progress", True, "progress bar on stderr")
+flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
+# model / engine
+flags.DEFINE_string("model", "smollm2-135m", "'tiny' (random 2-layer model), 'smollm2-135m', an HF dir or a .gguf")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "weight dtype")
+flags.DEFINE_enum("quant", None, ["keep", "int8", "int4"], "weight quantization (models.load_model)")
+flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: max_batch_size full-length sequences + 1)")
+flags.DEFINE_integer("page_size", 64, "tokens per page")
+flags.DEFINE_integer("max_seq_len", None, "longest prompt + output (default min(model max positions, 2048))")
+flags.DEFINE_integer("max_chunk_size", 256, "prefill tokens per step")
+flags.DEFINE_integer("max_batch_size", None, "rows per step (default: the largest --max_concurrency, else 16)")
+flags.DEFINE_integer("max_prefill_rows", 1, "jobs prefilling in the same step")
+flags.DEFINE_integer("max_penalty_range", 0, "penalty window compiled in (0: none, the benchmark uses no penalties)")
+flags.DEFINE_enum("cache_dtype", "float32", ["float32", "bfloat16", "float16", "int8"], "KV-cache dtype")
+flags.DEFINE_enum("attn_impl", "auto", ["auto", "xla", "pallas", "reference"], "paged attention implementation")
+flags.DEFINE_enum("matmul_impl", "auto", ["auto", "xla", "pallas", "reference"], "dequant-matmul implementation")
+flags.DEFINE_enum("policy", "exllamav2", ["exllamav2", "fcfs", "shortest_prompt_first"], "admission policy")
+flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache")
+OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
+
+SCHEMA = "bench_serving/1"
+
+
+def parse_concurrency(values) -> list[int | None]:
+    """['1', '4', 'inf'] -> [1, 4, None] (None: no limit)."""
+    out: list[int | None] = []
+    for v in values:
+        s = str(v).strip().lower()
+        if s in ("inf", "none", "unlimited"):
+            out.append(None)
+            continue
+        try:
+            n = int(s)
+        except ValueError:
+            raise ValueError(f"--max_concurrency: {v!r} is not a positive integer or 'inf'") from None
+        if n < 1:
+            raise ValueError(f"--max_concurrency values must be >= 1 (or 'inf'), got {n}")
+        out.append(n)
+    if not out:
+        raise ValueError("--max_concurrency needs at least one value")
+    return out
+
+
+def jsonable(x):
+    """Floats inf / nan -> strings, tuples -> lists, recursively (strict JSON)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
+        return jsonable(x.item())
+    return x
+
+
+def _load_model(name: str):
+    from experiments.common import load_experiment_model
+
+    if name == "tiny":
+        return load_experiment_model("tiny")
+    from models import load_model
+
+    return load_model(name, dtype=FLAGS.dtype, quant=FLAGS.quant)
+
+
+def _label(c: int | None) -> str:
+    return "c=inf" if c is None else f"c={c}"
+
+
+def _compiled_variants() -> int | None:
+    """Compiled variants of the jitted step functions so far (None if the engine does not expose the count)."""
+    try:
+        from paged.step import count_compiles
+
+        return int(sum(count_compiles().values()))
+    except Exception:  # a diagnostic only
+        return None
+
+
+def main(argv):
+    del argv
+    run()
+
+
+def run() -> list:
+    """The benchmark with the current FLAGS; returns [(max_concurrency, RunResult, metrics)] per run."""
+    import logging
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    from experiments.serving import env, hardware, metrics, plots, runner, workloads
+
+    try:
+        slo = metrics.parse_slo(FLAGS.slo)
+        concurrencies = parse_concurrency(FLAGS.max_concurrency)
+        workloads.arrival_times(0, FLAGS.request_rate, FLAGS.burstiness)  # validates rate / burstiness
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    if FLAGS.temperature < 0:
+        raise app.UsageError(f"--temperature must be >= 0, got {FLAGS.temperature}")
+    if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
+        raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")
+
+    import jax
+
+    from paged import DynamicGenerator, SamplingSettings
+
+    t_start = time.time()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    model_tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(FLAGS.model)))
+    run_name = FLAGS.run_name or f"{model_tag}_{FLAGS.dataset}_{stamp}"
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    out_path = os.path.join(FLAGS.output_dir, f"{run_name}.jsonl")
+
+    env.load_average("at start")
+    peaks = None
+    if FLAGS.measure_hardware:
+        peaks = hardware.measure_peaks()
+        print(f"measured peaks: memory {peaks['bandwidth_gbps']:.1f} GB/s, f32 matmul "
+              f"{peaks['matmul_gflops']:.1f} GFLOP/s", file=sys.stderr)
+
+    model = _load_model(FLAGS.model)
+    finite = [c for c in concurrencies if c is not None]
+    max_batch = FLAGS.max_batch_size or (max(finite) if finite else 16)
+    gen = DynamicGenerator(
+        model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size, max_batch_size=max_batch,
+        max_chunk_size=FLAGS.max_chunk_size, max_seq_len=FLAGS.max_seq_len, max_prefill_rows=FLAGS.max_prefill_rows,
+        max_penalty_range=FLAGS.max_penalty_range, policy=FLAGS.policy, cache_dtype=FLAGS.cache_dtype,
+        attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl, compilation_cache_dir=FLAGS.compilation_cache_dir)
+    t0 = time.perf_counter()
+    buckets = gen.warmup(progress=FLAGS.progress) if FLAGS.compile_all_buckets else 0
+    compile_s = time.perf_counter() - t0
+
+    tok = gen.tokenizer
+    special = sorted(getattr(tok, "special_token_ids", ()) or ()) if tok is not None else []
+    try:
+        wl = workloads.make_workload(
+            FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=FLAGS.seed,
+            max_seq_len=gen.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
+            range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
+            dataset_path=FLAGS.dataset_path)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    if FLAGS.temperature > 0:
+        settings = SamplingSettings(temperature=FLAGS.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    else:
+        settings = SamplingSettings.greedy()
+    cost = hardware.engine_cost(gen.engine)
+    cfg = model.config
+    static = {
+        "schema": SCHEMA,
+        "run_name": run_name,
+        "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
+        "git": env.git_info(),
+        "device": env.device_info(),
+        "versions": env.versions(),
+        "model": {"name": FLAGS.model, "source": getattr(model, "source", None),
+                  "dtype": str(getattr(model, "dtype", FLAGS.dtype)), "quant": FLAGS.quant,
+                  "params_bytes": hardware.leaf_bytes(model.params),
+                  "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
+                  "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size},
+        "engine": {"page_size": gen.page_size, "num_pages": gen.pool.num_pages, "max_batch_size": gen.max_batch_size,
+                   "max_chunk_size": gen.max_chunk_size, "max_seq_len": gen.max_seq_len,
+                   "max_prefill_rows": gen.max_prefill_rows, "cache_dtype": FLAGS.cache_dtype,
+                   "attn_impl": FLAGS.attn_impl, "matmul_impl": FLAGS.matmul_impl, "policy": FLAGS.policy,
+                   "buckets_compiled": buckets, "compile_seconds": compile_s},
+        "workload": wl.describe(),
+        "sampling": {"temperature": settings.temperature, "greedy": settings.is_greedy},
+    }
+
+    runs = []
+    for c in concurrencies:
+        load_before = env.load_average(f"before the run at {_label(c)}")
+        n_warm = FLAGS.num_warmup if FLAGS.num_warmup is not None else max(2, c or gen.max_batch_size)
+        warm_s = runner.warm_up(gen, wl.requests[:n_warm], gen_settings=settings, max_concurrency=c, seed=FLAGS.seed)
+        compiled_before = _compiled_variants()
+        res = runner.run_benchmark(gen, wl.requests, gen_settings=settings, max_concurrency=c,
+                                   request_rate=FLAGS.request_rate, burstiness=FLAGS.burstiness, seed=FLAGS.seed,
+                                   progress=FLAGS.progress, desc=f"{run_name} {_label(c)}")
+        compiled_after = _compiled_variants()
+        compiles = None if compiled_before is None else compiled_after - compiled_before
+        if compiles:
+            print(f"WARNING: {compiles} step variant(s) compiled during the measured run at {_label(c)}: its "
+                  "latencies include compilation (raise --num_warmup, or check that warmup() covers the shapes)",
+                  file=sys.stderr)
+        load_after = env.load_average()
+        m = metrics.compute_metrics(res.records, res.duration, slo)
+        cache = metrics.prefix_cache_stats(res.metrics_before, res.metrics_after, res.records)
+        util = hardware.utilisation(cost, res.steps, res.duration, peaks)
+        rec = {
+            **static,
+            "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+            "max_concurrency": c,
+            "request_rate": FLAGS.request_rate,
+            "burstiness": FLAGS.burstiness,
+            "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            "warmup_requests": min(n_warm, len(wl.requests)),
+            "warmup_seconds": warm_s,
+            "metrics": m,
+            "prefix_cache": cache,
+            "steps": res.step_summary,
+            "compiles_during_run": compiles,
+            "max_in_flight": res.max_in_flight,
+            "max_generator_jobs": res.max_generator_jobs,
+            "generator_metrics": {"final": res.metrics_after,
+                                  "delta": metrics.metrics_delta(res.metrics_before, res.metrics_after)},
+            "hardware": {"peak": peaks, "utilisation": util, "notes": hardware.UTILISATION_NOTES},
+            "notes": ("TTFT/E2EL are measured from when a request is sent (its arrival, or when a concurrency slot "
+                      "freed); token times are taken in the host loop after each iterate(). " +
+                      hardware.UTILISATION_NOTES),
+            "per_request": [
+                {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+                 "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
+                 "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
+                 "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
+                 **({"token_times": r.token_times} if FLAGS.save_detailed else {})}
+                for r in res.records],
+        }
+        with open(out_path, "a") as f:
+            f.write(json.dumps(jsonable(rec)) + "\n")
+        extra = [("Max concurrency:", "inf" if c is None else str(c)),
+                 ("Request rate (req/s):", str(FLAGS.request_rate)),
+                 ("Engine steps:", str(res.step_summary["steps"])),
+                 ("Mean rows per step:", f"{res.step_summary['mean_rows_per_step']:.2f}"),
+                 ("Prefix cache page hit rate:", f"{cache['page_hit_rate']:.3f}"),
+                 ("Cached prompt token fraction:", f"{cache['token_hit_rate']:.3f}")]
+        if util is not None:
+            extra.append(("Achieved bandwidth (GB/s):", f"{util['achieved_gbps']:.2f}"))
+            extra.append(("Achieved GFLOP/s:", f"{util['achieved_gflops']:.2f}"))
+            if util["bandwidth_fraction"] is not None:
+                extra.append(("Fraction of peak bandwidth:", f"{util['bandwidth_fraction']:.3f}"))
+                extra.append(("Fraction of peak FLOP/s:", f"{util['flops_fraction']:.3f}"))
+        print(metrics.format_table(m, f"Serving Benchmark Result ({_label(c)})", extra))
+        runs.append((c, res, m))
+
+    if FLAGS.plot:
+        title = f"{FLAGS.model} {FLAGS.dataset}, rate {FLAGS.request_rate}"
+        paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
+                                         os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
+        if len(runs) > 1 and all(c is not None for c, _, _ in runs):
+            paths.append(plots.plot_sweep([(c, m["output_throughput"], m["tpot_ms"]["median"]) for c, _, m in runs],
+                                          os.path.join(FLAGS.output_dir, f"{run_name}_sweep.png"), title))
+        for p in paths:
+            print(f"wrote {p}", file=sys.stderr)
+    print(f"wrote {len(runs)} record(s) to {out_path} in {time.time() - t_start:.1f} s "
+          f"({jax.default_backend()})", file=sys.stderr)
+    return runs
+
+
+if __name__ == "__main__":
+    app.run(main)

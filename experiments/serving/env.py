@@ -1,0 +1,68 @@
+"""What a benchmark record says about where it ran: git state, device, CPU, versions, load average."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOAD_WARN = 0.5
+
+
+def git_info(root: str = REPO_ROOT) -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def device_info() -> dict:
+    import jax
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    return {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "device_kind": jax.devices()[0].device_kind, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+            "cpus_usable": usable, "machine": platform.machine(), "platform": platform.platform()}
+
+
+def versions() -> dict:
+    import jax
+    import jaxlib
+    import numpy
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "numpy": numpy.__version__}
+
+
+def load_average(warn_label: str | None = None, threshold: float = LOAD_WARN) -> list[float]:
+    """os.getloadavg(); with `warn_label`, warns on stderr when the 1-minute load exceeds `threshold`."""
+    try:
+        la = list(os.getloadavg())
+    except OSError:
+        return []
+    if warn_label is not None and la and la[0] > threshold:
+        print(f"WARNING: 1-minute load average {la[0]:.2f} > {threshold} {warn_label}: the machine is busy, "
+              "timings are noisy", file=sys.stderr)
+    return la

@@ -1,0 +1,157 @@
+"""Hardware probes and a gpt-fast-style utilisation estimate for the serving benchmark.
+
+Peaks are measured on this machine at the start of each invocation (nothing cached): memory bandwidth by a timed
+large-array streaming op under jit (`a * 1.0001`: one read and one write of every byte), peak FLOP/s by a timed
+large float32 `jnp.dot`; the best (fastest) of a few repeats counts.
+
+Work per engine step is estimated from the rows the step ran (see `UTILISATION_NOTES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+UTILISATION_NOTES = (
+    "Estimated, useful work only (bucket padding not counted). Bytes per step = weight bytes (all parameter leaves, "
+    "quantized ones at their resident size; an untied input-embedding table is excluded since a step reads only the "
+    "looked-up rows) + KV-cache bytes read: for every row, (start_pos + row tokens) x layers x 2 (K,V) x kv_heads x "
+    "(head_dim x cache itemsize + scale bytes for an int8 cache). KV writes and activations are ignored. FLOPs per "
+    "step = 2 x (layer matmul params) x tokens + 2 x hidden x vocab x rows (logits of each row's last token) + "
+    "attention 4 x layers x heads x head_dim x (attended positions, causal within a chunk). Achieved rates divide "
+    "by the benchmark duration (wall, host time included) and, separately, by the summed engine step time. Peaks: "
+    "best-of-N timed jit(a * 1.0001) over a large f32 array (2 x bytes moved) and f32 jnp.dot of square matrices "
+    "(2 n^3 FLOPs), measured at the start of the invocation."
+)
+
+
+def _best_time(fn, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile + first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_memory_bandwidth(size_mb: int = 128, repeats: int = 5) -> dict:
+    """GB/s of a jitted elementwise pass over a `size_mb` float32 array (read + write)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((size_mb * 1024 * 1024 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    t = _best_time(lambda: f(x), repeats)
+    moved = 2 * x.nbytes
+    return {"bandwidth_gbps": moved / t / 1e9, "bytes_moved": int(moved), "best_seconds": t, "repeats": repeats,
+            "method": f"best of {repeats}: jit(a * 1.0001) over a {size_mb} MiB float32 array, read + write"}
+
+
+def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> dict:
+    """FLOP/s of a jitted float32 n x n x n `jnp.dot`."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    b = jnp.full((n, n), 0.5, jnp.float32)
+    f = jax.jit(jnp.dot)
+    t = _best_time(lambda: f(a, b), repeats)
+    flops = 2 * n**3
+    return {"matmul_flops": flops / t, "matmul_gflops": flops / t / 1e9, "best_seconds": t, "repeats": repeats,
+            "method": f"best of {repeats}: jit(jnp.dot) float32 {n}x{n} @ {n}x{n} (2 n^3 FLOPs)"}
+
+
+def measure_peaks(size_mb: int = 128, matmul_n: int = 2048, repeats: int = 5) -> dict:
+    bw = measure_memory_bandwidth(size_mb, repeats)
+    mm = measure_matmul_flops(matmul_n, repeats)
+    return {"bandwidth_gbps": bw["bandwidth_gbps"], "matmul_gflops": mm["matmul_gflops"], "bandwidth": bw,
+            "matmul": mm}
+
+
+# ------------------------------------------------------------------------------------------- work estimate
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: int  # parameter bytes a step reads
+    matmul_params: int  # layer matmul parameters (per token)
+    head_params: int  # hidden x vocab (per row: logits of its last token)
+    kv_bytes_per_token: int  # cache bytes of one token over all layers, K and V
+    attn_flops_per_pair: int  # FLOPs per (query token, attended position) over all layers
+
+    def step_bytes(self, rows: Sequence[tuple[int, int, bool]]) -> int:
+        return self.weight_bytes + sum((s + n) * self.kv_bytes_per_token for s, n, _ in rows)
+
+    def step_flops(self, rows: Sequence[tuple[int, int, bool]]) -> int:
+        tokens = sum(n for _, n, _ in rows)
+        pairs = sum(n * s + n * (n + 1) // 2 for s, n, _ in rows)  # causal: token i of the chunk sees s + i + 1
+        return 2 * self.matmul_params * tokens + 2 * self.head_params * len(rows) + self.attn_flops_per_pair * pairs
+
+
+def leaf_bytes(tree) -> int:
+    import jax
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def model_cost(cfg, params, cache_state=None, cache_itemsize: int = 4) -> ModelCost:
+    """Work constants of a Llama-family `cfg` / `params` (a `models.weights.Weights`) and KV cache
+    (`paged.state.EngineState`, for its dtype and int8 scales)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nq, nkv, layers = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
+    per_layer = h * (nq + 2 * nkv) * d + nq * d * h + h * 2 * f + f * h
+    total = leaf_bytes(params)
+    if getattr(params, "lm_head", None) is not None:
+        total -= leaf_bytes(params.embed)  # the untied input embedding: only looked-up rows are read
+    scale_bytes = 0
+    if cache_state is not None:
+        cache_itemsize = cache_state.k.dtype.itemsize
+        if getattr(cache_state, "k_scale", None) is not None:
+            scale_bytes = cache_state.k_scale.dtype.itemsize
+    return ModelCost(weight_bytes=int(total), matmul_params=layers * per_layer, head_params=h * cfg.vocab_size,
+                     kv_bytes_per_token=layers * 2 * nkv * (d * cache_itemsize + scale_bytes),
+                     attn_flops_per_pair=4 * layers * nq * d)
+
+
+def engine_cost(engine) -> ModelCost | None:
+    """`model_cost` of a real `paged.engine.Engine`; None for engines without a model (fakes)."""
+    model = getattr(engine, "model", None)
+    cfg = getattr(engine, "cfg", None) or getattr(model, "config", None)
+    if model is None or cfg is None or getattr(model, "params", None) is None:
+        return None
+    return model_cost(cfg, model.params, getattr(engine, "state", None))
+
+
+def utilisation(cost: ModelCost | None, steps, duration: float, peaks: dict | None) -> dict | None:
+    """Achieved bytes/s and FLOP/s of the recorded steps (`runner.StepRecord`s), over the wall duration and over
+    the summed engine time, with fractions of the measured peaks."""
+    if cost is None:
+        return None
+    total_bytes = total_flops = 0
+    for s in steps:
+        reps = max(1, s.num_steps)
+        total_bytes += reps * cost.step_bytes(s.rows)
+        total_flops += reps * cost.step_flops(s.rows)
+    engine_s = sum(s.seconds for s in steps)
+    out = {
+        "weight_bytes_per_step": cost.weight_bytes,
+        "kv_bytes_per_token": cost.kv_bytes_per_token,
+        "matmul_params": cost.matmul_params,
+        "steps": len(steps),
+        "total_bytes": int(total_bytes),
+        "total_flops": int(total_flops),
+        "achieved_gbps": total_bytes / duration / 1e9 if duration > 0 else None,
+        "achieved_gflops": total_flops / duration / 1e9 if duration > 0 else None,
+        "engine_seconds": engine_s,
+        "achieved_gbps_engine_time": total_bytes / engine_s / 1e9 if engine_s > 0 else None,
+        "achieved_gflops_engine_time": total_flops / engine_s / 1e9 if engine_s > 0 else None,
+    }
+    for key, peak_key, frac in (("achieved_gbps", "bandwidth_gbps", "bandwidth_fraction"),
+                                ("achieved_gflops", "matmul_gflops", "flops_fraction")):
+        peak = (peaks or {}).get(peak_key)
+        for suffix in ("", "_engine_time"):
+            v = out[key + suffix]
+            out[frac + suffix] = v / peak if (peak and v is not None) else None
+    return out

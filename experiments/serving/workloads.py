@@ -1,0 +1,208 @@
+"""Seeded request workloads for the serving benchmark: random lengths, ShareGPT-like lengths, shared prefixes.
+
+A `Request` is a list of prompt token ids and an exact output length (the benchmark runs it with no stop tokens and
+`max_new_tokens = output_len`). Prompt ids are drawn uniformly from the vocabulary minus the tokenizer's special
+tokens. Everything is a pure function of the arguments and `seed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+DATASETS = ("random", "sharegpt", "prefix")
+SHAREGPT_LIKE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                                  "sharegpt_like_lengths.json")
+
+
+@dataclasses.dataclass
+class Request:
+    index: int
+    prompt_ids: list[int]
+    output_len: int
+    prefix_id: int | None = None  # prefix workload: which shared prefix the prompt starts with
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+@dataclasses.dataclass
+class Workload:
+    name: str
+    requests: list[Request]
+    params: dict
+    prefixes: list[list[int]] = dataclasses.field(default_factory=list)
+    num_clipped: int = 0  # sharegpt: pairs shortened to fit max_seq_len
+
+    def describe(self) -> dict:
+        """JSON-able summary: parameters and input/output length statistics."""
+        def st(xs: list[int]) -> dict:
+            a = np.asarray(xs, dtype=np.float64)
+            return {"total": int(a.sum()), "mean": float(a.mean()), "median": float(np.median(a)),
+                    "min": int(a.min()), "max": int(a.max())}
+
+        return {"dataset": self.name, **self.params, "num_requests": len(self.requests),
+                "input_len": st([r.prompt_len for r in self.requests]),
+                "output_len": st([r.output_len for r in self.requests]),
+                "num_prefixes_used": len({r.prefix_id for r in self.requests if r.prefix_id is not None}),
+                "num_clipped": self.num_clipped}
+
+
+def length_bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive integer bounds of [length * (1 - r), length * (1 + r)], at least 1."""
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    lo = max(1, math.ceil(length * (1.0 - range_ratio) - 1e-9))
+    hi = max(lo, math.floor(length * (1.0 + range_ratio) + 1e-9))
+    return lo, hi
+
+
+def sample_lengths(rng: np.random.Generator, length: int, range_ratio: float, n: int) -> np.ndarray:
+    """`n` lengths uniform over the integers of [length * (1 - r), length * (1 + r)]."""
+    lo, hi = length_bounds(length, range_ratio)
+    return rng.integers(lo, hi + 1, size=n)
+
+
+def allowed_token_ids(vocab_size: int, special_ids: Iterable[int] = ()) -> np.ndarray:
+    special = {int(t) for t in special_ids}
+    ids = np.asarray([t for t in range(vocab_size) if t not in special], dtype=np.int64)
+    if ids.size == 0:
+        raise ValueError("no non-special token ids in the vocabulary")
+    return ids
+
+
+def _tokens(rng: np.random.Generator, allowed: np.ndarray, n: int) -> list[int]:
+    return [int(t) for t in allowed[rng.integers(0, allowed.size, size=n)]]
+
+
+def _check_fits(what: str, max_prompt: int, max_output: int, max_seq_len: int | None) -> None:
+    if max_seq_len is not None and max_prompt + max_output > max_seq_len:
+        raise ValueError(
+            f"{what}: the longest request ({max_prompt} prompt + {max_output} output tokens) exceeds "
+            f"max_seq_len={max_seq_len}; lower the lengths / range_ratio or raise --max_seq_len")
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, *, vocab_size: int, range_ratio: float = 0.0,
+                    special_ids: Iterable[int] = (), seed: int = 0, max_seq_len: int | None = None) -> Workload:
+    """Random prompts: lengths uniform within +-range_ratio of input_len / output_len, ids uniform over the
+    non-special vocabulary."""
+    _check_fits("random workload", length_bounds(input_len, range_ratio)[1], length_bounds(output_len, range_ratio)[1],
+                max_seq_len)
+    rng = np.random.default_rng(seed)
+    allowed = allowed_token_ids(vocab_size, special_ids)
+    ins = sample_lengths(rng, input_len, range_ratio, num_prompts)
+    outs = sample_lengths(rng, output_len, range_ratio, num_prompts)
+    reqs = [Request(i, _tokens(rng, allowed, int(n)), int(o)) for i, (n, o) in enumerate(zip(ins, outs))]
+    return Workload("random", reqs, dict(input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                                         seed=seed))
+
+
+def prefix_workload(num_prompts: int, num_prefixes: int, prefix_len: int, input_len: int, output_len: int, *,
+                    vocab_size: int, range_ratio: float = 0.0, special_ids: Iterable[int] = (), seed: int = 0,
+                    max_seq_len: int | None = None) -> Workload:
+    """`num_prefixes` random shared prefixes of `prefix_len` tokens; request i = one prefix (each prefix used
+    equally often, in a seeded shuffled order) + a random suffix of ~input_len tokens."""
+    if num_prefixes < 1 or prefix_len < 1:
+        raise ValueError(f"prefix workload needs num_prefixes >= 1 and prefix_len >= 1, got {num_prefixes}, "
+                         f"{prefix_len}")
+    _check_fits("prefix workload", prefix_len + length_bounds(input_len, range_ratio)[1],
+                length_bounds(output_len, range_ratio)[1], max_seq_len)
+    rng = np.random.default_rng(seed)
+    allowed = allowed_token_ids(vocab_size, special_ids)
+    prefixes = [_tokens(rng, allowed, prefix_len) for _ in range(num_prefixes)]
+    which = rng.permutation(np.arange(num_prompts) % num_prefixes)
+    ins = sample_lengths(rng, input_len, range_ratio, num_prompts)
+    outs = sample_lengths(rng, output_len, range_ratio, num_prompts)
+    reqs = [Request(i, prefixes[int(p)] + _tokens(rng, allowed, int(n)), int(o), prefix_id=int(p))
+            for i, (p, n, o) in enumerate(zip(which, ins, outs))]
+    return Workload("prefix", reqs, dict(num_prefixes=num_prefixes, prefix_len=prefix_len, input_len=input_len,
+                                         output_len=output_len, range_ratio=range_ratio, seed=seed),
+                    prefixes=prefixes)
+
+
+def load_length_pairs(path: str = SHAREGPT_LIKE_PATH) -> list[tuple[int, int]]:
+    """(input, output) length pairs from a JSON file: {"pairs": [[in, out], ...]} or a bare list of pairs."""
+    with open(path) as f:
+        doc = json.load(f)
+    pairs = doc["pairs"] if isinstance(doc, dict) else doc
+    out = [(int(a), int(b)) for a, b in pairs]
+    if not out or any(a < 1 or b < 1 for a, b in out):
+        raise ValueError(f"{path}: expected a non-empty list of positive (input, output) length pairs")
+    return out
+
+
+def clip_pair(input_len: int, output_len: int, max_seq_len: int) -> tuple[int, int]:
+    """Shorten a pair to fit `max_seq_len` (input + output <= max_seq_len): the output keeps up to half the budget
+    when both are long, a short side is never cut."""
+    if input_len + output_len <= max_seq_len:
+        return input_len, output_len
+    i = min(input_len, max_seq_len - min(output_len, max(1, max_seq_len // 2)))
+    o = min(output_len, max_seq_len - i)
+    return max(1, i), max(1, o)
+
+
+def sharegpt_workload(num_prompts: int, *, vocab_size: int, special_ids: Iterable[int] = (), seed: int = 0,
+                      max_seq_len: int | None = None, path: str = SHAREGPT_LIKE_PATH) -> Workload:
+    """Length pairs sampled from a ShareGPT-like file (without replacement while it lasts), clipped to
+    max_seq_len; prompts are random ids of those lengths."""
+    pairs = load_length_pairs(path)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(pairs))
+    if num_prompts > len(pairs):
+        order = np.concatenate([order, rng.integers(0, len(pairs), size=num_prompts - len(pairs))])
+    allowed = allowed_token_ids(vocab_size, special_ids)
+    reqs, clipped = [], 0
+    for i, k in enumerate(order[:num_prompts]):
+        a, b = pairs[int(k)]
+        if max_seq_len is not None:
+            a2, b2 = clip_pair(a, b, max_seq_len)
+            clipped += (a2, b2) != (a, b)
+            a, b = a2, b2
+        reqs.append(Request(i, _tokens(rng, allowed, a), b))
+    return Workload("sharegpt", reqs, dict(path=os.path.relpath(path) if os.path.isabs(path) else path,
+                                           seed=seed, max_seq_len=max_seq_len), num_clipped=clipped)
+
+
+def make_workload(dataset: str, num_prompts: int, *, vocab_size: int, special_ids: Iterable[int] = (),
+                  seed: int = 0, max_seq_len: int | None = None, input_len: int = 128, output_len: int = 32,
+                  range_ratio: float = 0.0, num_prefixes: int = 4, prefix_len: int = 128,
+                  dataset_path: str | None = None) -> Workload:
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    special_ids = tuple(special_ids)
+    if dataset == "random":
+        return random_workload(num_prompts, input_len, output_len, vocab_size=vocab_size, range_ratio=range_ratio,
+                               special_ids=special_ids, seed=seed, max_seq_len=max_seq_len)
+    if dataset == "prefix":
+        return prefix_workload(num_prompts, num_prefixes, prefix_len, input_len, output_len, vocab_size=vocab_size,
+                               range_ratio=range_ratio, special_ids=special_ids, seed=seed, max_seq_len=max_seq_len)
+    if dataset == "sharegpt":
+        return sharegpt_workload(num_prompts, vocab_size=vocab_size, special_ids=special_ids, seed=seed,
+                                 max_seq_len=max_seq_len, path=dataset_path or SHAREGPT_LIKE_PATH)
+    raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
+
+
+# ------------------------------------------------------------------------------------------------ arrivals
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
+    """Seconds from the start at which each of `n` requests arrives. rate = inf: all at 0. Otherwise the first
+    request arrives at 0 and the gaps are Gamma(shape=burstiness, scale=1 / (rate * burstiness)): mean 1/rate,
+    squared coefficient of variation 1/burstiness (burstiness 1 = Poisson arrivals; < 1 burstier)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness}")
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = np.random.default_rng([seed, 1])  # a stream independent of the workload's (same seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
+    return np.concatenate([[0.0], np.cumsum(gaps)])[:n]

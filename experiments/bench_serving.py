@@ -56,7 +56,8 @@ flags.DEFINE_bool("save_detailed", False, "also store every request's token time
 # model / engine
 flags.DEFINE_string("model", "smollm2-135m", "'tiny' (random 2-layer model), 'smollm2-135m', an HF dir or a .gguf")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "weight dtype")
-flags.DEFINE_enum("quant", None, ["keep", "int8", "int4"], "weight quantization (models.load_model)")
+flags.DEFINE_enum("quant", "keep", ["keep", "int8", "int4", "none"],
+                  "weights (models.load_model): keep = a GGUF's quantized blocks as stored, none = dequantized")
 flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: max_batch_size full-length sequences + 1)")
 flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_integer("max_seq_len", None, "longest prompt + output (default min(model max positions, 2048))")
@@ -114,7 +115,7 @@ def _load_model(name: str):
         return load_experiment_model("tiny")
     from models import load_model
 
-    return load_model(name, dtype=FLAGS.dtype, quant=FLAGS.quant)
+    return load_model(name, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
 
 
 def _label(c: int | None) -> str:

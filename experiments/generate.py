@@ -79,7 +79,8 @@ flags.DEFINE_integer("max_chunk_size", 256, "prefill tokens per step")
 flags.DEFINE_integer("max_batch_size", None, "jobs per step (default: 16 in bulk mode, 1 otherwise)")
 flags.DEFINE_string("cache_dtype", "float32", "KV-cache dtype: float32, bfloat16, float16 or int8")
 flags.DEFINE_string("dtype", "float32", "weight dtype: float32, bfloat16 or float16")
-flags.DEFINE_string("quant", None, "weight quantization: keep (GGUF blocks), int8 or int4 (default: none)")
+flags.DEFINE_string("quant", "keep", "weights: keep (a GGUF's Q4_0/Q4_1/Q8_0 blocks stay quantized; float "
+                    "checkpoints load as float), int8, int4, or none (dequantize everything to --dtype)")
 flags.DEFINE_string("attn_impl", "auto", "attention: auto, xla, pallas or reference")
 flags.DEFINE_string("matmul_impl", "auto", "quantized matmul: auto, xla, pallas or reference")
 flags.DEFINE_string("policy", "exllamav2", "scheduling policy: exllamav2, fcfs or shortest_prompt_first")
@@ -142,8 +143,8 @@ def validate_flags() -> None:
     one_of("attn_impl", ATTN_IMPLS)
     one_of("matmul_impl", MATMUL_IMPLS)
     one_of("policy", tuple(POLICIES))
-    if FLAGS.quant is not None and FLAGS.quant not in QUANT_MODES:
-        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(q for q in QUANT_MODES if q)}")
+    if FLAGS.quant not in ("none", *(q for q in QUANT_MODES if q)):
+        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: none, {', '.join(q for q in QUANT_MODES if q)}")
     if FLAGS.max_new_tokens < 1:
         raise app.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     if not 0 <= FLAGS.min_new_tokens <= FLAGS.max_new_tokens:
@@ -193,7 +194,7 @@ def load_model_from_flags():
     from models import ModelError, load_model
 
     try:
-        model = load_model(FLAGS.model, dtype=FLAGS.dtype, quant=FLAGS.quant)
+        model = load_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     except ModelError as e:
         raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     if model.tokenizer is None:

@@ -5,13 +5,13 @@ paged attention against logits + sampling.
     python -m experiments.profile_step --model smollm2-135m --concurrency 1,16,64 --context 256 \
         --json_out experiments/results/profile_smollm2_cpu.json
 
-Host loop: `--concurrency` jobs of `--context` prompt tokens each decode `--tokens` tokens through
-`DynamicGenerator` (greedy, no stop tokens) after a warm-up run of the same shape; the generator's and engine's
-timers (`generator.metrics()["time_*"]`) split the wall time of the decode phase. Device: the same decode
-batch shape is timed as the whole step and as its parts, each jitted alone — the layer stack with attention replaced
-by a pass-through (matmuls, norms, rope, KV writes skipped), `num_layers` calls of paged attention over one layer's
-cache, and final norm + LM head + the sampler. Parts are timed separately, so they need not add up exactly to the
-step (fusion across parts, cache effects).
+Host loop: `--concurrency` jobs of `--context` prompt tokens each are prefilled, then `--tokens` steps with every
+job decoding are timed through `DynamicGenerator` (greedy, no stop tokens), after an untimed run of the same shape;
+the generator's and engine's timers (`generator.metrics()["time_*"]`) split the wall time of those steps.
+Device: the same decode batch shape is timed as the whole step and as its parts, each jitted alone — the layer
+stack with attention replaced by a pass-through (matmuls, norms, rope; KV writes skipped), `num_layers` calls of
+paged attention over one layer's cache, and final norm + LM head + the sampler. Parts are timed separately, so
+they need not add up exactly to the step (fusion across parts, cache effects).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
-flags.DEFINE_string("quant", None, "weights: None (as stored, dequantized), keep, int8, int4")
+flags.DEFINE_string("quant", "keep", "weights: keep (GGUF blocks as stored), none (dequantized), int8, int4")
 flags.DEFINE_list("concurrency", ["1", "16"], "decode rows (concurrent jobs)")
 flags.DEFINE_integer("context", 256, "prompt tokens per job")
 flags.DEFINE_integer("tokens", 32, "decode tokens per job in the measured phase")
@@ -48,43 +48,45 @@ def _timeit(fn, *args, iters: int) -> float:
 
 
 def host_breakdown(model, rows: int) -> dict:
-    """Decode `FLAGS.tokens` tokens on `rows` concurrent jobs through the generator; split the wall time."""
+    """Steady state of `rows` concurrent decoding jobs through the generator: every job is prefilled first, then
+    `FLAGS.tokens` steps are timed with all `rows` jobs decoding, and the wall time is split with the timers."""
     import numpy as np
 
     from paged import DynamicGenerator, Job, SamplingSettings
 
     ctx, n = FLAGS.context, FLAGS.tokens
-    max_len = ctx + 2 * n + 8
-    gen = DynamicGenerator(model, page_size=FLAGS.page_size, max_batch_size=rows, max_chunk_size=256,
-                           max_seq_len=-(-max_len // FLAGS.page_size) * FLAGS.page_size, cache_dtype=FLAGS.cache_dtype)
+    budget = rows + 2 * n + 8  # jobs prefill one per step, so the first ones decode while the rest prefill
+    ps = FLAGS.page_size
+    gen = DynamicGenerator(model, page_size=ps, max_batch_size=rows, max_chunk_size=256,
+                           max_seq_len=-(-(ctx + budget) // ps) * ps, cache_dtype=FLAGS.cache_dtype,
+                           max_penalty_range=0)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
-    def run(tokens: int) -> tuple[float, dict]:
-        for _ in range(rows):
-            gen.enqueue(Job(rng.integers(0, vocab, size=ctx).tolist(), tokens,
-                            gen_settings=SamplingSettings.greedy()))
-        while any(j.kv_position < j.prompt_len for j in gen.active) or gen.pending:  # prefill (not measured)
+    def run() -> tuple[float, dict]:
+        jobs = [Job(rng.integers(0, vocab, size=ctx).tolist(), budget, gen_settings=SamplingSettings.greedy())
+                for _ in range(rows)]
+        gen.enqueue(jobs)
+        while gen.pending or any(j.new_tokens == 0 for j in gen.active):  # prefill (not measured)
             gen.iterate()
         m0 = gen.metrics()
         t0 = time.perf_counter()
-        steps0 = gen.steps
-        while gen.num_remaining_jobs():
+        for _ in range(n):
             gen.iterate()
         wall = time.perf_counter() - t0
         m1 = gen.metrics()
-        d = {k: m1[k] - m0[k] for k in m1 if k.startswith("time_")}
-        return wall, {**d, "steps": gen.steps - steps0}
+        assert m1["tokens_generated"] - m0["tokens_generated"] == rows * n, "a job finished inside the window"
+        gen.clear_queue()
+        return wall, {k: m1[k] - m0[k] for k in m1 if k.startswith("time_")}
 
-    run(n)  # the same run once untimed: compiles every bucket it touches
-    wall, d = run(n)
-    steps = d["steps"]
-    ms = lambda k: 1e3 * d[k] / steps
-    engine_wait = ms("time_engine_wait_s")
-    rec = dict(rows=rows, steps=steps, tokens_per_s=rows * n / wall, ms_per_step=1e3 * wall / steps,
+    run()  # the same run once untimed: compiles every bucket it touches
+    wall, d = run()
+    ms = lambda k: 1e3 * d[k] / n
+    rec = dict(rows=rows, steps=n, tokens_per_s=rows * n / wall, ms_per_step=1e3 * wall / n,
                schedule_ms=ms("time_schedule_s"), build_ms=ms("time_engine_build_s"),
-               dispatch_ms=ms("time_engine_dispatch_s"), device_wait_ms=engine_wait, results_ms=ms("time_results_s"))
-    rec["host_ms"] = rec["ms_per_step"] - engine_wait
+               dispatch_ms=ms("time_engine_dispatch_s"), device_wait_ms=ms("time_engine_wait_s"),
+               results_ms=ms("time_results_s"))
+    rec["host_ms"] = rec["ms_per_step"] - rec["device_wait_ms"]
     rec["host_frac"] = rec["host_ms"] / rec["ms_per_step"]
     return rec
 
@@ -168,8 +170,12 @@ def main(argv):
 
     from experiments.common import load_experiment_model
 
-    model = load_experiment_model(FLAGS.model) if FLAGS.quant is None else __import__("models").load_model(
-        FLAGS.model, quant=FLAGS.quant)
+    if FLAGS.model == "tiny":
+        model = load_experiment_model("tiny")
+    else:
+        from models import load_model
+
+        model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")

@@ -174,6 +174,24 @@ def _attend_rows(
     return o
 
 
+# Decode rows gather their pages into one [rows, KH, L, D] block before two small contractions. On the CPU that
+# block must stay in cache: past a few MiB both steps run at memory speed and the whole call gets ~3x slower
+# (16 rows x 2048 keys: 46 ms in one piece, 17 ms in groups of 2 rows; docs/performance.md). So on the CPU the
+# decode rows go through `lax.map` in groups whose gathered K and V fit this budget.
+CPU_DECODE_GATHER_BYTES = 6 << 20
+
+
+def decode_chunk_rows(num_rows: int, bytes_per_row: int) -> int:
+    """Decode rows per group in the XLA path: all of them off the CPU; on the CPU the largest power of two (a
+    divisor of the power-of-two row bucket) whose gathered K/V fit `CPU_DECODE_GATHER_BYTES`, at least 1."""
+    if jax.default_backend() != "cpu" or num_rows & (num_rows - 1):
+        return num_rows
+    c = num_rows
+    while c > 1 and c * bytes_per_row > CPU_DECODE_GATHER_BYTES:
+        c //= 2
+    return c
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_xla(
     q: jnp.ndarray,  # [T, nH, D], T = layout.num_tokens
@@ -201,7 +219,9 @@ def ragged_paged_attention_xla(
     qf = q.astype(jnp.float32)
 
     def gather(rows: slice) -> tuple[jnp.ndarray, ...]:
-        pt = page_table[rows]  # [R, P]
+        return gather_pages(page_table[rows])
+
+    def gather_pages(pt: jnp.ndarray) -> tuple[jnp.ndarray, ...]:  # pt [R, P]
         r = pt.shape[0]
         k = jnp.moveaxis(k_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)  # [R, KH, L, D]
         v = jnp.moveaxis(v_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)
@@ -220,12 +240,22 @@ def ragged_paged_attention_xla(
         real = jnp.arange(qm)[None, :] < query_lens[:sp, None]  # [Sp, Qm]
         outs.append((o * real[:, :, None, None, None]).reshape(sp * qm, nh, d))
     if sd:
-        k, v, ksc, vsc = gather(slice(sp, sp + sd))
-        qd = qf[sp * qm :].reshape(sd, 1, kh, g, d)
-        q_pos = (kv_lens[sp:] - 1)[:, None]  # [Sd, 1]
-        o = _attend_rows(qd, k, v, q_pos, kv_lens[sp:], sm_scale, sliding_window, soft_cap, ksc, vsc)
+        def decode(qd, kv_l, pt):  # [C, KH, G, D], [C], [C, P] -> [C, nH, D]
+            k, v, ksc, vsc = gather_pages(pt)
+            o = _attend_rows(qd[:, None], k, v, (kv_l - 1)[:, None], kv_l, sm_scale, sliding_window, soft_cap,
+                             ksc, vsc)
+            return o.reshape(-1, nh, d)
+
+        qd = qf[sp * qm :].reshape(sd, kh, g, d)
+        chunk = decode_chunk_rows(sd, p * ps * kh * d * 4 * 2)
+        if chunk < sd:  # rows in sequence, a cache-sized group at a time (see decode_chunk_rows)
+            n = sd // chunk
+            o = jax.lax.map(lambda a: decode(*a), (qd.reshape(n, chunk, kh, g, d), kv_lens[sp:].reshape(n, chunk),
+                                                   page_table[sp:].reshape(n, chunk, p))).reshape(sd, nh, d)
+        else:
+            o = decode(qd, kv_lens[sp:], page_table[sp:])
         real = query_lens[sp:] > 0
-        outs.append((o * real[:, None, None, None, None]).reshape(sd, nh, d))
+        outs.append(o * real[:, None, None])
     return jnp.concatenate(outs, axis=0).astype(q.dtype) if len(outs) > 1 else outs[0].astype(q.dtype)
 
 

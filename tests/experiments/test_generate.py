@@ -307,7 +307,7 @@ def test_chat_ctrl_c_at_the_prompt_exits_cleanly(model_dir, monkeypatch, capsys)
     ("--repetition_penalty=0", "repetition_penalty must be > 0"),
     ("--cache_dtype=int4", "--cache_dtype=int4 is not one of: float32, bfloat16, float16, int8"),
     ("--policy=lifo", "--policy=lifo is not one of"),
-    ("--quant=int2", "--quant=int2 is not one of: keep, int8, int4"),
+    ("--quant=int2", "--quant=int2 is not one of: none, keep, int8, int4"),
     ("--page_size=12", "--page_size must be a power of two >= 8"),
     ("--min_new_tokens=10", "--min_new_tokens must be in [0, --max_new_tokens]"),
     ("--max_batch_size=0", "--max_batch_size must be >= 1"),

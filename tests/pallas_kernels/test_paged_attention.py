@@ -99,6 +99,32 @@ def test_reference_matches_numpy_and_xla_matches_reference(case, window):
     np.testing.assert_allclose(fast, expected, atol=2e-5, rtol=2e-5)
 
 
+
+@pytest.mark.parametrize("budget_rows", [1, 2, 4])
+@pytest.mark.parametrize("int8", [False, True])
+def test_xla_decode_rows_in_cache_sized_groups_match_the_reference(monkeypatch, budget_rows, int8):
+    """On the CPU the XLA path maps over groups of decode rows when their gathered pages would not fit in cache;
+    a small budget forces groups of 1, 2 and 4 rows here."""
+    from pallas_kernels import paged_attention as pa
+
+    layout, ps, kh, g, d, max_ctx = PrefillDecodeLayout(1, 8, 8), 8, 2, 2, 16, 40
+    row_bytes = -(-max_ctx // ps) * ps * kh * d * 4 * 2
+    monkeypatch.setattr(pa, "CPU_DECODE_GATHER_BYTES", budget_rows * row_bytes)
+    if jax.default_backend() == "cpu":
+        assert pa.decode_chunk_rows(8, row_bytes) == budget_rows
+    rng = np.random.default_rng(budget_rows)
+    q, kp, vp, qlens, kvlens, table = random_case(rng, layout, ps, kh, g, d, max_ctx)
+    scales = {}
+    if int8:
+        (kp, ks), (vp, vs) = quantize_pages(jnp.asarray(kp)), quantize_pages(jnp.asarray(vp))
+        scales = dict(k_scales=ks, v_scales=vs)
+    args = [jnp.asarray(a) for a in (q, kp, vp)]
+    ref = ragged_paged_attention_reference(*args, layout_query_start(layout), jnp.asarray(qlens),
+                                           jnp.asarray(kvlens), jnp.asarray(table), sm_scale=d**-0.5, **scales)
+    fast = ragged_paged_attention_xla.__wrapped__(  # un-jitted: the budget is read while tracing
+        *args, jnp.asarray(qlens), jnp.asarray(kvlens), jnp.asarray(table), layout=layout, sm_scale=d**-0.5, **scales)
+    np.testing.assert_allclose(np.asarray(fast), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
 def test_soft_cap():
     layout = PrefillDecodeLayout(1, 8, 2)
     rng = np.random.default_rng(7)

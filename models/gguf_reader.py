@@ -3,6 +3,7 @@
 `read_gguf` dequantizes every tensor (F32, F16, BF16, Q8_0, Q4_0, Q4_1) to `dtype`, renames llama.cpp tensor names to
 Hugging Face names, and undoes the row permutation that llama.cpp's converter applies to Llama q/k projections, so the
 result can be loaded exactly like a safetensors checkpoint. `read_gguf_metadata` reads only the key/value fields.
+The container itself is parsed by `models.gguf_format` (memory-mapped; tensor bytes are read only when converted).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType
 
-from models.errors import ModelError, ModelFileNotFoundError, UnsupportedTensorTypeError, WeightShapeError
+from models.errors import ModelError, UnsupportedTensorTypeError, WeightShapeError
+from models.gguf_format import GGUFFile, GGUFTensor, read_gguf_file
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 
@@ -39,8 +41,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# Reader-made pseudo fields (file header values), not key/value pairs stored in the file.
-_HEADER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Key/value metadata of a GGUF file as plain Python values, without touching tensor data."""
-    return _metadata(_open(path))
+    return _open(path, map_tensors=False).metadata
 
 
 KEEPABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
@@ -90,7 +90,7 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
     Q4_0/Q4_1/Q8_0 tensors come back as `models.quant.QuantizedArray` (logical `[in, out]`, blocks imported without
     requantization) instead."""
     reader = _open(path)
-    metadata = _metadata(reader)
+    metadata = reader.metadata
     # Check every type before dequantizing anything, so an unreadable file fails at once.
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
@@ -100,8 +100,8 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
                 "them, e.g. `llama-quantize model-f16.gguf model-q4_1.gguf Q4_1` (or convert_hf_to_gguf.py "
                 "--outtype f16/bf16/q8_0)."
             )
-    if reader.byte_order == "S" and reader.tensors:
-        # The reader swaps typed views but not the fp16 scales packed inside quantized blocks.
+    if reader.big_endian and reader.tensors:
+        # Typed views could be byte-swapped, but not the fp16 scales packed inside quantized blocks.
         raise ModelError(f"{os.fspath(path)} is a big-endian GGUF; re-export it in little-endian byte order")
 
     arch = metadata.get("general.architecture")
@@ -135,14 +135,10 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-def _open(path: str | os.PathLike) -> gguf.GGUFReader:
-    if not os.path.isfile(path):
-        raise ModelFileNotFoundError(f"GGUF file {os.fspath(path)} not found")
-    try:
-        return gguf.GGUFReader(path)  # memory-mapped: tensor data is read only when dequantized
-    except (ValueError, IndexError, OverflowError, KeyError) as e:
-        # Bad magic, unknown version/value type, or a header running past the end of the file.
-        raise ModelError(f"{os.fspath(path)} is not a GGUF file (or is truncated/corrupt): {e}") from e
+def _open(path: str | os.PathLike, *, map_tensors: bool = True) -> GGUFFile:
+    # Memory-mapped: tensor data is read only when dequantized. Missing file -> ModelFileNotFoundError; bad magic,
+    # unsupported version, unknown value type or truncation -> ModelError ("is not a GGUF file ...").
+    return read_gguf_file(path, map_tensors=map_tensors)
 
 
 def _head_count(value: Any, key: str) -> int:
@@ -151,35 +147,9 @@ def _head_count(value: Any, key: str) -> int:
     return int(value)
 
 
-def _decode(raw: np.ndarray) -> str:
-    # surrogateescape keeps invalid UTF-8 (possible in token lists) lossless instead of raising like contents() does:
-    # s.encode("utf-8", "surrogateescape") gives the stored bytes back.
-    return raw.tobytes().decode("utf-8", errors="surrogateescape")
-
-
-def _field_value(field: Any) -> Any:
-    """One ReaderField as a Python value. Nested arrays come back flattened (as with ReaderField.contents())."""
-    if not field.types:
-        return None
-    if field.types[0] == GGUFValueType.ARRAY:
-        if not field.data:  # an empty array records no element type
-            return []
-        if field.types[-1] == GGUFValueType.STRING:
-            return [_decode(field.parts[i]) for i in field.data]
-        # Each element is its own 1-element array view; one concatenate + tolist gives Python ints/floats/bools.
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    if field.types[0] == GGUFValueType.STRING:
-        return _decode(field.parts[field.data[0]])
-    return field.parts[field.data[0]].tolist()[0]
-
-
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
-    return {name: _field_value(f) for name, f in reader.fields.items() if name not in _HEADER_FIELDS}
-
-
-def _dequantize(t: Any, dtype: Any) -> np.ndarray:
-    """A ReaderTensor as a fresh `dtype` array of shape reversed(t.shape), i.e. row-major [ne1, ne0] = [out, in]."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists ne0 (the contiguous dim) first
+def _dequantize(t: GGUFTensor, dtype: Any) -> np.ndarray:
+    """A tensor as a fresh `dtype` array of shape reversed(t.shape), i.e. row-major [ne1, ne0] = [out, in]."""
+    shape = tuple(reversed(t.shape))  # GGUF lists ne0 (the contiguous dim) first
     if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         # Typed memmap views; np.array copies so the result does not pin the mapped file and is writable.
         w = np.array(t.data, dtype=dtype)

@@ -47,9 +47,20 @@ class FakeEngine:
                                page_size=page_size)
         self.script = script or {}
         self.calls = []  # rows of every step
+        self.bursts = []  # num_steps of every multi-step call
         self.written = {}  # (page, offset) -> token, to check what the cache would hold
 
     def run(self, rows, *, return_top_k=0, return_logits=False, num_steps=1):
+        if num_steps > 1:  # like paged.step.decode_steps: each sampled token is fed back as the next input
+            self.bursts.append(num_steps)
+            outs = []
+            for _ in range(num_steps):
+                outs.append(self.run(rows, return_top_k=return_top_k))
+                rows = [dataclasses.replace(r, tokens=[int(t)], start_pos=r.start_pos + 1)
+                        for r, t in zip(rows, outs[-1].token)]
+            stack = lambda name: np.stack([getattr(o, name) for o in outs])
+            return StepOutput(token=stack("token"), logprob=stack("logprob"), top_ids=stack("top_ids"),
+                              top_logprobs=stack("top_logprobs"), logits=None, shape=None, seconds=0.0)
         self.calls.append(rows)
         tokens = []
         for r in rows:

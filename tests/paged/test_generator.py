@@ -144,3 +144,35 @@ def test_generator_output_with_other_attention_impls_and_int8_cache(attn_impl, c
     c = drain(g)
     for i, p in enumerate(prompts):
         assert tokens_of(c, i) == greedy_generate(MODEL.params, CFG, p, 4)
+
+
+def test_multi_step_decode_matches_single_steps_token_for_token():
+    """decode_steps=4 runs bursts through `paged.step.decode_steps`: greedy, seeded sampling and penalties (whose
+    window is the history bucket) give the same tokens and probabilities as one step per iterate."""
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 12, 7)]
+    settings = [SamplingSettings.greedy(),
+                SamplingSettings(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.0),
+                SamplingSettings(temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.3, penalty_range=64)]
+
+    def run(steps):
+        g = DynamicGenerator(MODEL, num_pages=24, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=48,
+                             max_penalty_range=64, decode_steps=steps)
+        calls = []
+        engine_run = g.engine.run
+        g.engine.run = lambda rows, **kw: calls.append(kw.get("num_steps", 1)) or engine_run(rows, **kw)
+        g.enqueue([Job(p, 13, gen_settings=s, seed=7 + i, identifier=i, return_probs=True)
+                   for i, (p, s) in enumerate(zip(prompts, settings))])
+        c = drain(g)
+        g.pool.check({})
+        return c, g, calls
+
+    one, g1, calls1 = run(1)
+    four, g4, calls4 = run(4)
+    assert set(calls1) == {1} and 4 in calls4 and len(calls4) < len(calls1)
+    assert g4.metrics()["tokens_generated"] == g1.metrics()["tokens_generated"] == 39
+    for i in range(3):
+        assert tokens_of(four, i) == tokens_of(one, i), f"job {i}"
+        p1 = [p for r in one.results if r["identifier"] == i for p in r.get("token_probs", [])]
+        p4 = [p for r in four.results if r["identifier"] == i for p in r.get("token_probs", [])]
+        np.testing.assert_allclose(p4, p1, rtol=1e-5)

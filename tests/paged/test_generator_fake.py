@@ -293,3 +293,61 @@ def test_metrics_split_the_host_loop_time():
     assert not any(k.startswith("time_engine_") and k != "time_engine_s" for k in m)  # the fake has no timers
     gen.engine.timings = {"wait_s": 1.5}
     assert gen.metrics()["time_engine_wait_s"] == 1.5
+
+
+def _multi_step_jobs():
+    """A stop token mid-burst, a stop string, a length that is no multiple of 4, min_new_tokens, banned strings,
+    probabilities: every reason a burst must stop or be skipped."""
+    return [
+        job("uvw", 3, identifier="banned", banned_strings=["xy"]),  # no bursts while it runs: it ends early
+        job("abc", 30, identifier="plain"),
+        job([1, 2, 3], 40, identifier="stop-token", stop_conditions=[17]),  # emits 4 .. 17: stops mid-burst
+        job("Ahij", 25, identifier="stop-string", stop_conditions=["stu"]),
+        # "t" is banned early; 125 comes up once min_new_tokens are out, mid-way through what would be a burst
+        job("pqr", 23, identifier="min-new", min_new_tokens=9, stop_conditions=[ord("t"), 125]),
+        job("ABC", 21, identifier="probs", return_probs=True, return_top_tokens=2),
+    ]
+
+
+@pytest.mark.parametrize("max_batch_size", [2, 6])
+def test_multi_step_decode_gives_the_same_results_in_fewer_engine_calls(max_batch_size):
+    def run(steps):
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(max_batch_size=max_batch_size), decode_steps=steps)
+        gen.enqueue(_multi_step_jobs())
+        c = drain(gen)
+        gen.pool.check()
+        assert gen.pool.num_referenced == 0  # every page released
+        return c, gen
+
+    one, g1 = run(1)
+    four, g4 = run(4)
+    assert g1.engine.bursts == [] and set(g4.engine.bursts) == {4}
+    engine_calls = len(g4.engine.calls) - sum(b - 1 for b in g4.engine.bursts)  # the fake records every step
+    assert engine_calls < len(g1.engine.calls) - 10
+    assert four.texts == one.texts
+    for ident, final in one.finals.items():
+        other = four.finals[ident]
+        for key in ("eos_reason", "new_tokens", "full_completion", "held", "cached_tokens"):
+            assert other[key] == final[key], (ident, key)
+    tokens = lambda c: {i: [t for r in c.results if r["stage"] == "streaming" and r["identifier"] == i
+                            for t in r["token_ids"]] for i in c.finals}
+    assert tokens(four) == tokens(one)
+    probs = lambda c: [r.get("token_probs") for r in c.results if r["identifier"] == "probs" and "text" in r]
+    assert probs(four) == probs(one)
+    assert one.finals["stop-token"]["eos_reason"] == "stop_token" and one.finals["stop-string"]["eos_reason"] == \
+        "stop_string"
+
+
+def test_multi_step_decode_waits_for_admission_and_is_validated():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(max_batch_size=2), decode_steps=4)
+    gen.enqueue([job("abc", 9, identifier=1), job("def", 20, identifier=2), job("ghi", 6, identifier=3)])
+    seen = []
+    while gen.num_remaining_jobs():
+        before = len(gen.engine.bursts)
+        slot_free_for_waiting_job = bool(gen.pending) and len(gen.active) < gen.max_batch_size
+        gen.iterate()
+        seen.append((slot_free_for_waiting_job, len(gen.engine.bursts) > before))
+    assert any(burst for _, burst in seen)  # bursts run while job 3 waits for a slot that is not free
+    assert not any(free and burst for free, burst in seen)  # never once a slot frees: job 3 is admitted first
+    with pytest.raises(ValueError, match="decode_steps"):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), decode_steps=0)

@@ -38,6 +38,7 @@ flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
 flags.DEFINE_string("quant", "keep", "our weights: keep (Q4_1 as stored), none (dequantized f32), int8, int4")
 flags.DEFINE_string("cache_dtype", "float32", "our KV cache dtype")
 flags.DEFINE_integer("page_size", 64, "our KV page size")
+flags.DEFINE_integer("decode_steps", 4, "our decode steps per device call once every sequence decodes (1 = off)")
 flags.DEFINE_string("json_out", None, "write the record here")
 
 
@@ -75,7 +76,8 @@ class Ours:
             ps = FLAGS.page_size
             self.gens[key] = DynamicGenerator(
                 self.model, page_size=ps, max_batch_size=batch, max_chunk_size=512,
-                max_seq_len=-(-max_len // ps) * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0)
+                max_seq_len=-(-max_len // ps) * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0,
+                decode_steps=FLAGS.decode_steps)
         return self.gens[key]
 
     def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -286,7 +288,7 @@ def main(argv):
         with open(FLAGS.json_out, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
                                                                "prefill_len", "decode_tokens", "threads", "quant",
-                                                               "cache_dtype", "page_size")},
+                                                               "cache_dtype", "page_size", "decode_steps")},
                            git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
                            cpu=platform.processor(), jax=jax.__version__, versions=versions,
                            load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,

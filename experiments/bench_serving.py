@@ -56,6 +56,7 @@ flags.DEFINE_bool("save_detailed", False, "also store every request's token time
 # model / engine
 flags.DEFINE_string("model", "smollm2-135m", "'tiny' (random 2-layer model), 'smollm2-135m', an HF dir or a .gguf")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "weight dtype")
+flags.DEFINE_integer("decode_steps", 1, "generator decode steps per device call when every job decodes")
 flags.DEFINE_enum("quant", "keep", ["keep", "int8", "int4", "none"],
                   "weights (models.load_model): keep = a GGUF's quantized blocks as stored, none = dequantized")
 flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: max_batch_size full-length sequences + 1)")
@@ -180,7 +181,8 @@ def run() -> list:
         model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size, max_batch_size=max_batch,
         max_chunk_size=FLAGS.max_chunk_size, max_seq_len=FLAGS.max_seq_len, max_prefill_rows=FLAGS.max_prefill_rows,
         max_penalty_range=FLAGS.max_penalty_range, policy=FLAGS.policy, cache_dtype=FLAGS.cache_dtype,
-        attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl, compilation_cache_dir=FLAGS.compilation_cache_dir)
+        attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl, compilation_cache_dir=FLAGS.compilation_cache_dir,
+        decode_steps=FLAGS.decode_steps)
     t0 = time.perf_counter()
     buckets = gen.warmup(progress=FLAGS.progress) if FLAGS.compile_all_buckets else 0
     compile_s = time.perf_counter() - t0

@@ -85,6 +85,8 @@ flags.DEFINE_string("attn_impl", "auto", "attention: auto, xla, pallas or refere
 flags.DEFINE_string("matmul_impl", "auto", "quantized matmul: auto, xla, pallas or reference")
 flags.DEFINE_string("policy", "exllamav2", "scheduling policy: exllamav2, fcfs or shortest_prompt_first")
 flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache directory")
+flags.DEFINE_integer("decode_steps", 4, "decode steps per device call once every job decodes (1 = one token per "
+                     "step; more = fewer host round trips, text arrives in bursts)")
 
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 BULK_BATCH_SIZE = 16
@@ -215,7 +217,7 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
             max_batch_size=FLAGS.max_batch_size or max_batch_size or 1, max_chunk_size=FLAGS.max_chunk_size,
             max_seq_len=FLAGS.max_seq_len, max_penalty_range=1024 if uses_penalties else 0, policy=FLAGS.policy,
             cache_dtype=FLAGS.cache_dtype, attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl,
-            compilation_cache_dir=FLAGS.compilation_cache_dir)
+            compilation_cache_dir=FLAGS.compilation_cache_dir, decode_steps=FLAGS.decode_steps)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

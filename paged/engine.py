@@ -18,7 +18,8 @@ from models.loader import DTYPES, Model
 from paged.batch import RowInput, build_batch
 from paged.buckets import BucketSpec
 from paged.state import BatchShape, EngineState
-from paged.step import ATTN_IMPLS, decode_steps, step
+from paged.step import ATTN_IMPLS, step
+from paged.step import decode_steps as multi_step
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 
@@ -119,7 +120,7 @@ class Engine:
         kw = dict(cfg=self.cfg, shape=shape, return_top_k=return_top_k, return_logits=return_logits,
                   attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
         if num_steps > 1:
-            self.state, res = decode_steps(self.model.params, self.state, batch, num_steps=num_steps, **kw)
+            self.state, res = multi_step(self.model.params, self.state, batch, num_steps=num_steps, **kw)
         else:
             self.state, res = step(self.model.params, self.state, batch, **kw)
         t_dispatched = time.perf_counter()
@@ -139,20 +140,28 @@ class Engine:
             shape=shape, seconds=dt,
         )
 
-    def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False) -> int:
-        """Compile the step for every bucket (default: all of `spec.all_shapes()`); returns how many.
+    def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:
+        """Compile the step for every bucket (default: all of `spec.all_shapes()`), and with `decode_steps` > 1
+        also `decode_steps` for every decode-only bucket; returns how many variants were compiled.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
-        it = shapes
+        work = [(shape, 1) for shape in shapes]
+        if decode_steps > 1:
+            work += [(shape, decode_steps) for shape in shapes if not shape.layout.num_prefill_rows]
+        it = work
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(shapes, desc="compiling step buckets", unit="shape")
-        for shape in it:
+            it = tqdm(work, desc="compiling step buckets", unit="shape")
+        for shape, n in it:
             batch, _ = build_batch([], shape, self.page_size)
             # the same static arguments, passed the same way, as `run`: jit keys its cache on how they are passed
-            self.state, res = step(self.model.params, self.state, batch, cfg=self.cfg, shape=shape, return_top_k=0,
-                                   return_logits=False, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+            kw = dict(cfg=self.cfg, shape=shape, return_top_k=0, return_logits=False, attn_impl=self.attn_impl,
+                      matmul_impl=self.matmul_impl)
+            if n > 1:
+                self.state, res = multi_step(self.model.params, self.state, batch, num_steps=n, **kw)
+            else:
+                self.state, res = step(self.model.params, self.state, batch, **kw)
             jax.block_until_ready(res.token)
-        return len(shapes)
+        return len(work)

@@ -472,9 +472,10 @@ class DynamicGenerator:
         }
 
     def warmup(self, progress: bool = False) -> int:
-        """Compile every step bucket, then forget the prompt cache. Returns the number of buckets compiled."""
+        """Compile every step bucket (and the multi-step decode variants with decode_steps > 1), then forget the
+        prompt cache. Returns the number of variants compiled."""
         with self.lock:
-            n = self.engine.warmup(progress=progress)
+            n = self.engine.warmup(progress=progress, decode_steps=self.decode_steps)
             self.pool.reset_cache()
             return n
 

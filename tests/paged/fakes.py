@@ -91,7 +91,7 @@ class FakeEngine:
                 return tokens[n_generated]
         return (r.tokens[-1] + 1) % self.vocab_size
 
-    def warmup(self, progress=False):
+    def warmup(self, progress=False, decode_steps=1):
         return 0
 
 

@@ -168,7 +168,15 @@ def test_multi_step_decode_matches_single_steps_token_for_token():
         return c, g, calls
 
     one, g1, calls1 = run(1)
+    from paged.step import count_compiles
+
+    warm = DynamicGenerator(MODEL, num_pages=24, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=48,
+                            max_penalty_range=64, decode_steps=4)
+    assert warm.warmup() == len(warm.engine.spec.all_shapes()) + sum(
+        1 for s in warm.engine.spec.all_shapes() if not s.layout.num_prefill_rows)
+    before = count_compiles()
     four, g4, calls4 = run(4)
+    assert count_compiles() == before  # the bursts' variants were compiled by warmup()
     assert set(calls1) == {1} and 4 in calls4 and len(calls4) < len(calls1)
     assert g4.metrics()["tokens_generated"] == g1.metrics()["tokens_generated"] == 39
     for i in range(3):

@@ -24,12 +24,14 @@ import time
 
 from absl import app, flags
 
+from experiments import engine_flags
+
 FLAGS = flags.FLAGS
-_BEFORE = set(FLAGS)
+_BEFORE = set(FLAGS) - set(engine_flags.NAMES)
+engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
 # workload
 flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "prefix"], "request workload")
 flags.DEFINE_integer("num_prompts", 32, "measured requests per run")
-flags.DEFINE_integer("seed", 0, "seed of the workload, the arrival times and the per-request sampling seeds")
 flags.DEFINE_integer("input_len", 128, "random: prompt tokens; prefix: suffix tokens after the shared prefix")
 flags.DEFINE_integer("output_len", 32, "random / prefix: output tokens (exact: no stop tokens)")
 flags.DEFINE_float("range_ratio", 0.0, "random / prefix: lengths uniform in [len*(1-r), len*(1+r)]")
@@ -37,7 +39,6 @@ flags.DEFINE_integer("num_prefixes", 4, "prefix: number of distinct shared prefi
 flags.DEFINE_integer("prefix_len", 256, "prefix: tokens per shared prefix")
 flags.DEFINE_string("dataset_path", None,
                     "sharegpt: length-pair file (default experiments/data/sharegpt_like_lengths.json)")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy; otherwise plain temperature sampling (no top-k/p, no penalties)")
 # load
 flags.DEFINE_list("max_concurrency", ["4"], "requests in flight; a comma list runs a sweep; 'inf' = no limit")
 flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0)")
@@ -51,29 +52,14 @@ flags.DEFINE_string("output_dir", "experiments/results/serving", "where records 
 flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
 flags.DEFINE_bool("plot", False, "write latency-CDF PNGs (and throughput / TPOT vs concurrency for a sweep)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
-flags.DEFINE_bool("progress", True, "progress bar on stderr")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
-# model / engine
-flags.DEFINE_string("model", "smollm2-135m", "'tiny' (random 2-layer model), 'smollm2-135m', an HF dir or a .gguf")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "weight dtype")
-flags.DEFINE_integer("decode_steps", 1, "generator decode steps per device call when every job decodes")
-flags.DEFINE_enum("quant", "keep", ["keep", "int8", "int4", "none"],
-                  "weights (models.load_model): keep = a GGUF's quantized blocks as stored, none = dequantized")
-flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: max_batch_size full-length sequences + 1)")
-flags.DEFINE_integer("page_size", 64, "tokens per page")
-flags.DEFINE_integer("max_seq_len", None, "longest prompt + output (default min(model max positions, 2048))")
-flags.DEFINE_integer("max_chunk_size", 256, "prefill tokens per step")
-flags.DEFINE_integer("max_batch_size", None, "rows per step (default: the largest --max_concurrency, else 16)")
+# model / engine: experiments/engine_flags.py, plus
 flags.DEFINE_integer("max_prefill_rows", 1, "jobs prefilling in the same step")
 flags.DEFINE_integer("max_penalty_range", 0, "penalty window compiled in (0: none, the benchmark uses no penalties)")
-flags.DEFINE_enum("cache_dtype", "float32", ["float32", "bfloat16", "float16", "int8"], "KV-cache dtype")
-flags.DEFINE_enum("attn_impl", "auto", ["auto", "xla", "pallas", "reference"], "paged attention implementation")
-flags.DEFINE_enum("matmul_impl", "auto", ["auto", "xla", "pallas", "reference"], "dequant-matmul implementation")
-flags.DEFINE_enum("policy", "exllamav2", ["exllamav2", "fcfs", "shortest_prompt_first"], "admission policy")
-flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache")
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
 
 SCHEMA = "bench_serving/1"
+SEED = lambda: 0 if FLAGS.seed is None else FLAGS.seed  # the shared --seed defaults to None
 
 
 def parse_concurrency(values) -> list[int | None]:
@@ -109,16 +95,6 @@ def jsonable(x):
     return x
 
 
-def _load_model(name: str):
-    from experiments.common import load_experiment_model
-
-    if name == "tiny":
-        return load_experiment_model("tiny")
-    from models import load_model
-
-    return load_model(name, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
-
-
 def _label(c: int | None) -> str:
     return "c=inf" if c is None else f"c={c}"
 
@@ -151,8 +127,7 @@ def run() -> list:
         workloads.arrival_times(0, FLAGS.request_rate, FLAGS.burstiness)  # validates rate / burstiness
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    if FLAGS.temperature < 0:
-        raise app.UsageError(f"--temperature must be >= 0, got {FLAGS.temperature}")
+    engine_flags.validate()
     if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
         raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")
 
@@ -174,15 +149,11 @@ def run() -> list:
         print(f"measured peaks: memory {peaks['bandwidth_gbps']:.1f} GB/s, f32 matmul "
               f"{peaks['matmul_gflops']:.1f} GFLOP/s", file=sys.stderr)
 
-    model = _load_model(FLAGS.model)
+    model = engine_flags.load_model()
     finite = [c for c in concurrencies if c is not None]
     max_batch = FLAGS.max_batch_size or (max(finite) if finite else 16)
-    gen = DynamicGenerator(
-        model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size, max_batch_size=max_batch,
-        max_chunk_size=FLAGS.max_chunk_size, max_seq_len=FLAGS.max_seq_len, max_prefill_rows=FLAGS.max_prefill_rows,
-        max_penalty_range=FLAGS.max_penalty_range, policy=FLAGS.policy, cache_dtype=FLAGS.cache_dtype,
-        attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl, compilation_cache_dir=FLAGS.compilation_cache_dir,
-        decode_steps=FLAGS.decode_steps)
+    gen = DynamicGenerator(model, max_prefill_rows=FLAGS.max_prefill_rows, max_penalty_range=FLAGS.max_penalty_range,
+                           **engine_flags.generator_kwargs(max_batch))
     t0 = time.perf_counter()
     buckets = gen.warmup(progress=FLAGS.progress) if FLAGS.compile_all_buckets else 0
     compile_s = time.perf_counter() - t0
@@ -191,7 +162,7 @@ def run() -> list:
     special = sorted(getattr(tok, "special_token_ids", ()) or ()) if tok is not None else []
     try:
         wl = workloads.make_workload(
-            FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=FLAGS.seed,
+            FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=SEED(),
             max_seq_len=gen.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
             range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
             dataset_path=FLAGS.dataset_path)
@@ -228,10 +199,10 @@ def run() -> list:
     for c in concurrencies:
         load_before = env.load_average(f"before the run at {_label(c)}")
         n_warm = FLAGS.num_warmup if FLAGS.num_warmup is not None else max(2, c or gen.max_batch_size)
-        warm_s = runner.warm_up(gen, wl.requests[:n_warm], gen_settings=settings, max_concurrency=c, seed=FLAGS.seed)
+        warm_s = runner.warm_up(gen, wl.requests[:n_warm], gen_settings=settings, max_concurrency=c, seed=SEED())
         compiled_before = _compiled_variants()
         res = runner.run_benchmark(gen, wl.requests, gen_settings=settings, max_concurrency=c,
-                                   request_rate=FLAGS.request_rate, burstiness=FLAGS.burstiness, seed=FLAGS.seed,
+                                   request_rate=FLAGS.request_rate, burstiness=FLAGS.burstiness, seed=SEED(),
                                    progress=FLAGS.progress, desc=f"{run_name} {_label(c)}")
         compiled_after = _compiled_variants()
         compiles = None if compiled_before is None else compiled_after - compiled_before

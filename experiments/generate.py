@@ -46,22 +46,22 @@ from typing import IO, Any
 
 from absl import app, flags
 
+from experiments import engine_flags
+
 FLAGS = flags.FLAGS
+engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
 # --- what to run
-flags.DEFINE_string("model", "smollm2-135m", "embedded name, HF directory, or .gguf file")
 flags.DEFINE_string("prompt", DEFAULT_PROMPT, "the prompt (single mode; streams the reply)")
 flags.DEFINE_string("prompts_file", None, "JSONL file of prompts (bulk mode; see the module docstring)")
 flags.DEFINE_string("output", None, "write one JSONL record per finished job (or chat turn) here")
 flags.DEFINE_string("system", None, "optional system message (chat template only)")
 flags.DEFINE_bool("chat", True, "wrap prompts in the model's chat template (--nochat: raw text)")
-flags.DEFINE_bool("progress", True, "bulk mode: show a progress bar on stderr")
 flags.DEFINE_bool("warmup", False, "compile every step bucket before the first job (generator.warmup)")
 # --- sampling (a JSONL line may override max_new_tokens, temperature, top_k, top_p, seed and stop)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
 flags.DEFINE_integer("min_new_tokens", 0, "stop tokens are banned until this many tokens are out")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top_k", 50, "top-k (0 = off)")
 flags.DEFINE_float("top_p", 0.8, "top-p in (0, 1] (1 = off)")
 flags.DEFINE_float("min_p", 0.0, "min-p in [0, 1) (0 = off)")
@@ -69,24 +69,8 @@ flags.DEFINE_float("typical", 0.0, "locally typical sampling mass in [0, 1] (0 =
 flags.DEFINE_float("repetition_penalty", 1.0, "> 0, 1 = off")
 flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence (0 = off)")
 flags.DEFINE_float("presence_penalty", 0.0, "subtracted once per present token (0 = off)")
-flags.DEFINE_integer("seed", None, "sampling seed (None = random); bulk job i uses seed + i")
 flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the EOS token always stops)")
-# --- cache and engine
-flags.DEFINE_integer("page_size", 64, "KV-cache page size in tokens (a power of two >= 8)")
-flags.DEFINE_integer("num_pages", None, "KV-cache pages (default: enough for max_batch_size x max_seq_len)")
-flags.DEFINE_integer("max_seq_len", None, "longest prompt + max_new_tokens (default: min(model max, 2048))")
-flags.DEFINE_integer("max_chunk_size", 256, "prefill tokens per step")
-flags.DEFINE_integer("max_batch_size", None, "jobs per step (default: 16 in bulk mode, 1 otherwise)")
-flags.DEFINE_string("cache_dtype", "float32", "KV-cache dtype: float32, bfloat16, float16 or int8")
-flags.DEFINE_string("dtype", "float32", "weight dtype: float32, bfloat16 or float16")
-flags.DEFINE_string("quant", "keep", "weights: keep (a GGUF's Q4_0/Q4_1/Q8_0 blocks stay quantized; float "
-                    "checkpoints load as float), int8, int4, or none (dequantize everything to --dtype)")
-flags.DEFINE_string("attn_impl", "auto", "attention: auto, xla, pallas or reference")
-flags.DEFINE_string("matmul_impl", "auto", "quantized matmul: auto, xla, pallas or reference")
-flags.DEFINE_string("policy", "exllamav2", "scheduling policy: exllamav2, fcfs or shortest_prompt_first")
-flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache directory")
-flags.DEFINE_integer("decode_steps", 4, "decode steps per device call once every job decodes (1 = one token per "
-                     "step; more = fewer host round trips, text arrives in bursts)")
+# --- cache and engine: experiments/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
 
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 BULK_BATCH_SIZE = 16
@@ -128,38 +112,11 @@ def _is_number(v: Any) -> bool:
 
 def validate_flags() -> None:
     """Check flag values before loading anything; raises app.UsageError with what is wrong and what is allowed."""
-    from models.linear import MATMUL_IMPLS
-    from models.loader import DTYPES
-    from models.weights import QUANT_MODES
-    from paged.engine import CACHE_DTYPES
-    from paged.policy import POLICIES
-    from paged.step import ATTN_IMPLS
-
-    def one_of(name: str, allowed) -> None:
-        value = getattr(FLAGS, name)
-        if value not in allowed:
-            raise app.UsageError(f"--{name}={value} is not one of: {', '.join(str(a) for a in allowed)}")
-
-    one_of("cache_dtype", tuple(CACHE_DTYPES))
-    one_of("dtype", tuple(DTYPES))
-    one_of("attn_impl", ATTN_IMPLS)
-    one_of("matmul_impl", MATMUL_IMPLS)
-    one_of("policy", tuple(POLICIES))
-    if FLAGS.quant not in ("none", *(q for q in QUANT_MODES if q)):
-        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: none, {', '.join(q for q in QUANT_MODES if q)}")
+    engine_flags.validate()
     if FLAGS.max_new_tokens < 1:
         raise app.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     if not 0 <= FLAGS.min_new_tokens <= FLAGS.max_new_tokens:
         raise app.UsageError(f"--min_new_tokens must be in [0, --max_new_tokens], got {FLAGS.min_new_tokens}")
-    ps = FLAGS.page_size
-    if ps < 8 or ps & (ps - 1):
-        raise app.UsageError(f"--page_size must be a power of two >= 8, got {ps}")
-    for name in ("max_seq_len", "max_batch_size", "max_chunk_size"):
-        value = getattr(FLAGS, name)
-        if value is not None and value < 1:
-            raise app.UsageError(f"--{name} must be >= 1, got {value}")
-    if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
-        raise app.UsageError(f"--num_pages must be >= 2 (page 0 is reserved), got {FLAGS.num_pages}")
     if any(not s for s in FLAGS.stop):
         raise app.UsageError("--stop contains an empty stop string")
     if FLAGS.prompts_file is not None:
@@ -193,10 +150,10 @@ def build_settings(**overrides: Any):
 
 
 def load_model_from_flags():
-    from models import ModelError, load_model
+    from models import ModelError
 
     try:
-        model = load_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+        model = engine_flags.load_model()
     except ModelError as e:
         raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     if model.tokenizer is None:
@@ -212,12 +169,8 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
     if uses_penalties is None:
         uses_penalties = build_settings().uses_penalties
     try:
-        return DynamicGenerator(
-            model, num_pages=FLAGS.num_pages, page_size=FLAGS.page_size,
-            max_batch_size=FLAGS.max_batch_size or max_batch_size or 1, max_chunk_size=FLAGS.max_chunk_size,
-            max_seq_len=FLAGS.max_seq_len, max_penalty_range=1024 if uses_penalties else 0, policy=FLAGS.policy,
-            cache_dtype=FLAGS.cache_dtype, attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl,
-            compilation_cache_dir=FLAGS.compilation_cache_dir, decode_steps=FLAGS.decode_steps)
+        return DynamicGenerator(model, max_penalty_range=1024 if uses_penalties else 0,
+                                **engine_flags.generator_kwargs(max_batch_size or 1))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

@@ -126,7 +126,7 @@ def device_breakdown(model, rows: int) -> dict:
     h0 = embed_tokens(params, batch.token_ids)
 
     @jax.jit
-    def layers_no_attention(h, pos):
+    def layers_no_attention(params, h, pos):  # params as an argument: closed over, they would become constants
         return run_layers(params, cfg, h, pos, lambda layer, q, k, v, kv: (q, kv), None, eng.matmul_impl)[0]
 
     lay = shape.layout
@@ -144,7 +144,7 @@ def device_breakdown(model, rows: int) -> dict:
         return jax.lax.scan(body, q, None, length=cfg.num_layers)[0]
 
     @jax.jit
-    def logits_and_sample(h):
+    def logits_and_sample(params, h):
         logits = compute_logits(params, cfg, h, eng.matmul_impl)
         return sample(logits, batch.sampling, positions=batch.kv_lens, history=batch.history,
                       bias_ids=batch.bias_ids, bias_values=batch.bias_values).token
@@ -152,9 +152,9 @@ def device_breakdown(model, rows: int) -> dict:
     it = FLAGS.iters
     rec = dict(rows=rows, shape=str(dataclasses.asdict(shape)),
                step_ms=1e3 * _timeit(full, batch, iters=it),
-               layers_without_attention_ms=1e3 * _timeit(layers_no_attention, h0, batch.positions, iters=it),
+               layers_without_attention_ms=1e3 * _timeit(layers_no_attention, params, h0, batch.positions, iters=it),
                attention_ms=1e3 * _timeit(attention_all_layers, q, kc, vc, iters=it),
-               logits_sampling_ms=1e3 * _timeit(logits_and_sample, h0[: shape.num_rows], iters=it))
+               logits_sampling_ms=1e3 * _timeit(logits_and_sample, params, h0[: shape.num_rows], iters=it))
     kv_item = np.dtype(eng.state.k.dtype).itemsize
     keys = shape.pages_per_row * ps
     rec["attention_bytes_per_step"] = 2 * rows * keys * cfg.num_kv_heads * cfg.head_dim * kv_item * cfg.num_layers

@@ -318,13 +318,17 @@ class DynamicGenerator:
             return results
 
     def _burst(self, rows: list[RowInput], owners: list[Job], want_logits: bool) -> int:
-        """Decode steps for this engine call: `decode_steps` when it is safe to run them blind, else 1."""
+        """Decode steps for this engine call: `decode_steps` when it is safe to run them blind, else 1.
+
+        A burst may run past a job's `max_new_tokens` (the extra tokens are discarded), so short remainders do not
+        need the single-step variant; it must stay inside the job's own pages, whose slots past its last consumed
+        position are never hashed or shared, so the extra KV writes touch nothing else."""
         k = self.decode_steps
         if k == 1 or want_logits or (self.pending and len(self.active) < self.max_batch_size):
             return 1
         for row, job in zip(rows, owners):
             if (len(row.tokens) != 1 or not row.sample or job.banned_strings or job.explored
-                    or job.new_tokens < job.min_new_tokens or job.max_new_tokens - job.new_tokens < k
+                    or job.new_tokens < job.min_new_tokens or job.kv_position + k > len(job.pages) * self.page_size
                     or (job.healing_allowed and job.new_tokens == 0)):
                 return 1
             s = job.gen_settings

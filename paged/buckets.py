@@ -29,7 +29,9 @@ class BucketSpec:
     max_pages_per_row: int  # ceil(max_seq_len / page_size)
     max_prefill_rows: int = 2  # prefill chunks per step
     page_size: int = 64
-    growth: int = 4  # ratio between consecutive prefill chunk buckets (larger: fewer compiles, more padding)
+    # ratio between consecutive prefill chunk buckets (larger: fewer compiles, more padding). A prefill step's
+    # matmuls run over every padded token, so 4 cost ~1.6x the real work on mixed prompt lengths; 2 ~1.3x.
+    growth: int = 2
     # ratio between consecutive context (pages per row) buckets. Decode attention reads every page of the bucket,
     # so padding here costs bandwidth on every step; 2 wastes at most half (a quarter on average) for one extra
     # bucket or so over 4 (measured: docs/performance.md).

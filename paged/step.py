@@ -51,10 +51,9 @@ def _forward(
             vs = vs.at[layer, :, write_page, write_off].set(v_sc)
         kc = kc.at[layer, :, write_page, write_off].set(k.astype(kc.dtype))
         vc = vc.at[layer, :, write_page, write_off].set(v.astype(vc.dtype))
-        o = paged_attention(
-            q, kc[layer], vc[layer], qstart, batch.query_lens, batch.kv_lens, batch.page_table,
-            sm_scale=sm_scale, impl=attn_impl, layout=layout, sliding_window=cfg.sliding_window,
-            k_scales=None if ks is None else ks[layer], v_scales=None if vs is None else vs[layer],
+        o = paged_attention(  # the whole stacked cache and the layer: no copy of the layer's pool
+            q, kc, vc, qstart, batch.query_lens, batch.kv_lens, batch.page_table, sm_scale=sm_scale, impl=attn_impl,
+            layout=layout, sliding_window=cfg.sliding_window, k_scales=ks, v_scales=vs, layer=layer,
         )
         return o, (kc, vc, ks, vs)
 

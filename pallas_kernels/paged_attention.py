@@ -207,12 +207,20 @@ def ragged_paged_attention_xla(
     soft_cap: float | None = None,
     k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 k_pages
     v_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 v_pages
+    layer: jnp.ndarray | None = None,  # int32 scalar: the pools (and scales) are stacked [L, ...]; use this one
 ) -> jnp.ndarray:  # [T, nH, D]
     """Fast path for batches in `PrefillDecodeLayout`: prefill windows as one batched block, decode rows as
-    another; each row gathers only its own pages once (not once per query token)."""
-    _check_scales(k_pages, v_pages, k_scales, v_scales)
+    another; each row gathers only its own pages once (not once per query token).
+
+    With `layer`, the pages are gathered straight from the stacked cache: slicing the layer out first would copy
+    that layer's whole pool on every call once the gathers sit inside the CPU's row-group loop."""
+    if layer is None:
+        _check_scales(k_pages, v_pages, k_scales, v_scales)
+    else:
+        _check_scales(k_pages[0], v_pages[0], None if k_scales is None else k_scales[0],
+                      None if v_scales is None else v_scales[0])
     t_count, nh, d = q.shape
-    kh, _, ps, _ = k_pages.shape
+    kh, _, ps, _ = k_pages.shape[-4:]
     g = nh // kh
     sp, qm, sd = layout.num_prefill_rows, layout.max_q_len, layout.num_decode_rows
     p = page_table.shape[1]
@@ -223,12 +231,15 @@ def ragged_paged_attention_xla(
 
     def gather_pages(pt: jnp.ndarray) -> tuple[jnp.ndarray, ...]:  # pt [R, P]
         r = pt.shape[0]
-        k = jnp.moveaxis(k_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)  # [R, KH, L, D]
-        v = jnp.moveaxis(v_pages[:, pt], 0, 1).reshape(r, kh, p * ps, d)
+        def take(a):  # -> [R, KH, P, ...]; a[layer, :, pt] puts the (separated) advanced index dims first
+            return jnp.moveaxis(a[:, pt], 0, 1) if layer is None else jnp.moveaxis(a[layer, :, pt], 2, 1)
+
+        k = take(k_pages).reshape(r, kh, p * ps, d)  # [R, KH, L, D]
+        v = take(v_pages).reshape(r, kh, p * ps, d)
         if k_scales is None:
             return k.astype(jnp.float32), v.astype(jnp.float32), None, None
-        ks = jnp.moveaxis(k_scales[:, pt], 0, 1).reshape(r, kh, p * ps)  # [R, KH, L]
-        vs = jnp.moveaxis(v_scales[:, pt], 0, 1).reshape(r, kh, p * ps)
+        ks = take(k_scales).reshape(r, kh, p * ps)  # [R, KH, L]
+        vs = take(v_scales).reshape(r, kh, p * ps)
         return k.astype(jnp.float32), v.astype(jnp.float32), ks, vs
 
     outs = []
@@ -558,15 +569,22 @@ def paged_attention(
     v_scales: jnp.ndarray | None = None,
     config: AttentionTuning | None = None,
     interpret: bool | None = None,
+    layer: jnp.ndarray | None = None,
 ) -> jnp.ndarray:  # [T, nH, D]
     """Ragged paged attention through the implementation `impl` picks:
     "pallas" the kernel; "xla" the layout fast path (the reference when `layout` is None); "reference" the spec;
     "auto" the kernel on a GPU, otherwise "xla". `layout`, when given, must describe the batch (the XLA path
-    ignores `query_start`) and lets the kernel's default tuning know the longest query."""
+    ignores `query_start`) and lets the kernel's default tuning know the longest query. With `layer` (an int32
+    scalar), the pools and scales are the stacked cache `[L, KH, num_pages, page_size, (D)]` and that layer's is
+    used: the XLA path gathers from the stack directly, the others take the layer's slice."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if layer is not None and not (impl == "xla" and layout is not None):
+        pick = lambda a: None if a is None else a[layer]
+        k_pages, v_pages, k_scales, v_scales = pick(k_pages), pick(v_pages), pick(k_scales), pick(v_scales)
+        layer = None
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
                   v_scales=v_scales)
     if impl == "pallas":
@@ -578,7 +596,7 @@ def paged_attention(
                                              config=config, interpret=interpret, **common)
     if impl == "xla" and layout is not None:
         return ragged_paged_attention_xla(q, k_pages, v_pages, query_lens, kv_lens, page_table, layout=layout,
-                                          **common)
+                                          layer=layer, **common)
     return ragged_paged_attention_reference(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
                                             **common)
 

@@ -396,3 +396,32 @@ def test_kernel_native_gpu_matches_reference(case):
     print(f"compile+run {time.perf_counter() - start:.2f}s")
     tol = 3e-2 if kv_dtype == "bf16" else 2e-3
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("int8", [False, True])
+def test_layer_of_a_stacked_cache_equals_that_layers_slice(monkeypatch, impl, int8):
+    """`layer=` reads one layer of the stacked `[L, ...]` cache (the XLA path gathers from the stack directly, also
+    inside the CPU's row groups) exactly as passing that layer's slice."""
+    from pallas_kernels import paged_attention as pa
+
+    monkeypatch.setattr(pa, "CPU_DECODE_GATHER_BYTES", 1)  # row groups of one on the CPU
+    layout, ps, kh, g, d, max_ctx = PrefillDecodeLayout(1, 8, 4), 8, 2, 2, 16, 40
+    rng = np.random.default_rng(11)
+    stack = [random_case(np.random.default_rng(i), layout, ps, kh, g, d, max_ctx) for i in range(3)]
+    q, _, _, qlens, kvlens, table = random_case(rng, layout, ps, kh, g, d, max_ctx)
+    kp = jnp.stack([jnp.asarray(c[1]) for c in stack])  # [L, KH, N, ps, D]
+    vp = jnp.stack([jnp.asarray(c[2]) for c in stack])
+    ks = vs = None
+    if int8:
+        pairs = [(quantize_pages(kp[i]), quantize_pages(vp[i])) for i in range(3)]
+        kp, ks = jnp.stack([a[0][0] for a in pairs]), jnp.stack([a[0][1] for a in pairs])
+        vp, vs = jnp.stack([a[1][0] for a in pairs]), jnp.stack([a[1][1] for a in pairs])
+    args = (jnp.asarray(q),)
+    rest = (layout_query_start(layout), jnp.asarray(qlens), jnp.asarray(kvlens), jnp.asarray(table))
+    kw = dict(sm_scale=d**-0.5, impl=impl, layout=layout)
+    for layer in range(3):
+        pick = lambda a: None if a is None else a[layer]
+        want = paged_attention(*args, kp[layer], vp[layer], *rest, k_scales=pick(ks), v_scales=pick(vs), **kw)
+        got = paged_attention(*args, kp, vp, *rest, k_scales=ks, v_scales=vs, layer=jnp.int32(layer), **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)

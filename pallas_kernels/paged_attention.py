@@ -170,8 +170,10 @@ def _attend_rows(
     w = e / denom
     if v_scale is not None:
         w = w * v_scale[:, :, None, None, :]
-    o = jnp.einsum("rkgql,rkld->rqkgd", w, v.astype(jnp.float32), preferred_element_type=jnp.float32)
-    return o
+    # Contract into [R, KH, G, Q, D] and transpose after: asked for `rqkgd` directly, XLA:CPU lays the product out
+    # with G minor and runs it as a slow batched matmul (decode, 8 rows x 384 keys: 0.66 ms vs 0.09 ms).
+    o = jnp.einsum("rkgql,rkld->rkgqd", w, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    return o.transpose(0, 3, 1, 2, 4)
 
 
 # Decode rows gather their pages into one [rows, KH, L, D] block before two small contractions. On the CPU that

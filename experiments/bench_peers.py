@@ -27,7 +27,10 @@ import time
 
 from absl import app, flags
 
+from experiments import engine_flags
+
 FLAGS = flags.FLAGS
+engine_flags.define()  # --model (ours; a .gguf is also given to the peers), --quant, --page_size, --cache_dtype, ...
 flags.DEFINE_list("engines", ["ours", "llama.cpp", "transformers"], "engines to run (skipped when not installed)")
 flags.DEFINE_list("workloads", ["single", "prefill", "batch"], "workloads")
 flags.DEFINE_list("batch_sizes", ["16", "64"], "sequences for the batch workload")
@@ -35,10 +38,6 @@ flags.DEFINE_integer("prompt_len", 32, "prompt tokens per sequence (single, batc
 flags.DEFINE_integer("prefill_len", 512, "prompt tokens of the prefill workload")
 flags.DEFINE_integer("decode_tokens", 64, "tokens decoded per sequence")
 flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
-flags.DEFINE_string("quant", "keep", "our weights: keep (Q4_1 as stored), none (dequantized f32), int8, int4")
-flags.DEFINE_string("cache_dtype", "float32", "our KV cache dtype")
-flags.DEFINE_integer("page_size", 64, "our KV page size")
-flags.DEFINE_integer("decode_steps", 4, "our decode steps per device call once every sequence decodes (1 = off)")
 flags.DEFINE_string("json_out", None, "write the record here")
 
 
@@ -61,11 +60,7 @@ class Ours:
     name = "ours"
 
     def __init__(self):
-        from models import load_model
-
-        quant = None if FLAGS.quant == "none" else FLAGS.quant
-        self.model = load_model("smollm2-135m", quant=quant)
-        self.tokenizer = self.model.tokenizer
+        self.model = engine_flags.load_model()
         self.gens = {}
 
     def _gen(self, batch: int, max_len: int):
@@ -77,7 +72,7 @@ class Ours:
             self.gens[key] = DynamicGenerator(
                 self.model, page_size=ps, max_batch_size=batch, max_chunk_size=512,
                 max_seq_len=-(-max_len // ps) * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0,
-                decode_steps=FLAGS.decode_steps)
+                decode_steps=FLAGS.decode_steps, attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl)
         return self.gens[key]
 
     def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -104,14 +99,11 @@ class LlamaCpp:
         import llama_cpp
         import numpy as np
 
-        from models.embedded import embedded_gguf_path
-
         self.lib, self.np = llama_cpp, np
         # llama.cpp logs every load and context to stderr; keep the callback referenced while the library lives
         self._quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
         llama_cpp.llama_log_set(self._quiet, None)
-        self.path = embedded_gguf_path()
-        self.tokenizer = None
+        self.path = gguf_path()
         self.ctx = None
         self.key = None
 
@@ -184,14 +176,11 @@ class Transformers:
         import torch
         import transformers
 
-        from models.embedded import embedded_gguf_path
-
         torch.set_num_threads(FLAGS.threads)
-        path = embedded_gguf_path()
+        path = gguf_path()
         self.torch = torch
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-        self.tokenizer = None
 
     def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:
         torch = self.torch
@@ -227,6 +216,15 @@ def measure(engine, tokenizer, workload: str, batch: int = 1) -> dict:
     return dict(workload=name, tokens_per_s=batch * (n - 1) / t_dec, seconds=t_dec, prefill_seconds=t_pre)
 
 
+def gguf_path() -> str:
+    """The GGUF file the peers load: --model when it is one, else the embedded SmolLM2."""
+    if FLAGS.model.endswith(".gguf"):
+        return FLAGS.model
+    from models.embedded import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
 def _git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -243,23 +241,25 @@ def main(argv):
     load_before = os.getloadavg()
     if load_before[0] > 0.5:
         print(f"warning: load average {load_before[0]:.2f}; peer ratios are only valid on an idle machine")
-    ours = None
+    from models.embedded import EMBEDDED_NAMES
+    from models.gguf_reader import read_gguf_metadata
+    from models.tokenizer import Tokenizer
+
+    unknown = [e for e in FLAGS.engines if e not in ENGINES]
+    if unknown:
+        raise app.UsageError(f"--engines: unknown engine {unknown[0]!r}; choose from {sorted(ENGINES)}")
+    if FLAGS.model.lower() not in EMBEDDED_NAMES and not FLAGS.model.endswith(".gguf"):
+        raise app.UsageError(f"--model {FLAGS.model}: the peers need a GGUF file; give a .gguf path or the embedded "
+                             "smollm2-135m")
+    tokenizer = Tokenizer.from_gguf_metadata(read_gguf_metadata(gguf_path()))  # the same prompt ids for everyone
     results: dict[str, list[dict]] = {}
     versions = {}
     for name in FLAGS.engines:
-        if name not in ENGINES:
-            raise app.UsageError(f"--engines: unknown engine {name!r}; choose from {sorted(ENGINES)}")
         cls, module = ENGINES[name]
         if importlib.util.find_spec(module) is None:
             print(f"[{name}: not installed ({module}), skipped]")
             continue
         engine = cls()
-        if name == "ours":
-            ours = engine
-        tokenizer = (ours or Ours()).tokenizer if engine.tokenizer is None else engine.tokenizer
-        if ours is None:
-            ours = Ours.__new__(Ours)
-            ours.tokenizer = tokenizer
         versions[name] = getattr(__import__(module), "__version__", "?")
         rows = []
         for w in FLAGS.workloads:
@@ -287,8 +287,9 @@ def main(argv):
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
-                                                               "prefill_len", "decode_tokens", "threads", "quant",
-                                                               "cache_dtype", "page_size", "decode_steps")},
+                                                               "prefill_len", "decode_tokens", "threads", "model",
+                                                               "quant", "cache_dtype", "page_size",
+                                                               "decode_steps")},
                            git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
                            cpu=platform.processor(), jax=jax.__version__, versions=versions,
                            load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,

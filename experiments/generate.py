@@ -371,7 +371,8 @@ def timing_line(record: dict, *, compiled: bool, total_s: float | None = None) -
     parts = [f"{n} tokens, {record['eos_reason']}",
              f"prompt {record['prompt_tokens']} tokens ({cached} cached)",
              f"first token after {record['ttft_s']:.2f}s" + ("" if compiled else " (includes compilation)"),
-             f"{_fmt_rate(record['decode_tok_s'])} tok/s decode"]
+             f"{_fmt_rate(record['decode_tok_s'])} tok/s decode" + ("" if compiled else " (includes compilation; "
+                                                                   "--warmup compiles first)")]
     if total_s is not None:
         parts.append(f"{total_s:.1f}s total")
     return "[" + "; ".join(parts) + "]"

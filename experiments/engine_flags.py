@@ -80,13 +80,9 @@ def validate() -> None:
 
 def load_model() -> Any:
     """The model the flags name (`tiny`: the random test model of `experiments.common`)."""
-    if FLAGS.model == "tiny":
-        from experiments.common import load_experiment_model
+    from experiments.common import load_experiment_model
 
-        return load_experiment_model("tiny")
-    from models import load_model as load
-
-    return load(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    return load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
 
 
 def generator_kwargs(max_batch_size: int) -> dict[str, Any]:

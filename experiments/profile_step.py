@@ -35,18 +35,6 @@ flags.DEFINE_integer("iters", 5, "timed calls per device part")
 flags.DEFINE_string("json_out", None, "write the breakdown here")
 
 
-def _timeit(fn, *args, iters: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def host_breakdown(model, rows: int) -> dict:
     """Steady state of `rows` concurrent decoding jobs through the generator: every job is prefilled first, then
     `FLAGS.tokens` steps are timed with all `rows` jobs decoding, and the wall time is split with the timers."""
@@ -99,6 +87,7 @@ def device_breakdown(model, rows: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from experiments.serving.hardware import best_time
     from models.llama import compute_logits, embed_tokens, run_layers
     from paged.batch import RowInput, build_batch
     from paged.engine import Engine
@@ -151,10 +140,11 @@ def device_breakdown(model, rows: int) -> dict:
 
     it = FLAGS.iters
     rec = dict(rows=rows, shape=str(dataclasses.asdict(shape)),
-               step_ms=1e3 * _timeit(full, batch, iters=it),
-               layers_without_attention_ms=1e3 * _timeit(layers_no_attention, params, h0, batch.positions, iters=it),
-               attention_ms=1e3 * _timeit(attention_all_layers, q, kc, vc, iters=it),
-               logits_sampling_ms=1e3 * _timeit(logits_and_sample, params, h0[: shape.num_rows], iters=it))
+               step_ms=1e3 * best_time(lambda: full(batch), it),
+               layers_without_attention_ms=1e3 * best_time(
+                   lambda: layers_no_attention(params, h0, batch.positions), it),
+               attention_ms=1e3 * best_time(lambda: attention_all_layers(q, kc, vc), it),
+               logits_sampling_ms=1e3 * best_time(lambda: logits_and_sample(params, h0[: shape.num_rows]), it))
     kv_item = np.dtype(eng.state.k.dtype).itemsize
     keys = shape.pages_per_row * ps
     rec["attention_bytes_per_step"] = 2 * rows * keys * cfg.num_kv_heads * cfg.head_dim * kv_item * cfg.num_layers
@@ -170,12 +160,7 @@ def main(argv):
 
     from experiments.common import load_experiment_model
 
-    if FLAGS.model == "tiny":
-        model = load_experiment_model("tiny")
-    else:
-        from models import load_model
-
-        model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    model = load_experiment_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")

@@ -26,7 +26,8 @@ UTILISATION_NOTES = (
 )
 
 
-def _best_time(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """Seconds of the fastest of `repeats` calls of `fn()` (blocking on its result), after one untimed call."""
     import jax
 
     jax.block_until_ready(fn())  # compile + first touch
@@ -45,7 +46,7 @@ def measure_memory_bandwidth(size_mb: int = 128, repeats: int = 5) -> dict:
 
     x = jnp.ones((size_mb * 1024 * 1024 // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    t = _best_time(lambda: f(x), repeats)
+    t = best_time(lambda: f(x), repeats)
     moved = 2 * x.nbytes
     return {"bandwidth_gbps": moved / t / 1e9, "bytes_moved": int(moved), "best_seconds": t, "repeats": repeats,
             "method": f"best of {repeats}: jit(a * 1.0001) over a {size_mb} MiB float32 array, read + write"}
@@ -59,7 +60,7 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> dict:
     a = jnp.ones((n, n), jnp.float32)
     b = jnp.full((n, n), 0.5, jnp.float32)
     f = jax.jit(jnp.dot)
-    t = _best_time(lambda: f(a, b), repeats)
+    t = best_time(lambda: f(a, b), repeats)
     flops = 2 * n**3
     return {"matmul_flops": flops / t, "matmul_gflops": flops / t / 1e9, "best_seconds": t, "repeats": repeats,
             "method": f"best of {repeats}: jit(jnp.dot) float32 {n}x{n} @ {n}x{n} (2 n^3 FLOPs)"}

@@ -298,32 +298,27 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float16)
 
 
+def _from_gguf_blocks(b: np.ndarray, values: np.ndarray, kind: str, mins: np.ndarray | None = None) -> QuantizedArray:
+    """QuantizedArray `[in, out]` from GGUF blocks `b` `[out, nb, bytes]` (fp16 scale in bytes 0:2) and their
+    `values` `[out, ...]` (and fp16 `mins` `[out, nb]`), each transposed to the `[..., out]` layout."""
+    out, nb = b.shape[:2]
+    t = lambda a: jnp.asarray(np.ascontiguousarray(a.T))
+    return QuantizedArray(values=t(values), scales=t(_f16(b[:, :, 0:2])), mins=None if mins is None else t(mins),
+                          kind=kind, group_size=GGUF_BLOCK, shape=(nb * GGUF_BLOCK, out))
+
+
 def from_gguf_q4_1(raw_blocks: np.ndarray, shape_out_in: tuple[int, int]) -> QuantizedArray:
     """Q4_1 blocks (fp16 d, fp16 m, 16 quant bytes) of a `[out, in]` GGUF tensor -> QuantizedArray `[in, out]`."""
     b = _gguf_blocks(raw_blocks, shape_out_in, 20, "Q4_1")
     out, nb = b.shape[:2]
-    return QuantizedArray(
-        values=jnp.asarray(np.ascontiguousarray(b[:, :, 4:].reshape(out, nb * 16).T)),  # [in/2, out]
-        scales=jnp.asarray(np.ascontiguousarray(_f16(b[:, :, 0:2]).T)),  # [nb, out]
-        mins=jnp.asarray(np.ascontiguousarray(_f16(b[:, :, 2:4]).T)),  # [nb, out]
-        kind="q4_1",
-        group_size=GGUF_BLOCK,
-        shape=(nb * GGUF_BLOCK, out),
-    )
+    return _from_gguf_blocks(b, b[:, :, 4:].reshape(out, nb * 16), "q4_1", _f16(b[:, :, 2:4]))  # values [in/2, out]
 
 
 def from_gguf_q4_0(raw_blocks: np.ndarray, shape_out_in: tuple[int, int]) -> QuantizedArray:
     """Q4_0 blocks (fp16 d, 16 quant bytes) of a `[out, in]` GGUF tensor -> QuantizedArray `[in, out]`."""
     b = _gguf_blocks(raw_blocks, shape_out_in, 18, "Q4_0")
     out, nb = b.shape[:2]
-    return QuantizedArray(
-        values=jnp.asarray(np.ascontiguousarray(b[:, :, 2:].reshape(out, nb * 16).T)),  # [in/2, out]
-        scales=jnp.asarray(np.ascontiguousarray(_f16(b[:, :, 0:2]).T)),  # [nb, out]
-        mins=None,
-        kind="q4_0",
-        group_size=GGUF_BLOCK,
-        shape=(nb * GGUF_BLOCK, out),
-    )
+    return _from_gguf_blocks(b, b[:, :, 2:].reshape(out, nb * 16), "q4_0")  # values [in/2, out]
 
 
 def from_gguf_q8_0(raw_blocks: np.ndarray, shape_out_in: tuple[int, int]) -> QuantizedArray:
@@ -331,14 +326,7 @@ def from_gguf_q8_0(raw_blocks: np.ndarray, shape_out_in: tuple[int, int]) -> Qua
     b = _gguf_blocks(raw_blocks, shape_out_in, 34, "Q8_0")
     out, nb = b.shape[:2]
     q = np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(out, nb * GGUF_BLOCK)
-    return QuantizedArray(
-        values=jnp.asarray(np.ascontiguousarray(q.T)),  # [in, out]
-        scales=jnp.asarray(np.ascontiguousarray(_f16(b[:, :, 0:2]).T)),  # [nb, out]
-        mins=None,
-        kind="int8",
-        group_size=GGUF_BLOCK,
-        shape=(nb * GGUF_BLOCK, out),
-    )
+    return _from_gguf_blocks(b, q, "int8")  # values [in, out]
 
 
 FROM_GGUF = {"Q4_1": from_gguf_q4_1, "Q4_0": from_gguf_q4_0, "Q8_0": from_gguf_q8_0}

@@ -20,6 +20,15 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str, title: str) -> str:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str, title: str = "") -> str:
     """One panel per latency (TTFT, TPOT, ITL, E2EL), one empirical CDF line per (label, records) run."""
     plt = _plt()
@@ -36,12 +45,7 @@ def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path:
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_sweep(points: Sequence[tuple[float, float, float | None]], path: str, title: str = "",
@@ -60,9 +64,4 @@ def plot_sweep(points: Sequence[tuple[float, float, float | None]], path: str, t
         ax.set_xticks(x)
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)

@@ -18,6 +18,7 @@ llama-cpp-python builds llama.cpp from source on install (~10 minutes on 2 cores
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -69,10 +70,9 @@ class Ours:
         key = (batch, max_len)
         if key not in self.gens:
             ps = FLAGS.page_size
-            self.gens[key] = DynamicGenerator(
-                self.model, page_size=ps, max_batch_size=batch, max_chunk_size=512,
-                max_seq_len=-(-max_len // ps) * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0,
-                decode_steps=FLAGS.decode_steps, attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl)
+            config = dataclasses.replace(engine_flags.engine_config(batch), max_batch_size=batch, num_pages=None,
+                                         max_chunk_size=512, max_seq_len=-(-max_len // ps) * ps)
+            self.gens[key] = DynamicGenerator(self.model, config=config)
         return self.gens[key]
 
     def run(self, seqs: list[list[int]], new_tokens: int) -> tuple[float, float]:

@@ -53,9 +53,7 @@ flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_ti
 flags.DEFINE_bool("plot", False, "write latency-CDF PNGs (and throughput / TPOT vs concurrency for a sweep)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
-# model / engine: experiments/engine_flags.py, plus
-flags.DEFINE_integer("max_prefill_rows", 1, "jobs prefilling in the same step")
-flags.DEFINE_integer("max_penalty_range", 0, "penalty window compiled in (0: none, the benchmark uses no penalties)")
+# model / engine: experiments/engine_flags.py (--max_penalty_range defaults to 0 here: the benchmark uses no penalties)
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
 
 SCHEMA = "bench_serving/1"
@@ -152,8 +150,7 @@ def run() -> list:
     model = engine_flags.load_model()
     finite = [c for c in concurrencies if c is not None]
     max_batch = FLAGS.max_batch_size or (max(finite) if finite else 16)
-    gen = DynamicGenerator(model, max_prefill_rows=FLAGS.max_prefill_rows, max_penalty_range=FLAGS.max_penalty_range,
-                           **engine_flags.generator_kwargs(max_batch))
+    gen = DynamicGenerator(model, **engine_flags.generator_kwargs(max_batch, max_penalty_range=0))
     t0 = time.perf_counter()
     buckets = gen.warmup(progress=FLAGS.progress) if FLAGS.compile_all_buckets else 0
     compile_s = time.perf_counter() - t0
@@ -186,10 +183,7 @@ def run() -> list:
                   "params_bytes": hardware.leaf_bytes(model.params),
                   "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
                   "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size},
-        "engine": {"page_size": gen.page_size, "num_pages": gen.pool.num_pages, "max_batch_size": gen.max_batch_size,
-                   "max_chunk_size": gen.max_chunk_size, "max_seq_len": gen.max_seq_len,
-                   "max_prefill_rows": gen.max_prefill_rows, "cache_dtype": FLAGS.cache_dtype,
-                   "attn_impl": FLAGS.attn_impl, "matmul_impl": FLAGS.matmul_impl, "policy": FLAGS.policy,
+        "engine": {**gen.config.to_dict(), "usable_pages": gen.pool.num_pages, "policy": FLAGS.policy,
                    "buckets_compiled": buckets, "compile_seconds": compile_s},
         "workload": wl.describe(),
         "sampling": {"temperature": settings.temperature, "greedy": settings.is_greedy},

@@ -169,8 +169,8 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
     if uses_penalties is None:
         uses_penalties = build_settings().uses_penalties
     try:
-        return DynamicGenerator(model, max_penalty_range=1024 if uses_penalties else 0,
-                                **engine_flags.generator_kwargs(max_batch_size or 1))
+        return DynamicGenerator(model, **engine_flags.generator_kwargs(max_batch_size or 1,
+                                                                      max_penalty_range=1024 if uses_penalties else 0))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
 

@@ -9,13 +9,19 @@ each result to its job's queue; `AsyncJob` is an async iterator over one job's r
 
 Steps run in a thread (`asyncio.to_thread`), so the event loop stays responsive while the device works. The
 generator's lock serialises `iterate()` with `enqueue()`/`cancel()` from the loop, so a job submitted or cancelled
-mid-step takes effect at the next step. An exception inside a step is delivered to every waiting job.
+mid-step takes effect at the next step.
+
+Errors reach only the stream they belong to. A job that fails on its own ends with its final result
+(`eos_reason="error"`, `error`), like any other final result. If a whole step fails (`StepError`: nothing was lost
+and no job advanced), it is retried; after `max_step_retries` consecutive failures the jobs that were running raise
+the error from their iterators and are cancelled, and the other jobs (pending, or submitted later) go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+from paged.errors import StepError
 from paged.generator import DynamicGenerator
 from paged.job import Job
 
@@ -56,35 +62,45 @@ class AsyncJob:
 
 
 class AsyncDynamicGenerator:
-    def __init__(self, generator: DynamicGenerator):
+    def __init__(self, generator: DynamicGenerator, max_step_retries: int = 2):
         self.generator = generator
+        self.max_step_retries = max_step_retries
         self._jobs: dict[Job, AsyncJob] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     def submit(self, job: Job) -> AsyncJob:
         """Enqueue `job` (validation errors raise here) and return its async result iterator."""
-        ajob = AsyncJob(self, job)
-        self.generator.enqueue(job)
-        self._jobs[job] = ajob
+        return self.register(AsyncJob(self, job))
+
+    def register(self, ajob: AsyncJob) -> AsyncJob:
+        """Enqueue `ajob.job` and route its results to `ajob` (must be called from the event loop's thread)."""
+        self.generator.enqueue(ajob.job)
+        self._jobs[ajob.job] = ajob
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
         return ajob
 
     async def _run(self) -> None:
+        failures = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self.generator.num_remaining_jobs():
                 try:
                     results = await asyncio.to_thread(self.generator.iterate)
-                except Exception as e:  # deliver to everyone waiting, then stop serving those jobs
-                    for ajob in self._jobs.values():
-                        ajob.queue.put_nowait(e)
-                    self._jobs.clear()
-                    self.generator.clear_queue()
-                    break
+                    failures = 0
+                except StepError as e:
+                    failures += 1
+                    if failures > self.max_step_retries:  # persistent: end the jobs that were running, keep serving
+                        failures = 0
+                        for job in list(self.generator.active):
+                            self.generator.cancel(job)
+                            ajob = self._jobs.pop(job, None)
+                            if ajob is not None:
+                                ajob.queue.put_nowait(e)
+                    continue
                 for r in results:
                     ajob = self._jobs.get(r["job"])
                     if ajob is None:

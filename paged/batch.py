@@ -46,7 +46,6 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int) -> 
     query_lens = np.zeros(s_count, np.int32)
     kv_lens = np.zeros(s_count, np.int32)
     page_table = np.full((s_count, p), NULL_PAGE, np.int32)
-    do_sample = np.zeros(s_count, bool)
     history = np.full((s_count, shape.history_len), -1, np.int32)
     bias_ids = np.full((s_count, shape.num_bias), -1, np.int32)
     bias_values = np.zeros((s_count, shape.num_bias), np.float32)
@@ -73,7 +72,6 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int) -> 
         if need > p:
             raise ValueError(f"row {i} needs {need} pages, more than the bucket's {p}")
         page_table[s, : min(len(r.pages), p)] = list(r.pages)[:p]
-        do_sample[s] = r.sample
         if shape.history_len and len(r.history):
             h = list(r.history)[-shape.history_len :]
             history[s, shape.history_len - len(h) :] = h
@@ -91,7 +89,6 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int) -> 
         query_lens=jnp.asarray(query_lens),
         kv_lens=jnp.asarray(kv_lens),
         page_table=jnp.asarray(page_table),
-        do_sample=jnp.asarray(do_sample),
         sampling=SamplingParams.make(sampling_rows),
         history=jnp.asarray(history),
         bias_ids=jnp.asarray(bias_ids),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from paged.config import EngineConfig
 from paged.state import BatchShape
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 
@@ -20,6 +21,11 @@ def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
         x *= factor
     out.append(hi)
     return tuple(sorted(set(out)))
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0): the bucket of a count that is padded up."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,16 @@ class BucketSpec:
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_chunk_size < 1 or self.max_pages_per_row < 1:
             raise ValueError(f"BucketSpec needs positive sizes, got {self}")
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> BucketSpec:
+        """The buckets of a resolved `EngineConfig`."""
+        return cls(
+            max_batch_size=config.max_batch_size, max_chunk_size=config.max_chunk_size,
+            max_pages_per_row=config.max_pages_per_row, max_prefill_rows=config.max_prefill_rows,
+            page_size=config.page_size,
+            history_buckets=(0, config.max_penalty_range) if config.max_penalty_range > 0 else (0,),
+        )
 
     @property
     def decode_rows(self) -> tuple[int, ...]:

@@ -13,15 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.linear import MATMUL_IMPLS
 from models.loader import DTYPES, Model
 from paged.batch import RowInput, build_batch
-from paged.buckets import BucketSpec
+from paged.buckets import BucketSpec, next_pow2
+from paged.config import EngineConfig
+from paged.engine_api import StepOutput
+from paged.errors import InvalidConfigError
 from paged.state import BatchShape, EngineState
-from paged.step import ATTN_IMPLS, step
 from paged.step import decode_steps as multi_step
+from paged.step import step
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
+MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
 
 
 def enable_compilation_cache(path: str | os.PathLike) -> None:
@@ -32,65 +35,55 @@ def enable_compilation_cache(path: str | os.PathLike) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-@dataclasses.dataclass
-class StepOutput:
-    """Host copy of one step's results, indexed by input row (not by batch slot)."""
-
-    token: np.ndarray  # [n] int32
-    logprob: np.ndarray  # [n] float32
-    top_ids: np.ndarray  # [n, K]
-    top_logprobs: np.ndarray  # [n, K]
-    logits: np.ndarray | None  # [n, V]
-    shape: BatchShape
-    seconds: float
-
-
 class Engine:
+    """Implements `paged.engine_api.EngineProtocol` with the jitted step."""
+
     def __init__(
         self,
         model: Model,
+        config: EngineConfig | None = None,
         *,
-        num_pages: int = 512,
-        page_size: int = 64,
-        max_batch_size: int = 16,
-        max_chunk_size: int = 256,
-        max_seq_len: int = 2048,
-        max_prefill_rows: int = 2,
-        max_penalty_range: int = 1024,
-        cache_dtype: str = "float32",
-        attn_impl: str = "auto",
-        matmul_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
+        **settings,
     ):
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl {attn_impl!r} is not one of {ATTN_IMPLS}")
-        if matmul_impl not in MATMUL_IMPLS:
-            raise ValueError(f"matmul_impl {matmul_impl!r} is not one of {MATMUL_IMPLS}")
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype {cache_dtype!r} is not one of {tuple(CACHE_DTYPES)}")
-        if max_seq_len < 1 or max_chunk_size < 1 or max_batch_size < 1:
-            raise ValueError("max_seq_len, max_chunk_size and max_batch_size must be positive")
-        if compilation_cache_dir is not None:
-            enable_compilation_cache(compilation_cache_dir)
+        """`config` (an `EngineConfig`), or its fields as keywords (`Engine(model, num_pages=64, page_size=16)`);
+        model-dependent defaults are resolved against the model's config."""
+        if config is None:
+            config = EngineConfig.from_kwargs(**settings)
+        elif settings:
+            raise InvalidConfigError(f"pass either config= or engine settings, not both (got {sorted(settings)})")
+        if config.page_size < MIN_PAGE_SIZE:
+            raise InvalidConfigError(f"Engine: page_size must be a power of two >= {MIN_PAGE_SIZE}, got "
+                                     f"{config.page_size}")
         self.model = model
         self.cfg = model.config
-        self.page_size = page_size
+        self.config = config.resolve(model.config.max_position_embeddings)
+        if compilation_cache_dir is not None:
+            enable_compilation_cache(compilation_cache_dir)
         self.vocab_size = self.cfg.vocab_size
-        self.max_seq_len = max_seq_len
-        self.attn_impl = attn_impl
-        self.matmul_impl = matmul_impl
-        self.state = EngineState.create(self.cfg, num_pages, page_size, CACHE_DTYPES[cache_dtype])
-        self.spec = BucketSpec(
-            max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
-            max_pages_per_row=-(-max_seq_len // page_size), max_prefill_rows=max_prefill_rows, page_size=page_size,
-            history_buckets=(0, max_penalty_range) if max_penalty_range > 0 else (0,),
-        )
-        self.steps = 0
-        self.tokens_processed = 0
+        self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
+                                        CACHE_DTYPES[self.config.cache_dtype])
+        self.spec = BucketSpec.from_config(self.config)
         # Where the wall time of `run` goes (seconds, cumulative): padding the rows into a batch on the host,
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def attn_impl(self) -> str:
+        return self.config.attn_impl
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.config.matmul_impl
 
     @property
     def num_pages(self) -> int:
@@ -103,7 +96,7 @@ class Engine:
             [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
         )
         bias = max((len(r.bias) for r in rows if r.bias), default=0)
-        return dataclasses.replace(shape, num_bias=1 << (bias - 1).bit_length()) if bias else shape
+        return dataclasses.replace(shape, num_bias=next_pow2(bias)) if bias else shape
 
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1
@@ -130,8 +123,6 @@ class Engine:
         self.timings["build_s"] += t0 - t_build
         self.timings["dispatch_s"] += t_dispatched - t0
         self.timings["wait_s"] += t_done - t_dispatched
-        self.steps += num_steps
-        self.tokens_processed += sum(len(r.tokens) for r in rows) if num_steps == 1 else num_steps * len(rows)
         idx = np.asarray(slots)
         pick = (lambda a: a[idx]) if num_steps == 1 else (lambda a: a[:, idx])  # results are [S] or [n, S]
         return StepOutput(

@@ -1,5 +1,13 @@
-"""Named exceptions of the generator. Each is raised at `Job()`/`enqueue()` time, before the job touches the
-generator, so a rejected job never disturbs the jobs already running."""
+"""Named exceptions of the generator.
+
+Every argument is checked before it touches the generator (`Job()`, `SamplingSettings()`, `enqueue()`, the
+generator's constructor), so a rejected job never disturbs the jobs already running. Each error subclasses
+`ValueError`, so existing `except ValueError` code keeps working; the `*TypeError` variants, raised when an argument
+has the wrong type, also subclass `TypeError`. Messages name the argument, the value received and what is allowed.
+
+Failures that validation cannot foresee and that belong to one job (a text-decoding error, a failing callback) do
+not raise: they end that job alone with a final result whose `eos_reason` is `"error"` (see `paged.generator`).
+"""
 
 
 class GeneratorError(Exception):
@@ -7,12 +15,42 @@ class GeneratorError(Exception):
 
 
 class InvalidSettingsError(GeneratorError, ValueError):
-    """A sampling setting is out of range (e.g. negative temperature, top_p outside (0, 1])."""
+    """A sampling setting is out of range or of the wrong kind (e.g. negative temperature, top_p outside (0, 1])."""
+
+
+class InvalidSettingsTypeError(InvalidSettingsError, TypeError):
+    """A sampling setting has the wrong type (e.g. a string temperature, a float top_k)."""
 
 
 class InvalidJobError(GeneratorError, ValueError):
     """A job's inputs are malformed: empty prompt, non-integer or out-of-vocabulary ids, bad stop conditions, ..."""
 
 
+class InvalidJobTypeError(InvalidJobError, TypeError):
+    """A job argument has the wrong type (e.g. `stop_conditions=7`, `max_new_tokens="10"`)."""
+
+
 class JobTooLargeError(GeneratorError, ValueError):
     """The job can never fit: prompt + max_new_tokens exceeds max_seq_len, or needs more pages than the cache has."""
+
+
+class InvalidConfigError(GeneratorError, ValueError):
+    """An engine or generator setting is invalid (e.g. `max_prefill_rows=0`, a model given as a string)."""
+
+
+class InvalidConfigTypeError(InvalidConfigError, TypeError):
+    """An engine or generator setting has the wrong type (e.g. `max_batch_size=2.5`)."""
+
+
+class StepError(GeneratorError, RuntimeError):
+    """The device step itself failed; the generator is still usable and no results were lost (see `iterate()`)."""
+
+
+class JobFailure(GeneratorError, RuntimeError):
+    """A failure that belongs to one job while it runs (every token banned at a position, a text-decoding error, ...).
+    Never raised to the caller: the generator ends that job alone with a final result whose `eos_reason` is
+    `"error"` and whose `error` says what happened."""
+
+
+class UnsupportedFeatureError(GeneratorError, NotImplementedError):
+    """A setting or input that ExLlamaV2 has and this project does not implement (yet); never silently ignored."""

@@ -1,14 +1,20 @@
-"""`DynamicGenerator`: the thin host loop. Each `iterate()` admits jobs (policy), plans one ragged step of prefill
-chunks and decode rows, runs it on the engine, and turns the sampled tokens into streamed result dicts.
+"""`DynamicGenerator`: the thin host loop. Each `iterate()` admits jobs (`Scheduler` + `Policy`), plans one ragged
+step of prefill chunks and decode rows, runs it on the engine, and turns the sampled tokens into streamed result
+dicts (`JobOutput`).
 
-The device work is one call to `engine.run`; everything here is bookkeeping on Python ints. Any object with the
-`Engine` interface (`page_size`, `num_pages`, `max_seq_len`, `spec`, `run(rows, ...)`, `warmup()`) can stand in
-for the engine, which is how the scheduler is tested with a hand-checkable fake model.
+The device work is one call to `engine.run`; everything here is bookkeeping on Python ints. The engine is anything
+that implements `paged.engine_api.EngineProtocol`, which is how the scheduler is tested with a hand-checkable fake
+model.
+
+Faults stay where they belong. Arguments are validated before a job touches the generator (`enqueue` is atomic).
+A failure that belongs to one job while it runs ends that job alone: its pages are released and its final result
+has `eos_reason="error"` and an `error` message; the other jobs go on. If the step as a whole fails (the engine
+raises), `iterate()` raises `StepError`, the results produced earlier in that call are returned by the next call,
+no job has advanced, and the generator stays usable.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import threading
@@ -18,19 +24,29 @@ from typing import Any
 
 import numpy as np
 
-from paged.batch import RowInput
-from paged.errors import InvalidJobError, JobTooLargeError
+from paged.buckets import next_pow2
+from paged.config import EngineConfig
+from paged.engine_api import EngineProtocol
+from paged.errors import (
+    InvalidConfigError,
+    InvalidConfigTypeError,
+    InvalidJobError,
+    InvalidJobTypeError,
+    JobFailure,
+    JobTooLargeError,
+    StepError,
+    UnsupportedFeatureError,
+)
 from paged.job import Job
-from paged.page_pool import PagePool, chain_hashes
+from paged.job_output import JobOutput
+from paged.page_pool import PagePool
 from paged.policy import Policy, make_policy
+from paged.scheduler import Scheduler
 from paged.settings import SamplingSettings
 from paged.streaming import TextStream
 
-HEALING_BOOST = 1e4
-
-
-def _pow2(n: int) -> int:
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+# Settings that belong to the engine (they shape the cache and the compiled buckets) rather than to the host loop.
+_HOST_SETTINGS = ("decode_steps",)
 
 
 class _StepView:
@@ -52,58 +68,72 @@ class DynamicGenerator:
         tokenizer: Any = None,
         *,
         num_pages: int | None = None,
-        page_size: int = 64,
-        max_batch_size: int = 16,
-        max_chunk_size: int = 256,
+        page_size: int | None = None,
+        max_batch_size: int | None = None,
+        max_chunk_size: int | None = None,
         max_seq_len: int | None = None,
-        max_prefill_rows: int = 1,
-        max_penalty_range: int = 1024,
+        max_prefill_rows: int | None = None,
+        max_penalty_range: int | None = None,
+        decode_steps: int | None = None,
+        cache_dtype: str | None = None,
+        attn_impl: str | None = None,
+        matmul_impl: str | None = None,
         policy: str | Policy = "exllamav2",
-        decode_steps: int = 1,
-        cache_dtype: str = "float32",
-        attn_impl: str = "auto",
-        matmul_impl: str = "auto",
         compilation_cache_dir: str | os.PathLike | None = None,
-        engine: Any = None,
+        config: EngineConfig | None = None,
+        engine: EngineProtocol | None = None,
     ):
-        """model: a `models.Model`; tokenizer: None -> model.tokenizer. num_pages: KV-cache pages (page 0 is
-        reserved), default enough for max_batch_size sequences of max_seq_len. engine: an Engine-like object to use
-        instead of building one (tests). decode_steps: when every active job is decoding, no admission is waiting and
-        no job needs token-by-token control (banned strings, min_new_tokens still pending, logits), run this many
-        decode steps in one device call (`paged.step.decode_steps`): fewer dispatches and host round trips per token,
-        results delivered in bursts of `decode_steps` tokens per `iterate()`. Tokens past a job's end are discarded.
-        1 (default) = one token per iterate, as ExLlamaV2."""
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        """model: a `models.Model`; tokenizer: None -> model.tokenizer.
+
+        Engine settings (see `paged.config.EngineConfig` for each one's meaning, default and range) come from
+        `config`, overridden by any keyword given here; None means "the default". `engine`: an object implementing
+        `EngineProtocol` to use instead of building one (tests, simulators); its own config then applies, and only
+        the host-loop setting `decode_steps` may still be given here.
+        """
+        given = {k: v for k, v in dict(
+            num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
+            max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
+            decode_steps=decode_steps, cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
+        ).items() if v is not None}
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidConfigTypeError(f"DynamicGenerator: config must be a paged.EngineConfig, got "
+                                         f"{type(config).__name__}")
         if engine is None:
-            if model is None:
-                raise ValueError("DynamicGenerator needs a model (or an engine)")
+            _check_model(model)
+            base = config if config is not None else EngineConfig()
+            cfg = EngineConfig.from_kwargs(**{**base.to_dict(), **given})
             from paged.engine import Engine
 
-            if max_seq_len is None:
-                max_seq_len = min(model.config.max_position_embeddings, 2048)
-            if num_pages is None:
-                num_pages = 1 + max_batch_size * -(-max_seq_len // page_size)
-            engine = Engine(model, num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
-                            max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
-                            max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
-                            cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
-                            compilation_cache_dir=compilation_cache_dir)
+            engine = Engine(model, cfg, compilation_cache_dir=compilation_cache_dir)
+        else:
+            if not isinstance(engine, EngineProtocol):
+                missing = [m for m in ("config", "spec", "vocab_size", "timings", "run", "warmup")
+                           if not hasattr(engine, m)]
+                raise InvalidConfigTypeError(f"DynamicGenerator: engine {type(engine).__name__} does not implement "
+                                             f"paged.engine_api.EngineProtocol (missing: {', '.join(missing)})")
+            clash = sorted(set(given) - set(_HOST_SETTINGS)) + (["config"] if config is not None else [])
+            if clash:
+                raise InvalidConfigError(f"DynamicGenerator: {clash} configure the engine; with engine= given, set "
+                                         "them on the engine instead")
         self.engine = engine
+        self.config: EngineConfig = EngineConfig.from_kwargs(
+            **{**engine.config.to_dict(), **{k: v for k, v in given.items() if k in _HOST_SETTINGS}})
+        if model is not None and tokenizer is None:
+            tokenizer = getattr(model, "tokenizer", None)
+        _check_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
         self.vocab_size = engine.vocab_size
-        self.page_size = engine.page_size
-        self.max_seq_len = engine.max_seq_len
-        self.max_batch_size = engine.spec.max_batch_size
-        self.max_chunk_size = engine.spec.max_chunk_size
-        self.max_prefill_rows = engine.spec.max_prefill_rows
-        self.max_penalty_range = max(engine.spec.history_buckets)
-        if not isinstance(decode_steps, int) or decode_steps < 1:
-            raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
-        self.decode_steps = decode_steps
-        self.pool = PagePool(engine.num_pages, self.page_size)
+        self.page_size = self.config.page_size
+        self.max_seq_len = self.config.max_seq_len
+        self.max_batch_size = self.config.max_batch_size
+        self.decode_steps = self.config.decode_steps
         self.policy = make_policy(policy)
+        self.pool = PagePool(self.config.num_pages, self.page_size)
+        self.scheduler = Scheduler(self.config, self.pool, self.policy, self.vocab_size)
+        self.output = JobOutput(self.pool, self.page_size, self._piece)
         self.pending: list[Job] = []
         self.active: list[Job] = []
-        self._stash: list[dict] = []  # results of other callers' jobs seen inside generate()
+        self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
         self._vocab_bytes: list[bytes] | None = None
@@ -112,6 +142,8 @@ class DynamicGenerator:
         self.tokens_prefilled = 0
         self.tokens_generated = 0
         self.jobs_completed = 0
+        self.jobs_failed = 0
+        self.steps_failed = 0
         # host-loop profile (seconds, cumulative): admission + planning, the engine call, turning samples into results
         self.timings = {"schedule_s": 0.0, "engine_s": 0.0, "results_s": 0.0}
 
@@ -121,60 +153,89 @@ class DynamicGenerator:
         return len(self.pending) + len(self.active) + sum(1 for r in self._stash if r["eos"])
 
     def enqueue(self, job: Job | Sequence[Job]) -> int | list[int]:
-        """Queue a job (or a list of jobs); returns its serial (or serials). Raises before changing anything if a
-        job is invalid or can never fit."""
-        if isinstance(job, (list, tuple)):
-            for j in job:
-                self._validate(j)
-            return [self.enqueue(j) for j in job]
+        """Queue a job (or a list of jobs); returns its serial (or serials). Atomic: every job is checked (and its
+        text stream prepared) before any is queued, so on an error nothing was queued."""
+        single = not isinstance(job, (list, tuple))
+        jobs = [job] if single else list(job)
         with self.lock:
-            self._validate(job)
-            self._serial += 1
-            job.mark_enqueued(self._serial)
-            if job.seed is None:
-                job.seed = self._rng.getrandbits(32)
-            job.stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
-            if job.token_healing and job.prompt_len > 1:
-                self._setup_healing(job)
-            self.pending.append(job)
-            return job.serial
+            seen: set[int] = set()
+            for j in jobs:
+                self._validate(j)
+                if id(j) in seen:
+                    raise InvalidJobError(f"enqueue(): {j!r} appears twice in the list; create one Job per request")
+                seen.add(id(j))
+            prepared = [self._prepare(j) for j in jobs]
+            serials = [self._commit(j, p) for j, p in zip(jobs, prepared)]
+        return serials[0] if single else serials
 
     def _validate(self, job: Job) -> None:
+        """Everything about the job that depends on this generator (vocabulary, tokenizer, sizes)."""
         if not isinstance(job, Job):
-            raise InvalidJobError(f"enqueue() takes Job objects, got {type(job).__name__}")
+            raise InvalidJobTypeError(f"enqueue() takes paged.Job objects (or a list of them), got "
+                                      f"{type(job).__name__}")
         if job.serial is not None:
             raise InvalidJobError(f"{job!r} was already enqueued; create a new Job")
-        bad = [t for t in job.input_ids if t >= self.vocab_size]
+        v = self.vocab_size
+        bad = [t for t in job.input_ids if t >= v]
         if bad:
-            raise InvalidJobError(f"input_ids contain ids >= vocab size {self.vocab_size}: {bad[:5]}")
-        bad = [t for t in job.stop_tokens if not 0 <= t < self.vocab_size]
+            raise InvalidJobError(f"Job: input_ids contain ids >= the vocabulary size {v}: {bad[:5]}")
+        bad = [t for t in job.stop_tokens if t >= v]
         if bad:
-            raise InvalidJobError(f"stop token ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}")
+            raise InvalidJobError(f"Job: stop token ids outside the vocabulary (size {v}): {bad[:5]}")
+        if job.return_top_tokens > v:
+            raise InvalidJobError(f"Job: return_top_tokens must be an int in [0, vocabulary size {v}], got "
+                                  f"{job.return_top_tokens}")
+        job.gen_settings.check_vocab(v)
+        banned = {t for t, b in job.gen_settings.bias().items() if b == -float("inf")}
+        if len(banned) >= v:
+            raise InvalidJobError(f"Job: gen_settings ban every token of the vocabulary ({v}); nothing could be "
+                                  "sampled. Allow at least one token")
+        if job.min_new_tokens and len(banned | job.stop_tokens) >= v:
+            raise InvalidJobError(f"Job: with min_new_tokens={job.min_new_tokens} the stop tokens are banned too, and "
+                                  "together with gen_settings' bans that is every token; allow at least one token")
         if (job.stop_strings or job.banned_strings or job.token_healing) and self.tokenizer is None:
-            raise InvalidJobError("stop strings, banned strings and token healing need a tokenizer; pass tokenizer=")
+            raise InvalidJobError("Job: stop strings, banned strings and token healing need a tokenizer; pass "
+                                  "tokenizer= to the generator")
         if job.total_len > self.max_seq_len:
             raise JobTooLargeError(
                 f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
                 f"max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens or raise max_seq_len")
-        need = -(-job.total_len // self.page_size)
+        need = self.scheduler.pages_for(job)
         if need > self.pool.num_pages:
             raise JobTooLargeError(
                 f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
                 "raise num_pages or lower max_new_tokens")
 
-    def _setup_healing(self, job: Job) -> None:
-        """Drop the last prompt token; the first sample must start with its text (and that text is not repeated
-        in the output)."""
-        last = job.input_ids[-1]
-        prefix = self.tokenizer.token_bytes(last)
-        if self._vocab_bytes is None:
-            self._vocab_bytes = [self.tokenizer.token_bytes(i) for i in range(self.vocab_size)]
-        special = getattr(self.tokenizer, "special_token_ids", frozenset())
-        job.healing_allowed = [i for i, b in enumerate(self._vocab_bytes)
-                               if b.startswith(prefix) and b and i not in special]
-        job.input_ids = job.input_ids[:-1]
-        job.sequence = list(job.input_ids)
-        job.stream.strip_prefix = prefix.decode("utf-8", errors="replace")
+    def _prepare(self, job: Job) -> tuple[TextStream, list[int] | None]:
+        """The job's text stream and token-healing allowed set, built without changing the job or the generator."""
+        try:
+            stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
+            healing = None
+            if job.token_healing and job.prompt_len > 1:
+                prefix = self.tokenizer.token_bytes(job.input_ids[-1])
+                if self._vocab_bytes is None:
+                    self._vocab_bytes = [self.tokenizer.token_bytes(i) for i in range(self.vocab_size)]
+                special = getattr(self.tokenizer, "special_token_ids", frozenset())
+                healing = [i for i, b in enumerate(self._vocab_bytes)
+                           if b.startswith(prefix) and b and i not in special]
+                stream.strip_prefix = prefix.decode("utf-8", errors="replace")
+        except Exception as e:  # noqa: BLE001 (a tokenizer failing on this job's ids)
+            raise InvalidJobError(f"{job!r}: preparing its text stream failed: {type(e).__name__}: {e}") from e
+        return stream, healing
+
+    def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None]) -> int:
+        stream, healing = prepared
+        self._serial += 1
+        job.mark_enqueued(self._serial)
+        if job.seed is None:
+            job.seed = self._rng.getrandbits(32)
+        job.stream = stream
+        if healing is not None:  # drop the last prompt token; the first sample must start with its text
+            job.healing_allowed = healing
+            job.input_ids = job.input_ids[:-1]
+            job.sequence = list(job.input_ids)
+        self.pending.append(job)
+        return job.serial
 
     def _token_bytes(self, job: Job):
         tok = self.tokenizer
@@ -204,258 +265,103 @@ class DynamicGenerator:
         self.pool.release(job.pages)
         job.pages = []
 
-    # ------------------------------------------------------------------ admission
-    def _prefix(self, job: Job) -> tuple[list[bytes], list[tuple[int, ...]]]:
-        n = (job.prompt_len - 1) // self.page_size  # the last prompt token always runs (it samples)
-        ps = self.page_size
-        toks = [tuple(job.input_ids[i * ps : (i + 1) * ps]) for i in range(n)]
-        return chain_hashes(job.input_ids, ps, n), toks
-
-    def _admit(self, results: list[dict]) -> None:
-        def fits(job: Job) -> bool:
-            if len(self.active) >= self.max_batch_size:
-                return False
-            hashes, toks = self._prefix(job)
-            return self.pool.pages_needed(hashes, toks, -(-job.total_len // self.page_size)) <= self.pool.available
-
-        def start(job: Job) -> None:
-            hashes, toks = self._prefix(job)
-            job.pages, complete = self.pool.allocate(hashes, toks, -(-job.total_len // self.page_size))
-            job.page_hashes = hashes
-            job.kv_position = job.cached_tokens = complete * self.page_size
+    def _fail(self, job: Job, exc: BaseException, now: float) -> dict:
+        """End `job` alone after a failure of its own; returns its final `eos_reason="error"` result."""
+        if job in self.active:
+            self._retire(job)
+        elif job in self.pending:
             self.pending.remove(job)
-            self.active.append(job)
-            results.append(self._base(job, "started"))
-
-        if self.pending and len(self.active) < self.max_batch_size:
-            self.policy.admit(list(self.pending), fits, start)
+        self.jobs_failed += 1
+        return self.output.error(job, exc, now)
 
     # ------------------------------------------------------------------ stepping
-    def _skip_complete_pages(self, job: Job) -> None:
-        """Advance over pages another job has finished writing since (shared prefix pages)."""
-        ps = self.page_size
-        while job.kv_position % ps == 0 and job.kv_position + ps <= len(job.sequence) - 1:
-            page = self.pool.pages[job.pages[job.kv_position // ps]]
-            if page.filled < ps:
-                break
-            job.kv_position += ps
-            job.cached_tokens = max(job.cached_tokens, job.kv_position)
-
-    def _row(self, job: Job, tokens: list[int], sample: bool) -> RowInput:
-        s = job.gen_settings
-        bias = s.bias()
-        if job.new_tokens < job.min_new_tokens:
-            bias.update({t: -math.inf for t in job.stop_tokens})
-        sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
-        if job.new_tokens == 0 and job.healing_allowed:
-            # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
-            bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
-        bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
-        end = job.kv_position + len(tokens)
-        window = min(s.penalty_range, self.max_penalty_range)
-        history = job.sequence[max(0, end - window) : end] if s.uses_penalties and window else ()
-        return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
-                        sampling=s.device_row(job.seed), history=history, bias=bias)
-
-    def _plan(self) -> tuple[list[RowInput], list[Job]]:
-        rows, owners = [], []
-        prefill_rows = 0
-        budget = self.max_chunk_size
-        for job in self.active:
-            self._skip_complete_pages(job)
-            remaining = len(job.sequence) - job.kv_position
-            if remaining == 1:
-                rows.append(self._row(job, [job.sequence[-1]], True))
-            else:
-                if prefill_rows >= self.max_prefill_rows or budget <= 0:
-                    continue  # waits for a later step
-                n = min(remaining, budget)
-                # stop before a page that is complete already (being shared): it is skipped next step
-                ps = self.page_size
-                end = job.kv_position + n
-                for p in range(-(-job.kv_position // ps), -(-end // ps)):
-                    if p * ps > job.kv_position and self.pool.pages[job.pages[p]].filled == ps and p * ps < end:
-                        end = p * ps
-                        break
-                n = end - job.kv_position  # a 1-token chunk rides in a decode slot, without sampling
-                prefill_rows += n > 1
-                budget -= n
-                rows.append(self._row(job, job.sequence[job.kv_position : end], end == len(job.sequence)))
-            owners.append(job)
-        return rows, owners
-
     def iterate(self) -> list[dict]:
-        """Run one step; return the result dicts it produced (possibly none)."""
+        """Run one step; return the result dicts it produced (possibly none).
+
+        Raises `StepError` if the step as a whole failed; nothing is lost then (see the module docstring)."""
         with self.lock:
             t0 = time.perf_counter()
             results: list[dict] = self._stash
             self._stash = []
-            self._admit(results)
-            rows, owners = self._plan()
-            if not rows:
-                self.timings["schedule_s"] += time.perf_counter() - t0
-                return results
-            top_k = _pow2(max((j.return_top_tokens for j in owners), default=0))
-            want_logits = any(j.return_logits for j in owners)
-            k = self._burst(rows, owners, want_logits)
-            t1 = time.perf_counter()
-            out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
-            self.steps += k
-            now = time.perf_counter()
-            self.timings["schedule_s"] += t1 - t0
-            self.timings["engine_s"] += now - t1
             try:
-                if k == 1:
-                    self._collect(rows, owners, out, now, results)
-                else:  # step i's tokens are fed as if they came from single steps, skipping jobs that ended
-                    live = [(r, j, i) for i, (r, j) in enumerate(zip(rows, owners))]
-                    for i in range(k):
-                        live = [(r, j, c) for r, j, c in live if j in self.active]
-                        self._collect([r for r, _, _ in live], [j for _, j, _ in live], _StepView(out, i,
-                                      [c for _, _, c in live]), now, results)
-            finally:
-                self.timings["results_s"] += time.perf_counter() - now
+                return self._step(results, t0)
+            except Exception as e:
+                self._stash = results + self._stash  # handed out by the next call
+                self.steps_failed += 1
+                raise StepError(f"the step failed and no job advanced ({type(e).__name__}: {e}); results produced "
+                                "so far are kept for the next iterate(), and the generator is still usable") from e
+
+    def _step(self, results: list[dict], t0: float) -> list[dict]:
+        self.scheduler.admit(self.pending, self.active, lambda job: results.append(self.output.base(job, "started")))
+        rows, owners, failed = self.scheduler.plan(self.active)
+        for job, e in failed:
+            results.append(self._fail(job, e, time.perf_counter()))
+        if not rows:
+            self.timings["schedule_s"] += time.perf_counter() - t0
             return results
+        top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
+        want_logits = any(j.return_logits for j in owners)
+        waiting = bool(self.pending) and len(self.active) < self.max_batch_size
+        k = self.scheduler.burst(rows, owners, want_logits, waiting)
+        t1 = time.perf_counter()
+        out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
+        self.steps += k
+        now = time.perf_counter()
+        self.timings["schedule_s"] += t1 - t0
+        self.timings["engine_s"] += now - t1
+        try:
+            if k == 1:
+                self._collect(rows, owners, out, now, results)
+            else:  # step i's tokens are fed as if they came from single steps, skipping jobs that ended
+                live = [(r, j, i) for i, (r, j) in enumerate(zip(rows, owners))]
+                for i in range(k):
+                    live = [(r, j, c) for r, j, c in live if j in self.active]
+                    self._collect([r for r, _, _ in live], [j for _, j, _ in live],
+                                  _StepView(out, i, [c for _, _, c in live]), now, results)
+        finally:
+            self.timings["results_s"] += time.perf_counter() - now
+        return results
 
-    def _burst(self, rows: list[RowInput], owners: list[Job], want_logits: bool) -> int:
-        """Decode steps for this engine call: `decode_steps` when it is safe to run them blind, else 1.
-
-        A burst may run past a job's `max_new_tokens` (the extra tokens are discarded), so short remainders do not
-        need the single-step variant; it must stay inside the job's own pages, whose slots past its last consumed
-        position are never hashed or shared, so the extra KV writes touch nothing else."""
-        k = self.decode_steps
-        if k == 1 or want_logits or (self.pending and len(self.active) < self.max_batch_size):
-            return 1
-        for row, job in zip(rows, owners):
-            if (len(row.tokens) != 1 or not row.sample or job.banned_strings or job.explored
-                    or job.new_tokens < job.min_new_tokens or job.kv_position + k > len(job.pages) * self.page_size
-                    or (job.healing_allowed and job.new_tokens == 0)):
-                return 1
-            s = job.gen_settings
-            if s.uses_penalties:  # decode_steps slides the history bucket; exact when that is the job's window
-                window = min(s.penalty_range, self.max_penalty_range)
-                if window < self.max_penalty_range and job.kv_position + k > window:
-                    return 1
-        return k
-
-    def _collect(self, rows: list[RowInput], owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
-        """Advance each row's job by the step's output and append its result dicts."""
+    def _collect(self, rows: list, owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
+        """Advance each row's job by the step's output and append its result dicts. A failure while handling one
+        job's output ends that job alone."""
         for i, (row, job) in enumerate(zip(rows, owners)):
-            n = len(row.tokens)
-            if job.time_first_prefill is None:
-                job.time_first_prefill = now - out.seconds
-            job.kv_position += n
-            self._mark_written(job, n)
-            if not row.sample:
-                self.tokens_prefilled += n
-                results.append({**self._base(job, "prefill"), "curr_progress": job.kv_position,
-                                "max_progress": job.prompt_len})
-                continue
-            if n > 1:
-                self.tokens_prefilled += n
-            extras = {}
-            if job.return_probs:
-                extras["token_probs"] = float(np.exp(out.logprob[i]))
-            if job.return_top_tokens:
-                k = job.return_top_tokens
-                extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
-                extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
-            if job.return_logits:
-                extras["logits"] = out.logits[i]
-            results.append(self._receive(job, int(out.token[i]), extras, now))
+            try:
+                self._collect_one(i, row, job, out, now, results)
+            except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
+                results.append(self._fail(job, e, now))
 
-    def _mark_written(self, job: Job, n: int) -> None:
-        ps = self.page_size
-        kv = job.kv_position
-        for p in range((kv - n) // ps, -(-kv // ps)):
-            self.pool.mark_filled(job.pages[p], kv - p * ps)
-        self._hash_pages(job, min(kv, len(job.sequence) - len(job.stream.held)))
-
-    def _hash_pages(self, job: Job, limit: int) -> None:
-        """Hash and register the job's pages complete below `limit` (prompt tail, generated text) for reuse.
-        Tokens still held by the stream may be rewound by a banned string, so their pages wait."""
-        ps = self.page_size
-        while (len(job.page_hashes) + 1) * ps <= limit:
-            p = len(job.page_hashes)
-            prev = job.page_hashes[-1] if job.page_hashes else b""
-            toks = tuple(job.sequence[p * ps : (p + 1) * ps])
-            h = chain_hashes(toks, ps, 1, prev)[0]
-            self.pool.register(job.pages[p], h, prev, toks)
-            job.page_hashes.append(h)
-
-    # ------------------------------------------------------------------ results
-    def _base(self, job: Job, stage: str) -> dict:
-        return {"job": job, "stage": stage, "eos": False, "serial": job.serial, "identifier": job.identifier}
-
-    def _receive(self, job: Job, token: int, extras: dict, now: float) -> dict:
-        job.sequence.append(token)
-        job.new_tokens += 1
+    def _collect_one(self, i: int, row: Any, job: Job, out: Any, now: float, results: list[dict]) -> None:
+        n = len(row.tokens)
+        if job.time_first_prefill is None:
+            job.time_first_prefill = now - out.seconds
+        self.output.advance(job, n)
+        if not row.sample:
+            self.tokens_prefilled += n
+            results.append({**self.output.base(job, "prefill"), "curr_progress": job.kv_position,
+                            "max_progress": job.prompt_len})
+            return
+        if n > 1:
+            self.tokens_prefilled += n
+        logprob = float(out.logprob[i])
+        if not np.isfinite(logprob):
+            raise JobFailure(f"the sampler returned token {int(out.token[i])} with log-probability {logprob}: no "
+                             "token was allowed at this position, or the model produced non-finite logits")
+        extras = {}
+        if job.return_probs:
+            extras["token_probs"] = float(np.exp(logprob))
+        if job.return_top_tokens:
+            k = job.return_top_tokens
+            extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
+            extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
+        if job.return_logits:
+            extras["logits"] = out.logits[i]
+        r = self.output.receive(job, int(out.token[i]), extras, now)
         self.tokens_generated += 1
-        if job.time_first_token is None:
-            job.time_first_token = now
-        job.time_last_token = now
-        job.pending_extras.append(extras)
-        r = self._base(job, "streaming")
-        reason = None
-        held = {"text": "", "token_ids": []}
-        if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
-            reason = "stop_token"
-            text, toks = job.stream.flush()  # the stop token's own text is not part of the completion
-            job.pending_extras.pop()
-            held["token_ids"] = [token]
-            r.update(eos_triggering_token_id=token, eos_triggering_token_str=self._piece(token))
-        else:
-            ev = job.stream.feed(token)
-            text, toks = ev.text, ev.tokens
-            if ev.rewind:
-                self._rewind(job, ev.rewind, ev.suppressed_tokens[0])
-                r.update(suppressed_text=ev.suppressed_text, suppressed_tokens=ev.suppressed_tokens,
-                         suppressed_by=ev.banned)
-            elif ev.stopped is not None:
-                reason = "stop_string"
-                r["eos_triggering_string"] = ev.stopped
-                held["text"] = job.stream.held_text
-            elif job.new_tokens >= job.max_new_tokens:
-                reason = "max_new_tokens"
-                more_text, more = job.stream.flush()
-                text, toks = text + more_text, toks + more
-        released = job.pending_extras[: len(toks)]
-        job.pending_extras = job.pending_extras[len(toks):]
-        job.full_completion += text
-        r["text"] = text
-        r["token_ids"] = toks
-        for key in ("token_probs", "top_k_tokens", "top_k_probs", "logits"):
-            if released and key in released[0]:
-                vals = [e[key] for e in released]
-                r[key] = np.stack(vals) if key == "logits" else vals
-        if reason is not None:
-            self._hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
-            r.update(
-                eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
-                prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens,
-                cached_pages=job.cached_tokens // self.page_size,
-                time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
-                time_prefill=job.time_first_token - (job.time_first_prefill or job.time_first_token),
-                time_generate=job.time_last_token - job.time_first_token, held=held,
-            )
+        results.append(r)
+        if r["eos"]:
             self._retire(job)
             self.jobs_completed += 1
-        return r
-
-    def _rewind(self, job: Job, n: int, first: int) -> None:
-        """Take back the job's last `n` tokens (a banned string began at the first of them) and forbid `first`
-        at that position. Their pages were never hashed (hashing waits for released text), so they are the job's
-        own and are simply overwritten."""
-        c = len(job.sequence) - n  # index of the first token taken back
-        del job.sequence[c:]
-        job.new_tokens -= n
-        del job.pending_extras[len(job.pending_extras) - n :]
-        job.explored.setdefault(c, set()).add(first)
-        job.kv_position = min(job.kv_position, c - 1)  # re-feed token c - 1 to sample position c again
-        ps = self.page_size
-        assert len(job.page_hashes) * ps <= c, "a page holding rewound tokens was hashed"
-        for p in range(c // ps, len(job.pages)):  # position c - 1 is re-fed with the same token: keep it
-            self.pool.truncate(job.pages[p], c - p * ps)
 
     def _piece(self, token: int) -> str:
         tok = self.tokenizer
@@ -470,6 +376,7 @@ class DynamicGenerator:
             "prefix_hit_rate": pool.prefix_hits / pool.prefix_queries if pool.prefix_queries else 0.0,
             "steps": self.steps, "tokens_prefilled": self.tokens_prefilled,
             "tokens_generated": self.tokens_generated, "jobs_completed": self.jobs_completed,
+            "jobs_failed": self.jobs_failed, "steps_failed": self.steps_failed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
             **{f"time_{k}": v for k, v in self.timings.items()},
             **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},
@@ -490,7 +397,7 @@ class DynamicGenerator:
         *,
         min_new_tokens: int = 0,
         gen_settings: SamplingSettings | Sequence[SamplingSettings] | None = None,
-        stop_conditions: Sequence[int | str] | None = None,
+        stop_conditions: Sequence[int | str] | int | str | None = None,
         seed: int | None = None,
         completion_only: bool = True,
         add_bos: bool = False,
@@ -498,48 +405,103 @@ class DynamicGenerator:
         decode_special_tokens: bool = False,
         abort_event: threading.Event | None = None,
         return_last_results: bool = False,
+        token_healing: bool = False,
+        banned_strings: Sequence[str] | str | None = None,
     ):
         """Generate completions for one prompt (-> str) or a list (-> list[str]) through the job API. Jobs enqueued
         by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
-        uses seed + i. With `abort_event` set, the jobs are cancelled and None is returned."""
+        uses seed + i. With `abort_event` set, the jobs are cancelled and None is returned. A tuple prompt is a
+        CFG pair (positive, negative) in ExLlamaV2; it raises `UnsupportedFeatureError` until CFG exists. If a job
+        fails while running (`eos_reason="error"`), `JobFailure` is raised once all the prompts are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
-        single = isinstance(prompt, str)
-        prompts = [prompt] if single else list(prompt)
-        settings = gen_settings if isinstance(gen_settings, (list, tuple)) else [gen_settings] * len(prompts)
-        if len(settings) != len(prompts):
-            raise InvalidJobError(f"{len(settings)} gen_settings for {len(prompts)} prompts")
+        single = isinstance(prompt, (str, tuple))
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, (list, Sequence)) or isinstance(prompts, (bytes, str)):
+            raise InvalidJobTypeError(f"generate(): prompt must be a string or a list of strings, got "
+                                      f"{type(prompt).__name__}")
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidJobError("generate(): prompt is an empty list; pass at least one prompt")
+        for i, p in enumerate(prompts):
+            if isinstance(p, tuple):
+                raise UnsupportedFeatureError(
+                    f"generate(): prompt {i} is a tuple, which ExLlamaV2 reads as a CFG pair (positive, negative); "
+                    "classifier-free guidance is not implemented yet. Pass plain strings")
+            if not isinstance(p, str):
+                raise InvalidJobTypeError(f"generate(): prompt {i} must be a string, got {type(p).__name__}")
+        if isinstance(gen_settings, (list, tuple)):
+            settings = list(gen_settings)
+            if len(settings) != len(prompts):
+                raise InvalidJobError(f"generate(): {len(settings)} gen_settings for {len(prompts)} prompts")
+        else:
+            settings = [gen_settings] * len(prompts)
         jobs = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
-            ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+            try:
+                ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+            except (ValueError, TypeError) as e:
+                raise InvalidJobError(f"generate(): prompt {i} cannot be encoded: {e}") from e
+            if not ids:
+                raise InvalidJobError(f"generate(): prompt {i} encodes to no tokens; pass a non-empty prompt or "
+                                      "add_bos=True")
             jobs.append(Job(ids, max_new_tokens, min_new_tokens=min_new_tokens, gen_settings=s,
                             stop_conditions=stop_conditions, seed=None if seed is None else seed + i,
-                            decode_special_tokens=decode_special_tokens, identifier=("generate", i)))
+                            decode_special_tokens=decode_special_tokens, identifier=("generate", i),
+                            token_healing=token_healing, banned_strings=banned_strings))
         self.enqueue(jobs)
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)
         last: list[dict | None] = [None] * len(jobs)
         remaining = len(jobs)
-        while remaining:
-            if abort_event is not None and abort_event.is_set():
+        try:
+            while remaining:
+                if abort_event is not None and abort_event.is_set():
+                    return None
+                mine, others = [], []
+                for r in self.iterate():
+                    (mine if id(r["job"]) in index else others).append(r)
+                self._stash.extend(others)
+                for r in mine:
+                    i = index[id(r["job"])]
+                    texts[i] += r.get("text", "")
+                    if r["eos"]:
+                        last[i] = r
+                        remaining -= 1
+                if not mine and not self.active and not self.pending:
+                    break
+        finally:  # aborted, or iterate() raised: none of this call's jobs stays queued
+            if remaining:
                 for j in jobs:
                     self.cancel(j)
-                return None
-            mine, others = [], []
-            for r in self.iterate():
-                (mine if id(r["job"]) in index else others).append(r)
-            self._stash.extend(others)
-            for r in mine:
-                i = index[id(r["job"])]
-                texts[i] += r.get("text", "")
-                if r["eos"]:
-                    last[i] = r
-                    remaining -= 1
-            if not mine and not self.active and not self.pending:
-                break
+        errors = [(i, r["error"]) for i, r in enumerate(last) if r is not None and r["eos_reason"] == "error"]
+        if errors:
+            raise JobFailure("generate(): " + "; ".join(f"prompt {i} failed: {e}" for i, e in errors))
         if not completion_only:
             texts = [p + t for p, t in zip(prompts, texts)]
         out = texts[0] if single else texts
         if return_last_results:
             return out, (last[0] if single else last)
         return out
+
+
+def _check_model(model: Any) -> None:
+    if model is None:
+        raise InvalidConfigError("DynamicGenerator needs a model (models.load_model(...)) or an engine=")
+    if isinstance(model, (str, os.PathLike)):
+        raise InvalidConfigTypeError(
+            f"DynamicGenerator: model must be a loaded models.Model, got the {type(model).__name__} {str(model)!r}; "
+            f"load it first: models.load_model({str(model)!r})")
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "max_position_embeddings") or not hasattr(model, "params"):
+        raise InvalidConfigTypeError(f"DynamicGenerator: model must be a models.Model (with .config and .params), "
+                                     f"got {type(model).__name__}")
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    if tokenizer is None:
+        return
+    missing = [m for m in ("encode", "decode", "token_bytes") if not callable(getattr(tokenizer, m, None))]
+    if missing:
+        raise InvalidConfigTypeError(f"DynamicGenerator: tokenizer {type(tokenizer).__name__} lacks "
+                                     f"{', '.join(missing)}(); pass a models.tokenizer.Tokenizer or None")

@@ -15,28 +15,58 @@ from typing import Any
 
 import numpy as np
 
-from paged.errors import InvalidJobError
+from paged.errors import InvalidJobError, InvalidJobTypeError
 from paged.settings import SamplingSettings
+from paged.validate import Checker
 
 
-def _as_id_list(input_ids: Any) -> list[int]:
-    arr = np.asarray(input_ids)
+def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
+    """A non-empty sequence of token ids: a list/tuple of ints, a 1-D integer array, or a (1, n) array."""
+    if isinstance(input_ids, str):
+        c.fail_type("input_ids", input_ids, "token ids (encode text first, e.g. tokenizer.encode(text))")
+    if isinstance(input_ids, (bytes, dict, set)) or input_ids is None:
+        c.fail_type("input_ids", input_ids, "a list of ints, a 1-D integer array or a (1, n) array")
+    try:
+        arr = np.asarray(input_ids)
+    except (ValueError, TypeError) as e:  # ragged nested lists, unconvertible objects
+        raise InvalidJobTypeError(f"Job: input_ids must be one sequence of ints (got a ragged or nested value: {e})"
+                                  ) from None
     if arr.ndim == 2:
         if arr.shape[0] != 1:
-            raise InvalidJobError(f"input_ids of shape {arr.shape}: pass one sequence, shape (n,) or (1, n)")
+            c.fail(f"input_ids of shape {arr.shape}: pass one sequence, shape (n,) or (1, n); batch several prompts as "
+                   "several jobs")
         arr = arr[0]
     if arr.ndim != 1:
-        raise InvalidJobError(f"input_ids must be a list of ints, a 1-D array or a (1, n) array; got shape {arr.shape}")
+        c.fail(f"input_ids must be a list of ints, a 1-D array or a (1, n) array; got shape {arr.shape}")
     if arr.size == 0:
-        raise InvalidJobError("input_ids is empty: a job needs at least one prompt token")
+        c.fail("input_ids is empty: a job needs at least one prompt token")
     if arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "f" and np.all(arr == np.round(arr)):
-            arr = arr.astype(np.int64)
-        else:
-            raise InvalidJobError(f"input_ids must be integers, got dtype {arr.dtype}")
+        bad = next((x for x in arr.tolist() if isinstance(x, bool) or not isinstance(x, int)), arr.dtype)
+        c.fail_type("input_ids", bad, f"integer token ids (got dtype {arr.dtype})")
     if (arr < 0).any():
-        raise InvalidJobError(f"input_ids contain negative ids: {arr[arr < 0][:5].tolist()}")
+        c.fail(f"input_ids contain negative ids: {arr[arr < 0][:5].tolist()}")
     return [int(x) for x in arr]
+
+
+def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
+    """Token ids and stop strings; a bare string or a bare int is one condition (not one per character)."""
+    if value is None:
+        return set(), []
+    if isinstance(value, (str, int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        value = [value]
+    if isinstance(value, (bytes, dict)) or not isinstance(value, Iterable):
+        c.fail_type("stop_conditions", value, "a list of token ids (int) and stop strings (str)")
+    tokens, strings = set(), []
+    for x in value:
+        if isinstance(x, str):
+            if not x:
+                c.fail("stop_conditions contains an empty string; stop strings must be non-empty")
+            strings.append(x)
+        elif isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+            tokens.add(c.token_id("stop_conditions token id", x))
+        else:
+            c.fail_type("stop_conditions entry", x, "a token id (int) or a non-empty stop string (str)")
+    return tokens, strings
 
 
 class Job:
@@ -47,7 +77,7 @@ class Job:
         *,
         min_new_tokens: int = 0,
         gen_settings: SamplingSettings | None = None,
-        stop_conditions: Iterable[int | str] | None = None,
+        stop_conditions: Iterable[int | str] | int | str | None = None,
         seed: int | None = None,
         identifier: Any = None,
         max_skips: int = 4,
@@ -55,50 +85,29 @@ class Job:
         return_probs: bool = False,
         return_logits: bool = False,
         decode_special_tokens: bool = False,
-        banned_strings: Iterable[str] | None = None,
+        banned_strings: Iterable[str] | str | None = None,
         token_healing: bool = False,
     ):
-        self.input_ids = _as_id_list(input_ids)
-        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InvalidJobError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not isinstance(min_new_tokens, (int, np.integer)) or not 0 <= min_new_tokens <= max_new_tokens:
-            raise InvalidJobError(f"min_new_tokens must be an int in [0, max_new_tokens], got {min_new_tokens!r}")
+        c = Checker("Job", InvalidJobError)
+        self.input_ids = _as_id_list(c, input_ids)
+        self.max_new_tokens = c.int_("max_new_tokens", max_new_tokens, 1)
+        self.min_new_tokens = c.int_("min_new_tokens", min_new_tokens, 0, self.max_new_tokens,
+                                     f"an int in [0, max_new_tokens={self.max_new_tokens}]")
         if gen_settings is None:
             gen_settings = SamplingSettings()
         if not isinstance(gen_settings, SamplingSettings):
-            raise InvalidJobError(f"gen_settings must be a SamplingSettings, got {type(gen_settings).__name__}")
-        self.stop_tokens: set[int] = set()
-        self.stop_strings: list[str] = []
-        for c in stop_conditions or ():
-            if isinstance(c, bool) or not isinstance(c, (int, np.integer, str)):
-                raise InvalidJobError(
-                    f"stop condition {c!r} has type {type(c).__name__}; use int token ids or non-empty strings")
-            if isinstance(c, str):
-                if not c:
-                    raise InvalidJobError("empty stop string")
-                self.stop_strings.append(c)
-            else:
-                self.stop_tokens.add(int(c))
-        if max_skips is None or not isinstance(max_skips, int) or max_skips < 0:
-            raise InvalidJobError(f"max_skips must be an int >= 0, got {max_skips!r}")
-        if not isinstance(return_top_tokens, int) or return_top_tokens < 0:
-            raise InvalidJobError(f"return_top_tokens must be an int >= 0, got {return_top_tokens!r}")
-        if seed is not None and not isinstance(seed, (int, np.integer)):
-            raise InvalidJobError(f"seed must be an int or None, got {seed!r}")
-        self.banned_strings = [str(b) for b in banned_strings or ()]
-        if any(not b for b in self.banned_strings):
-            raise InvalidJobError("empty banned string")
-        self.token_healing = bool(token_healing)
-        self.max_new_tokens = int(max_new_tokens)
-        self.min_new_tokens = int(min_new_tokens)
+            c.fail_type("gen_settings", gen_settings, "a paged.SamplingSettings (or None for the defaults)")
         self.gen_settings = gen_settings
-        self.seed = seed
+        self.stop_tokens, self.stop_strings = _stop_conditions(c, stop_conditions)
+        self.seed = c.optional_int("seed", seed)
         self.identifier = identifier
-        self.max_skips = max_skips
-        self.return_top_tokens = return_top_tokens
-        self.return_probs = return_probs
-        self.return_logits = return_logits
-        self.decode_special_tokens = decode_special_tokens
+        self.max_skips = c.int_("max_skips", max_skips, 0)
+        self.return_top_tokens = c.int_("return_top_tokens", return_top_tokens, 0)
+        self.return_probs = c.bool_("return_probs", return_probs)
+        self.return_logits = c.bool_("return_logits", return_logits)
+        self.decode_special_tokens = c.bool_("decode_special_tokens", decode_special_tokens)
+        self.banned_strings = c.strings("banned_strings", banned_strings)
+        self.token_healing = c.bool_("token_healing", token_healing)
         # --- generator-side state (set by enqueue / admission / steps)
         self.serial: int | None = None
         self.skips = 0
@@ -126,15 +135,6 @@ class Job:
     @property
     def total_len(self) -> int:
         return self.prompt_len + self.max_new_tokens
-
-    @property
-    def prefill_done(self) -> bool:
-        """All prompt tokens but the last are cached; the next row feeds the last token (or a generated one)."""
-        return self.kv_position >= len(self.sequence) - 1
-
-    @property
-    def is_active(self) -> bool:
-        return bool(self.pages)
 
     def mark_enqueued(self, serial: int) -> None:
         self.serial = serial

@@ -35,7 +35,6 @@ class Page:
     prev_hash: bytes = b""
     tokens: tuple[int, ...] = ()
     filled: int = 0  # token slots holding valid KV, from the start of the page
-    last_access: int = 0
 
 
 def chain_hashes(tokens: Sequence[int], page_size: int, num_pages: int, prev: bytes = b"") -> list[bytes]:
@@ -57,7 +56,6 @@ class PagePool:
         self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low indices first
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.by_hash: dict[bytes, int] = {}
-        self.clock = 0
         self.prefix_queries = 0  # full prompt pages looked up
         self.prefix_hits = 0  # of which found complete in the cache or a live job
 
@@ -108,16 +106,11 @@ class PagePool:
         return revived + total - len(hit)
 
     # ------------------------------------------------------------------ mutations
-    def _touch(self, p: Page) -> None:
-        self.clock += 1
-        p.last_access = self.clock
-
     def _ref(self, idx: int) -> None:
         p = self.pages[idx]
         if p.ref_count == 0:
             del self.cached[idx]  # only cached pages are referenced from ref 0 through a hash
         p.ref_count += 1
-        self._touch(p)
 
     def _take(self) -> int:
         if self.free:
@@ -131,7 +124,6 @@ class PagePool:
         p = self.pages[idx]
         p.hash, p.prev_hash, p.tokens, p.filled = None, b"", (), 0
         p.ref_count = 1
-        self._touch(p)
         return idx
 
     def allocate(
@@ -198,13 +190,6 @@ class PagePool:
                     del self.by_hash[p.hash]
                 p.hash, p.prev_hash, p.tokens, p.filled = None, b"", (), 0
                 self.free.append(idx)
-
-    def unregister(self, idx: int) -> None:
-        """Forget a referenced page's hash (its content is about to change, e.g. on a rewind)."""
-        p = self.pages[idx]
-        if p.hash is not None and self.by_hash.get(p.hash) == idx:
-            del self.by_hash[p.hash]
-        p.hash, p.prev_hash, p.tokens = None, b"", ()
 
     def reset_cache(self) -> None:
         """Forget every cached page (live jobs keep theirs)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from paged.errors import InvalidConfigError, InvalidConfigTypeError
 from paged.job import Job
 
 
@@ -65,8 +66,12 @@ POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, ExLlamaV2Policy
 
 
 def make_policy(policy: str | Policy) -> Policy:
+    """A policy instance from its name (or the instance itself)."""
     if isinstance(policy, Policy):
         return policy
+    if not isinstance(policy, str):
+        raise InvalidConfigTypeError(f"policy must be a name ({', '.join(sorted(POLICIES))}) or a "
+                                     f"paged.policy.Policy instance, got {type(policy).__name__}")
     if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
+        raise InvalidConfigError(f"unknown policy {policy!r}; available: {', '.join(sorted(POLICIES))}")
     return POLICIES[policy]()

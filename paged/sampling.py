@@ -273,8 +273,14 @@ def _log_softmax_kept(lp: jax.Array, keep: jax.Array, m: jax.Array, log_sum: jax
 
 
 def _truncation(logp: jax.Array, params: SamplingParams, candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(keep bool [S, V], ids i32 [S, C], inside bool [S]): the kept set of `truncation_mask`, and per row C token ids
-    that contain the whole kept set where `inside` (never for rows that keep everything, unless C = V)."""
+    """(keep bool [S, V], ids i32 [S, C], inside bool [S]): the tokens kept by top_k -> top_p -> min_p -> typical,
+    and per row C token ids that contain the whole kept set where `inside` (never for rows that keep everything,
+    unless C = V).
+
+    `logp` [S, V] is the temperature-scaled log-softmax. Greedy rows and rows with every filter off keep all tokens.
+    No sort of the vocabulary: each filter's cut is found among the `candidates` (static) most likely tokens
+    (`lax.top_k`), or, for rows where it lies beyond them, by an exact bracketing search over the row. Each part is
+    skipped (lax.cond) when no row in the batch needs it."""
     s, v = logp.shape
     c = min(candidates, v)
     sampled = ~params.greedy  # [S]
@@ -330,17 +336,6 @@ def _truncation(logp: jax.Array, params: SamplingParams, candidates: int) -> tup
     return jax.lax.cond(jnp.any(typical_on), typical, lambda: (keep, ids, inside))
 
 
-def truncation_mask(logp: jax.Array, params: SamplingParams, *, candidates: int = CANDIDATES) -> jax.Array:
-    """bool [S, V]: tokens kept by top_k -> top_p -> min_p -> typical.
-
-    `logp` [S, V] is the temperature-scaled log-softmax. Greedy rows and rows with every filter off keep all tokens.
-    No sort of the vocabulary: each filter's cut is found among the `candidates` (static) most likely tokens
-    (`lax.top_k`), or, for rows where it lies beyond them, by an exact bracketing search over the row. Each part is
-    skipped (lax.cond) when no row in the batch needs it.
-    """
-    return _truncation(logp, params, candidates)[0]
-
-
 def _final(logits, params, history, bias_ids, bias_values, candidates):
     """(final [S, V], ids [S, C], inside [S]): `processed_logprobs`, and the candidates of `_truncation`."""
     x = apply_bias(apply_penalties(logits.astype(jnp.float32), params, history), bias_ids, bias_values)  # [S, V]
@@ -364,7 +359,7 @@ def processed_logprobs(
     """f32 [S, V]: the final per-row log-distribution `sample` draws from (-inf outside the kept set).
 
     Greedy rows: log_softmax of the penalised, biased logits at temperature 1, untruncated (their token is its argmax).
-    `candidates` (static) only trades speed: see `truncation_mask`.
+    `candidates` (static) only trades speed: see `_truncation`.
     """
     return _final(logits, params, history, bias_ids, bias_values, candidates)[0]
 
@@ -443,7 +438,7 @@ def sample(
 
     logits f32 [S, V]; positions i32 [S] (position of the token being drawn); history i32 [S, R] (-1 padding, R may
     be 0); bias_ids i32 [S, B] (-1 padding, B may be 0); bias_values f32 [S, B]. `return_top_k` and `candidates`
-    (see `truncation_mask`) must be static.
+    (see `_truncation`) must be static.
 
     The draw is argmax(final + Gumbel noise of the row's key over all V tokens). When every sampling row's kept set
     lies within its candidates, only the candidates' noise is generated (`gumbel_at`): the same values, hence the

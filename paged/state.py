@@ -8,8 +8,8 @@ Contract (see docs/architecture.md, "The device step"):
 - `kv_lens[s]` counts the row's cached tokens after this step's tokens are written.
 - `page_table[s]` lists the row's pages (`P` of them, padded with the null page 0). Token at position j is stored at
   page `page_table[s, j // page_size]`, offset `j % page_size`.
-- `do_sample[s]`: the row produces a token this step (its last real token's logits are sampled). Prefill chunks
-  that do not reach the end of the prompt do not sample.
+- Every row's last real token is sampled on the device; the host ignores the tokens of prefill chunks that do not
+  reach the end of the prompt (`RowInput.sample` is False).
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ class Batch:
     query_lens: jnp.ndarray  # [S] int32
     kv_lens: jnp.ndarray  # [S] int32
     page_table: jnp.ndarray  # [S, P] int32
-    do_sample: jnp.ndarray  # [S] bool
     sampling: SamplingParams  # fields [S]
     history: jnp.ndarray  # [S, R] int32, -1 padded: previous tokens for penalties
     bias_ids: jnp.ndarray  # [S, B] int32, -1 padded
@@ -99,7 +98,7 @@ class Batch:
 
 @struct.dataclass
 class Results:
-    token: jnp.ndarray  # [S] int32 (meaningful where do_sample)
+    token: jnp.ndarray  # [S] int32 (meaningful for rows that sample)
     logprob: jnp.ndarray  # [S] float32
     top_ids: jnp.ndarray  # [S, K] int32
     top_logprobs: jnp.ndarray  # [S, K] float32

@@ -9,7 +9,8 @@ import math
 import numpy as np
 
 from paged.buckets import BucketSpec
-from paged.engine import StepOutput
+from paged.config import EngineConfig
+from paged.engine_api import StepOutput
 
 
 class ByteTokenizer:
@@ -31,20 +32,35 @@ class ByteTokenizer:
         return bytes([t]) if t < 256 else (b"<eos>" if t == 256 else b"<bos>")
 
 
+def fake_logprob(token: int, pos: int) -> float:
+    """The fake's log-probability of `token` sampled at sequence position `pos` (the index it takes in the job's
+    sequence): -(token % 7 + 1) / 10 - pos / 1000, so every (token, position) pair reports its own value."""
+    return -(token % 7 + 1) / 10 - pos / 1000
+
+
+def fake_top_k(token: int, pos: int, k: int, vocab_size: int = 258) -> tuple[list[int], list[float]]:
+    """The fake's top-k at that step: the sampled token and the k - 1 ids after it, each half a nat less likely."""
+    return [(token + j) % vocab_size for j in range(k)], [fake_logprob(token, pos) - j / 2 for j in range(k)]
+
+
 class FakeEngine:
     """next token = (last input token + 1) % vocab, or a scripted continuation: `script[first prompt token] =
     (prompt_len, tokens)` makes a job whose prompt starts with that token emit `tokens` in order. Tokens with a
-    -inf bias are skipped (the next id is taken)."""
+    -inf bias are skipped (the next id is taken). Log-probabilities and top-k come from `fake_logprob` and
+    `fake_top_k` of the sampled token and its position; logits are one-hot at the sampled token."""
 
     def __init__(self, num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=128,
                  max_prefill_rows=1, vocab_size=258, script=None):
+        # implements paged.engine_api.EngineProtocol
+        self.config = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
+                                   max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
+                                   max_prefill_rows=max_prefill_rows)
         self.page_size = page_size
         self.num_pages = num_pages
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
-        self.spec = BucketSpec(max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
-                               max_pages_per_row=-(-max_seq_len // page_size), max_prefill_rows=max_prefill_rows,
-                               page_size=page_size)
+        self.spec = BucketSpec.from_config(self.config)
+        self.timings = {}
         self.script = script or {}
         self.calls = []  # rows of every step
         self.bursts = []  # num_steps of every multi-step call
@@ -62,7 +78,7 @@ class FakeEngine:
             return StepOutput(token=stack("token"), logprob=stack("logprob"), top_ids=stack("top_ids"),
                               top_logprobs=stack("top_logprobs"), logits=None, shape=None, seconds=0.0)
         self.calls.append(rows)
-        tokens = []
+        tokens, logprobs, top_ids, top_logprobs = [], [], [], []
         for r in rows:
             for i, t in enumerate(r.tokens):
                 pos = r.start_pos + i
@@ -71,14 +87,22 @@ class FakeEngine:
             bias = r.bias or {}
             while bias.get(t, 0.0) == -math.inf:
                 t = (t + 1) % self.vocab_size
+            pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
             tokens.append(t)
-        n = len(rows)
-        k = return_top_k
+            logprobs.append(fake_logprob(t, pos))
+            ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size)
+            top_ids.append(ids)
+            top_logprobs.append(lps)
+        n, k = len(rows), return_top_k
+        logits = None
+        if return_logits:
+            logits = np.zeros((n, self.vocab_size), np.float32)
+            logits[np.arange(n), tokens] = 1.0
         return StepOutput(
-            token=np.asarray(tokens, np.int32), logprob=np.full(n, -0.5, np.float32),
-            top_ids=np.tile(np.arange(k, dtype=np.int32), (n, 1)), top_logprobs=np.full((n, k), -1.0, np.float32),
-            logits=np.zeros((n, self.vocab_size), np.float32) if return_logits else None,
-            shape=None, seconds=0.0,
+            token=np.asarray(tokens, np.int32), logprob=np.asarray(logprobs, np.float32),
+            top_ids=np.asarray(top_ids, np.int32).reshape(n, k),
+            top_logprobs=np.asarray(top_logprobs, np.float32).reshape(n, k),
+            logits=logits, shape=None, seconds=0.0,
         )
 
     def next_token(self, r):

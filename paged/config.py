@@ -1,0 +1,106 @@
+"""`EngineConfig`: the one validated configuration of the engine, its shape buckets and the generator's batching.
+
+Every default and every range check lives here, once. `DynamicGenerator(**kwargs)` builds one from its keyword
+arguments, the `Engine` and `BucketSpec` are derived from it, and the experiments' absl flags are declared from its
+fields (`experiments/engine_flags.py`). Fields left `None` (`num_pages`, `max_seq_len`) are model-dependent and are
+filled by `resolve(model_config)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from models.linear import MATMUL_IMPLS
+from paged.errors import InvalidConfigError
+from paged.validate import Checker
+from pallas_kernels.paged_attention import IMPLS as ATTN_IMPLS
+
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: per-token-per-head scales beside the values
+DEFAULT_MAX_SEQ_LEN = 2048  # cap on the model's max positions when max_seq_len is not given
+
+
+def _field(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine, cache and batching settings. Frozen and validated at construction (`InvalidConfigError`)."""
+
+    page_size: int = _field(64, "KV-cache page size in tokens (a power of two; the JAX engine needs >= 8)")
+    num_pages: int | None = _field(
+        None, "KV-cache pages including the reserved null page 0 (default: max_batch_size full-length sequences + 1)")
+    max_seq_len: int | None = _field(None, "longest prompt + max_new_tokens (default: min(model max positions, 2048))")
+    max_batch_size: int = _field(16, "jobs (rows) per step")
+    max_chunk_size: int = _field(256, "prefill tokens per step, shared by the prefill rows")
+    max_prefill_rows: int = _field(1, "jobs that prefill in the same step (1 .. max_batch_size)")
+    max_penalty_range: int = _field(
+        1024, "most recent tokens the repetition/frequency/presence penalties can see (0 disables penalties)")
+    decode_steps: int = _field(
+        1, "decode steps per device call once every job decodes (1 = one token per iterate(); more = fewer host "
+        "round trips, tokens arrive in bursts)")
+    cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
+    attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}")
+    matmul_impl: str = _field("auto", f"quantized matmul implementation: one of {MATMUL_IMPLS}")
+
+    def __post_init__(self):
+        c = Checker("EngineConfig", InvalidConfigError)
+        ps = c.int_("page_size", self.page_size, 1, allowed="a power of two")
+        if ps & (ps - 1):
+            c.fail(f"page_size must be a power of two, got {ps}")
+        c.optional_int("num_pages", self.num_pages, 2)
+        c.optional_int("max_seq_len", self.max_seq_len, 1)
+        mb = c.int_("max_batch_size", self.max_batch_size, 1)
+        c.int_("max_chunk_size", self.max_chunk_size, 1)
+        c.int_("max_prefill_rows", self.max_prefill_rows, 1, mb, f"an int in [1, max_batch_size={mb}]")
+        c.int_("max_penalty_range", self.max_penalty_range, 0)
+        c.int_("decode_steps", self.decode_steps, 1)
+        c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
+        c.choice("attn_impl", self.attn_impl, ATTN_IMPLS)
+        c.choice("matmul_impl", self.matmul_impl, MATMUL_IMPLS)
+
+    @property
+    def max_pages_per_row(self) -> int:
+        if self.max_seq_len is None:
+            raise InvalidConfigError("EngineConfig: max_seq_len is unresolved; call resolve(model_config) first")
+        return -(-self.max_seq_len // self.page_size)
+
+    @property
+    def resolved(self) -> bool:
+        return self.num_pages is not None and self.max_seq_len is not None
+
+    def resolve(self, max_position_embeddings: int | None = None) -> EngineConfig:
+        """Fill the model-dependent defaults: `max_seq_len = min(max_position_embeddings, 2048)` and
+        `num_pages = 1 + max_batch_size * ceil(max_seq_len / page_size)`. A `max_seq_len` beyond the model's
+        positions is an error."""
+        c = Checker("EngineConfig", InvalidConfigError)
+        seq = self.max_seq_len
+        if max_position_embeddings is not None:
+            if seq is None:
+                seq = min(max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+            elif seq > max_position_embeddings:
+                c.fail(f"max_seq_len={seq} exceeds the model's max_position_embeddings={max_position_embeddings}")
+        if seq is None:
+            c.fail("max_seq_len is required when the model's max_position_embeddings is unknown")
+        pages = self.num_pages
+        if pages is None:
+            pages = 1 + self.max_batch_size * -(-seq // self.page_size)
+        return dataclasses.replace(self, max_seq_len=seq, num_pages=pages)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Like the constructor, but an unknown keyword is an `InvalidConfigError` listing the known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise InvalidConfigError(f"unknown engine setting(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def config_fields() -> list[dataclasses.Field]:
+    """The fields of `EngineConfig`, with their defaults and help texts (for flag definitions and docs)."""
+    return list(dataclasses.fields(EngineConfig))

@@ -1,0 +1,55 @@
+"""The interface between the host loop and whatever runs the model: `EngineProtocol` and its `StepOutput`.
+
+`DynamicGenerator` talks to its engine only through this protocol. The real `paged.engine.Engine` runs the jitted
+step; a hand-checkable fake (tests), a simulated engine with a step-time model, or a draft-model engine implement
+the same few members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from paged.batch import RowInput
+from paged.buckets import BucketSpec
+from paged.config import EngineConfig
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host copy of one step's results, indexed by input row (not by batch slot). With `num_steps > 1` every array
+    gains a leading `[num_steps]` axis."""
+
+    token: np.ndarray  # [n] int32
+    logprob: np.ndarray  # [n] float32
+    top_ids: np.ndarray  # [n, K]
+    top_logprobs: np.ndarray  # [n, K]
+    logits: np.ndarray | None  # [n, V]
+    shape: Any  # the BatchShape the rows were padded to (None for engines without buckets)
+    seconds: float
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """What the generator needs from an engine.
+
+    - `config`: the resolved `EngineConfig` (page size, number of pages, max_seq_len, batch limits, ...);
+    - `spec`: the shape buckets (`BucketSpec`) the engine pads to; the generator never plans a step they cannot hold;
+    - `vocab_size`: ids at or above it are rejected at `enqueue()`;
+    - `timings`: cumulative seconds by phase (reported by `generator.metrics()`; may be empty);
+    - `run(rows, ...)`: one step (or `num_steps` decode steps) over the rows; must not keep references to `rows`;
+    - `warmup(...)`: compile or prepare every bucket; returns how many variants it prepared.
+    """
+
+    config: EngineConfig
+    spec: BucketSpec
+    vocab_size: int
+    timings: dict[str, float]
+
+    def run(self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False,
+            num_steps: int = 1) -> StepOutput: ...
+
+    def warmup(self, progress: bool = False, decode_steps: int = 1) -> int: ...

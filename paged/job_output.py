@@ -1,0 +1,137 @@
+"""`JobOutput`: what happens to a job after its row ran. It advances the job's KV position, marks and hashes the
+pages it completed, feeds sampled tokens through the job's text stream (UTF-8 hold-back, stop and banned strings),
+rewinds on a banned string, and builds the result dicts, including the final one.
+
+It updates the job and the `PagePool`; retiring a finished job (releasing its pages) is the generator's, which
+owns the active list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from paged.job import Job
+from paged.page_pool import PagePool, chain_hashes
+
+EXTRA_KEYS = ("token_probs", "top_k_tokens", "top_k_probs", "logits")
+
+
+class JobOutput:
+    def __init__(self, pool: PagePool, page_size: int, piece: Callable[[int], str]):
+        self.pool = pool
+        self.page_size = page_size
+        self.piece = piece  # token id -> its text (for eos_triggering_token_str)
+
+    @staticmethod
+    def base(job: Job, stage: str) -> dict:
+        return {"job": job, "stage": stage, "eos": False, "serial": job.serial, "identifier": job.identifier}
+
+    # ------------------------------------------------------------------ KV and pages
+    def advance(self, job: Job, n: int) -> None:
+        """`n` more of the job's tokens have their K/V in the cache."""
+        job.kv_position += n
+        ps = self.page_size
+        kv = job.kv_position
+        for p in range((kv - n) // ps, -(-kv // ps)):
+            self.pool.mark_filled(job.pages[p], kv - p * ps)
+        self.hash_pages(job, min(kv, len(job.sequence) - len(job.stream.held)))
+
+    def hash_pages(self, job: Job, limit: int) -> None:
+        """Hash and register the job's pages complete below `limit` (prompt tail, generated text) for reuse.
+        Tokens still held by the stream may be rewound by a banned string, so their pages wait."""
+        ps = self.page_size
+        while (len(job.page_hashes) + 1) * ps <= limit:
+            p = len(job.page_hashes)
+            prev = job.page_hashes[-1] if job.page_hashes else b""
+            toks = tuple(job.sequence[p * ps : (p + 1) * ps])
+            h = chain_hashes(toks, ps, 1, prev)[0]
+            self.pool.register(job.pages[p], h, prev, toks)
+            job.page_hashes.append(h)
+
+    def rewind(self, job: Job, n: int, first: int) -> None:
+        """Take back the job's last `n` tokens (a banned string began at the first of them) and forbid `first`
+        at that position. Their pages were never hashed (hashing waits for released text), so they are the job's
+        own and are simply overwritten."""
+        c = len(job.sequence) - n  # index of the first token taken back
+        del job.sequence[c:]
+        job.new_tokens -= n
+        del job.pending_extras[len(job.pending_extras) - n :]
+        job.explored.setdefault(c, set()).add(first)
+        job.kv_position = min(job.kv_position, c - 1)  # re-feed token c - 1 to sample position c again
+        ps = self.page_size
+        assert len(job.page_hashes) * ps <= c, "a page holding rewound tokens was hashed"
+        for p in range(c // ps, len(job.pages)):  # position c - 1 is re-fed with the same token: keep it
+            self.pool.truncate(job.pages[p], c - p * ps)
+
+    # ------------------------------------------------------------------ results
+    def receive(self, job: Job, token: int, extras: dict, now: float) -> dict:
+        """Append a sampled token to the job and return its `streaming` result (final, with `eos=True`, when a stop
+        condition or max_new_tokens ends the job)."""
+        job.sequence.append(token)
+        job.new_tokens += 1
+        if job.time_first_token is None:
+            job.time_first_token = now
+        job.time_last_token = now
+        job.pending_extras.append(extras)
+        r = self.base(job, "streaming")
+        reason = None
+        held = {"text": "", "token_ids": []}
+        if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
+            reason = "stop_token"
+            text, toks = job.stream.flush()  # the stop token's own text is not part of the completion
+            job.pending_extras.pop()
+            held["token_ids"] = [token]
+            r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
+        else:
+            ev = job.stream.feed(token)
+            text, toks = ev.text, ev.tokens
+            if ev.rewind:
+                self.rewind(job, ev.rewind, ev.suppressed_tokens[0])
+                r.update(suppressed_text=ev.suppressed_text, suppressed_tokens=ev.suppressed_tokens,
+                         suppressed_by=ev.banned)
+            elif ev.stopped is not None:
+                reason = "stop_string"
+                r["eos_triggering_string"] = ev.stopped
+                held["text"] = job.stream.held_text
+            elif job.new_tokens >= job.max_new_tokens:
+                reason = "max_new_tokens"
+                more_text, more = job.stream.flush()
+                text, toks = text + more_text, toks + more
+        released = job.pending_extras[: len(toks)]
+        job.pending_extras = job.pending_extras[len(toks) :]
+        job.full_completion += text
+        r["text"] = text
+        r["token_ids"] = toks
+        for key in EXTRA_KEYS:
+            if released and key in released[0]:
+                vals = [e[key] for e in released]
+                r[key] = np.stack(vals) if key == "logits" else vals
+        if reason is not None:
+            self.hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
+            r.update(self.final_fields(job, reason, now), held=held)
+        return r
+
+    def final_fields(self, job: Job, reason: str, now: float) -> dict:
+        """The keys every final result carries."""
+        first_token = job.time_first_token if job.time_first_token is not None else now
+        last_token = job.time_last_token if job.time_last_token is not None else now
+        return dict(
+            eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
+            prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens,
+            cached_pages=job.cached_tokens // self.page_size,
+            time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
+            time_prefill=first_token - (job.time_first_prefill or first_token),
+            time_generate=last_token - first_token,
+        )
+
+    def error(self, job: Job, exc: BaseException, now: float) -> dict:
+        """The final result of a job that failed on its own: `eos_reason="error"`, `error` says what happened.
+        Text still held by the stream is not released (it may be part of a stop or banned string): it is in `held`."""
+        held = job.stream.held if job.stream is not None else []
+        r = self.base(job, "streaming")
+        r.update(text="", token_ids=[], **self.final_fields(job, "error", now),
+                 held={"text": "".join(p for _, p in held), "token_ids": [t for t, _ in held]},
+                 error=f"{type(exc).__name__}: {exc}")
+        return r

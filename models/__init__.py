@@ -2,10 +2,17 @@
 
 from models.config import ModelConfig, RopeScaling
 from models.errors import (
+    CorruptFileError,
+    InvalidLoadOptionError,
+    InvalidPromptError,
+    InvalidPromptTypeError,
     MissingWeightError,
+    ModelConfigError,
     ModelError,
     ModelFileNotFoundError,
+    ModelLoadError,
     TokenizerError,
+    TokenizerLoadError,
     UnsupportedArchitectureError,
     UnsupportedTensorTypeError,
     WeightShapeError,
@@ -14,7 +21,8 @@ from models.loader import Model, load_model
 from models.weights import LayerWeights, Weights, init_random_weights
 
 __all__ = [
-    "LayerWeights", "MissingWeightError", "Model", "ModelConfig", "ModelError", "ModelFileNotFoundError",
-    "RopeScaling", "TokenizerError", "UnsupportedArchitectureError", "UnsupportedTensorTypeError",
-    "WeightShapeError", "Weights", "init_random_weights", "load_model",
+    "CorruptFileError", "InvalidLoadOptionError", "InvalidPromptError", "InvalidPromptTypeError", "LayerWeights",
+    "MissingWeightError", "Model", "ModelConfig", "ModelConfigError", "ModelError", "ModelFileNotFoundError",
+    "ModelLoadError", "RopeScaling", "TokenizerError", "TokenizerLoadError", "UnsupportedArchitectureError",
+    "UnsupportedTensorTypeError", "WeightShapeError", "Weights", "init_random_weights", "load_model",
 ]

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from models.errors import ModelFileNotFoundError, UnsupportedArchitectureError
+from models.errors import (
+    CorruptFileError,
+    ModelConfigError,
+    ModelFileNotFoundError,
+    ModelLoadError,
+    UnsupportedArchitectureError,
+    raise_with_source,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -64,9 +73,9 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ModelConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ModelConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) for GQA"
             )
 
@@ -83,8 +92,20 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From a Hugging Face `config.json` dict (transformers 4 `rope_scaling` or 5 `rope_parameters`)."""
+    def from_hf(cls, cfg: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """From a Hugging Face `config.json` dict (transformers 4 `rope_scaling` or 5 `rope_parameters`).
+
+        Every key is type- and range-checked: a missing, mistyped or inconsistent value raises ModelConfigError (an
+        unknown architecture UnsupportedArchitectureError) whose message starts with `source` (the file's path)."""
+        try:
+            if not isinstance(cfg, dict):
+                raise ModelConfigError(f"the file must hold a JSON object, got a {type(cfg).__name__}")
+            return cls._from_hf(_Fields(cfg))
+        except ModelLoadError as e:
+            raise_with_source(e, source)
+
+    @classmethod
+    def _from_hf(cls, cfg: _Fields) -> ModelConfig:
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedArchitectureError(
@@ -94,13 +115,16 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only 'silu')")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        rope_params = dict(cfg.get("rope_parameters") or {})
-        rope_scaling = cfg.get("rope_scaling") or {}
-        merged = {**rope_params, **rope_scaling}
-        rope_theta = float(merged.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        hidden = cfg.integer("hidden_size")
+        heads = cfg.integer("num_attention_heads")
+        kv_heads = cfg.integer("num_key_value_heads", heads)
+        head_dim = cfg.integer("head_dim", None, minimum=0) or None  # 0 (seen in the wild) means "derive it"
+        _check_heads(hidden, heads, kv_heads, head_dim, ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                         "head_dim"))
+        rope_params = cfg.mapping("rope_parameters")
+        rope_scaling = cfg.mapping("rope_scaling")
+        merged = _Fields({**rope_params, **rope_scaling}, what="rope_scaling/rope_parameters ")
+        rope_theta = merged.number("rope_theta", cfg.number("rope_theta", 10000.0))
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
@@ -108,98 +132,238 @@ class ModelConfig:
             )
         scaling = RopeScaling(
             rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+            factor=merged.number("factor", 1.0),
+            low_freq_factor=merged.number("low_freq_factor", 1.0),
+            high_freq_factor=merged.number("high_freq_factor", 4.0),
+            original_max_position_embeddings=merged.integer("original_max_position_embeddings", 8192),
         )
         sliding = None
         if model_type == "mistral":
-            sliding = cfg.get("sliding_window")
-        elif model_type == "qwen2" and cfg.get("use_sliding_window"):
+            sliding = cfg.integer("sliding_window", None)
+        elif model_type == "qwen2" and cfg.flag("use_sliding_window", False):
             layer_types = cfg.get("layer_types") or []
+            if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+                raise ModelConfigError(f"'layer_types' must be a list of strings, got {layer_types!r}")
             if layer_types and len(set(layer_types)) > 1:
                 raise UnsupportedArchitectureError(
                     "Qwen2 with sliding window on only some layers (mixed layer_types) is not supported"
                 )
-            sliding = cfg.get("sliding_window")
-        attention_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            sliding = cfg.integer("sliding_window", None)
+        attention_bias = cfg.flag("attention_bias", False)
         return cls(
             model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=cfg.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=cfg.integer("intermediate_size"),
+            num_layers=cfg.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim or hidden // heads,
+            rms_norm_eps=cfg.number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.integer("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
             qkv_bias=(model_type == "qwen2") or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            mlp_bias=cfg.flag("mlp_bias", False),
+            sliding_window=sliding,
+            bos_token_id=cfg.token_id("bos_token_id"),
+            eos_token_ids=cfg.ids("eos_token_id"),
         )
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> ModelConfig:
+        """From `path/config.json`; a missing, unreadable or invalid file raises a ModelLoadError naming it."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ModelFileNotFoundError(
                 f"{cfg_path} not found: an HF model directory needs config.json next to its *.safetensors"
             )
-        with open(cfg_path) as f:
-            return cls.from_hf(json.load(f))
+        return cls.from_hf(read_json_file(cfg_path), source=cfg_path)
 
     @classmethod
-    def from_gguf(cls, metadata: dict[str, Any], *, tie_word_embeddings: bool) -> ModelConfig:
+    def from_gguf(
+        cls, metadata: dict[str, Any], *, tie_word_embeddings: bool, source: str = "GGUF metadata"
+    ) -> ModelConfig:
         """From GGUF key/value metadata (decoded to Python values). GGUF has no tie flag: the caller passes
-        whether the file lacks a separate `output.weight`."""
+        whether the file lacks a separate `output.weight`. Errors are ModelLoadErrors whose message starts with
+        `source` (the file's path)."""
+        try:
+            return cls._from_gguf(_Fields(metadata, missing="the GGUF metadata lacks it"), tie_word_embeddings)
+        except ModelLoadError as e:
+            raise_with_source(e, source)
+
+    @classmethod
+    def _from_gguf(cls, metadata: _Fields, tie_word_embeddings: bool) -> ModelConfig:
         arch = metadata.get("general.architecture")
         if arch not in ("llama", "qwen2"):
             raise UnsupportedArchitectureError(
                 f"GGUF architecture {arch!r} is not supported; supported: llama (incl. Mistral, SmolLM2), qwen2"
             )
-
-        def key(name: str, default: Any = None) -> Any:
-            return metadata.get(f"{arch}.{name}", default)
-
-        hidden = int(key("embedding_length"))
-        heads = int(key("attention.head_count"))
-        kv_heads = int(key("attention.head_count_kv", heads))
-        head_dim = int(key("attention.key_length", 0) or key("rope.dimension_count", 0) or hidden // heads)
-        rope_type = {"none": "default", None: "default"}.get(key("rope.scaling.type"), key("rope.scaling.type"))
-        scaling = RopeScaling(rope_type=rope_type, factor=float(key("rope.scaling.factor", 1.0) or 1.0))
-        vocab = key("vocab_size")
+        k = f"{arch}."
+        hidden = metadata.integer(k + "embedding_length")
+        heads = metadata.integer(k + "attention.head_count")
+        kv_heads = metadata.integer(k + "attention.head_count_kv", heads)
+        head_dim = (metadata.integer(k + "attention.key_length", None, minimum=0)
+                    or metadata.integer(k + "rope.dimension_count", None, minimum=0) or None)
+        _check_heads(hidden, heads, kv_heads, head_dim, (k + "embedding_length", k + "attention.head_count",
+                                                         k + "attention.head_count_kv", k + "attention.key_length"))
+        rope_type = metadata.get(k + "rope.scaling.type", "none")
+        rope_type = "default" if rope_type == "none" else rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedArchitectureError(
+                f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        scaling = RopeScaling(rope_type=rope_type, factor=metadata.number(k + "rope.scaling.factor", 1.0, minimum=0.0)
+                              or 1.0)
+        vocab = metadata.integer(k + "vocab_size", None)
         if vocab is None:
             tokens = metadata.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if tokens is not None else None
-        if vocab is None:
-            raise UnsupportedArchitectureError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
+            if tokens is None:
+                raise ModelConfigError(f"the GGUF metadata has neither {k}vocab_size nor tokenizer.ggml.tokens")
+            if not isinstance(tokens, list) or not tokens:
+                raise ModelConfigError(f"tokenizer.ggml.tokens must be a non-empty array, got {_short(tokens)}")
+            vocab = len(tokens)
+        eos = metadata.token_id("tokenizer.ggml.eos_token_id")
         return cls(
             model_type="qwen2" if arch == "qwen2" else "llama",
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
+            intermediate_size=metadata.integer(k + "feed_forward_length"),
+            num_layers=metadata.integer(k + "block_count"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            head_dim=head_dim or hidden // heads,
+            rms_norm_eps=metadata.number(k + "attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=metadata.number(k + "rope.freq_base", 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=int(key("context_length", 2048)),
+            max_position_embeddings=metadata.integer(k + "context_length", 2048),
             tie_word_embeddings=tie_word_embeddings,
             qkv_bias=arch == "qwen2",
             sliding_window=None,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            bos_token_id=metadata.token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (eos,),
         )
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+_REQUIRED: Any = object()
+
+
+def _short(value: Any) -> str:
+    """repr of a config value, cut short: a corrupt file can hold a huge one."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _Fields:
+    """Typed reads of a config.json dict or GGUF metadata. A null value counts as absent; every failure is a
+    ModelConfigError naming the key, the value found and what is expected."""
+
+    def __init__(self, data: Mapping[str, Any], *, what: str = "", missing: str = "set it") -> None:
+        self.data = data
+        self.what = what  # prefix of key names in messages, e.g. "rope_scaling/rope_parameters "
+        self.missing = missing  # what to do about a missing required key
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.data.get(key)
+        return default if value is None else value
+
+    def _value(self, key: str, default: Any) -> Any:
+        value = self.data.get(key)
+        if value is None and default is _REQUIRED:
+            raise ModelConfigError(f"required key {self.what}{key!r} is missing; {self.missing}")
+        return value
+
+    def integer(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> Any:
+        """An int >= minimum (an integral float such as 64.0 is accepted); `default` when absent."""
+        value = self._value(key, default)
+        if value is None:
+            return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ModelConfigError(f"{self.what}{key!r} must be {kind}, got {_short(value)}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED, *, minimum: float | None = None) -> Any:
+        """A finite number > 0 (or >= minimum when given); `default` when absent."""
+        value = self._value(key, default)
+        if value is None:
+            return default
+        ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        ok = ok and (value > 0 if minimum is None else value >= minimum)
+        if not ok:
+            kind = "a positive number" if minimum is None else f"a number >= {minimum}"
+            raise ModelConfigError(f"{self.what}{key!r} must be {kind}, got {_short(value)}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._value(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"{self.what}{key!r} must be true or false, got {_short(value)}")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        value = self._value(key, None)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ModelConfigError(f"{self.what}{key!r} must be an object (or null), got {_short(value)}")
+        return value
+
+    def ids(self, key: str) -> tuple[int, ...]:
+        """Token ids: an int or a list of ints, as a tuple; () when absent. Negative ids are dropped: some files
+        write -1 for "none"."""
+        value = self._value(key, None)
+        if value is None:
+            return ()
+        items = value if isinstance(value, list) else [value]
+        sub = _Fields({str(i): v for i, v in enumerate(items)})
+        try:
+            ids = [sub.integer(str(i), minimum=-(2**63)) for i in range(len(items))]
+        except ModelConfigError:
+            raise ModelConfigError(
+                f"{self.what}{key!r} must be a token id (an integer) or a list of them, got {_short(value)}"
+            ) from None
+        return tuple(i for i in ids if i >= 0)
+
+    def token_id(self, key: str) -> int | None:
+        """One token id; None when absent or negative."""
+        value = self._value(key, None)
+        if isinstance(value, list):
+            raise ModelConfigError(f"{self.what}{key!r} must be a token id (an integer), got {_short(value)}")
+        ids = self.ids(key)
+        return ids[0] if ids else None
+
+
+def _check_heads(hidden: int, heads: int, kv_heads: int, head_dim: int | None, keys: tuple[str, str, str, str]):
+    """Attention sizes that fit together, in the source's key names."""
+    hidden_key, heads_key, kv_key, head_dim_key = keys
+    if heads % kv_heads:
+        raise ModelConfigError(
+            f"{heads_key} ({heads}) must be a multiple of {kv_key} ({kv_heads}): each key/value head serves a whole "
+            "group of query heads"
+        )
+    if head_dim is None and hidden % heads:
+        raise ModelConfigError(
+            f"{hidden_key} ({hidden}) is not divisible by {heads_key} ({heads}) and {head_dim_key} is not set; "
+            f"set {head_dim_key} or fix the sizes"
+        )
+
+
+def read_json_file(path: str) -> Any:
+    """The parsed JSON of a checkpoint file (config.json, model.safetensors.index.json); unreadable bytes or invalid
+    JSON raise CorruptFileError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CorruptFileError(f"{path} is not valid JSON ({e}); the file is truncated or corrupt, re-download it") \
+            from e
+    except OSError as e:
+        raise ModelLoadError(f"{path} could not be read ({e})") from e

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from models.errors import ModelError, ModelFileNotFoundError
+from models.errors import CorruptFileError, ModelFileNotFoundError, ModelLoadError
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -104,8 +104,9 @@ def read_gguf_file(path: str | os.PathLike, *, map_tensors: bool = True) -> GGUF
     """Parse a GGUF file. With `map_tensors`, each tensor's `data` is a view of one read-only memory map of the file;
     without, `data` is None. Tensor infos are parsed and bounds-checked either way; tensor bytes are never read here.
 
-    Raises ModelFileNotFoundError for a missing file and ModelError for anything that is not a readable GGUF file
-    (bad magic, unsupported version, unknown value or tensor type, duplicate keys, truncation)."""
+    Raises ModelFileNotFoundError for a missing file, CorruptFileError for anything that is not a readable GGUF file
+    (bad magic, unknown value or tensor type, duplicate keys, truncation, tensor data past the end) and ModelLoadError
+    for a version 1 file; every message starts with the path."""
     spath = os.fspath(path)
     if not os.path.isfile(spath):
         raise ModelFileNotFoundError(f"GGUF file {spath} not found")
@@ -116,9 +117,14 @@ def read_gguf_file(path: str | os.PathLike, *, map_tensors: bool = True) -> GGUF
         mm = np.memmap(spath, dtype=np.uint8, mode="r")  # maps lazily: only the pages read below are loaded
         return _parse(spath, mm, memoryview(mm), map_tensors)
     except _Corrupt as e:
-        raise ModelError(f"{spath} is not a GGUF file (or is truncated/corrupt): {e}") from None
+        raise CorruptFileError(f"{spath} is not a GGUF file (or is truncated/corrupt): {e}") from None
     except _Unsupported as e:
-        raise ModelError(f"{spath} {e}") from None
+        raise ModelLoadError(f"{spath} {e}") from None
+    except (struct.error, ValueError, OverflowError, IndexError) as e:
+        # The parser checks every bound it reads; this is only a net, so no corrupt file ever escapes unnamed.
+        raise CorruptFileError(f"{spath} is not a GGUF file (or is truncated/corrupt): {e}") from e
+    except OSError as e:  # exists but cannot be read or mapped (permissions, a special file)
+        raise ModelLoadError(f"GGUF file {spath} could not be read ({e})") from e
 
 
 def _parse(path: str, mm: np.ndarray, mv: memoryview, map_tensors: bool) -> GGUFFile:

@@ -17,7 +17,14 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from models.errors import ModelError, UnsupportedTensorTypeError, WeightShapeError
+from models.errors import (
+    CorruptFileError,
+    ModelConfigError,
+    ModelLoadError,
+    UnsupportedTensorTypeError,
+    WeightShapeError,
+    raise_with_source,
+)
 from models.gguf_format import GGUFFile, GGUFTensor, read_gguf_file
 
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
@@ -90,19 +97,20 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
     Q4_0/Q4_1/Q8_0 tensors come back as `models.quant.QuantizedArray` (logical `[in, out]`, blocks imported without
     requantization) instead."""
     reader = _open(path)
+    spath = reader.path
     metadata = reader.metadata
     # Check every type before dequantizing anything, so an unreadable file fails at once.
     for t in reader.tensors:
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             raise UnsupportedTensorTypeError(
-                f"GGUF tensor {t.name!r} in {os.fspath(path)} has type {t.tensor_type.name}, which this project "
+                f"GGUF tensor {t.name!r} in {spath} has type {t.tensor_type.name}, which this project "
                 f"cannot read; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}. Re-export the GGUF with one of "
                 "them, e.g. `llama-quantize model-f16.gguf model-q4_1.gguf Q4_1` (or convert_hf_to_gguf.py "
                 "--outtype f16/bf16/q8_0)."
             )
     if reader.big_endian and reader.tensors:
         # Typed views could be byte-swapped, but not the fp16 scales packed inside quantized blocks.
-        raise ModelError(f"{os.fspath(path)} is a big-endian GGUF; re-export it in little-endian byte order")
+        raise ModelLoadError(f"{spath} is a big-endian GGUF; re-export it in little-endian byte order")
 
     arch = metadata.get("general.architecture")
     n_head = metadata.get(f"{arch}.attention.head_count")
@@ -114,21 +122,18 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
         heads = None
         # Only the Llama converter permutes q/k (for ggml's interleaved RoPE); Qwen2 etc. keep HF order.
         if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-            heads = _head_count(n_head, f"{arch}.attention.head_count")
+            heads = _head_count(n_head, f"{arch}.attention.head_count", spath)
         elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-            heads = _head_count(n_head_kv, f"{arch}.attention.head_count_kv")
-        if keep_quantized and t.tensor_type.name in KEEPABLE_TYPES and len(t.shape) == 2:
-            from models import quant
-
-            out_in = tuple(int(x) for x in reversed(t.shape))
-            importer = {"Q4_0": quant.from_gguf_q4_0, "Q4_1": quant.from_gguf_q4_1, "Q8_0": quant.from_gguf_q8_0}
-            w = importer[t.tensor_type.name](np.asarray(t.data), out_in)
-            if heads is not None:  # the row permutation of [out, in] is a column selection of [in, out]
-                w = quant.select_out(w, unpermute_qk(np.arange(out_in[0]), heads))
-        else:
-            w = _dequantize(t, dtype)
-            if heads is not None:
-                w = unpermute_qk(w, heads)
+            heads = _head_count(n_head_kv, f"{arch}.attention.head_count_kv", spath)
+        try:
+            w = _convert(t, dtype, keep_quantized, heads)
+        except ModelLoadError as e:
+            raise_with_source(e, f"{spath}: tensor {t.name!r}")
+        except (ValueError, TypeError) as e:  # numpy / gguf.quants on bytes that do not form the stated tensor
+            raise CorruptFileError(
+                f"{spath}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}) could not be read ({e}); "
+                "the file is corrupt, re-convert it"
+            ) from e
         tensors[name] = w
         tensor_types[name] = t.tensor_type.name
     return GGUFContents(metadata=metadata, tensors=tensors, tensor_types=tensor_types)
@@ -137,14 +142,33 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
 # ---------------------------------------------------------------------------------------------------------- helpers
 def _open(path: str | os.PathLike, *, map_tensors: bool = True) -> GGUFFile:
     # Memory-mapped: tensor data is read only when dequantized. Missing file -> ModelFileNotFoundError; bad magic,
-    # unsupported version, unknown value type or truncation -> ModelError ("is not a GGUF file ...").
+    # unknown value type or truncation -> CorruptFileError ("is not a GGUF file ..."); both are ModelLoadErrors.
     return read_gguf_file(path, map_tensors=map_tensors)
 
 
-def _head_count(value: Any, key: str) -> int:
+def _head_count(value: Any, key: str, path: str) -> int:
     if value is None:
-        raise WeightShapeError(f"GGUF metadata lacks {key}, needed to un-permute the q/k projections")
-    return int(value)
+        raise ModelConfigError(f"{path}: required key {key!r} is missing from the GGUF metadata; it is needed to "
+                               "un-permute the q/k projections")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelConfigError(f"{path}: GGUF metadata {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _convert(t: GGUFTensor, dtype: Any, keep_quantized: bool, heads: int | None) -> Any:
+    """One tensor in HF orientation: dequantized to `dtype`, or kept quantized (see `read_gguf`); q/k rows
+    un-permuted for `heads` heads when given."""
+    if keep_quantized and t.tensor_type.name in KEEPABLE_TYPES and len(t.shape) == 2:
+        from models import quant
+
+        out_in = tuple(int(x) for x in reversed(t.shape))
+        importer = {"Q4_0": quant.from_gguf_q4_0, "Q4_1": quant.from_gguf_q4_1, "Q8_0": quant.from_gguf_q8_0}
+        w = importer[t.tensor_type.name](np.asarray(t.data), out_in)
+        if heads is not None:  # the row permutation of [out, in] is a column selection of [in, out]
+            w = quant.select_out(w, unpermute_qk(np.arange(out_in[0]), heads))
+        return w
+    w = _dequantize(t, dtype)
+    return unpermute_qk(w, heads) if heads is not None else w
 
 
 def _dequantize(t: GGUFTensor, dtype: Any) -> np.ndarray:

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.quant import QuantizedArray
+from pallas_kernels.dequant_matmul import IMPLS, dequant_matmul
+from pallas_kernels.quant_format import QuantizedArray
 
-MATMUL_IMPLS = ("auto", "xla", "pallas", "reference")
+MATMUL_IMPLS = IMPLS  # "auto", "xla", "pallas", "reference": the dequant-matmul implementations
 
 
-def matmul(x: jnp.ndarray, w, bias: jnp.ndarray | None = None, *, impl: str = "auto") -> jnp.ndarray:
+def matmul(
+    x: jnp.ndarray,  # [N, in]
+    w: jnp.ndarray | QuantizedArray,  # [in, out]
+    bias: jnp.ndarray | None = None,  # [out]
+    *,
+    impl: str = "auto",
+) -> jnp.ndarray:  # [N, out], x's dtype
     """`x @ w (+ bias)` with float32 accumulation. x: `[N, in]`; w: `[in, out]` float, or a `QuantizedArray`
     standing for one (then `impl` picks the dequant-matmul: "auto", "xla", "pallas", "reference")."""
     if isinstance(w, QuantizedArray):
-        from pallas_kernels.dequant_matmul import dequant_matmul
-
         y = dequant_matmul(x, w, impl=impl)
     else:
         y = jnp.dot(x, w.astype(x.dtype) if w.dtype != x.dtype else w, preferred_element_type=jnp.float32)

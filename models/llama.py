@@ -20,9 +20,10 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.linear import matmul
-from models.quant import QuantizedArray, gather_out
+from models.quant import gather_out
 from models.rope import apply_rope, rope_cos_sin
 from models.weights import LayerWeights, Weights
+from pallas_kernels.quant_format import QuantizedArray
 
 AttendFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], tuple[jnp.ndarray, Any]]
 

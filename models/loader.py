@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, read_json_file
 from models.embedded import embedded_gguf_path, is_embedded_name
-from models.errors import ModelError, ModelFileNotFoundError
+from models.errors import (
+    CorruptFileError,
+    InvalidLoadOptionError,
+    MissingWeightError,
+    ModelFileNotFoundError,
+    ModelLoadError,
+    WeightShapeError,
+    raise_with_source,
+)
 from models.weights import QUANT_MODES, Weights, weights_from_state_dict
 
+INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -30,8 +38,8 @@ class Model:
 
 
 def _resolve_dtype(dtype: str):
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise InvalidLoadOptionError(f"dtype={dtype!r} is not supported; use one of {', '.join(map(repr, DTYPES))}")
     return DTYPES[dtype]
 
 
@@ -47,10 +55,15 @@ def load_model(
     quant: None (float weights), "keep" (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, used through the
     dequant-matmul), "int8" / "int4" (round-to-nearest group-wise quantization at load). `Model.params.nbytes()`
     reports the resident weight memory.
+
+    Every failure raises a `models.errors.ModelLoadError` (a ValueError) naming the file and the problem: a missing
+    file, invalid JSON, a truncated safetensors or GGUF file, config values of the wrong type or inconsistent sizes,
+    missing tensors or wrong shapes, a corrupt tokenizer file, or an unsupported `dtype` / `quant`.
     """
     jdtype = _resolve_dtype(dtype)
     if quant not in QUANT_MODES:
-        raise ValueError(f"quant={quant!r} is not one of {QUANT_MODES}")
+        choices = ", ".join(map(repr, QUANT_MODES))
+        raise InvalidLoadOptionError(f"quant={quant!r} is not supported; use one of {choices}")
     src = str(source)
     if is_embedded_name(src):
         return _load_gguf(embedded_gguf_path(), jdtype, dtype, quant, load_tokenizer, name=src)
@@ -67,30 +80,39 @@ def load_model(
 
 
 def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenizer: bool) -> Model:
-    from safetensors import safe_open
-
     cfg = ModelConfig.from_hf_dir(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-        if missing:
-            raise ModelFileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")
-        paths = [os.path.join(path, f) for f in files]
-    else:
-        paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not paths:
-            raise ModelFileNotFoundError(f"no *.safetensors files in {path}; convert .bin checkpoints to safetensors")
-    handles = [safe_open(p, framework="flax") for p in paths]
-    where = {name: h for h in handles for name in h.keys()}
+    paths, weight_map = _safetensors_files(path)
+    handles = {p: _open_safetensors(p) for p in paths}
+    where = {name: p for p, h in handles.items() for name in h.keys()}
+    if weight_map is not None:
+        _check_index(path, weight_map, where)
 
     def get(name: str) -> np.ndarray | None:
-        h = where.get(name)
-        return None if h is None else np.asarray(h.get_tensor(name).astype(jnp.float32))
+        p = where.get(name)
+        if p is None:
+            return None
+        try:
+            t = handles[p].get_tensor(name)
+        except Exception as e:  # SafetensorError (a bare Exception) or a dtype the framework cannot represent
+            raise CorruptFileError(f"{p}: tensor {name!r} could not be read ({e}); re-download the file") from e
+        if not jnp.issubdtype(t.dtype, jnp.floating):
+            raise WeightShapeError(
+                f"{p}: tensor {name!r} has dtype {t.dtype}, but weights must be floating point (F32, F16 or BF16); "
+                "quantized or integer checkpoints (GPTQ, AWQ, bitsandbytes) are not supported, use a float one",
+                tensor=name,
+            )
+        return np.asarray(t.astype(jnp.float32))
 
-    params = weights_from_state_dict(cfg, get, jdtype, quant)
+    try:
+        params = weights_from_state_dict(cfg, get, jdtype, quant)
+    except MissingWeightError as e:
+        searched = ", ".join(os.path.basename(p) for p in paths)
+        raise MissingWeightError(
+            f"{path}: {e}; searched {searched}: the checkpoint is incomplete or config.json does not belong to it",
+            tensor=e.tensor,
+        ) from e
+    except WeightShapeError as e:
+        raise_with_source(e, where.get(e.tensor or "", path))  # the shard holding the tensor
     tokenizer = None
     if load_tokenizer:
         from models.tokenizer import load_tokenizer_from_dir
@@ -99,19 +121,69 @@ def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenize
     return Model(config=cfg, params=params, tokenizer=tokenizer, source=path, dtype=dtype)
 
 
+def _safetensors_files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files to read, and the index's weight_map (tensor -> shard file name) when the checkpoint is
+    sharded with a model.safetensors.index.json."""
+    index = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(index):
+        paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not paths:
+            raise ModelFileNotFoundError(f"no *.safetensors files in {path}; convert .bin checkpoints to safetensors")
+        return paths, None
+    data = read_json_file(index)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+        raise CorruptFileError(
+            f"{index} has no valid \"weight_map\" (a non-empty object mapping tensor names to shard file names); "
+            "re-download it, or delete it to load every *.safetensors file in the directory"
+        )
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ModelFileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")
+    return [os.path.join(path, f) for f in files], weight_map
+
+
+def _check_index(path: str, weight_map: dict[str, str], where: dict[str, str]) -> None:
+    """Every tensor the index lists must be in the shard it names: a stale index means mixed-up downloads."""
+    index = os.path.join(path, INDEX_FILE)
+    for name, shard in weight_map.items():
+        found = where.get(name)
+        if found != os.path.join(path, shard):
+            actual = "no shard" if found is None else os.path.basename(found)
+            raise CorruptFileError(
+                f"{index} says tensor {name!r} is in {shard}, but {actual} holds it; the index and the shards come "
+                "from different downloads, re-download the checkpoint"
+            )
+
+
+def _open_safetensors(p: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(p, framework="flax")
+    except OSError as e:
+        raise ModelLoadError(f"{p} could not be read ({e})") from e
+    except Exception as e:  # safetensors' SafetensorError is a bare Exception subclass
+        raise CorruptFileError(
+            f"{p}: truncated or not a safetensors file ({e}); re-download it or re-save it with safetensors"
+        ) from e
+
+
 def _load_gguf(path: str, jdtype, dtype: str, quant: str | None, load_tokenizer: bool, name: str) -> Model:
     from models.gguf_reader import read_gguf
 
     contents = read_gguf(path, keep_quantized=quant == "keep")
     tensors = contents.tensors
-    cfg = ModelConfig.from_gguf(contents.metadata, tie_word_embeddings="lm_head.weight" not in tensors)
+    cfg = ModelConfig.from_gguf(contents.metadata, tie_word_embeddings="lm_head.weight" not in tensors, source=path)
     try:
         params = weights_from_state_dict(cfg, tensors.get, jdtype, quant)
-    except ModelError as e:
-        raise type(e)(f"{path}: {e}") from e
+    except ModelLoadError as e:
+        raise_with_source(e, path)
     tokenizer = None
     if load_tokenizer:
         from models.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
+        tokenizer = Tokenizer.from_gguf_metadata(contents.metadata, source=path)
     return Model(config=cfg, params=params, tokenizer=tokenizer, source=name, dtype=dtype)

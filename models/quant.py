@@ -1,35 +1,8 @@
-"""Group-quantized weight matrices: `QuantizedArray`, round-to-nearest quantizers, and lossless GGUF block import.
+"""Model-side quantization: round-to-nearest quantizers for float weights at load time, lossless GGUF block import,
+and the structural operations weight loading needs (stack layers, fuse outputs, select columns, embedding lookup).
 
-A `QuantizedArray` stands for a logical float matrix `[in, out]`, the orientation `models.linear.matmul` uses
-(`x @ w`). Quantization groups run along `in`: every `group_size` consecutive input rows of one output column share a
-scale (and, for "q4_1", a min). That is the GGUF/llama.cpp grouping, so GGUF blocks import without requantizing.
-
-Kinds (value of one element `q` of group `g`, column `o`):
-    "q4_1"  q in 0..15   value = q * scales[g, o] + mins[g, o]     (asymmetric, like GGUF Q4_1)
-    "q4_0"  q in 0..15   value = (q - 8) * scales[g, o]            (symmetric, like GGUF Q4_0)
-    "int8"  q in -127..127  value = q * scales[g, o]               (like GGUF Q8_0; group_size == in is per-channel)
-
-Physical layout (leaves; any leading axes are stacking axes, e.g. layers):
-    values  q4: uint8 `[..., in/2, out]`, two elements per byte; int8: int8 `[..., in, out]`
-    scales  `[..., in/group_size, out]` (float16 by default, as in GGUF; float32 allowed)
-    mins    `[..., in/group_size, out]` for "q4_1", else None
-
-Why `[in, out]` with `out` minor, and not GGUF's `[out, in]` rows:
-- XLA:CPU. The fastest CPU formulation is "dequantize to a float matrix, then one dot" (grouped partial dots are ~9x
-  slower). Dequantizing into `[in, out]` hands the dot the same operand an fp32 weight would be; measured, an
-  `[out, in]` layout contracted on its minor axis (or a fused multiply-reduce) was 2-4x slower than the `[in, out]`
-  one at every shape tried.
-- The output axis stays free: fusing q/k/v or gate/up (`concat_out`) is a plain concatenation of every leaf, and a
-  kernel tiles `out` with no constraint from the packing.
-- A GPU kernel tile `[block_in, block_out]` is a contiguous slab of rows; its scales are the `block_in/group_size`
-  rows of `scales` above it, loaded as `[rows, block_out]` rows that broadcast over the tile.
-Nibble order inside a group follows GGUF: packed row `g*group_size/2 + j` holds element `j` of group `g` in its low
-nibble and element `j + group_size/2` in its high nibble. So a GGUF block's 16 quant bytes are one column of 16 packed
-rows, and unpacking a group is two contiguous half-groups (`p & 15`, `p >> 4`) -- no interleaving shuffle.
-
-Static metadata (`kind`, `group_size`, `shape`) is kept out of the leaves, so `jax.tree.map(lambda a: a[i], qa)`
-slices layer `i` of a stacked array, and `lax.scan` over stacked weights hands the body per-layer arrays.
-`shape` is the logical `(in, out)` of ONE matrix; stacking axes are `qa.batch_shape`.
+The format itself -- the `QuantizedArray` pytree, its layout and nibble order, `check` and `dequantize` -- is the
+kernels' input, so it lives in `pallas_kernels/quant_format.py`; import it from there.
 """
 
 from __future__ import annotations
@@ -40,72 +13,24 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-KINDS = ("q4_1", "q4_0", "int8")
-_Q4_KINDS = ("q4_1", "q4_0")
+from pallas_kernels.quant_format import KINDS, Q4_KINDS, QuantizedArray, dequantize, pack_q4
+
 GGUF_BLOCK = 32  # elements per GGUF Q4_0/Q4_1/Q8_0 block
 
-
-@struct.dataclass
-class QuantizedArray:
-    """A quantized stand-in for a float matrix `[in, out]` (see the module docstring for the layout)."""
-
-    values: jnp.ndarray  # q4: uint8 [..., in/2, out]; int8: int8 [..., in, out]
-    scales: jnp.ndarray  # [..., in/G, out]
-    mins: jnp.ndarray | None  # [..., in/G, out] for "q4_1"; None otherwise
-    kind: str = struct.field(pytree_node=False)
-    group_size: int = struct.field(pytree_node=False)
-    shape: tuple[int, int] = struct.field(pytree_node=False)  # logical (in, out) of one matrix
-
-    @property
-    def batch_shape(self) -> tuple[int, ...]:
-        """Leading stacking axes (e.g. `(num_layers,)`); `()` for a single matrix."""
-        return tuple(self.values.shape[:-2])
-
-    @property
-    def num_groups(self) -> int:
-        return self.shape[0] // self.group_size
-
-    @property
-    def per_channel(self) -> bool:
-        return self.group_size == self.shape[0]
-
-    @property
-    def dtype(self):
-        """The dtype `dequantize` produces."""
-        return jnp.dtype(jnp.float32)
-
-    def __repr__(self) -> str:
-        return (
-            f"QuantizedArray(kind={self.kind!r}, shape={self.shape}, group_size={self.group_size}, "
-            f"batch_shape={self.batch_shape}, scales={jnp.dtype(self.scales.dtype).name})"
-        )
-
-
-def check(qa: QuantizedArray) -> QuantizedArray:
-    """Raise ValueError unless the leaves agree with the static metadata; return `qa`."""
-    if qa.kind not in KINDS:
-        raise ValueError(f"unknown quantization kind {qa.kind!r}; expected one of {KINDS}")
-    k, n = qa.shape
-    g = qa.group_size
-    if g < 1 or k % g:
-        raise ValueError(f"group_size={g} must be positive and divide in={k}")
-    rows = k // 2 if qa.kind in _Q4_KINDS else k
-    want = jnp.uint8 if qa.kind in _Q4_KINDS else jnp.int8
-    if tuple(qa.values.shape[-2:]) != (rows, n) or qa.values.dtype != want:
-        raise ValueError(
-            f"{qa.kind} values must be {jnp.dtype(want).name} [..., {rows}, {n}] for shape={qa.shape}; "
-            f"got {qa.values.dtype} {tuple(qa.values.shape)}"
-        )
-    lead = tuple(qa.values.shape[:-2])
-    if tuple(qa.scales.shape) != (*lead, k // g, n):
-        raise ValueError(f"scales must be [{', '.join(map(str, (*lead, k // g, n)))}]; got {tuple(qa.scales.shape)}")
-    if (qa.mins is None) != (qa.kind != "q4_1"):
-        raise ValueError(f"mins must be given for q4_1 and only for q4_1 (kind={qa.kind!r})")
-    if qa.mins is not None and tuple(qa.mins.shape) != tuple(qa.scales.shape):
-        raise ValueError(f"mins shape {tuple(qa.mins.shape)} != scales shape {tuple(qa.scales.shape)}")
-    return qa
+__all__ = [  # the model-side API; the format (QuantizedArray, check, dequantize) is pallas_kernels.quant_format's
+    "FROM_GGUF",
+    "GGUF_BLOCK",
+    "concat_out",
+    "from_gguf_q4_0",
+    "from_gguf_q4_1",
+    "from_gguf_q8_0",
+    "gather_out",
+    "nbytes",
+    "quantize",
+    "select_out",
+    "stack",
+]
 
 
 # ---------------------------------------------------------------------------------------------------- quantize
@@ -128,7 +53,7 @@ def quantize(w: jnp.ndarray, kind: str, group_size: int | None = 32, *, scale_dt
         group_size = k
     if group_size < 1 or k % group_size:
         raise ValueError(f"group_size={group_size} must be positive and divide in={k}")
-    if kind in _Q4_KINDS and group_size % 2:
+    if kind in Q4_KINDS and group_size % 2:
         raise ValueError(f"{kind} packs two elements per byte within a group; group_size={group_size} must be even")
     return _quantize(w, kind, group_size, jnp.dtype(scale_dtype))
 
@@ -161,48 +86,13 @@ def _quantize(w: jnp.ndarray, kind: str, group_size: int, scale_dtype) -> Quanti
         d = rounded(jnp.abs(wg).max(axis=1) / 127.0)
         q = jnp.clip(jnp.round(wg * inv(d)[:, None]), -127, 127)
     q = q.astype(jnp.int32).reshape(k, n)
-    values = _pack_q4(q, group_size) if kind in _Q4_KINDS else q.astype(jnp.int8)
+    values = pack_q4(q, group_size) if kind in Q4_KINDS else q.astype(jnp.int8)
     return QuantizedArray(
         values=values, scales=d.astype(scale_dtype), mins=mins, kind=kind, group_size=group_size, shape=(k, n)
     )
 
 
-def _pack_q4(q: jnp.ndarray, group_size: int) -> jnp.ndarray:
-    """int quants `[in, out]` in 0..15 -> uint8 `[in/2, out]` (low nibble: first half of each group)."""
-    k, n = q.shape
-    qg = q.astype(jnp.uint8).reshape(k // group_size, 2, group_size // 2, n)
-    return (qg[:, 0] | (qg[:, 1] << 4)).reshape(k // 2, n)
-
-
-def _unpack_q4(values: jnp.ndarray, group_size: int) -> jnp.ndarray:
-    """uint8 `[..., in/2, out]` -> uint8 quants `[..., in/G, G, out]` in 0..15."""
-    *lead, half, n = values.shape
-    p = values.reshape(*lead, 2 * half // group_size, group_size // 2, n)
-    return jnp.concatenate([p & 15, p >> 4], axis=-2)
-
-
-# -------------------------------------------------------------------------------------------------- dequantize
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def dequantize(qa: QuantizedArray, dtype=jnp.float32) -> jnp.ndarray:
-    """The float matrix `[..., in, out]` that `qa` stands for (computed in float32, then cast to `dtype`).
-
-    For GGUF-imported arrays this equals `gguf.quants.dequantize(...)` transposed, bit for bit: the same float32
-    products (and sums) in the same order.
-    """
-    *lead, _, n = qa.values.shape
-    k, g = qa.shape[0], qa.group_size
-    s = qa.scales.astype(jnp.float32)[..., :, None, :]  # [..., in/G, 1, out]
-    if qa.kind in _Q4_KINDS:
-        q = _unpack_q4(qa.values, g).astype(jnp.float32)  # [..., in/G, G, out]
-        if qa.kind == "q4_1":
-            w = q * s + qa.mins.astype(jnp.float32)[..., :, None, :]
-        else:
-            w = (q - 8.0) * s
-    else:
-        w = qa.values.reshape(*lead, k // g, g, n).astype(jnp.float32) * s
-    return w.reshape(*lead, k, n).astype(dtype)
-
-
+# ---------------------------------------------------------------------------------------------- column access
 def gather_out(qa: QuantizedArray, idx: jnp.ndarray) -> jnp.ndarray:
     """Dequantized output columns `idx` `[T]` as rows `[T, in]` float32, i.e. `dequantize(qa)[:, idx].T`.
 

@@ -16,6 +16,7 @@ import datetime
 import functools
 import json
 import logging
+import numbers
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -27,7 +28,14 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 
-from models.errors import ModelFileNotFoundError, TokenizerError
+from models.errors import (
+    InvalidPromptError,
+    InvalidPromptTypeError,
+    ModelFileNotFoundError,
+    TokenizerError,
+    TokenizerLoadError,
+    raise_with_source,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +261,8 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 
 
 @functools.lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
+def _parse_chat_template(source: str) -> jinja2.Template:
+    """The compiled template; jinja2.TemplateSyntaxError when it does not parse."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -262,11 +271,28 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
     try:
-        return env.from_string(source)
+        return _parse_chat_template(source)
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"The chat template does not parse (line {e.lineno}: {e.message}); fix it or pass a "
                              "different one with `chat_template=`") from e
+
+
+def _check_checkpoint_template(source: str | None, where: str) -> None:
+    """Compile a checkpoint's chat template at load, so a broken one fails now, naming the file it came from."""
+    if source is None:
+        return
+    try:
+        _parse_chat_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerLoadError(
+            f"{where}: the chat template does not parse (line {e.lineno}: {e.message}); fix or delete it, or load "
+            "the model with load_tokenizer=False"
+        ) from e
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -302,7 +328,8 @@ class Tokenizer:
         self.vocab_size = backend.vocab_size
         for name, value in (("bos", bos_token_id), ("eos", eos_token_id), ("pad", pad_token_id)):
             if value is not None and not 0 <= value < self.vocab_size:
-                raise TokenizerError(f"{name}_token_id {value} is outside the vocabulary (size {self.vocab_size})")
+                raise TokenizerLoadError(
+                    f"{name}_token_id {value} is outside the vocabulary (size {self.vocab_size})")
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -319,9 +346,11 @@ class Tokenizer:
     # ---- encode / decode ----------------------------------------------------------------------------------------
 
     def encode(self, text: str, *, add_bos: bool = False, encode_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special-token strings in the text are ordinary text unless `encode_special_tokens`."""
-        if not isinstance(text, str):
-            raise TokenizerError(f"encode() takes a str, got {type(text).__name__}")
+        """Token ids of `text`. Special-token strings in the text are ordinary text unless `encode_special_tokens`.
+
+        A non-str `text` raises InvalidPromptTypeError (a TypeError); a lone surrogate code point (e.g. from
+        decoding bytes with errors="surrogateescape") raises InvalidPromptError giving its character index."""
+        _check_text(text)
         ids = self._backend.encode(text, encode_special_tokens)
         if add_bos:
             if self.bos_token_id is None:
@@ -413,20 +442,22 @@ class Tokenizer:
     @classmethod
     def from_tokenizer_json(cls, path: str | os.PathLike, *, tokenizer_config: dict | None = None) -> Tokenizer:
         """A Hugging Face `tokenizer.json`; `tokenizer_config` (the parsed tokenizer_config.json) supplies the
-        bos/eos/pad token strings, `chat_template` and `add_bos_token`."""
+        bos/eos/pad token strings, `chat_template` and `add_bos_token`. A corrupt file raises TokenizerLoadError."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
             raise ModelFileNotFoundError(f"Tokenizer file {path} not found; pass the path of a tokenizer.json, or a "
                                          "model directory to load_tokenizer_from_dir")
+        config = _check_config(tokenizer_config or {})
         try:
             tok = tokenizers.Tokenizer.from_file(path)
-        except Exception as e:  # the Rust side raises a bare Exception for malformed files
-            raise TokenizerError(f"{path} is not a valid tokenizer.json ({e}); re-download or re-save it with "
-                                 "`tokenizers`/`transformers`") from e
-        backend = _HFBackend(tok, _hf_piece_kind(tok))
-        config = tokenizer_config or {}
+            backend = _HFBackend(tok, _hf_piece_kind(tok))
+        except BaseException as e:
+            if not _is_library_error(e):
+                raise
+            raise TokenizerLoadError(f"{path} is not a valid tokenizer.json ({e}); re-download or re-save it with "
+                                     "`tokenizers`/`transformers`") from e
         bos = _config_token_id(config, "bos_token", backend, path)
         add_bos = config.get("add_bos_token")
         if add_bos is None:
@@ -443,7 +474,8 @@ class Tokenizer:
 
     @classmethod
     def from_sentencepiece(cls, path: str | os.PathLike, *, tokenizer_config: dict | None = None) -> Tokenizer:
-        """A sentencepiece `tokenizer.model`. BOS/EOS/PAD come from the model unless `tokenizer_config` names them."""
+        """A sentencepiece `tokenizer.model`. BOS/EOS/PAD come from the model unless `tokenizer_config` names them.
+        A corrupt file raises TokenizerLoadError."""
         import sentencepiece
 
         path = os.fspath(path)
@@ -451,13 +483,14 @@ class Tokenizer:
             path = os.path.join(path, "tokenizer.model")
         if not os.path.isfile(path):
             raise ModelFileNotFoundError(f"Sentencepiece model {path} not found; pass the path of a tokenizer.model")
+        config = _check_config(tokenizer_config or {})
         sp = sentencepiece.SentencePieceProcessor()
         try:
             sp.load(path)
+            # Reading every piece also catches a model whose pieces are not valid UTF-8.
+            backend = _SPBackend(sp)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with an internal message
-            raise TokenizerError(f"{path} is not a valid sentencepiece model ({e}); re-download it") from e
-        backend = _SPBackend(sp)
-        config = tokenizer_config or {}
+            raise TokenizerLoadError(f"{path} is not a valid sentencepiece model ({e}); re-download it") from e
 
         def model_id(i: int) -> int | None:
             return i if i >= 0 else None
@@ -476,46 +509,71 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+    def from_gguf_metadata(cls, metadata: dict[str, Any], *, source: str | None = None) -> Tokenizer:
         """The tokenizer described by GGUF metadata (plain Python values keyed by llama.cpp names).
 
         `tokenizer.ggml.model` "gpt2" is byte-level BPE with the pre-tokenizer named by `tokenizer.ggml.pre`;
         "llama" is a sentencepiece-style vocabulary, tokenized like llama.cpp by merging the highest-scoring pair.
+        Missing, mistyped or inconsistent tokenizer metadata raises TokenizerLoadError, its message prefixed by
+        `source` (the GGUF file's path) when given.
         """
+        try:
+            return cls._from_gguf_metadata(metadata)
+        except TokenizerLoadError as e:
+            if source is None:
+                raise
+            raise_with_source(e, source)
+
+    @classmethod
+    def _from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         tokens = metadata.get("tokenizer.ggml.tokens")
         if not tokens:
-            raise TokenizerError("The GGUF metadata has no tokenizer.ggml.tokens; load the tokenizer from a "
-                                 "tokenizer.json or tokenizer.model instead")
-        tokens = [str(t) for t in tokens]
-        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)]
+            raise TokenizerLoadError("The GGUF metadata has no tokenizer.ggml.tokens; load the tokenizer from a "
+                                     "tokenizer.json or tokenizer.model instead")
+        tokens = _gguf_list(metadata, "tokenizer.ggml.tokens", str, "strings")
+        _check_utf8(tokens)
+        types = [int(t) for t in _gguf_list(metadata, "tokenizer.ggml.token_type", numbers.Integral, "integers")
+                 or [TOKEN_TYPE_NORMAL] * len(tokens)]
         if len(types) != len(tokens):
-            raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens; "
-                                 "the file is corrupt, re-convert it")
-        if model == "gpt2":
-            tok = _gguf_byte_level(metadata, tokens, types)
-            piece_kind = "byte_level"
-            add_bos_default = False
-        elif model == "llama":
-            tok = _gguf_sentencepiece(metadata, tokens, types)
-            piece_kind = "sentencepiece"
-            add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
-        else:
-            raise TokenizerError(f"GGUF tokenizer.ggml.model {model!r} is not supported (only 'gpt2' and 'llama'); "
-                                 "load the tokenizer from the original tokenizer.json instead")
-        backend = _HFBackend(tok, piece_kind, vocab_size=len(tokens))
+            raise TokenizerLoadError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
+                                     "tokens; the file is corrupt, re-convert it")
+        try:
+            if model == "gpt2":
+                tok = _gguf_byte_level(metadata, tokens, types)
+                piece_kind = "byte_level"
+                add_bos_default = False
+            elif model == "llama":
+                tok = _gguf_sentencepiece(metadata, tokens, types)
+                piece_kind = "sentencepiece"
+                add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+            else:
+                raise TokenizerLoadError(f"GGUF tokenizer.ggml.model {model!r} is not supported (only 'gpt2' and "
+                                         "'llama'); load the tokenizer from the original tokenizer.json instead")
+            backend = _HFBackend(tok, piece_kind, vocab_size=len(tokens))
+        except TokenizerLoadError:
+            raise
+        except BaseException as e:
+            if not _is_library_error(e):
+                raise
+            raise TokenizerLoadError(f"the GGUF tokenizer metadata does not form a valid {model!r} tokenizer ({e}); "
+                                     "the file is corrupt, re-convert it") from e
         special = frozenset(i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN))
 
         def opt_id(key: str) -> int | None:
-            value = metadata.get(key)
-            return None if value is None or not 0 <= int(value) < len(tokens) else int(value)
+            value = _gguf_token_id(metadata, key)
+            return None if value is None or value >= len(tokens) else value
 
+        chat_template = metadata.get("tokenizer.chat_template") or None
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TokenizerLoadError(f"GGUF tokenizer.chat_template must be a string, got {_short(chat_template)}")
+        _check_checkpoint_template(chat_template, "tokenizer.chat_template")
         return cls(
             backend,
             bos_token_id=opt_id("tokenizer.ggml.bos_token_id"),
             eos_token_id=opt_id("tokenizer.ggml.eos_token_id"),
             pad_token_id=opt_id("tokenizer.ggml.padding_token_id"),
-            chat_template=metadata.get("tokenizer.chat_template") or None,
+            chat_template=chat_template,
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)),
             special_token_ids=special,
         )
@@ -581,8 +639,8 @@ def _config_token_id(config: dict, key: str, backend: _HFBackend | _SPBackend, p
         return None
     token_id = backend.token_to_id(text)
     if token_id is None and required:
-        raise TokenizerError(f"tokenizer_config {key} {text!r} is not in the vocabulary of {path}; fix {key} in "
-                             "tokenizer_config.json")
+        raise TokenizerLoadError(f"tokenizer_config {key} {text!r} is not in the vocabulary of {path}; fix {key} in "
+                                 "tokenizer_config.json")
     return token_id
 
 
@@ -625,15 +683,16 @@ def _vocab_dict(tokens: list[str]) -> dict[str, int]:
 
 
 def _gguf_byte_level(metadata: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
-    merges_raw = metadata.get("tokenizer.ggml.merges")
+    merges_raw = _gguf_list(metadata, "tokenizer.ggml.merges", str, "strings")
     if not merges_raw:
-        raise TokenizerError("GGUF tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing; the file is "
-                             "incomplete, re-convert it")
+        raise TokenizerLoadError("GGUF tokenizer.ggml.model is 'gpt2' but tokenizer.ggml.merges is missing; the file "
+                                 "is incomplete, re-convert it")
+    _check_utf8(merges_raw, "merge")
     merges = []
     for m in merges_raw:
-        left, sep, right = str(m).partition(" ")
+        left, sep, right = m.partition(" ")
         if not sep:
-            raise TokenizerError(f"GGUF merge {m!r} is not 'left right'; the file is corrupt, re-convert it")
+            raise TokenizerLoadError(f"GGUF merge {m!r} is not 'left right'; the file is corrupt, re-convert it")
         merges.append((left, right))
     pre = str(metadata.get("tokenizer.ggml.pre") or "default")
     if pre not in GGUF_PRE_TOKENIZERS:
@@ -664,12 +723,12 @@ def _score_merges(tokens: list[str], scores: list[float], types: list[int]) -> l
 
 
 def _gguf_sentencepiece(metadata: dict[str, Any], tokens: list[str], types: list[int]) -> tokenizers.Tokenizer:
-    scores = [float(s) for s in metadata.get("tokenizer.ggml.scores") or []]
+    scores = [float(s) for s in _gguf_list(metadata, "tokenizer.ggml.scores", numbers.Real, "numbers") or []]
     if len(scores) != len(tokens):
-        raise TokenizerError("GGUF tokenizer.ggml.model is 'llama' but tokenizer.ggml.scores is missing or has the "
-                             "wrong length; the file is incomplete, re-convert it")
-    unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+        raise TokenizerLoadError("GGUF tokenizer.ggml.model is 'llama' but tokenizer.ggml.scores is missing or has "
+                                 "the wrong length; the file is incomplete, re-convert it")
+    unk_id = _gguf_token_id(metadata, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and unk_id < len(tokens) else None
     has_bytes = any(t == TOKEN_TYPE_BYTE for t in types)
     model = tokenizers.models.BPE(
         vocab=_vocab_dict(tokens),
@@ -700,41 +759,51 @@ def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"Could not read {path} ({e}); fix or delete the file") from e
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: invalid JSON or UTF-8
+        raise TokenizerLoadError(f"Could not read {path} ({e}); fix or delete the file") from e
     if not isinstance(value, dict):
-        raise TokenizerError(f"{path} should hold a JSON object; fix or delete the file")
+        raise TokenizerLoadError(f"{path} should hold a JSON object; fix or delete the file")
     return value
 
 
 def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer | None:
     """The tokenizer of a Hugging Face model directory: tokenizer.json if present, else tokenizer.model; None if
     neither exists. tokenizer_config.json, special_tokens_map.json and chat_template.jinja / chat_template.json are
-    read when present (a standalone chat template file wins over tokenizer_config's)."""
+    read when present (a standalone chat template file wins over tokenizer_config's).
+
+    A file that is present but corrupt or inconsistent (invalid JSON, a token string of the wrong type, a chat
+    template that does not parse, a garbled tokenizer.json or tokenizer.model) raises TokenizerLoadError naming it."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ModelFileNotFoundError(f"Model directory {path} not found; pass a directory holding tokenizer.json or "
                                      "tokenizer.model")
     config: dict[str, Any] = {}
+    origin: dict[str, str] = {}  # config key -> the file it came from, for error messages
     config_path = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(config_path):
         config = _read_json(config_path)
+        origin = dict.fromkeys(config, config_path)
     special_map_path = os.path.join(path, "special_tokens_map.json")
     if os.path.isfile(special_map_path):
         for key, value in _read_json(special_map_path).items():
-            config.setdefault(key, value)
+            if key not in config:
+                config[key] = value
+                origin[key] = special_map_path
     jinja_path = os.path.join(path, "chat_template.jinja")
     json_template_path = os.path.join(path, "chat_template.json")
     if os.path.isfile(jinja_path):
         try:
             with open(jinja_path, encoding="utf-8") as f:
                 config["chat_template"] = f.read()
-        except OSError as e:
-            raise TokenizerError(f"Could not read {jinja_path} ({e}); fix or delete the file") from e
+        except (OSError, ValueError) as e:  # ValueError: not UTF-8
+            raise TokenizerLoadError(f"Could not read {jinja_path} ({e}); fix or delete the file") from e
+        origin["chat_template"] = jinja_path
     elif os.path.isfile(json_template_path):
         template = _read_json(json_template_path).get("chat_template")
         if template:
             config["chat_template"] = template
+            origin["chat_template"] = json_template_path
+    _check_config(config, origin)
 
     json_path = os.path.join(path, "tokenizer.json")
     sp_path = os.path.join(path, "tokenizer.model")
@@ -743,3 +812,98 @@ def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer | None:
     if os.path.isfile(sp_path):
         return Tokenizer.from_sentencepiece(sp_path, tokenizer_config=config)
     return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _short(value: Any) -> str:
+    """repr of a value, cut short: a corrupt file can hold a huge one."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_library_error(e: BaseException) -> bool:
+    """Whether `e` is a tokenizer library's failure on bad input: an ordinary Exception, or pyo3's PanicException
+    (a Rust panic inside `tokenizers`), which derives from BaseException. KeyboardInterrupt and the like are not."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def _check_text(text: Any) -> None:
+    """Text for `encode()` must be a str of valid Unicode: the backends reject lone surrogates with their own
+    TypeError / RuntimeError, which would not say where the bad character is."""
+    if not isinstance(text, str):
+        hint = "; decode bytes first, e.g. data.decode('utf-8')" if isinstance(text, (bytes, bytearray)) else ""
+        raise InvalidPromptTypeError(f"encode() takes a str, got {type(text).__name__}{hint}")
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidPromptError(
+            f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character index {e.start}, which is not "
+            "valid Unicode; remove it or pass valid Unicode (e.g. decode bytes with errors='replace', not "
+            "'surrogateescape')"
+        ) from e
+
+
+def _check_utf8(strings: list[str], what: str = "token") -> None:
+    """GGUF strings are decoded with surrogateescape; `tokenizers` refuses the surrogates that invalid UTF-8 leaves."""
+    try:
+        "".join(strings).encode("utf-8")
+    except UnicodeEncodeError:
+        for i, t in enumerate(strings):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise TokenizerLoadError(f"GGUF {what} {i} ({_short(t)}) is not valid UTF-8; the file is corrupt, "
+                                         "re-convert it") from None
+
+
+def _gguf_list(metadata: dict[str, Any], key: str, kind: type, what: str) -> list | None:
+    """A GGUF array of `kind` (bools are not numbers here), or None when absent."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+        raise TokenizerLoadError(f"GGUF {key} must be an array of {what}, got {_short(value)}; the file is corrupt, "
+                                 "re-convert it")
+    return value
+
+
+def _gguf_token_id(metadata: dict[str, Any], key: str) -> int | None:
+    """A GGUF token id; None when absent or negative (some converters write -1 for "none")."""
+    value = metadata.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TokenizerLoadError(f"GGUF {key} must be a token id (an integer), got {_short(value)}; the file is "
+                                 "corrupt, re-convert it")
+    return int(value) if value >= 0 else None
+
+
+def _check_config(config: dict[str, Any], origin: dict[str, str] | None = None) -> dict[str, Any]:
+    """Type-check the tokenizer_config entries this module reads and compile its chat template, so a bad value fails
+    at load naming its file (`origin`: config key -> file; "tokenizer_config" for a dict passed in directly)."""
+
+    def where(key: str) -> str:
+        return (origin or {}).get(key, "tokenizer_config")
+
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = config.get(key)
+        if value is not None and _token_string(value) is None:
+            raise TokenizerLoadError(f"{where(key)}: {key} must be a string or an object with a \"content\" string, "
+                                     f"got {_short(value)}; fix {key}")
+    add_bos = config.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise TokenizerLoadError(f"{where('add_bos_token')}: add_bos_token must be true or false, got "
+                                 f"{_short(add_bos)}")
+    template = config.get("chat_template")
+    valid = template is None or isinstance(template, str) or (isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in template))
+    if not valid:
+        raise TokenizerLoadError(f"{where('chat_template')}: chat_template must be a string or a list of "
+                                 f"{{\"name\", \"template\"}} objects, got {_short(template)}")
+    _check_checkpoint_template(_config_chat_template(config), where("chat_template"))
+    return config

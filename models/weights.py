@@ -15,8 +15,8 @@ from flax import struct
 
 from models import quant as quant_lib
 from models.config import ModelConfig
-from models.errors import MissingWeightError, WeightShapeError
-from models.quant import QuantizedArray
+from models.errors import InvalidLoadOptionError, MissingWeightError, WeightShapeError
+from pallas_kernels.quant_format import QuantizedArray
 
 
 @struct.dataclass
@@ -62,19 +62,22 @@ def weights_from_state_dict(
     quantized round-to-nearest at load, group 32; int4 uses the asymmetric Q4_1 format; the embedding stays int8).
     """
     if quant not in QUANT_MODES:
-        raise ValueError(f"quant={quant!r} is not one of {QUANT_MODES}")
+        choices = ", ".join(map(repr, QUANT_MODES))
+        raise InvalidLoadOptionError(f"quant={quant!r} is not supported; use one of {choices}")
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
 
     def need(name: str, shape: tuple[int, ...]):
         t = get(name)
         if t is None:
-            raise MissingWeightError(f"tensor {name!r} is missing from the checkpoint (expected shape {shape})")
+            raise MissingWeightError(f"tensor {name!r} is missing from the checkpoint (expected shape {shape})",
+                                     tensor=name)
         got = tuple(reversed(t.shape)) if isinstance(t, QuantizedArray) else tuple(np.shape(t))
         if got != shape:
             raise WeightShapeError(
                 f"tensor {name!r} has shape {got}, but the config implies {shape}; "
-                "check that config.json belongs to these weights"
+                "check that config.json belongs to these weights",
+                tensor=name,
             )
         return t if isinstance(t, QuantizedArray) else np.asarray(t).astype(np.float32)
 

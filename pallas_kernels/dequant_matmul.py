@@ -1,8 +1,8 @@
 """Dequantizing matmul `x @ dequantize(qa)`: the pure-jnp reference, the XLA fast path for the CPU, a Pallas kernel.
 
-`qa` is a `models.quant.QuantizedArray` standing for a float matrix `[in, out]` (groups of `group_size` along `in`;
-kinds "q4_1", "q4_0", "int8"; layout and nibble order in `models/quant.py`). Every implementation returns float32
-`[N, out]` accumulated in float32.
+`qa` is a `pallas_kernels.quant_format.QuantizedArray` standing for a float matrix `[in, out]` (groups of
+`group_size` along `in`; kinds "q4_1", "q4_0", "int8"; layout and nibble order in `quant_format.py`; `models/quant.py`
+makes them). Every implementation returns float32 `[N, out]` accumulated in float32.
 
 - `dequant_matmul_reference`: dequantize to float32, one dot at HIGHEST precision. The spec.
 - XLA path (`impl="xla"`, the CPU default): dequantize into a float32 matrix and run one dot. On XLA:CPU this
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from models.quant import QuantizedArray, dequantize
+from pallas_kernels.quant_format import QuantizedArray, dequantize
 
 IMPLS = ("auto", "xla", "pallas", "reference")
 

@@ -1,4 +1,6 @@
-"""QuantizedArray: quantization error bounds, lossless GGUF block import, stack/slice/concat, nbytes."""
+"""QuantizedArray: quantization error bounds, `dequantize` against a NumPy decoding of the raw fields, lossless GGUF
+block import, stack/slice/concat, nbytes; `models.linear.matmul`, the entry point that routes quantized weights to
+the dequant-matmul implementation `impl` names."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from models import quant
-from models.quant import QuantizedArray
+from models.linear import MATMUL_IMPLS, matmul
+from pallas_kernels import dequant_matmul as dm
+from pallas_kernels.quant_format import QuantizedArray, check, dequantize
+from tests.pallas_kernels.helpers import names_of, numpy_dequantize, spy
 
 KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None), ("q4_1", 16), ("int8", 64)]
 
@@ -29,10 +34,10 @@ def _groups(a, g):  # [in, out] -> [in/g, g, out]
 @pytest.mark.parametrize("kind,group_size", KINDS)
 def test_quantize_error_bounds(kind, group_size):
     w = _w()
-    qa = quant.check(quant.quantize(w, kind, group_size))
+    qa = check(quant.quantize(w, kind, group_size))
     g = group_size or w.shape[0]
     assert qa.group_size == g and qa.shape == w.shape and qa.kind == kind
-    err = _groups(np.abs(np.asarray(quant.dequantize(qa)) - w), g)  # [in/g, g, out]
+    err = _groups(np.abs(np.asarray(dequantize(qa)) - w), g)  # [in/g, g, out]
     d = np.abs(np.asarray(qa.scales, np.float32))[:, None, :]  # [in/g, 1, out]
     if kind == "q4_1":
         m = np.abs(np.asarray(qa.mins, np.float32))[:, None, :]
@@ -46,12 +51,24 @@ def test_quantize_error_bounds(kind, group_size):
     assert np.linalg.norm(err) / np.linalg.norm(w) < rel
 
 
+@pytest.mark.parametrize("kind,group_size", KINDS)
+def test_dequantize_matches_numpy_decoding_of_the_raw_fields(kind, group_size):
+    """`dequantize` against an element-by-element NumPy decoding of the documented layout (nibble order included),
+    for single and stacked arrays."""
+    qas = [quant.quantize(_w(seed=i), kind, group_size) for i in range(2)]
+    for qa in qas:
+        np.testing.assert_allclose(np.asarray(dequantize(qa)), numpy_dequantize(qa), rtol=1e-6, atol=1e-7)
+    dense = np.asarray(dequantize(quant.stack(qas)))  # [2, in, out]
+    np.testing.assert_allclose(dense, np.stack([numpy_dequantize(qa) for qa in qas]), rtol=1e-6, atol=1e-7)
+    assert dequantize(qas[0], dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "int8"])
 def test_quantize_constant_and_zero_groups(kind):
     w = np.zeros((64, 4), np.float32)
     w[:, 1] = 0.5  # a constant column: zero range
     w[:32, 2] = -0.25
-    got = np.asarray(quant.dequantize(quant.quantize(w, kind)))
+    got = np.asarray(dequantize(quant.quantize(w, kind)))
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got[:, 0], 0.0)
     if kind == "q4_1":  # scale 0, min = the constant
@@ -62,10 +79,10 @@ def test_quantize_constant_and_zero_groups(kind):
 
 def test_quantize_float32_scales_are_tighter():
     w = _w(seed=3)
-    e16 = np.abs(np.asarray(quant.dequantize(quant.quantize(w, "int8", None))) - w).max()
+    e16 = np.abs(np.asarray(dequantize(quant.quantize(w, "int8", None))) - w).max()
     qa32 = quant.quantize(w, "int8", None, scale_dtype=jnp.float32)
     assert qa32.scales.dtype == jnp.float32 and qa32.scales.shape == (1, w.shape[1])
-    assert np.abs(np.asarray(quant.dequantize(qa32)) - w).max() <= e16 * 1.01
+    assert np.abs(np.asarray(dequantize(qa32)) - w).max() <= e16 * 1.01
 
 
 @pytest.mark.parametrize(
@@ -90,11 +107,11 @@ def test_quantize_rejects_odd_q4_group():
 def test_check_rejects_inconsistent_leaves():
     qa = quant.quantize(_w(), "q4_1")
     with pytest.raises(ValueError, match="mins must be given"):
-        quant.check(qa.replace(mins=None))
+        check(qa.replace(mins=None))
     with pytest.raises(ValueError, match="values must be uint8"):
-        quant.check(qa.replace(values=qa.values[:-2]))
+        check(qa.replace(values=qa.values[:-2]))
     with pytest.raises(ValueError, match="scales must be"):
-        quant.check(qa.replace(scales=qa.scales[:, :-1]))
+        check(qa.replace(scales=qa.scales[:, :-1]))
 
 
 # ----------------------------------------------------------------------------------------------- GGUF import
@@ -122,10 +139,10 @@ def test_gguf_import_is_exact(qt, source):
     else:
         raw = _random_blocks(qt, out, k)
     assert raw.shape == (out, k // 32 * _BLOCK_BYTES[qt]) and raw.dtype == np.uint8
-    qa = quant.check(_FROM[qt](raw, (out, k)))
+    qa = check(_FROM[qt](raw, (out, k)))
     assert qa.shape == (k, out) and qa.group_size == 32
     want = gguf.quants.dequantize(raw, qt)  # [out, in] float32
-    got = np.asarray(quant.dequantize(qa))
+    got = np.asarray(dequantize(qa))
     np.testing.assert_array_equal(got, want.T)
     idx = jnp.asarray([5, 0, out - 1, 5])
     np.testing.assert_array_equal(np.asarray(quant.gather_out(qa, idx)), want[np.asarray(idx)])
@@ -146,7 +163,7 @@ def test_gguf_import_through_writer_and_reader(tmp_path, qt):
     shape_out_in = tuple(int(d) for d in reversed(t.shape.tolist()))
     assert shape_out_in == (out, k)
     qa = _FROM[qt](t.data, shape_out_in)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(qa)), gguf.quants.dequantize(t.data, qt).T)
+    np.testing.assert_array_equal(np.asarray(dequantize(qa)), gguf.quants.dequantize(t.data, qt).T)
 
 
 def test_gguf_import_rejects_wrong_sizes():
@@ -171,7 +188,7 @@ def test_smollm2_gguf_tensors_import_exactly():
         shape_out_in = tuple(int(d) for d in reversed(t.shape.tolist()))
         qa = _FROM[qt](t.data, shape_out_in)
         want = gguf.quants.dequantize(t.data, qt).reshape(shape_out_in)
-        np.testing.assert_array_equal(np.asarray(quant.dequantize(qa)), want.T, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(dequantize(qa)), want.T, err_msg=name)
         if qt == QT.Q8_0:  # the tied embedding's rows, looked up without dequantizing the whole table
             ids = jnp.asarray([1, 2, 49151, 100])
             np.testing.assert_array_equal(np.asarray(quant.gather_out(qa, ids)), want[np.asarray(ids)])
@@ -183,18 +200,18 @@ def test_stack_slice_round_trip(kind, group_size):
     qas = [quant.quantize(_w(seed=i), kind, group_size) for i in range(3)]
     st = quant.stack(qas)
     assert st.batch_shape == (3,) and st.shape == qas[0].shape
-    dense = np.asarray(quant.dequantize(st))  # [3, in, out]
+    dense = np.asarray(dequantize(st))  # [3, in, out]
     for i, qa in enumerate(qas):
         sl = jax.tree.map(lambda a, i=i: a[i], st)
         assert (sl.kind, sl.group_size, sl.shape, sl.batch_shape) == (qa.kind, qa.group_size, qa.shape, ())
         for a, b in zip(jax.tree_util.tree_leaves(sl), jax.tree_util.tree_leaves(qa)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        np.testing.assert_array_equal(dense[i], np.asarray(quant.dequantize(qa)))
+        np.testing.assert_array_equal(dense[i], np.asarray(dequantize(qa)))
 
     # lax.scan over the stack hands the body one layer's QuantizedArray
     def body(c, layer_qa):
         assert isinstance(layer_qa, QuantizedArray) and layer_qa.batch_shape == ()
-        return c, quant.dequantize(layer_qa)[0]
+        return c, dequantize(layer_qa)[0]
 
     _, rows = jax.lax.scan(body, 0, st)
     np.testing.assert_array_equal(np.asarray(rows), dense[:, 0])
@@ -203,20 +220,20 @@ def test_stack_slice_round_trip(kind, group_size):
 @pytest.mark.parametrize("kind,group_size", [("q4_1", 32), ("q4_0", 16), ("int8", 32), ("int8", None)])
 def test_concat_out(kind, group_size):
     parts = [quant.quantize(_w(n=n, seed=n), kind, group_size) for n in (48, 16, 16)]
-    cat = quant.check(quant.concat_out(parts))
+    cat = check(quant.concat_out(parts))
     assert cat.shape == (128, 80)
-    want = np.concatenate([np.asarray(quant.dequantize(p)) for p in parts], axis=1)
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(cat)), want)
+    want = np.concatenate([np.asarray(dequantize(p)) for p in parts], axis=1)
+    np.testing.assert_array_equal(np.asarray(dequantize(cat)), want)
     # concat of stacks == stack of concats (the loader may do either)
     st = quant.concat_out([quant.stack([p, p]) for p in parts])
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(st)), np.stack([want, want]))
+    np.testing.assert_array_equal(np.asarray(dequantize(st)), np.stack([want, want]))
 
 
 def test_select_out_permutes_columns():
     qa = quant.quantize(_w(), "q4_1")
     perm = np.random.default_rng(0).permutation(qa.shape[1])
-    sel = quant.check(quant.select_out(qa, perm))
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(sel)), np.asarray(quant.dequantize(qa))[:, perm])
+    sel = check(quant.select_out(qa, perm))
+    np.testing.assert_array_equal(np.asarray(dequantize(sel)), np.asarray(dequantize(qa))[:, perm])
     with pytest.raises(ValueError, match="within"):
         quant.select_out(qa, [qa.shape[1]])
 
@@ -240,3 +257,36 @@ def test_nbytes():
     assert quant.nbytes(quant.quantize(w, "q4_0")) == k * n // 2 + (k // 32) * n * 2  # 0.5625
     assert quant.nbytes(quant.quantize(w, "int8")) == k * n + (k // 32) * n * 2  # 1.0625
     assert quant.nbytes(quant.quantize(w, "int8", None)) == k * n + n * 2
+
+
+# --------------------------------------------------------------------------------------- the matmul entry point
+IMPL_FUNCTIONS = ["dequant_matmul_reference", "dequant_matmul_xla", "dequant_matmul_pallas"]
+
+
+@pytest.mark.parametrize("impl", MATMUL_IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_routes_quantized_weights_to_the_impl(monkeypatch, impl, dtype):
+    """A `QuantizedArray` goes to the dequant-matmul implementation `impl` names (and only to it); the result is
+    `x @ w + bias` in x's dtype."""
+    calls = spy(monkeypatch, dm, IMPL_FUNCTIONS)
+    qa = quant.quantize(_w(), "q4_1")
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 128)), dtype)
+    bias = jnp.asarray(np.random.default_rng(4).normal(size=48), jnp.float32)
+    got = matmul(x, qa, bias, impl=impl)
+    assert got.dtype == dtype and got.shape == (3, 48)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ numpy_dequantize(qa) + np.asarray(bias, np.float64)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the bf16 result is rounded to bf16
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
+    ran = {"auto": "pallas" if jax.default_backend() == "gpu" else "xla"}.get(impl, impl)
+    assert names_of(calls) == [f"dequant_matmul_{ran}"]
+
+
+def test_matmul_of_float_weights_is_a_plain_dot(monkeypatch):
+    calls = spy(monkeypatch, dm, IMPL_FUNCTIONS)
+    w = _w()
+    x = np.random.default_rng(3).normal(size=(3, 128)).astype(np.float32)
+    got = matmul(jnp.asarray(x), jnp.asarray(w, jnp.bfloat16), impl="pallas")  # impl only concerns quantized w
+    assert got.dtype == jnp.float32
+    want = x.astype(np.float64) @ np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert calls == []

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import load_model
 from models.llama import forward, greedy_generate
-from models.quant import QuantizedArray
+from pallas_kernels import dequant_matmul as dm
+from pallas_kernels.quant_format import QuantizedArray
+from tests.pallas_kernels.helpers import names_of, spy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -47,18 +50,23 @@ def test_keep_on_a_float_checkpoint_keeps_floats(tiny_dir):
         load_model(tiny_dir, quant="int3", load_tokenizer=False)
 
 
-def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir):
+def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monkeypatch):
     from paged import DynamicGenerator, Job, SamplingSettings
     from tests.paged.fakes import drain
 
     m = load_model(tiny_dir, quant="int8", load_tokenizer=False)
     expected = greedy_generate(m.params, m.config, [5, 6, 7], 4)
+    calls = spy(monkeypatch, dm, ["dequant_matmul_reference", "dequant_matmul_xla", "dequant_matmul_pallas"])
     for impl in ("xla", "pallas"):
+        jax.clear_caches()  # the spy records while the step traces: make sure it does
+        calls.clear()
         g = DynamicGenerator(m, num_pages=6, page_size=8, max_batch_size=1, max_chunk_size=16, max_seq_len=16,
                              matmul_impl=impl, max_penalty_range=0)
         g.enqueue(Job([5, 6, 7], 4, gen_settings=SamplingSettings.greedy(), identifier="q"))
         c = drain(g)
         assert [t for r in c.results if r["stage"] == "streaming" for t in r["token_ids"]] == expected, impl
+        # every quantized matmul of the step (the layers' projections and the LM head) went through `impl`
+        assert calls and set(names_of(calls)) == {f"dequant_matmul_{impl}"}, (impl, set(names_of(calls)))
 
 
 @pytest.mark.slow

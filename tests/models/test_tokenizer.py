@@ -244,19 +244,43 @@ def test_gguf_metadata_fields(gguf_bpe_tok: Tokenizer, hf_tok: Tokenizer, gguf_s
     assert gguf_sp_tok.add_bos_token is True  # llama.cpp's default for sentencepiece vocabularies
 
 
+# Pre-tokens of PRE_TEXT under each family's split (hand-derived from the regexes in models/tokenizer.py):
+#   gpt2:   It | ' | S | " 2024" | "\n\n " | " x" | ( | ab | " zebra"     (case-sensitive 's; digits with one space)
+#   llama3: It | 'S | " " | 202 | 4 | "\n\n" | " " | " x" | (ab | " zebra"  (any-case 'S, digits in threes, newlines
+#           apart, one punctuation mark joins the letters after it)
+#   qwen2:  as llama3, but every digit alone
+#   smollm: every digit alone, then the gpt2 split:
+#           It | ' | S | " " | 2 | 0 | 2 | 4 | "\n\n " | " x" | ( | ab | " zebra"
+# The tiny vocabulary gains the tokens 'S, ĊĊ and ĊĊĠ (with merges) and Ġzebra (without merges: only llama3, which
+# takes a whole pre-token that is in the vocabulary without merging, emits it), so each family's token pieces differ.
+PRE_TEXT = "It'S 2024\n\n  x(ab zebra"
+_GPT2_PIECES = ["It", "'", "S", " 2", "02", "4", "\n\n ", " ", "x", "(", "ab", " ", "z", "e", "b", "r", "a"]
+PRE_PIECES = {
+    "default": _GPT2_PIECES,
+    "some-future-model": _GPT2_PIECES,  # unknown: the GPT-2 split, with a warning
+    "llama3": ["It", "'S", " ", "2", "02", "4", "\n\n", " ", " ", "x", "(", "ab", " zebra"],
+    "qwen2": ["It", "'S", " ", "2", "0", "2", "4", "\n\n", " ", " ", "x", "(", "ab", " ", "z", "e", "b", "r", "a"],
+    "smollm": ["It", "'", "S", " ", "2", "0", "2", "4", "\n\n ", " ", "x", "(", "ab", " ", "z", "e", "b", "r", "a"],
+}
+
+
 @pytest.mark.parametrize("pre", ["llama3", "qwen2", "smollm", "default", "some-future-model"])
 def test_gguf_pre_tokenizers_round_trip(gguf_tmp: Path, pre: str, caplog) -> None:
+    meta = _bpe_gguf_metadata(gguf_tmp, pre)
+    extra = ["'S", "ĊĊ", "ĊĊĠ", "Ġzebra"]
+    assert not set(extra) & set(meta["tokenizer.ggml.tokens"])
+    meta = {**meta, "tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"], *extra],
+            "tokenizer.ggml.token_type": [*meta["tokenizer.ggml.token_type"], *[1] * len(extra)],
+            "tokenizer.ggml.merges": [*meta["tokenizer.ggml.merges"], "' S", "Ċ Ċ", "ĊĊ Ġ"]}
     with caplog.at_level(logging.WARNING, logger="models.tokenizer"):
-        tok = Tokenizer.from_gguf_metadata(_bpe_gguf_metadata(gguf_tmp, pre))
+        tok = Tokenizer.from_gguf_metadata(meta)
     assert ("not known" in caplog.text) == (pre == "some-future-model")
     for text in SAMPLES:
         assert tok.decode(tok.encode(text)) == text
-    digit_runs = [tok.id_to_piece(i) for i in tok.encode("year 2024 and 1234567 items")]
-    longest = max(sum(c.isdigit() for c in p) for p in digit_runs)
-    if pre == "smollm":
-        assert longest == 1  # every digit is its own pre-token
-    elif pre == "llama3":
-        assert longest <= 3  # numbers split into groups of at most three digits
+    ids = tok.encode(PRE_TEXT)
+    assert [tok.id_to_piece(i) for i in ids] == PRE_PIECES[pre]
+    assert (tok.token_to_id("Ġzebra") in ids) == (pre == "llama3")
+    assert tok.decode(ids) == PRE_TEXT
 
 
 # ---- special tokens -------------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""dequant_matmul: the XLA path and the Pallas kernel (interpret mode on the CPU) against the pure-jnp reference."""
+"""dequant_matmul: the reference, the XLA path and the Pallas kernel (interpret mode on the CPU) against an independent
+NumPy decoding of the quantized format (float64); which implementation the `impl` switch ran; that the kernel runs
+the tuning it is given."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,16 @@ from pallas_kernels.dequant_matmul import (
     _check_tuning,
     default_tuning,
     dequant_matmul,
-    dequant_matmul_reference,
 )
+from pallas_kernels.quant_format import QuantizedArray
+from tests.pallas_kernels.helpers import equations, find, names_of, numpy_matmul, spy
+
+# impl -> the function of `pallas_kernels.dequant_matmul` that runs it
+IMPL_FUNCTIONS = {
+    "reference": "dequant_matmul_reference",
+    "xla": "dequant_matmul_xla",
+    "pallas": "dequant_matmul_pallas",
+}
 
 KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None)]
 K, OUT = 128, 64  # small: interpret mode costs grid points x operand bytes
@@ -39,11 +50,28 @@ def _close(got, want, rtol=2e-5):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
 
 
+@pytest.fixture
+def ran(monkeypatch) -> Callable[[], list[str]]:
+    """`ran()`: the implementations ("reference", "xla", "pallas") `dequant_matmul` has called so far, in order."""
+    calls = spy(monkeypatch, dm, list(IMPL_FUNCTIONS.values()))
+    impl_of = {function: impl for impl, function in IMPL_FUNCTIONS.items()}
+    return lambda: [impl_of[name] for name in names_of(calls)]
+
+
+@pytest.mark.parametrize("kind,group_size", KINDS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_reference_matches_numpy(kind, group_size, n, ran):
+    qa, x = _qa(kind, group_size), _x(n)
+    _close(dequant_matmul(x, qa, impl="reference"), numpy_matmul(x, qa))
+    assert ran() == ["reference"]
+
+
 @pytest.mark.parametrize("kind,group_size", KINDS)
 @pytest.mark.parametrize("n", [1, 3, 16])
-def test_xla_matches_reference(kind, group_size, n):
+def test_xla_matches_numpy(kind, group_size, n, ran):
     qa, x = _qa(kind, group_size), _x(n)
-    _close(jax.jit(functools.partial(dequant_matmul, impl="xla"))(x, qa), dequant_matmul_reference(x, qa))
+    _close(jax.jit(functools.partial(dequant_matmul, impl="xla"))(x, qa), numpy_matmul(x, qa))
+    assert ran() == ["xla"]
 
 
 @pytest.mark.parametrize("kind,group_size", KINDS)
@@ -51,8 +79,12 @@ def test_xla_chunked_over_out(monkeypatch, kind, group_size):
     """Large matrices loop over output-column chunks: 2 full chunks of 128 columns and a 64-column tail here."""
     monkeypatch.setattr(dm, "XLA_CHUNK_ABOVE", 0)
     monkeypatch.setattr(dm, "XLA_CHUNK_BYTES", 4 * K * 128)
+    dots = spy(monkeypatch, dm, ["_xla_dot"])
     qa, x = _qa(kind, group_size, out=320), _x(3)
-    _close(dequant_matmul(x, qa, impl="xla"), dequant_matmul_reference(x, qa))
+    _close(dequant_matmul(x, qa, impl="xla"), numpy_matmul(x, qa))
+    # the loop body (traced once) dots one 128-column chunk, then the tail its 64 columns
+    assert [args[1].shape for _, args, _ in dots] == [(K, 128), (K, 64)]
+    assert [e.params["length"] for e in find(dm.dequant_matmul_xla, x, qa, primitive="scan")] == [2]  # full chunks
 
 
 # (kind, group, N, tuning): every kind at N in {1, 3, 16}, cycling through tuning points (None = default_tuning).
@@ -69,28 +101,51 @@ _PALLAS_CASES = [
 ]
 
 
+def _kernel_plan(n: int, k: int, out: int, t: MatmulTuning) -> tuple[tuple[int, ...], int, int]:
+    """What tuning `t` makes the kernel run: its grid (x row blocks, output column blocks, input splits), the padded
+    row count of x, and the loop steps (of `block_in` rows) each program takes."""
+    n_pad = -(-n // t.block_n) * t.block_n
+    return (n_pad // t.block_n, out // t.block_out, t.split_in), n_pad, k // t.split_in // t.block_in
+
+
+def _traced_plan(*args, **kwargs) -> tuple[tuple[int, ...], int, int]:
+    """`_kernel_plan` as read off the program `dequant_matmul(*args, **kwargs)` traces to."""
+    (call,) = find(dequant_matmul, *args, primitive="pallas_call", **kwargs)
+    (loop,) = [e for e in equations(call.params["jaxpr"]) if e.primitive.name == "scan"]
+    return tuple(call.params["grid_mapping"].grid), call.invars[0].aval.shape[0], loop.params["length"]
+
+
 @pytest.mark.parametrize("kind,group_size,n,tuning", _PALLAS_CASES)
-def test_pallas_matches_reference(kind, group_size, n, tuning):
+def test_pallas_matches_numpy(kind, group_size, n, tuning, ran):
     qa, x = _qa(kind, group_size), _x(n)
     got = dequant_matmul(x, qa, impl="pallas", config=tuning, interpret=True)
-    _close(got, dequant_matmul_reference(x, qa))
+    _close(got, numpy_matmul(x, qa))
+    assert ran() == ["pallas"]
+    # the kernel ran with the tuning asked for (or the default one), not some other blocking
+    want = _kernel_plan(n, K, OUT, tuning or default_tuning(n, qa))
+    assert _traced_plan(x, qa, impl="pallas", config=tuning, interpret=True) == want
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("kind", ["q4_1", "int8"])
-def test_bf16_activations(impl, kind):
+def test_bf16_activations(impl, kind, ran):
+    """bf16 x: XLA upcasts it, the kernel dots it with the quants converted to bf16 (exact); both accumulate in
+    float32, so the result is the float64 product of the bf16-rounded x up to float32 rounding."""
     qa, x = _qa(kind, 32), _x(5, dtype=jnp.bfloat16)
     got = dequant_matmul(x, qa, impl=impl)
-    _close(got, dequant_matmul_reference(x, qa), rtol=2e-2)  # the weight is rounded to bf16 (XLA) or exact (Pallas)
+    _close(got, numpy_matmul(np.asarray(x.astype(jnp.float32)), qa), rtol=1e-4)
+    assert ran() == [impl]
 
 
-def test_odd_sizes():
+def test_odd_sizes(ran):
     """N=5, out=48 (no power-of-two tile above 16), in=96 (3 groups): default tuning copes; the grid is 1 x 3."""
     qa, x = _qa("q4_1", 32, k=96, out=48), _x(5, k=96)
     assert default_tuning(5, qa) == MatmulTuning(block_n=16, block_out=16, block_in=32, split_in=1)
-    want = dequant_matmul_reference(x, qa)
+    want = numpy_matmul(x, qa)
     _close(dequant_matmul(x, qa, impl="pallas"), want)
     _close(dequant_matmul(x, qa, impl="xla"), want)
+    assert ran() == ["pallas", "xla"]
+    assert _traced_plan(x, qa, impl="pallas") == ((1, 3, 1), 16, 3)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +181,7 @@ def test_gpu_shape_rules_checked_before_lowering():
 )
 @pytest.mark.parametrize("n", [1, 16, 300])
 def test_default_tuning_fits_smollm2_shapes(k, out, group_size, n):
-    qa = quant.QuantizedArray(
+    qa = QuantizedArray(
         values=jax.ShapeDtypeStruct((k, out), jnp.int8),
         scales=jax.ShapeDtypeStruct((1, out), jnp.float16),
         mins=None,
@@ -150,11 +205,10 @@ def test_entry_point_errors():
         dequant_matmul(x, jnp.zeros((128, 64)))
 
 
-def test_auto_is_xla_on_cpu():
-    if jax.default_backend() != "cpu":
-        pytest.skip("checks the CPU default")
+def test_auto_is_pallas_on_gpu_and_xla_elsewhere(ran):
     qa, x = _qa("q4_0", 32), _x(3)
-    np.testing.assert_array_equal(np.asarray(dequant_matmul(x, qa)), np.asarray(dequant_matmul(x, qa, impl="xla")))
+    _close(dequant_matmul(x, qa), numpy_matmul(x, qa), rtol=1e-3)
+    assert ran() == ["pallas" if jax.default_backend() == "gpu" else "xla"]
 
 
 @pytest.mark.gpu
@@ -164,4 +218,4 @@ def test_auto_is_xla_on_cpu():
 @pytest.mark.parametrize("k,out", [(576, 1536), (1536, 576)])
 def test_native_gpu_kernel(kind, group_size, n, k, out):
     qa, x = _qa(kind, group_size, k=k, out=out), _x(n, k=k)
-    _close(dequant_matmul(x, qa, impl="pallas", interpret=False), dequant_matmul_reference(x, qa), rtol=1e-3)
+    _close(dequant_matmul(x, qa, impl="pallas", interpret=False), numpy_matmul(x, qa), rtol=1e-3)

@@ -1,6 +1,7 @@
 """Paged attention: the jnp reference against a plain NumPy loop; the XLA fast path and the Pallas kernel
 (interpret mode on the CPU, natively on a GPU) against the reference over sampled shapes, ragged mixes and
-tunings; int8 KV; the `impl` switch; tuning validation."""
+tunings (checking the kernel runs the blocking the tuning asks for); int8 KV; the `impl` switch (checking which
+implementation ran); tuning validation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import (
     AttentionTuning,
     PrefillDecodeLayout,
@@ -22,6 +24,25 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention_xla,
 )
 from pallas_kernels.tuning import default_tuning
+from tests.pallas_kernels.helpers import find, names_of, spy
+
+# impl -> the function of `pallas_kernels.paged_attention` that runs it
+IMPL_FUNCTIONS = {
+    "reference": "ragged_paged_attention_reference",
+    "xla": "ragged_paged_attention_xla",
+    "pallas": "ragged_paged_attention_pallas",
+}
+IMPL_OF = {function: impl for impl, function in IMPL_FUNCTIONS.items()}
+
+
+def spy_impls(monkeypatch) -> list[tuple[str, tuple, dict]]:
+    """Record every call `paged_attention` makes to an implementation, as `(function name, args, kwargs)`."""
+    return spy(monkeypatch, pa, list(IMPL_FUNCTIONS.values()))
+
+
+def impls(calls: list[tuple[str, tuple, dict]]) -> list[str]:
+    """The implementations ("reference", "xla", "pallas") recorded by `spy_impls`, in order."""
+    return [IMPL_OF[name] for name in names_of(calls)]
 
 
 def numpy_attention(q, k_pages, v_pages, qstart, qlens, kvlens, table, scale, window=None, soft_cap=None):
@@ -105,8 +126,6 @@ def test_reference_matches_numpy_and_xla_matches_reference(case, window):
 def test_xla_decode_rows_in_cache_sized_groups_match_the_reference(monkeypatch, budget_rows, int8):
     """On the CPU the XLA path maps over groups of decode rows when their gathered pages would not fit in cache;
     a small budget forces groups of 1, 2 and 4 rows here."""
-    from pallas_kernels import paged_attention as pa
-
     layout, ps, kh, g, d, max_ctx = PrefillDecodeLayout(1, 8, 8), 8, 2, 2, 16, 40
     row_bytes = -(-max_ctx // ps) * ps * kh * d * 4 * 2
     monkeypatch.setattr(pa, "CPU_DECODE_GATHER_BYTES", budget_rows * row_bytes)
@@ -121,9 +140,14 @@ def test_xla_decode_rows_in_cache_sized_groups_match_the_reference(monkeypatch, 
     args = [jnp.asarray(a) for a in (q, kp, vp)]
     ref = ragged_paged_attention_reference(*args, layout_query_start(layout), jnp.asarray(qlens),
                                            jnp.asarray(kvlens), jnp.asarray(table), sm_scale=d**-0.5, **scales)
-    fast = ragged_paged_attention_xla.__wrapped__(  # un-jitted: the budget is read while tracing
-        *args, jnp.asarray(qlens), jnp.asarray(kvlens), jnp.asarray(table), layout=layout, sm_scale=d**-0.5, **scales)
+    xla = ragged_paged_attention_xla.__wrapped__  # un-jitted: the budget is read while tracing
+    meta = (jnp.asarray(qlens), jnp.asarray(kvlens), jnp.asarray(table))
+    fast = xla(*args, *meta, layout=layout, sm_scale=d**-0.5, **scales)
     np.testing.assert_allclose(np.asarray(fast), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    if jax.default_backend() == "cpu":  # the 8 decode rows really ran as a loop over groups of `budget_rows`
+        loops = find(xla, *args, *meta, primitive="scan", layout=layout, sm_scale=d**-0.5, **scales)
+        assert [e.params["length"] for e in loops] == [8 // budget_rows]
+
 
 def test_soft_cap():
     layout = PrefillDecodeLayout(1, 8, 2)
@@ -239,6 +263,13 @@ def test_kernel_matches_reference(case):
         expected = np.asarray(ragged_paged_attention_reference(*ref_args, **kw))
         got = ragged_paged_attention_pallas(*args, config=tuning, interpret=True, **kw)
         assert got.shape == args[0].shape and got.dtype == args[0].dtype
+        if tuning is not None and mix == 0:  # the kernel runs the tuning asked for
+            (call,) = find(ragged_paged_attention_pallas, *args, primitive="pallas_call", config=tuning,
+                           interpret=True, **kw)
+            t_count, p = args[0].shape[0], args[6].shape[1]
+            # grid (token blocks, KV heads, key splits); the page table (operand 5) padded to whole page blocks
+            assert tuple(call.params["grid_mapping"].grid) == (-(-t_count // tuning.block_q), kh, tuning.k_splits)
+            assert call.invars[5].aval.shape[1] == -(-p // tuning.pages_per_block) * tuning.pages_per_block
         tol = 3e-2 if kv_dtype == "bf16" else 2e-5
         np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), expected, atol=tol, rtol=tol)
         if kv_dtype != "int8":  # the reference itself against the NumPy loop
@@ -316,17 +347,34 @@ def test_scales_must_come_in_pairs_with_pool_shape():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_paged_attention_impl_switch():
+def test_paged_attention_impl_switch(monkeypatch):
+    """Each `impl` runs its implementation (and only it), with the right result."""
     layout = PrefillDecodeLayout(1, 8, 3)
     rng = np.random.default_rng(5)
     q, kp, vp, qlens, kvlens, table = random_case(rng, layout, 8, 2, 2, 8, 30)
     qstart = layout_query_start(layout)
     args = [jnp.asarray(x) for x in (q, kp, vp)] + [qstart] + [jnp.asarray(x) for x in (qlens, kvlens, table)]
-    expected = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.3))
-    for impl, lay in [("reference", None), ("xla", layout), ("xla", None), ("auto", layout), ("auto", None),
-                      ("pallas", layout)]:
-        got = paged_attention(*args, sm_scale=0.3, impl=impl, layout=lay)
+    expected = numpy_attention(*(np.asarray(a) for a in args), 0.3)
+    gpu = jax.default_backend() == "gpu"
+    cases = [  # (impl, layout, the implementation that must run)
+        ("reference", None, "reference"),
+        ("reference", layout, "reference"),
+        ("xla", layout, "xla"),
+        ("xla", None, "reference"),  # the XLA path needs the layout
+        ("auto", layout, "pallas" if gpu else "xla"),
+        ("auto", None, "pallas" if gpu else "reference"),
+        ("pallas", layout, "pallas"),
+        ("pallas", None, "pallas"),
+    ]
+    calls = spy_impls(monkeypatch)
+    for impl, lay, want in cases:
+        calls.clear()
+        got = paged_attention(*args, sm_scale=0.3, impl=impl, layout=lay, interpret=True)  # head_dim 8: no GPU
         np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=2e-5, err_msg=f"{impl} {lay}")
+        assert impls(calls) == [want], (impl, lay)
+        if want == "pallas" and lay is not None:  # the layout's longest query picks the kernel's default tuning
+            assert calls[0][2]["config"] == default_tuning(num_tokens=layout.num_tokens, max_query_len=8,
+                                                           num_kv_heads=2, page_size=8, pages_per_row=table.shape[1])
     with pytest.raises(ValueError, match="'triton'"):
         paged_attention(*args, sm_scale=0.3, impl="triton")
 
@@ -403,8 +451,6 @@ def test_kernel_native_gpu_matches_reference(case):
 def test_layer_of_a_stacked_cache_equals_that_layers_slice(monkeypatch, impl, int8):
     """`layer=` reads one layer of the stacked `[L, ...]` cache (the XLA path gathers from the stack directly, also
     inside the CPU's row groups) exactly as passing that layer's slice."""
-    from pallas_kernels import paged_attention as pa
-
     monkeypatch.setattr(pa, "CPU_DECODE_GATHER_BYTES", 1)  # row groups of one on the CPU
     layout, ps, kh, g, d, max_ctx = PrefillDecodeLayout(1, 8, 4), 8, 2, 2, 16, 40
     rng = np.random.default_rng(11)
@@ -420,8 +466,14 @@ def test_layer_of_a_stacked_cache_equals_that_layers_slice(monkeypatch, impl, in
     args = (jnp.asarray(q),)
     rest = (layout_query_start(layout), jnp.asarray(qlens), jnp.asarray(kvlens), jnp.asarray(table))
     kw = dict(sm_scale=d**-0.5, impl=impl, layout=layout)
+    calls = spy_impls(monkeypatch)
     for layer in range(3):
-        pick = lambda a: None if a is None else a[layer]
+        pick = lambda a, i=layer: None if a is None else a[i]
         want = paged_attention(*args, kp[layer], vp[layer], *rest, k_scales=pick(ks), v_scales=pick(vs), **kw)
+        calls.clear()
         got = paged_attention(*args, kp, vp, *rest, k_scales=ks, v_scales=vs, layer=jnp.int32(layer), **kw)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+        (name, call_args, call_kw), = calls
+        assert IMPL_OF[name] == impl
+        if impl == "xla":  # handed the whole stack and the layer index, not a slice
+            assert call_args[1].shape == kp.shape and int(call_kw["layer"]) == layer

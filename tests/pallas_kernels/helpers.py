@@ -1,0 +1,94 @@
+"""Test helpers for the kernels: which implementation ran (spies), what a traced program contains (jaxpr walks),
+and an independent NumPy decoding of the quantized-weight format."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+from pallas_kernels.quant_format import QuantizedArray
+
+
+# ------------------------------------------------------------------------------------------------------- spies
+def spy(monkeypatch: pytest.MonkeyPatch, module: ModuleType, names: list[str]) -> list[tuple[str, tuple, dict]]:
+    """Wrap the functions `names` of `module` (looked up by the module's own code at call time) so that each call
+    is recorded as `(name, args, kwargs)` and then forwarded. Calls happen while tracing, so a jitted caller records
+    only when it (re)traces: use fresh static arguments, or `jax.clear_caches()` first."""
+    calls: list[tuple[str, tuple, dict]] = []
+
+    def recording(name: str, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in names:
+        monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
+    return calls
+
+
+def names_of(calls: list[tuple[str, tuple, dict]]) -> list[str]:
+    return [c[0] for c in calls]
+
+
+# ------------------------------------------------------------------------------------------------------ jaxprs
+def _sub_jaxprs(value: Any) -> Iterator[Jaxpr]:
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(v, ClosedJaxpr):
+            yield v.jaxpr
+        elif isinstance(v, Jaxpr):
+            yield v
+
+
+def equations(jaxpr: Jaxpr | ClosedJaxpr) -> Iterator[JaxprEqn]:
+    """Every equation of `jaxpr`, nested ones (jit, scan, while, cond, pallas_call bodies) included."""
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from equations(sub)
+
+
+def find(fn: Callable, *args, primitive: str, **kwargs) -> list[JaxprEqn]:
+    """The equations of primitive `primitive` in the program `fn(*args, **kwargs)` traces to."""
+    jaxpr = jax.make_jaxpr(functools.partial(fn, **kwargs))(*args)
+    return [e for e in equations(jaxpr) if e.primitive.name == primitive]
+
+
+
+# --------------------------------------------------------------------------------------- the format in NumPy
+def numpy_dequantize(qa: QuantizedArray) -> np.ndarray:
+    """float64 `[in, out]` from the raw leaves of one (unstacked) `qa`, element by element from the documented
+    format: element `i` of column `o` is in group `g = i // G`; for q4 kinds its quant is the low nibble of packed
+    row `g * G/2 + i % G` when `i % G < G/2`, else the high nibble of packed row `g * G/2 + i % G - G/2`."""
+    k, out = qa.shape
+    g = qa.group_size
+    i = np.arange(k)
+    group = i // g  # [in]
+    scales = np.asarray(qa.scales, np.float64)[group]  # [in, out]
+    values = np.asarray(qa.values)
+    if qa.kind == "int8":
+        return values.astype(np.float64) * scales
+    r = i % g
+    low = r < g // 2
+    packed = values[group * (g // 2) + np.where(low, r, r - g // 2)].astype(np.int64)  # [in, out]
+    q = np.where(low[:, None], packed & 15, packed >> 4).astype(np.float64)
+    if qa.kind == "q4_1":
+        return q * scales + np.asarray(qa.mins, np.float64)[group]
+    assert qa.kind == "q4_0", qa.kind
+    return (q - 8.0) * scales
+
+
+def numpy_matmul(x: np.ndarray, qa: QuantizedArray) -> np.ndarray:
+    """`x` `[N, in]` @ the matrix `qa` stands for, in float64 NumPy: an oracle independent of `dequantize`."""
+    return np.asarray(x, np.float64) @ numpy_dequantize(qa)

@@ -256,6 +256,7 @@ def test_open_loop_respects_arrival_times_with_a_fake_clock():
     w = _random(6, output_len=3, range_ratio=0.0)
     arrivals = [0.0, 0.0, 0.5, 0.52, 2.0, 2.0]
     res = runner.run_benchmark(gen, w.requests, arrivals=arrivals, clock=clock, sleep=clock.sleep)
+    assert len(res.records) == 6
     for rec, a in zip(res.records, arrivals):
         assert rec.scheduled == a and rec.arrival == a  # no concurrency limit: sent on arrival
         assert rec.enqueued >= a  # never before its arrival
@@ -272,7 +273,7 @@ def test_rate_and_concurrency_together():
     w = _random(8, output_len=5, range_ratio=0.0)
     arr = [0.0, 0.001, 0.002, 0.003, 1.0, 1.001, 1.002, 5.0]
     res = runner.run_benchmark(gen, w.requests, arrivals=arr, max_concurrency=1, clock=clock, sleep=clock.sleep)
-    assert res.max_in_flight == 1
+    assert res.max_in_flight == 1 and len(res.records) == 8 and all(r.output_tokens == 5 for r in res.records)
     prev_end = None
     for rec, a in zip(res.records, arr):
         assert rec.enqueued >= rec.arrival >= rec.scheduled == a
@@ -288,6 +289,7 @@ def test_open_loop_real_clock_small_rate():
     w = _random(8, output_len=2, range_ratio=0.0)
     res = runner.run_benchmark(fake_gen(), w.requests, request_rate=100.0, seed=1)
     sched = workloads.arrival_times(8, 100.0, 1.0, seed=1)
+    assert len(res.records) == 8 and all(r.success and r.output_tokens == 2 for r in res.records)
     for rec, a in zip(res.records, sched):
         assert rec.scheduled == pytest.approx(a) and rec.enqueued >= a
     assert res.duration >= sched[-1]

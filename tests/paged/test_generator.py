@@ -47,7 +47,7 @@ def test_shared_prefix_jobs_are_exact_and_share_pages(gen):
         gen.enqueue(Job(p, 5, gen_settings=SamplingSettings.greedy(), identifier=("shared", i)))
     gen.iterate()
     shared = [j.pages[:3] for j in gen.active]
-    assert all(s == shared[0] for s in shared)
+    assert len(shared) == 3 and all(s == shared[0] for s in shared)
     c = drain(gen)
     for i, p in enumerate(prompts):
         assert tokens_of(c, ("shared", i)) == greedy_generate(MODEL.params, CFG, p, 5)
@@ -69,9 +69,18 @@ def test_seeded_job_samples_the_same_alone_and_in_a_crowd(gen):
         gen.enqueue(Job(list(rng.integers(0, 96, size=7 + i)), 8, gen_settings=s, seed=i, identifier=("crowd", i)))
     gen.enqueue(Job(prompt, 8, gen_settings=s, seed=42, identifier="crowded"))
     assert tokens_of(drain(gen), "crowded") == alone
+    # it really samples: greedy decoding with the same penalty and another seed both give other tokens
+    gen.enqueue([Job(prompt, 8, gen_settings=SamplingSettings.greedy(repetition_penalty=1.1), identifier="greedy"),
+                 Job(prompt, 8, gen_settings=s, seed=43, identifier="other seed")])
+    c = drain(gen)
+    for other in ("greedy", "other seed"):
+        assert len(tokens_of(c, other)) == 8
+        assert sum(a != b for a, b in zip(tokens_of(c, other), alone)) >= 4, (other, tokens_of(c, other), alone)
 
 
 def test_min_new_tokens_and_stop_token(gen):
+    from models.llama import forward
+
     prompt = [1, 2, 3]
     ref = greedy_generate(MODEL.params, CFG, prompt, 6)
     stop = ref[1]
@@ -79,17 +88,50 @@ def test_min_new_tokens_and_stop_token(gen):
     c = drain(gen)
     assert c.finals["s"]["eos_reason"] == "stop_token" and c.finals["s"]["new_tokens"] == 2
     assert tokens_of(c, "s") == ref[:1]
+    # with min_new_tokens=3 the stop token is banned for the first 3 tokens: dense greedy decoding with that ban
+    out, reason = [], "max_new_tokens"
+    while len(out) < 6:
+        logits = np.array(forward(MODEL.params, CFG, np.asarray([prompt + out], np.int32)))[0, -1]
+        if len(out) < 3:
+            logits[stop] = -np.inf
+        t = int(np.argmax(logits))
+        if t == stop:
+            reason = "stop_token"
+            break
+        out.append(t)
+    assert out[:1] == ref[:1] and out[1] != stop
+    gen.enqueue(Job(prompt, 6, gen_settings=SamplingSettings.greedy(), stop_conditions=[stop], min_new_tokens=3,
+                    identifier="m"))
+    c = drain(gen)
+    assert tokens_of(c, "m") == out and c.finals["m"]["eos_reason"] == reason
+    assert c.finals["m"]["new_tokens"] == len(out) + (reason == "stop_token") >= 3
 
 
 def test_return_probs_top_tokens_and_logits(gen):
-    gen.enqueue(Job([4, 4, 4], 3, gen_settings=SamplingSettings.greedy(), return_probs=True, return_top_tokens=3,
+    from models.llama import forward
+
+    prompt = [4, 4, 4]
+    gen.enqueue(Job(prompt, 3, gen_settings=SamplingSettings.greedy(), return_probs=True, return_top_tokens=3,
                     return_logits=True, identifier="x"))
     c = drain(gen)
     rows = [r for r in c.results if r["identifier"] == "x" and r["stage"] == "streaming"]
-    for r in rows:
-        assert r["top_k_tokens"][0][0] == r["token_ids"][0]  # greedy: the chosen token is the most probable
-        assert 0 < r["token_probs"][0] <= 1 and len(r["top_k_probs"][0]) == 3
-        assert r["logits"].shape == (1, CFG.vocab_size) and int(np.argmax(r["logits"][0])) == r["token_ids"][0]
+    tokens = [t for r in rows for t in r["token_ids"]]
+    assert tokens == greedy_generate(MODEL.params, CFG, prompt, 3)
+    assert [len(r["token_ids"]) for r in rows] == [1, 1, 1]  # no tokenizer: every token is released at once
+    # the dense forward over prompt + output gives the reference distribution at each sampled position
+    ref = np.asarray(forward(MODEL.params, CFG, np.asarray([prompt + tokens], np.int32)))[0][len(prompt) - 1 : -1]
+    ref_probs = np.exp(ref - ref.max(-1, keepdims=True))
+    ref_probs /= ref_probs.sum(-1, keepdims=True)
+    for r, t, logits, probs in zip(rows, tokens, ref, ref_probs, strict=True):
+        assert len(r["token_probs"]) == len(r["top_k_tokens"]) == len(r["top_k_probs"]) == len(r["logits"]) == 1
+        top = np.argsort(-probs)[:3].tolist()
+        assert r["top_k_tokens"][0] == top and top[0] == t  # greedy: the chosen token is the most probable
+        np.testing.assert_allclose(r["top_k_probs"][0], probs[top], rtol=1e-4)
+        assert r["top_k_probs"][0] == sorted(r["top_k_probs"][0], reverse=True) and sum(r["top_k_probs"][0]) <= 1
+        np.testing.assert_allclose(r["token_probs"][0], probs[t], rtol=1e-4)
+        assert r["token_probs"][0] == pytest.approx(r["top_k_probs"][0][0], rel=1e-6)
+        assert r["logits"].shape == (1, CFG.vocab_size)
+        np.testing.assert_allclose(r["logits"][0], logits, atol=1e-4 * np.abs(logits).max())
 
 
 def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
@@ -118,12 +160,14 @@ def test_warmup_compiles_every_bucket_once_and_forgets_the_prompt_cache():
 
     g = DynamicGenerator(MODEL, num_pages=12, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=16,
                          max_penalty_range=0)
+    start = count_compiles()["step"]  # no other test here uses this geometry: none of its buckets is compiled yet
     g.enqueue(Job(list(range(1, 12)), 3, gen_settings=SamplingSettings.greedy()))
     drain(g)
     assert g.pool.num_cached > 0
     shapes = g.engine.spec.all_shapes()
+    assert 0 < count_compiles()["step"] - start < len(shapes)
     n = g.warmup()
-    assert n == len(shapes)
+    assert n == len(shapes) == count_compiles()["step"] - start  # every bucket, each compiled once
     assert g.pool.num_cached == 0 and g.pool.num_free == g.pool.num_pages
     before = count_compiles()["step"]
     g.warmup()  # everything is compiled now
@@ -183,4 +227,5 @@ def test_multi_step_decode_matches_single_steps_token_for_token():
         assert tokens_of(four, i) == tokens_of(one, i), f"job {i}"
         p1 = [p for r in one.results if r["identifier"] == i for p in r.get("token_probs", [])]
         p4 = [p for r in four.results if r["identifier"] == i for p in r.get("token_probs", [])]
+        assert len(p1) == len(p4) == 13
         np.testing.assert_allclose(p4, p1, rtol=1e-5)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
-from tests.paged.fakes import ByteTokenizer, Collected, FakeEngine, drain
+from tests.paged.fakes import ByteTokenizer, Collected, FakeEngine, drain, fake_logprob, fake_top_k
 
 TOK = ByteTokenizer()
 
@@ -22,6 +23,41 @@ def job(prompt, n=5, **kw):
                gen_settings=kw.pop("gen_settings", SamplingSettings.greedy()), **kw)
 
 
+EXTRAS = ("token_probs", "top_k_tokens", "top_k_probs")
+
+
+def assert_extras(c, ident, prompt_len, probs=False, top=0):
+    """Every streaming result of `ident` carries, per released token, exactly the fake engine's probability and
+    top-k for that token at its position (prompt_len + index among the released tokens); results that release no
+    token carry none. Returns the released tokens."""
+    rows = [r for r in c.results if r["identifier"] == ident and r["stage"] == "streaming"]
+    assert rows, ident
+    released = []
+    for r in rows:
+        toks = r["token_ids"]
+        if not toks or not (probs or top):
+            assert not any(key in r for key in EXTRAS), (ident, r)
+            released += toks
+            continue
+        pos = [prompt_len + len(released) + i for i in range(len(toks))]
+        if probs:
+            want = [float(np.exp(np.float32(fake_logprob(t, p)))) for t, p in zip(toks, pos)]
+            assert r["token_probs"] == pytest.approx(want, rel=1e-6, abs=0), (ident, toks, pos)
+        else:
+            assert "token_probs" not in r
+        if top:
+            want_ids = [fake_top_k(t, p, top)[0] for t, p in zip(toks, pos)]
+            want_probs = [np.exp(np.float32(fake_top_k(t, p, top)[1])).tolist() for t, p in zip(toks, pos)]
+            assert r["top_k_tokens"] == want_ids, (ident, toks, pos)
+            assert len(r["top_k_probs"]) == len(toks) and all(len(x) == top for x in r["top_k_probs"])
+            for got, want in zip(r["top_k_probs"], want_probs):
+                assert got == pytest.approx(want, rel=1e-6, abs=0), (ident, toks, pos)
+        else:
+            assert "top_k_tokens" not in r and "top_k_probs" not in r
+        released += toks
+    return released
+
+
 def test_result_stages_and_counts():
     gen = make()
     gen.enqueue(job("abc", 4))  # fake: next = last + 1 -> "defg"
@@ -34,6 +70,54 @@ def test_result_stages_and_counts():
     for key in ("job", "serial", "identifier", "time_enqueued", "time_prefill", "time_generate", "held"):
         assert key in final
     assert [r["token_ids"] for r in c.results if r["stage"] == "streaming"] == [[100], [101], [102], [103]]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_probs_and_top_k_stay_aligned_with_the_released_tokens(decode_steps):
+    """token_probs / top_k_tokens / top_k_probs are the engine's values for each released token at its position:
+    through UTF-8 and stop-string hold-back (held tokens keep their extras until released), a banned-string rewind
+    (the taken-back tokens' extras are dropped), a stop token (its extras are dropped) and multi-step bursts."""
+    script = {ord("Q"): (1, list(b"bad ok")), ord("P"): (1, list(b"one xxy two xy three xy four xyz five")),
+              ord("U"): (1, list("\u00e9\U0001f600".encode()))}
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(max_batch_size=6, script=script),
+                           decode_steps=decode_steps)
+    gen.enqueue([
+        job("Q", 6, identifier="banned", banned_strings=["bad"], return_probs=True, return_top_tokens=3),
+        job("P", 40, identifier="stop-string", stop_conditions=["xyz"], return_probs=True, return_top_tokens=3),
+        job([1, 2, 3], 60, identifier="stop-token", stop_conditions=[40], return_probs=True, return_top_tokens=1),
+        job("U", 6, identifier="utf8", return_probs=True),
+        job("abc", 24, identifier="plain", return_top_tokens=2),
+    ])
+    c = drain(gen)
+    assert len(c.finals) == 5
+    # "bad" is rewound: 'b' is banned at its position, the fake takes 'c' (other extras than 'b' would have)
+    assert assert_extras(c, "banned", 1, probs=True, top=3) == list(b"cad ok")
+    assert c.finals["banned"]["full_completion"] == "cad ok"
+    assert len([r for r in c.results if r.get("suppressed_text")]) == 1
+    # "x" and "xy" are held and released with a later token ("xx": the first 'x' alone, while the second waits);
+    # the stop string's own tokens come out (with their extras) in the final result, whose text stops before it
+    stop = assert_extras(c, "stop-string", 1, probs=True, top=3)
+    assert stop == list(b"one xxy two xy three xy four xyz")
+    assert c.finals["stop-string"]["full_completion"] == "one xxy two xy three xy four "
+    assert c.finals["stop-string"]["token_ids"] == list(b"xyz") and c.finals["stop-string"]["text"] == ""
+    held_back = [r for r in c.results if r["identifier"] == "stop-string" and r["stage"] == "streaming"
+                 and not r["token_ids"]]
+    assert len(held_back) == 8  # "x" and "y" four times; "z" completes the last "xyz"
+    assert [r["token_ids"] for r in c.results if r["identifier"] == "stop-string" and r.get("text") == "xy "] == [
+        list(b"xy ")] * 3
+    # the stop token (40) ends the job; its extras are not released
+    assert assert_extras(c, "stop-token", 3, probs=True, top=1) == list(range(4, 40))
+    assert c.finals["stop-token"]["held"]["token_ids"] == [40]
+    # "\u00e9" and "\U0001f600" arrive in 2 + 4 byte tokens: held until complete, then released with their extras
+    assert assert_extras(c, "utf8", 1, probs=True) == list("\u00e9\U0001f600".encode())
+    assert [len(r["token_ids"]) for r in c.results if r["identifier"] == "utf8" and r["stage"] == "streaming"] == [
+        0, 2, 0, 0, 0, 4]
+    assert assert_extras(c, "plain", 3, top=2) == list(range(ord("d"), ord("d") + 24))
+    if decode_steps > 1:
+        assert len(gen.engine.bursts) >= 5  # the stop-string, stop-token and plain jobs ran in bursts
+    else:
+        assert gen.engine.bursts == []
+    gen.pool.check({})
 
 
 def test_chunked_prefill_reports_progress_and_samples_in_the_last_chunk():
@@ -149,8 +233,10 @@ def test_cancel_and_clear_queue_free_pages_and_emit_nothing():
     gen.enqueue([j1, j2, j3])
     gen.iterate()
     gen.cancel(j2)
-    results = drain(gen).results
-    assert all(r["identifier"] != 2 for r in results if r["stage"] == "streaming")
+    c = drain(gen)
+    assert all(r["identifier"] != 2 for r in c.results if r["stage"] == "streaming")
+    assert {i: f["full_completion"] for i, f in c.finals.items()} == {1: "bcdefghijklmnopqrstu",
+                                                                      3: "defghijklmnopqrstuvw"}
     gen.pool.check({})
     gen.enqueue([job("d", 50, identifier=4), job("e", 50, identifier=5)])
     gen.iterate()
@@ -240,7 +326,9 @@ def test_banned_strings_with_other_jobs_in_the_batch():
     c = drain(gen)
     assert c.finals["q"]["full_completion"] == "fine text"
     assert c.finals["abc"]["full_completion"] == "defgh"
-    assert "no" not in c.finals["p"]["full_completion"].lower()
+    # "no" and "NO" (banned strings match any case) are each rewound: the 'n' / 'N' is banned, the fake takes 'o' / 'O'
+    assert c.finals["p"]["full_completion"] == "oh oo OO" and c.finals["p"]["new_tokens"] == 8
+    assert [r["suppressed_text"] for r in c.results if r.get("suppressed_text")] == ["no", "NO"]
     gen.pool.check({})
 
 
@@ -309,6 +397,16 @@ def _multi_step_jobs():
     ]
 
 
+MULTI_STEP_COMPLETIONS = {
+    "banned": "yz{",  # "xy" is rewound: 'x' banned at its position, the fake takes 'y'
+    "plain": "defghijklmnopqrstuvwxyz{|}~\x7f\ufffd\ufffd",  # bytes 0x80, 0x81 are not UTF-8
+    "stop-token": bytes(range(4, 17)).decode(),
+    "stop-string": "klmnopqr",
+    "min-new": "suvwxyz{|",  # 't' banned until 9 tokens are out; then 125 ('}') stops it
+    "probs": "DEFGHIJKLMNOPQRSTUVWX",
+}
+
+
 @pytest.mark.parametrize("max_batch_size", [2, 6])
 def test_multi_step_decode_gives_the_same_results_in_fewer_engine_calls(max_batch_size):
     def run(steps):
@@ -332,8 +430,11 @@ def test_multi_step_decode_gives_the_same_results_in_fewer_engine_calls(max_batc
     tokens = lambda c: {i: [t for r in c.results if r["stage"] == "streaming" and r["identifier"] == i
                             for t in r["token_ids"]] for i in c.finals}
     assert tokens(four) == tokens(one)
-    probs = lambda c: [r.get("token_probs") for r in c.results if r["identifier"] == "probs" and "text" in r]
-    assert probs(four) == probs(one)
+    assert len(one.finals) == len(four.finals) == 6
+    assert {i: f["full_completion"] for i, f in one.finals.items()} == MULTI_STEP_COMPLETIONS
+    for c in (one, four):  # exact probabilities of every token, also those produced inside bursts
+        assert assert_extras(c, "probs", 3, probs=True, top=2) == list(range(ord("D"), ord("D") + 21))
+        assert assert_extras(c, "stop-string", 4) == list(b"klmnopqrstu")
     assert one.finals["stop-token"]["eos_reason"] == "stop_token" and one.finals["stop-string"]["eos_reason"] == \
         "stop_string"
 

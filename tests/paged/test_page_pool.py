@@ -3,10 +3,14 @@ of hashing, collisions and LRU."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged import Job, SamplingSettings
+from paged.errors import JobTooLargeError
 from paged.page_pool import PagePool, chain_hashes
 from tests.paged.fakes import ByteTokenizer, FakeEngine
 
@@ -21,9 +25,25 @@ def held_refs(gen) -> dict[int, int]:
     return refs
 
 
+def fake_completion(prompt: list[int], n: int, ban_cd: bool) -> list[int]:
+    """What the fake engine emits: last token + 1, n times. With "cd" banned, a 'c' that a 'd' follows is rewound
+    and banned at its position, so the fake takes the next id, 'd', there; a 'c' that is the job's last token stays
+    (the job ends before anything can follow it)."""
+    out, last = [], prompt[-1]
+    while len(out) < n:
+        t = (last + 1) % TOK.vocab_size
+        if ban_cd and t == ord("c") and len(out) < n - 1:
+            t = ord("d")
+        out.append(t)
+        last = t
+    return out
+
+
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("enqueue"), st.sampled_from(["", "AAAAAAAA", "AAAAAAAABBBBBBBB", "CCCCCCCCCCCCCCCC"]),
+        # the 40-token prefix makes jobs that can never fit the smaller pools (rejected at enqueue)
+        st.tuples(st.just("enqueue"),
+                  st.sampled_from(["", "AAAAAAAA", "AAAAAAAABBBBBBBB", "CCCCCCCCCCCCCCCC", "D" * 40]),
                   st.text(alphabet="abc", min_size=1, max_size=12), st.integers(1, 12), st.booleans()),
         st.tuples(st.just("cancel"), st.integers(0, 50)),
         st.tuples(st.just("iterate"), st.integers(1, 4)),
@@ -32,41 +52,99 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, page_size=st.sampled_from([4, 8]), num_pages=st.integers(8, 24))
-def test_pool_invariants_hold_under_random_operations(ops, page_size, num_pages):
+def run_random_operations(ops, page_size, num_pages, totals: Counter) -> None:
+    """Apply `ops`; after every operation and every iterate the pool's reference counts are exactly those of the
+    live jobs and every job's cache holds its sequence. Every job that was not cancelled finishes with exactly the
+    fake's tokens; a cancelled one emits nothing more."""
     from paged import DynamicGenerator
 
     gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=num_pages, page_size=page_size,
                                                             max_batch_size=3, max_chunk_size=8, max_seq_len=64))
-    jobs = []
+    jobs: list[Job] = []
+    cancelled: set[int] = set()
+    tokens: dict[int, list[int]] = {}
+    started: set[int] = set()
+    finals: dict[int, dict] = {}
+
+    def check():
+        gen.pool.check(held_refs(gen))
+        for j in gen.active:  # every active job's written context is what the cache holds (shared pages too)
+            for pos in range(j.kv_position):
+                page = j.pages[pos // page_size]
+                assert gen.engine.written[(page, pos % page_size)] == j.sequence[pos], (j, pos)
+
+    def iterate():
+        for r in gen.iterate():
+            i = r["identifier"]
+            assert i not in cancelled and i not in finals, r  # nothing after a cancel or the final result
+            if r["stage"] == "started":
+                started.add(i)
+            if r["stage"] == "streaming":
+                assert i in started
+                tokens[i] = tokens.get(i, []) + r["token_ids"]
+                totals["rewinds"] += bool(r.get("suppressed_text"))
+            if r["eos"]:
+                finals[i] = r
+        check()
+
     for op in ops:
         if op[0] == "enqueue":
             _, prefix, suffix, n, ban = op
             # the fake emits last+1, so "...a" continues "bcd...": banning "cd" forces rewinds
             j = Job(TOK.encode(prefix + suffix), n, gen_settings=SamplingSettings.greedy(),
-                    banned_strings=["cd"] if ban else None)
-            try:
+                    banned_strings=["cd"] if ban else None, identifier=len(jobs))
+            if -(-(j.prompt_len + n) // page_size) > gen.pool.num_pages:  # can never fit: rejected, nothing queued
+                with pytest.raises(JobTooLargeError, match="pages"):
+                    gen.enqueue(j)
+                assert j not in gen.pending
+                totals["rejected"] += 1
+            else:
                 gen.enqueue(j)
                 jobs.append(j)
-            except ValueError:
-                pass  # too large for this pool: rejected without side effects
         elif op[0] == "cancel" and jobs:
-            gen.cancel(jobs[op[1] % len(jobs)])
+            j = jobs[op[1] % len(jobs)]
+            if j.identifier not in finals and j.identifier not in cancelled:
+                totals["cancelled_running" if j in gen.active else "cancelled_queued"] += 1
+                cancelled.add(j.identifier)
+            gen.cancel(j)
         else:
             for _ in range(op[1]):
-                gen.iterate()
-        gen.pool.check(held_refs(gen))
-        # every active job's written context is what the cache holds for it (shared pages included)
-        eng = gen.engine
-        for j in gen.active:
-            for pos in range(j.kv_position):
-                page = j.pages[pos // page_size]
-                assert eng.written[(page, pos % page_size)] == j.sequence[pos], (j, pos)
-    while gen.num_remaining_jobs():
-        gen.iterate()
+                iterate()
+        check()
+    for _ in range(1000):
+        if not gen.num_remaining_jobs():
+            break
+        iterate()
+    assert gen.num_remaining_jobs() == 0
     gen.pool.check({})
     assert gen.pool.num_referenced == 0
+    for j in jobs:
+        i = j.identifier
+        if i in cancelled:
+            continue
+        f = finals[i]
+        assert f["eos_reason"] == "max_new_tokens" and f["new_tokens"] == j.max_new_tokens
+        want = fake_completion(j.input_ids, j.max_new_tokens, bool(j.banned_strings))
+        assert tokens[i] == want, (j, tokens[i], want)
+        assert f["full_completion"] == TOK.decode(want)
+        totals["finished"] += 1
+        totals["finished_banned"] += bool(j.banned_strings)
+        totals["cached_tokens"] += f["cached_tokens"]
+
+
+def test_pool_invariants_hold_under_random_operations():
+    totals: Counter = Counter()
+
+    @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=ops, page_size=st.sampled_from([4, 8]), num_pages=st.integers(8, 24))
+    def check(ops, page_size, num_pages):
+        run_random_operations(ops, page_size, num_pages, totals)
+
+    check()
+    # the examples really exercised admission, decoding, rewinds, prefix sharing, rejection and cancellation
+    assert totals["finished"] >= 60 and totals["finished_banned"] >= 30 and totals["rewinds"] >= 10, totals
+    assert totals["cached_tokens"] > 0 and totals["rejected"] >= 5, totals
+    assert totals["cancelled_running"] >= 8 and totals["cancelled_queued"] >= 15, totals
 
 
 def test_chain_hash_depends_on_the_whole_prefix():

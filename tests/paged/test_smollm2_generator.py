@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -88,11 +89,40 @@ def test_bulk_processing_with_timing_and_prompt_cache(generator):
     assert generator.metrics()["prefix_hits"] > 0
 
 
-def test_generate_api_matches_transformers_greedy(generator):
+@pytest.fixture(scope="module")
+def hf():
+    """transformers' model loaded from the same embedded GGUF: the independent oracle."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from models.embedded import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
+def test_generate_api_matches_transformers_greedy(generator, hf, monkeypatch):
+    import torch
+
     from paged import SamplingSettings
 
     tok = generator.tokenizer
-    text = generator.generate("The capital of France is", max_new_tokens=8, gen_settings=SamplingSettings.greedy())
-    ids = tok.encode("The capital of France is")
-    assert text == tok.decode(tok.encode(text))  # clean text
+    prompt = "The capital of France is"
+    streamed = []
+    iterate = generator.iterate
+
+    def spy():  # the token ids generate() receives for its job
+        results = iterate()
+        streamed.extend(t for r in results if r["identifier"] == ("generate", 0) and r["stage"] == "streaming"
+                        for t in r["token_ids"])
+        return results
+
+    monkeypatch.setattr(generator, "iterate", spy)
+    text = generator.generate(prompt, max_new_tokens=8, gen_settings=SamplingSettings.greedy())
+    ids = tok.encode(prompt)  # what generate() encodes (no BOS by default)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = out[0, len(ids) :].tolist()
+    assert len(want) == 8 and streamed == want, (streamed, want)
+    assert text == tok.decode(want)
     assert "Paris" in text, (ids, text)

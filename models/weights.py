@@ -16,7 +16,7 @@ from flax import struct
 from models import quant as quant_lib
 from models.config import ModelConfig
 from models.errors import InvalidLoadOptionError, MissingWeightError, WeightShapeError
-from pallas_kernels.quant_format import QuantizedArray
+from pallas_kernels.quant_format import QuantizedArray, dequantize
 
 
 @struct.dataclass
@@ -82,7 +82,7 @@ def weights_from_state_dict(
         return t if isinstance(t, QuantizedArray) else np.asarray(t).astype(np.float32)
 
     def as_float(t) -> np.ndarray:  # -> [in, out]
-        return np.asarray(quant_lib.dequantize(t)) if isinstance(t, QuantizedArray) else t.T
+        return np.asarray(dequantize(t)) if isinstance(t, QuantizedArray) else t.T
 
     def linear(parts: list, kind: str | None = None):
         """Fuse `[out_i, in]` tensors along `out` into one `[in, sum out_i]` matrix, float or quantized."""
@@ -99,8 +99,8 @@ def weights_from_state_dict(
         if all(isinstance(m, QuantizedArray) for m in mats):
             if len({(m.kind, m.group_size, m.shape) for m in mats}) == 1:
                 return quant_lib.stack(mats)
-            mats = [quant_lib.dequantize(m) for m in mats]  # mixed formats across layers: fall back to float
-        return jnp.stack([m if not isinstance(m, QuantizedArray) else quant_lib.dequantize(m) for m in mats]).astype(
+            mats = [dequantize(m) for m in mats]  # mixed formats across layers: fall back to float
+        return jnp.stack([m if not isinstance(m, QuantizedArray) else dequantize(m) for m in mats]).astype(
             dtype)
 
     def p(i: int, rest: str) -> str:

@@ -92,25 +92,20 @@ def device_breakdown(model, rows: int) -> dict:
     from paged.batch import RowInput, build_batch
     from paged.engine import Engine
     from paged.sampling import sample
-    from paged.step import step
     from pallas_kernels.paged_attention import layout_query_start, paged_attention
 
     cfg, params = model.config, model.params
     ps = FLAGS.page_size
     per_row = -(-(FLAGS.context + 1) // ps)
     eng = Engine(model, num_pages=1 + rows * per_row, page_size=ps, max_batch_size=rows, max_chunk_size=256,
-                 max_seq_len=per_row * ps, cache_dtype=FLAGS.cache_dtype)
+                 max_seq_len=per_row * ps, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0)
     pages = [list(range(1 + r * per_row, 1 + (r + 1) * per_row)) for r in range(rows)]
     row_inputs = [RowInput(tokens=[1], start_pos=FLAGS.context, pages=p) for p in pages]
     shape = eng.shape_for(row_inputs)
-    batch, _ = build_batch(row_inputs, shape, ps)
-    kw = dict(cfg=cfg, shape=shape, attn_impl=eng.attn_impl, matmul_impl=eng.matmul_impl)
+    batch, _ = build_batch(row_inputs, shape, ps, eng.vocab_size)
 
-    state = {"s": eng.state}
-
-    def full(b):
-        state["s"], res = step(params, state["s"], b, **kw)
-        return res.token
+    def full(b):  # the engine's step: forward + sampler, as `Engine.run` dispatches it
+        return eng._dispatch(b, shape, False, 1).token
 
     h0 = embed_tokens(params, batch.token_ids)
 
@@ -122,11 +117,14 @@ def device_breakdown(model, rows: int) -> dict:
     qs = layout_query_start(lay)
     kc, vc = eng.state.k[0], eng.state.v[0]
     q = jnp.zeros((lay.num_tokens, cfg.num_heads, cfg.head_dim), jnp.float32)
+    read = -(-(FLAGS.context + 1) // ps)  # attention reads the context bucket holding the rows (run-time choice)
+    used_pages = next((p for p in shape.page_buckets if p >= read), shape.pages_per_row)
+    table = batch.page_table[:, :used_pages]
 
     @jax.jit
     def attention_all_layers(q, kc, vc):
         def body(o, _):
-            o = paged_attention(o, kc, vc, qs, batch.query_lens, batch.kv_lens, batch.page_table,
+            o = paged_attention(o, kc, vc, qs, batch.query_lens, batch.kv_lens, table,
                                 sm_scale=cfg.head_dim**-0.5, impl=eng.attn_impl, layout=lay)
             return o, None
 
@@ -139,14 +137,14 @@ def device_breakdown(model, rows: int) -> dict:
                       bias_ids=batch.bias_ids, bias_values=batch.bias_values).token
 
     it = FLAGS.iters
-    rec = dict(rows=rows, shape=str(dataclasses.asdict(shape)),
+    rec = dict(rows=rows, shape=str(dataclasses.asdict(shape)), pages_read=used_pages,
                step_ms=1e3 * best_time(lambda: full(batch), it),
                layers_without_attention_ms=1e3 * best_time(
                    lambda: layers_no_attention(params, h0, batch.positions), it),
                attention_ms=1e3 * best_time(lambda: attention_all_layers(q, kc, vc), it),
                logits_sampling_ms=1e3 * best_time(lambda: logits_and_sample(params, h0[: shape.num_rows]), it))
     kv_item = np.dtype(eng.state.k.dtype).itemsize
-    keys = shape.pages_per_row * ps
+    keys = used_pages * ps
     rec["attention_bytes_per_step"] = 2 * rows * keys * cfg.num_kv_heads * cfg.head_dim * kv_item * cfg.num_layers
     return rec
 

@@ -1,11 +1,13 @@
-"""Host-side construction of a `Batch` from per-row inputs, padded to a `BatchShape` (numpy, no device work)."""
+"""Host-side construction of a `Batch` from per-row inputs, padded to a `BatchShape` (numpy, then copied to the
+device; no device computation, so nothing here compiles)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from paged.sampling import SamplingParams
@@ -30,40 +32,65 @@ class RowInput:
         return len(self.tokens) == 1
 
 
-def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int) -> tuple[Batch, list[int]]:
-    """Lay `rows` out in `shape`: multi-token rows in prefill windows, single-token rows in decode slots.
+@functools.lru_cache(maxsize=64)
+def _zero_bias(num_rows: int, vocab_size: int) -> jax.Array:
+    """A device-resident zero dense bias [S, V], shared by every batch without dense-bias rows (no copy per step)."""
+    return jax.device_put(np.zeros((num_rows, vocab_size), np.float32))
 
+
+def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
+                sample_rows: int | None = None) -> tuple[Batch, list[int]]:
+    """Lay `rows` out in `shape`: multi-token rows in prefill windows (the longest first), single-token rows in the
+    decode slots or, in a prefill layout, in the padding of the last window right after its chunk.
+
+    The sampler inputs cover the first `sample_rows` rows (default: all), which must hold every row given. Logit
+    bias: up to `shape.num_bias` entries of a row go in the sparse arrays; a row with more goes in the dense
+    `[S', V]` bias, which needs `vocab_size` (without it, `Batch.bias_dense` is None and such a row is an error).
     Returns the batch and, for each input row, its row index in the batch (where its results come out).
     """
     lay = shape.layout
+    sp, qm = lay.num_prefill_rows, lay.max_q_len
     s_count, t_count, p = shape.num_rows, shape.num_tokens, shape.pages_per_row
-    pre = [i for i, r in enumerate(rows) if not r.is_decode]
+    s_sample = s_count if sample_rows is None else sample_rows
+    pre = sorted((i for i, r in enumerate(rows) if not r.is_decode), key=lambda i: -len(rows[i].tokens))
     dec = [i for i, r in enumerate(rows) if r.is_decode]
-    if len(pre) > lay.num_prefill_rows or len(dec) > lay.num_decode_rows:
-        raise ValueError(f"{len(pre)} prefill + {len(dec)} decode rows do not fit {lay}")
+    if len(pre) > sp or len(dec) > shape.num_decode_rows:
+        raise ValueError(f"{len(pre)} prefill + {len(dec)} decode rows do not fit {shape}")
     token_ids = np.zeros(t_count, np.int32)
     positions = np.zeros(t_count, np.int32)
+    token_rows = np.full(t_count, s_count, np.int32)
     query_lens = np.zeros(s_count, np.int32)
     kv_lens = np.zeros(s_count, np.int32)
     page_table = np.full((s_count, p), NULL_PAGE, np.int32)
-    history = np.full((s_count, shape.history_len), -1, np.int32)
-    bias_ids = np.full((s_count, shape.num_bias), -1, np.int32)
-    bias_values = np.zeros((s_count, shape.num_bias), np.float32)
-    sampling_rows: list[Mapping] = [{} for _ in range(s_count)]
+    decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
+    last_tokens = np.zeros(s_count, np.int32)
+    history = np.full((s_sample, shape.history_len), -1, np.int32)
+    bias_ids = np.full((s_sample, shape.num_bias), -1, np.int32)
+    bias_values = np.zeros((s_sample, shape.num_bias), np.float32)
+    dense: np.ndarray | None = None  # [S', V], only if some row has more bias entries than num_bias
+    sampling_rows: list[Mapping] = [{} for _ in range(s_sample)]
     slot_of = [0] * len(rows)
+    start = [0] * len(rows)  # token slot of each row's first token
     for j, i in enumerate(pre):
-        slot_of[i] = j
+        slot_of[i], start[i] = j, j * qm
+        if len(rows[i].tokens) > qm:
+            raise ValueError(f"row {i} has {len(rows[i].tokens)} tokens, more than the window of {qm}")
+    # decode rows: the layout's decode slots, or the tail of the last prefill window
+    first = sp * qm if lay.num_decode_rows or not sp else (sp - 1) * qm + (
+        len(rows[pre[sp - 1]].tokens) if len(pre) == sp else 0)
+    if dec and first + len(dec) > t_count:
+        raise ValueError(f"{len(dec)} decode rows do not fit the {t_count - first} free token slots of {shape}")
     for j, i in enumerate(dec):
-        slot_of[i] = lay.num_prefill_rows + j
+        slot_of[i], start[i] = sp + j, first + j
+        decode_tokens[j] = first + j
+    if rows and max(slot_of) >= s_sample:
+        raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
     for i, r in enumerate(rows):
-        s = slot_of[i]
-        n = len(r.tokens)
-        if n > (lay.max_q_len if not r.is_decode else 1):
-            raise ValueError(f"row {i} has {n} tokens, more than the window of {lay.max_q_len}")
-        t0 = s * lay.max_q_len if s < lay.num_prefill_rows else lay.num_prefill_rows * lay.max_q_len + (
-            s - lay.num_prefill_rows)
+        s, t0, n = slot_of[i], start[i], len(r.tokens)
         token_ids[t0 : t0 + n] = r.tokens
         positions[t0 : t0 + n] = np.arange(r.start_pos, r.start_pos + n)
+        token_rows[t0 : t0 + n] = s
+        last_tokens[s] = t0 + n - 1
         query_lens[s] = n
         kv_lens[s] = r.start_pos + n
         need = -(-kv_lens[s] // page_size)
@@ -75,23 +102,34 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int) -> 
         if shape.history_len and len(r.history):
             h = list(r.history)[-shape.history_len :]
             history[s, shape.history_len - len(h) :] = h
-        if r.bias:
-            if len(r.bias) > shape.num_bias:
-                raise ValueError(f"row {i} has {len(r.bias)} bias entries, more than the bucket's {shape.num_bias}")
+        if r.bias and len(r.bias) <= shape.num_bias:
             ids = list(r.bias)
             bias_ids[s, : len(ids)] = ids
             bias_values[s, : len(ids)] = [r.bias[k] for k in ids]
+        elif r.bias:
+            if vocab_size is None:
+                raise ValueError(f"row {i} has {len(r.bias)} bias entries, more than the bucket's {shape.num_bias}, "
+                                 "and no vocab_size was given for the dense bias")
+            if dense is None:
+                dense = np.zeros((s_sample, vocab_size), np.float32)
+            ids = np.fromiter(r.bias.keys(), np.int64, len(r.bias))
+            vals = np.fromiter(r.bias.values(), np.float32, len(r.bias))
+            ok = (ids >= 0) & (ids < vocab_size)  # like the sparse path, which drops out-of-range ids
+            dense[s, ids[ok]] = vals[ok]
         if r.sampling:
             sampling_rows[s] = r.sampling
+    # One device_put for every array: a copy, never a computation (jnp.asarray may compile a conversion for a new
+    # shape), and one call is half the host time of one per array.
+    (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
+     history, bias_ids, bias_values, dense) = jax.device_put(
+        (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
+         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense))
     batch = Batch(
-        token_ids=jnp.asarray(token_ids),
-        positions=jnp.asarray(positions),
-        query_lens=jnp.asarray(query_lens),
-        kv_lens=jnp.asarray(kv_lens),
-        page_table=jnp.asarray(page_table),
-        sampling=SamplingParams.make(sampling_rows),
-        history=jnp.asarray(history),
-        bias_ids=jnp.asarray(bias_ids),
-        bias_values=jnp.asarray(bias_values),
+        token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
+        page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
+        sampling=SamplingParams.make(sampling_rows), sample_positions=sample_positions, history=history,
+        bias_ids=bias_ids, bias_values=bias_values,
+        bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
+        bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
     )
     return batch, slot_of

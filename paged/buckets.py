@@ -1,16 +1,45 @@
 """Shape buckets: the finite set of `BatchShape`s a generator pads its batches to, so the step compiles a known,
 small number of times. `BucketSpec.all_shapes()` lists them for `warmup()`; `BucketSpec.shape_for()` picks the
 smallest bucket that fits a batch.
-"""
 
+What is a bucket, and why (SmolLM2-135M on the 2-core CPU; docs/performance.md, "Compilation"):
+
+- A bucket is a token layout. The step's forward compiles once per layout (~2 s: 30 layers under `lax.scan`, plus
+  one attention branch per context bucket), its sampler once per sampled row count (~2 s: ~150 small kernels).
+  Nothing else is a compile-time shape:
+  - context length: the page table is always `max_pages_per_row` wide; attention reads the smallest of the
+    context buckets `pages` (x`page_growth` from `min_context`) holding the longest row, chosen at run time inside
+    the one compiled variant. Decode attention reads every page of its bucket on every step, so the buckets stay
+    x2 apart; each adds only an attention branch (~0.3 s) to a variant instead of a variant (~4 s);
+  - penalty history (always `history_len` = max_penalty_range wide), logit bias (`BIAS_WIDTH` sparse entries per
+    row, plus a dense fallback), top-k and logits returns: runtime values (`paged.step`).
+- Decode-only layouts: `decode_rows` 1, 2, 4, ... max_batch_size rows, one token slot each. A decode step's
+  matmuls and sampler run over every padded row, so the rows stay within 2x of the real count.
+- Prefill layouts: `p` prefill windows of `q` tokens for every `p` in 1 .. max_prefill_rows, `q` in `windows`:
+  x`growth` from `min_q_len` to max_chunk_size (a prefill step is compute-bound on the CPU, ~3 ms per padded
+  token, so windows stay within 2x of the chunk), plus max_chunk_size + max_batch_size - 1 for a full chunk with
+  decode rows. The step's decode rows (up to max_batch_size - p) ride in the last window's padding right after its
+  chunk, at token slots given at run time: no extra slots, so the decode row count is no bucket dimension (a
+  bucket of dedicated decode slots would cost one compute-bound token per padded slot). Such a step samples the
+  smallest of the decode row counts holding its rows (`BatchShape.sample_rows`): no sampler variant of its own.
+
+Default engine (max_batch_size 16, max_chunk_size 256, max_prefill_rows 1): 5 decode + 6 prefill layouts = 11
+forward variants and 5 sampler variants (1, 2, 4, 8, 16 rows); `decode_steps > 1` adds one burst variant per
+decode layout. The previous scheme (every layout x context x history bucket, static bias width, top-k and logits
+switches) had 280 variants for the same engine, and compiled more while serving.
+"""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from paged.config import EngineConfig
 from paged.state import BatchShape
+from paged.step import resolved_attn_impl
 from pallas_kernels.paged_attention import PrefillDecodeLayout
+
+# Sparse logit-bias entries per row. Rows with more (token healing's allowed set, long ban lists) use the dense
+# [S, V] bias instead, built and copied only on the steps that have such a row.
+BIAS_WIDTH = 256
 
 
 def _geometric(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -39,25 +68,31 @@ class BucketSpec:
     # matmuls run over every padded token, so 4 cost ~1.6x the real work on mixed prompt lengths; 2 ~1.3x.
     growth: int = 2
     # ratio between consecutive context (pages per row) buckets. Decode attention reads every page of the bucket,
-    # so padding here costs bandwidth on every step; 2 wastes at most half (a quarter on average) for one extra
-    # bucket or so over 4 (measured: docs/performance.md).
+    # so padding here costs bandwidth on every step; 2 wastes at most half (a quarter on average). These are
+    # branches inside one compiled variant (`page_switch`), so finer buckets cost little compile time.
     page_growth: int = 2
     min_q_len: int = 16
     min_context: int = 256  # smallest per-row context bucket, in tokens
-    history_buckets: tuple[int, ...] = (0, 1024)  # penalty-history lengths (0: no row uses penalties)
+    history_len: int = 0  # penalty history width R (the engine's max_penalty_range; 0: penalties off)
+    # Context buckets chosen at run time inside each variant (XLA and reference attention, whose cost grows with
+    # the page-table width). Off for the Pallas kernel, which visits only each row's real pages by itself.
+    page_switch: bool = True
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_chunk_size < 1 or self.max_pages_per_row < 1:
             raise ValueError(f"BucketSpec needs positive sizes, got {self}")
+        if self.max_prefill_rows < 1:
+            raise ValueError(f"BucketSpec needs max_prefill_rows >= 1, got {self}")
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> BucketSpec:
-        """The buckets of a resolved `EngineConfig`."""
+    def from_config(cls, config: EngineConfig, attn_impl: str | None = None) -> BucketSpec:
+        """The buckets of a resolved `EngineConfig`; `attn_impl`: the implementation attention resolves to
+        ("auto" resolved; default: the config's, resolved on the current backend)."""
+        impl = resolved_attn_impl(config.attn_impl if attn_impl is None else attn_impl)
         return cls(
             max_batch_size=config.max_batch_size, max_chunk_size=config.max_chunk_size,
             max_pages_per_row=config.max_pages_per_row, max_prefill_rows=config.max_prefill_rows,
-            page_size=config.page_size,
-            history_buckets=(0, config.max_penalty_range) if config.max_penalty_range > 0 else (0,),
+            page_size=config.page_size, history_len=config.max_penalty_range, page_switch=impl != "pallas",
         )
 
     @property
@@ -66,53 +101,73 @@ class BucketSpec:
 
     @property
     def prefill_rows(self) -> tuple[int, ...]:
-        return (0, *_geometric(1, self.max_prefill_rows, 2))
+        """Every count (not powers of two): a prefill layout's decode part is max_batch_size minus this."""
+        return tuple(range(min(self.max_prefill_rows, self.max_batch_size) + 1))
 
     @property
     def q_lens(self) -> tuple[int, ...]:
         return _geometric(min(self.min_q_len, self.max_chunk_size), self.max_chunk_size, self.growth)
 
     @property
+    def windows(self) -> tuple[int, ...]:
+        """Prefill window sizes: `q_lens`, and one more holding a full chunk plus a decode token of every other row
+        (a prefill step's decode rows ride in its window's padding)."""
+        top = self.max_chunk_size + self.max_batch_size - 1
+        return self.q_lens + ((top,) if top > self.max_chunk_size else ())
+
+    @property
     def pages(self) -> tuple[int, ...]:
+        """Context buckets (pages per row) attention chooses from at run time."""
         lo = min(max(1, self.min_context // self.page_size), self.max_pages_per_row)
         return _geometric(lo, self.max_pages_per_row, self.page_growth)
 
+    @property
+    def sample_rows(self) -> tuple[int, ...]:
+        """Row counts the sampler is compiled for (the decode row buckets)."""
+        return self.decode_rows[1:]
+
     def layouts(self) -> list[PrefillDecodeLayout]:
-        out = []
-        for sp, sd in itertools.product(self.prefill_rows, self.decode_rows):
-            if sp + sd == 0:
-                continue
-            for qm in self.q_lens if sp else (1,):
-                out.append(PrefillDecodeLayout(sp, qm, sd))
+        out = [PrefillDecodeLayout(0, 1, sd) for sd in self.decode_rows if sd]
+        for sp in self.prefill_rows[1:]:
+            out += [PrefillDecodeLayout(sp, qm, 0) for qm in self.windows]
         return out
 
-    def all_shapes(self, history_lens: tuple[int, ...] | None = None) -> list[BatchShape]:
-        hist = self.history_buckets if history_lens is None else history_lens
-        return [
-            BatchShape(layout=lay, pages_per_row=p, history_len=r)
-            for lay in self.layouts()
-            for p in self.pages
-            for r in hist
-        ]
+    def shape(self, layout: PrefillDecodeLayout) -> BatchShape:
+        """The bucket of a layout: the page table and the sampler inputs are as wide as this spec allows; a prefill
+        layout carries max_batch_size - prefill rows decode rows in its last window."""
+        sp = layout.num_prefill_rows
+        rows = self.max_batch_size if sp else layout.num_decode_rows
+        return BatchShape(layout=layout, pages_per_row=self.max_pages_per_row, history_len=self.history_len,
+                          num_bias=BIAS_WIDTH, page_buckets=self.pages if self.page_switch else (),
+                          tail_decode_rows=self.max_batch_size - sp if sp else 0,
+                          sample_rows=tuple(n for n in self.sample_rows if sp and sp <= n < rows) + (rows,))
 
-    def shape_for(self, prefill_lens: list[int], num_decode: int, max_pages: int, history: int) -> BatchShape:
-        """Smallest bucket for `len(prefill_lens)` prefill rows of those lengths, `num_decode` single-token rows,
-        rows needing up to `max_pages` pages, and `history` tokens of penalty history."""
-        sp_need = len(prefill_lens)
-        if sp_need > self.max_prefill_rows:
-            raise ValueError(f"{sp_need} prefill rows exceed max_prefill_rows={self.max_prefill_rows}")
-        sp = next(x for x in self.prefill_rows if x >= sp_need)
-        sd = next((x for x in self.decode_rows if x >= num_decode), None)
-        if sd is None or sp_need + num_decode > self.max_batch_size:
-            raise ValueError(f"{sp_need} + {num_decode} rows exceed max_batch_size={self.max_batch_size}")
-        qm = 1
-        if sp:
-            need = max(prefill_lens)
-            qm = next((x for x in self.q_lens if x >= need), None)
-            if qm is None:
-                raise ValueError(f"prefill chunk of {need} tokens exceeds max_chunk_size={self.max_chunk_size}")
-        p = next((x for x in self.pages if x >= max_pages), None)
-        if p is None:
+    def all_shapes(self) -> list[BatchShape]:
+        return [self.shape(lay) for lay in self.layouts()]
+
+    def row_counts(self) -> tuple[int, ...]:
+        """The distinct sampled row counts of the buckets: one sampler variant each."""
+        return tuple(sorted({n for s in self.all_shapes() for n in s.sampled_row_counts}))
+
+    def shape_for(self, prefill_lens: list[int], num_decode: int, max_pages: int, history: int = 0) -> BatchShape:
+        """Smallest bucket for `len(prefill_lens)` prefill rows of those lengths, `num_decode` single-token rows and
+        rows needing up to `max_pages` pages. `history` (penalty tokens) is not a bucket dimension: a longer
+        history than `history_len` is cut to its most recent `history_len` tokens."""
+        del history
+        sp = len(prefill_lens)
+        if sp > min(self.max_prefill_rows, self.max_batch_size):
+            raise ValueError(f"{sp} prefill rows exceed max_prefill_rows={self.max_prefill_rows}")
+        if sp + num_decode > self.max_batch_size:
+            raise ValueError(f"{sp} + {num_decode} rows exceed max_batch_size={self.max_batch_size}")
+        if sp + num_decode == 0:
+            raise ValueError("a batch needs at least one row")
+        if max_pages > self.max_pages_per_row:
             raise ValueError(f"{max_pages} pages per row exceed max_pages_per_row={self.max_pages_per_row}")
-        r = next((x for x in self.history_buckets if x >= history), self.history_buckets[-1])
-        return BatchShape(layout=PrefillDecodeLayout(sp, qm, sd), pages_per_row=p, history_len=r)
+        if sp:
+            if max(prefill_lens) > self.max_chunk_size:
+                raise ValueError(f"prefill chunk of {max(prefill_lens)} tokens exceeds max_chunk_size="
+                                 f"{self.max_chunk_size}")
+            # the longest chunk fits a window; the shortest one (in the last window) leaves room for the decode rows
+            need = max(max(prefill_lens), min(prefill_lens) + num_decode)
+            return self.shape(PrefillDecodeLayout(sp, next(x for x in self.windows if x >= need), 0))
+        return self.shape(PrefillDecodeLayout(0, 1, next(x for x in self.decode_rows if x >= num_decode)))

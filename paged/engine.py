@@ -15,13 +15,21 @@ import numpy as np
 
 from models.loader import DTYPES, Model
 from paged.batch import RowInput, build_batch
-from paged.buckets import BucketSpec, next_pow2
+from paged.buckets import BucketSpec
 from paged.config import EngineConfig
 from paged.engine_api import StepOutput
 from paged.errors import InvalidConfigError
-from paged.state import BatchShape, EngineState
-from paged.step import decode_steps as multi_step
-from paged.step import step
+from paged.state import Batch, BatchShape, EngineState, Results
+from paged.step import (
+    TOP_K_WIDTH,
+    decode_steps_jit,
+    forward_inputs,
+    forward_shape,
+    lm_head,
+    sample_inputs,
+    step_forward,
+    step_sample,
+)
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
@@ -64,6 +72,7 @@ class Engine:
         self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
                                         CACHE_DTYPES[self.config.cache_dtype])
         self.spec = BucketSpec.from_config(self.config)
+        self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
         # Where the wall time of `run` goes (seconds, cumulative): padding the rows into a batch on the host,
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
@@ -92,48 +101,112 @@ class Engine:
     def shape_for(self, rows: Sequence[RowInput]) -> BatchShape:
         pages = max(-(-(r.start_pos + len(r.tokens)) // self.page_size) for r in rows)
         hist = max((len(r.history) for r in rows), default=0)
-        shape = self.spec.shape_for(
+        return self.spec.shape_for(
             [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
         )
-        bias = max((len(r.bias) for r in rows if r.bias), default=0)
-        return dataclasses.replace(shape, num_bias=next_pow2(bias)) if bias else shape
+
+    def _dispatch(self, batch: Batch, shape: BatchShape, want_top_k: bool, num_steps: int) -> Results:
+        """Run the jitted step (or `num_steps` decode steps) on `batch`; returns the device results of its sampled
+        rows."""
+        statics = dict(cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
+                       matmul_impl=self.matmul_impl)
+        want = np.bool_(want_top_k)
+        if num_steps > 1:
+            self.state, res = decode_steps_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
+                                               top_k_width=TOP_K_WIDTH, **statics)
+            return res
+        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), **statics)
+        return self._sample(hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])], batch, want)
+
+    def _sample(self, h: jax.Array, batch: Batch, want: np.bool_) -> Results:
+        return step_sample(self._head, h, sample_inputs(batch), want, cfg=self.cfg, matmul_impl=self.matmul_impl,
+                           top_k_width=TOP_K_WIDTH)
 
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1
     ) -> StepOutput:
-        """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`."""
+        """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`.
+
+        Nothing here compiles once `warmup()` has run: top-k, logits and every sampler setting are runtime values of
+        the same variants. `return_top_k` up to `TOP_K_WIDTH` comes from the device's top tokens; wider, from the
+        final distribution on the host. Only what is asked for is copied to the host. A burst that asks for logits
+        or more than `TOP_K_WIDTH` top tokens runs as single steps (the generator never asks for logits in one)."""
+        k = min(return_top_k, self.vocab_size)
+        wide = k > TOP_K_WIDTH
+        if num_steps > 1 and (return_logits or wide):
+            return self._run_single_steps(rows, return_top_k, return_logits, num_steps)
         t_build = time.perf_counter()
         shape = self.shape_for(rows)
-        if num_steps > 1:
-            last = max(r.start_pos + num_steps for r in rows)
-            shape = dataclasses.replace(shape, pages_per_row=max(
-                shape.pages_per_row, self.spec.shape_for([], len(rows), -(-last // self.page_size), 0).pages_per_row))
-        batch, slots = build_batch(rows, shape, self.page_size)
+        sampled = shape.sample_rows_for(len(rows)) if num_steps == 1 else shape.num_rows
+        batch, slots = build_batch(rows, shape, self.page_size, self.vocab_size, sample_rows=sampled)
         t0 = time.perf_counter()
-        kw = dict(cfg=self.cfg, shape=shape, return_top_k=return_top_k, return_logits=return_logits,
-                  attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
-        if num_steps > 1:
-            self.state, res = multi_step(self.model.params, self.state, batch, num_steps=num_steps, **kw)
-        else:
-            self.state, res = step(self.model.params, self.state, batch, **kw)
+        res = self._dispatch(batch, shape, 0 < k <= TOP_K_WIDTH, num_steps)
         t_dispatched = time.perf_counter()
-        res = jax.device_get(res)  # the one host sync of the step
+        idx = np.asarray(slots)
+        pick = (lambda a: a[idx]) if num_steps == 1 else (lambda a: a[:, idx])  # results are [S] or [n, S]
+        want = {"token": res.token, "logprob": res.logprob}
+        if 0 < k <= TOP_K_WIDTH:
+            want.update(top_ids=res.top_ids, top_logprobs=res.top_logprobs)
+        if return_logits:
+            want["logits"] = res.logits
+        if wide:
+            want["final"] = res.final
+        got = jax.device_get(want)  # the one host sync of the step: only what was asked for
         t_done = time.perf_counter()
         dt = t_done - t0
         self.timings["build_s"] += t0 - t_build
         self.timings["dispatch_s"] += t_dispatched - t0
         self.timings["wait_s"] += t_done - t_dispatched
-        idx = np.asarray(slots)
-        pick = (lambda a: a[idx]) if num_steps == 1 else (lambda a: a[:, idx])  # results are [S] or [n, S]
+        token = pick(got["token"])
+        if wide:
+            top_ids, top_logprobs = host_top_k(pick(got["final"]), k)
+        elif k:
+            top_ids, top_logprobs = pick(got["top_ids"])[..., :k], pick(got["top_logprobs"])[..., :k]
+        else:
+            top_ids, top_logprobs = np.zeros((*token.shape, 0), np.int32), np.zeros((*token.shape, 0), np.float32)
         return StepOutput(
-            token=pick(res.token), logprob=pick(res.logprob), top_ids=pick(res.top_ids),
-            top_logprobs=pick(res.top_logprobs), logits=None if res.logits is None else pick(res.logits),
-            shape=shape, seconds=dt,
+            token=token, logprob=pick(got["logprob"]), top_ids=top_ids, top_logprobs=top_logprobs,
+            logits=pick(got["logits"]) if return_logits else None, shape=shape, seconds=dt,
         )
 
+    def _run_single_steps(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
+                          num_steps: int) -> StepOutput:
+        """`num_steps` decode steps as single steps, each sampled token fed back on the host as the burst's scan
+        does on the device (history slides by one within `history_len`); results stacked `[num_steps, n]`."""
+        r_max = self.spec.history_len
+        outs = []
+        for _ in range(num_steps):
+            out = self.run(rows, return_top_k=return_top_k, return_logits=return_logits)
+            outs.append(out)
+            rows = [dataclasses.replace(
+                r, tokens=[int(t)], start_pos=r.start_pos + len(r.tokens),
+                history=(list(r.history) + [int(t)])[-r_max:] if r_max and len(r.history) else r.history,
+            ) for r, t in zip(rows, out.token)]
+        stack = lambda name: np.stack([getattr(o, name) for o in outs])  # noqa: E731
+        return StepOutput(token=stack("token"), logprob=stack("logprob"), top_ids=stack("top_ids"),
+                          top_logprobs=stack("top_logprobs"), logits=stack("logits") if return_logits else None,
+                          shape=outs[0].shape, seconds=sum(o.seconds for o in outs))
+
+    def variants(self, decode_steps: int = 1) -> list[tuple[str, BatchShape, int]]:
+        """Every compiled variant `run` can use with this configuration, as (entry point, bucket, n): the forward
+        ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
+        samples n rows); with `decode_steps` > 1 the burst ("decode_steps", n = steps) of each decode-only bucket."""
+        shapes = self.spec.all_shapes()
+        out = [("step", s, 1) for s in shapes]
+        seen: set[int] = set()
+        for s in shapes:
+            for n in s.sampled_row_counts:
+                if n not in seen:
+                    seen.add(n)
+                    out.append(("sample", s, n))
+        if decode_steps > 1:
+            out += [("decode_steps", s, decode_steps) for s in shapes if not s.layout.num_prefill_rows]
+        return out
+
     def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:
-        """Compile the step for every bucket (default: all of `spec.all_shapes()`), and with `decode_steps` > 1
-        also `decode_steps` for every decode-only bucket; returns how many variants were compiled.
+        """Compile every variant `run` can hit (`variants`; default: for the buckets of `spec.all_shapes()`): the
+        forward of each bucket, the sampler of each row count, and with `decode_steps` > 1 the burst of each
+        decode-only bucket. Returns the number of step variants (buckets, plus bursts); the samplers come with them.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
@@ -145,14 +218,30 @@ class Engine:
             from tqdm import tqdm
 
             it = tqdm(work, desc="compiling step buckets", unit="shape")
+        no = np.bool_(False)
         for shape, n in it:
-            batch, _ = build_batch([], shape, self.page_size)
-            # the same static arguments, passed the same way, as `run`: jit keys its cache on how they are passed
-            kw = dict(cfg=self.cfg, shape=shape, return_top_k=0, return_logits=False, attn_impl=self.attn_impl,
-                      matmul_impl=self.matmul_impl)
+            batch, _ = build_batch([], shape, self.page_size, self.vocab_size)
             if n > 1:
-                self.state, res = multi_step(self.model.params, self.state, batch, num_steps=n, **kw)
-            else:
-                self.state, res = step(self.model.params, self.state, batch, **kw)
-            jax.block_until_ready(res.token)
+                jax.block_until_ready(self._dispatch(batch, shape, False, n).token)
+                continue
+            self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
+                                          shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                          matmul_impl=self.matmul_impl)
+            for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
+                small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
+                jax.block_until_ready(self._sample(h, small, no).token)
         return len(work)
+
+
+def host_top_k(final: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids i32, values f32) `[..., k]`: the k largest entries of `final` `[..., V]`, descending, ties broken by the
+    lower id: what `lax.top_k` gives, for requests wider than the device computes."""
+    flat = final.reshape(-1, final.shape[-1])
+    ids = np.empty((flat.shape[0], k), np.int32)
+    for i, row in enumerate(flat):
+        neg = -row
+        kth = np.partition(neg, k - 1)[k - 1]
+        cand = np.flatnonzero(neg <= kth)  # ascending ids: every entry >= the k-th largest, ties included
+        ids[i] = cand[np.argsort(neg[cand], kind="stable")[:k]]
+    ids = ids.reshape(*final.shape[:-1], k)
+    return ids, np.take_along_axis(final, ids, axis=-1)

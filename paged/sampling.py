@@ -157,9 +157,43 @@ def apply_penalties(logits: jax.Array, params: SamplingParams, history: jax.Arra
     return logits - jnp.where(present, params.presence_penalty[:, None], 0.0)
 
 
-def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
-    """Add the sparse bias (ids [S, B], -1 = padding; duplicates add up). [S, V] -> [S, V]."""
-    return logits + _row_scatter_add(bias_ids, bias_values.astype(jnp.float32), logits.shape[-1])
+def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
+               bias_dense: jax.Array | None = None) -> jax.Array:
+    """Add the sparse bias (ids [S, B], -1 = padding; duplicates add up) and, if given, the dense bias [S, V] (for
+    rows with more entries than B; zero elsewhere). [S, V] -> [S, V]."""
+    bias = _row_scatter_add(bias_ids, bias_values.astype(jnp.float32), logits.shape[-1])
+    return logits + (bias if bias_dense is None else bias + bias_dense)
+
+
+def penalties_used(params: SamplingParams) -> jax.Array:
+    """bool []: whether any row has a repetition, frequency or presence penalty (else `apply_penalties` is the
+    identity and is skipped)."""
+    return jnp.any((params.repetition_penalty != 1.0) | (params.frequency_penalty != 0.0)
+                   | (params.presence_penalty != 0.0))
+
+
+def adjusted_logits(logits: jax.Array, params: SamplingParams, history: jax.Array, bias_ids: jax.Array,
+                    bias_values: jax.Array, bias_dense: jax.Array | None = None,
+                    bias_dense_on: jax.Array | None = None) -> jax.Array:
+    """f32 [S, V]: penalties, then the bias. Each part runs under a `lax.cond` and is skipped (it would be the
+    identity) when no row uses it: penalties when every row's are neutral, the sparse bias when every id is padding,
+    the dense bias [S, V] unless `bias_dense_on` (bool []). Adding a row's bias entries once each, sparse plus dense
+    (one of them zero), gives the same floats as one scatter of all of them."""
+    x = logits.astype(jnp.float32)
+    if history.shape[-1]:
+        x = jax.lax.cond(penalties_used(params), lambda: apply_penalties(x, params, history), lambda: x)
+    has_sparse = bias_ids.shape[-1] > 0
+    if bias_dense is None:
+        if has_sparse:
+            x = jax.lax.cond(jnp.any(bias_ids >= 0), lambda: apply_bias(x, bias_ids, bias_values), lambda: x)
+        return x
+    on = jnp.asarray(True) if bias_dense_on is None else bias_dense_on
+    sparse_on = jnp.any(bias_ids >= 0) if has_sparse else jnp.asarray(False)
+    return jax.lax.cond(
+        on,
+        lambda: apply_bias(x, bias_ids, bias_values, bias_dense),
+        lambda: jax.lax.cond(sparse_on, lambda: apply_bias(x, bias_ids, bias_values), lambda: x),
+    )
 
 
 def _ordered(x: jax.Array) -> jax.Array:
@@ -336,9 +370,9 @@ def _truncation(logp: jax.Array, params: SamplingParams, candidates: int) -> tup
     return jax.lax.cond(jnp.any(typical_on), typical, lambda: (keep, ids, inside))
 
 
-def _final(logits, params, history, bias_ids, bias_values, candidates):
+def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense=None, bias_dense_on=None):
     """(final [S, V], ids [S, C], inside [S]): `processed_logprobs`, and the candidates of `_truncation`."""
-    x = apply_bias(apply_penalties(logits.astype(jnp.float32), params, history), bias_ids, bias_values)  # [S, V]
+    x = adjusted_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)  # [S, V]
     greedy = params.greedy[:, None]  # [S, 1]
     temperature = jnp.where(greedy, 1.0, params.temperature[:, None])
     logp = jax.nn.log_softmax(x / temperature, axis=-1)  # [S, V]
@@ -433,18 +467,46 @@ def sample(
     bias_values: jax.Array,
     return_top_k: int = 0,
     candidates: int = CANDIDATES,
+    bias_dense: jax.Array | None = None,
+    bias_dense_on: jax.Array | None = None,
 ) -> SampleOutput:
     """Draw one token per row from `processed_logprobs` (greedy rows: its argmax).
 
     logits f32 [S, V]; positions i32 [S] (position of the token being drawn); history i32 [S, R] (-1 padding, R may
-    be 0); bias_ids i32 [S, B] (-1 padding, B may be 0); bias_values f32 [S, B]. `return_top_k` and `candidates`
-    (see `_truncation`) must be static.
+    be 0); bias_ids i32 [S, B] (-1 padding, B may be 0); bias_values f32 [S, B]; optionally bias_dense f32 [S, V],
+    added where bias_dense_on (bool []). `return_top_k` and `candidates` (see `_truncation`) must be static.
 
     The draw is argmax(final + Gumbel noise of the row's key over all V tokens). When every sampling row's kept set
     lies within its candidates, only the candidates' noise is generated (`gumbel_at`): the same values, hence the
     same token, as the full draw, since tokens outside the kept set have final = -inf.
     """
-    final, ids, inside = _final(logits, params, history, bias_ids, bias_values, candidates)
+    final, token, logprob = sample_final(logits, params, positions=positions, history=history, bias_ids=bias_ids,
+                                         bias_values=bias_values, candidates=candidates, bias_dense=bias_dense,
+                                         bias_dense_on=bias_dense_on)
+    if return_top_k > 0:
+        top_logprobs, top_ids = jax.lax.top_k(final, return_top_k)
+    else:
+        top_logprobs = jnp.zeros((final.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((final.shape[0], 0), jnp.int32)
+    return SampleOutput(token=token, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+
+def sample_final(
+    logits: jax.Array,
+    params: SamplingParams,
+    *,
+    positions: jax.Array,
+    history: jax.Array,
+    bias_ids: jax.Array,
+    bias_values: jax.Array,
+    candidates: int = CANDIDATES,
+    bias_dense: jax.Array | None = None,
+    bias_dense_on: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(final f32 [S, V], token i32 [S], logprob f32 [S]): `sample` without the top-k, returning the distribution
+    it drew from (`processed_logprobs`), so a caller can take its top tokens however it likes."""
+    final, ids, inside = _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense,
+                                bias_dense_on)
     v = final.shape[-1]
     greedy = params.greedy  # [S]
     best = jax.lax.cond(  # the token of greedy rows
@@ -478,9 +540,4 @@ def sample(
 
     token = jax.lax.cond(jnp.all(greedy), lambda: best, draw)  # all-greedy batches skip the noise
     logprob = jnp.take_along_axis(final, token[:, None], axis=-1)[:, 0]
-    if return_top_k > 0:
-        top_logprobs, top_ids = jax.lax.top_k(final, return_top_k)
-    else:
-        top_logprobs = jnp.zeros((final.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((final.shape[0], 0), jnp.int32)
-    return SampleOutput(token=token, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+    return final, token, logprob

@@ -2,23 +2,25 @@
 `Results` (one step's output), and `BatchShape`, the static bucket a batch is padded to.
 
 Contract (see docs/architecture.md, "The device step"):
-- A batch has `S = num_prefill_rows + num_decode_rows` rows. Prefill rows come first, each owning a window of
-  `max_q_len` token slots (the first `query_lens[s]` are real); decode rows follow with one token slot each.
-  So `T = num_prefill_rows * max_q_len + num_decode_rows`. Padding rows have `query_lens = 0`, `kv_lens = 0`.
+- A batch has `S = num_prefill_rows + num_decode_rows` rows: prefill rows first, then decode rows; the real rows of
+  each kind come before that kind's padding rows. Prefill row s owns the window of `max_q_len` token slots starting
+  at `s * max_q_len` (the first `query_lens[s]` are real). A decode row has one token: in a decode-only batch row j
+  owns slot j; in a prefill batch the decode rows' tokens follow the chunk in the last window
+  (`Batch.decode_tokens`), so `T = num_prefill_rows * max_q_len` (+ the layout's decode slots, if any). Padding
+  rows have `query_lens = 0`, `kv_lens = 0`.
 - `kv_lens[s]` counts the row's cached tokens after this step's tokens are written.
 - `page_table[s]` lists the row's pages (`P` of them, padded with the null page 0). Token at position j is stored at
   page `page_table[s, j // page_size]`, offset `j % page_size`.
-- Every row's last real token is sampled on the device; the host ignores the tokens of prefill chunks that do not
-  reach the end of the prompt (`RowInput.sample` is False).
+- Every row's last real token is sampled on the device (the first `S'` rows, `S'` one of the bucket's
+  `sample_rows`); the host ignores the tokens of prefill chunks that do not reach the end of the prompt
+  (`RowInput.sample` is False).
 """
-
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from paged.sampling import SamplingParams
@@ -29,20 +31,59 @@ NULL_PAGE = 0
 
 @dataclasses.dataclass(frozen=True)
 class BatchShape:
-    """Static shape bucket of a batch. Every distinct value costs one compilation of the step."""
+    """Static shape bucket of a batch: the step's forward compiles once per (layout, tail_decode_rows, page_buckets,
+    sample_rows), its sampler once per sampled row count; `history_len` and `num_bias` are fixed per engine.
+
+    Rows: `layout.num_prefill_rows` prefill rows, then decode rows (one token each): the layout's decode slots
+    (decode-only batches) and `tail_decode_rows` rows whose tokens sit in the padding of the last prefill window, at
+    token indices given at run time (`Batch.decode_tokens`), so that a prefill step carries its decode rows without
+    extra token slots.
+
+    `page_buckets`: the context sizes (pages per row) attention can read. The step picks the smallest one holding the
+    batch's longest row at run time (`lax.switch`), so one compiled variant serves every context length while
+    attention reads only that many pages. Empty: attention reads all `pages_per_row` (the Pallas kernel visits only
+    each row's real pages by itself).
+
+    `sample_rows`: the row counts the forward hands to the sampler (the first n rows: every real row comes before
+    the padding rows); a step samples the smallest one holding its real rows. Empty: all rows."""
 
     layout: PrefillDecodeLayout
-    pages_per_row: int  # P
-    history_len: int = 0  # R: tokens of history for penalties (0 when no row uses penalties)
-    num_bias: int = 0  # B: sparse logit-bias entries per row
+    pages_per_row: int  # P: page-table width
+    history_len: int = 0  # R: tokens of history for penalties (0: the engine has penalties off)
+    num_bias: int = 0  # B: sparse logit-bias entries per row (rows with more use the dense bias)
+    page_buckets: tuple[int, ...] = ()  # ascending, the last one == pages_per_row; () = (pages_per_row,)
+    tail_decode_rows: int = 0  # decode rows packed into the last prefill window's padding
+    sample_rows: tuple[int, ...] = ()  # ascending, the last one == num_rows; () = (num_rows,)
+
+    def __post_init__(self):
+        if self.page_buckets and (self.page_buckets[-1] != self.pages_per_row
+                                  or list(self.page_buckets) != sorted(set(self.page_buckets))):
+            raise ValueError(f"page_buckets must ascend to pages_per_row={self.pages_per_row}, got {self.page_buckets}")
+        if self.tail_decode_rows and not self.layout.num_prefill_rows:
+            raise ValueError(f"tail_decode_rows need a prefill window, got {self}")
+        if self.sample_rows and (self.sample_rows[-1] != self.num_rows
+                                 or list(self.sample_rows) != sorted(set(self.sample_rows))):
+            raise ValueError(f"sample_rows must ascend to num_rows={self.num_rows}, got {self.sample_rows}")
 
     @property
     def num_rows(self) -> int:
-        return self.layout.num_rows
+        return self.layout.num_rows + self.tail_decode_rows
+
+    @property
+    def num_decode_rows(self) -> int:
+        return self.layout.num_decode_rows + self.tail_decode_rows
 
     @property
     def num_tokens(self) -> int:
         return self.layout.num_tokens
+
+    @property
+    def sampled_row_counts(self) -> tuple[int, ...]:
+        return self.sample_rows or (self.num_rows,)
+
+    def sample_rows_for(self, num_real_rows: int) -> int:
+        """The smallest sampled row count holding `num_real_rows` rows."""
+        return next(n for n in self.sampled_row_counts if n >= num_real_rows)
 
 
 @struct.dataclass
@@ -85,15 +126,25 @@ class EngineState:
 
 @struct.dataclass
 class Batch:
+    # forward inputs: T token slots, S rows
     token_ids: jnp.ndarray  # [T] int32
     positions: jnp.ndarray  # [T] int32 (absolute position of each token; 0 for padding)
+    token_rows: jnp.ndarray  # [T] int32: the row owning each token slot, S for padding slots
     query_lens: jnp.ndarray  # [S] int32
     kv_lens: jnp.ndarray  # [S] int32
     page_table: jnp.ndarray  # [S, P] int32
-    sampling: SamplingParams  # fields [S]
-    history: jnp.ndarray  # [S, R] int32, -1 padded: previous tokens for penalties
-    bias_ids: jnp.ndarray  # [S, B] int32, -1 padded
-    bias_values: jnp.ndarray  # [S, B] float32
+    decode_tokens: jnp.ndarray  # [Sd] int32: the token slot of each decode row (T for padding rows)
+    last_tokens: jnp.ndarray  # [S] int32: the token slot of each row's last token (0 for padding rows)
+    # sampler inputs: the first S' rows (S' one of the shape's sample_rows)
+    sampling: SamplingParams  # fields [S']
+    sample_positions: jnp.ndarray  # [S'] int32: position of the token each row samples (its kv_lens)
+    history: jnp.ndarray  # [S', R] int32, -1 padded: previous tokens for penalties
+    bias_ids: jnp.ndarray  # [S', B] int32, -1 padded
+    bias_values: jnp.ndarray  # [S', B] float32
+    # Rows with more than B bias entries (token healing, long ban lists) put theirs here instead; added only where
+    # bias_dense_on. None when the batch was built without the vocabulary size (no such rows allowed then).
+    bias_dense: jnp.ndarray | None = None  # [S', V] float32
+    bias_dense_on: jnp.ndarray | None = None  # bool []
 
 
 @struct.dataclass
@@ -103,19 +154,7 @@ class Results:
     top_ids: jnp.ndarray  # [S, K] int32
     top_logprobs: jnp.ndarray  # [S, K] float32
     logits: jnp.ndarray | None = None  # [S, V] float32 when requested (pre-sampling, raw model logits)
-
-
-def token_rows(layout: PrefillDecodeLayout) -> np.ndarray:
-    """[T] the row that owns each token slot."""
-    pre = np.repeat(np.arange(layout.num_prefill_rows), layout.max_q_len)
-    dec = layout.num_prefill_rows + np.arange(layout.num_decode_rows)
-    return np.concatenate([pre, dec]).astype(np.int32)
-
-
-def token_offsets(layout: PrefillDecodeLayout) -> np.ndarray:
-    """[T] index of each token slot within its row's window."""
-    pre = np.tile(np.arange(layout.max_q_len), layout.num_prefill_rows)
-    return np.concatenate([pre, np.zeros(layout.num_decode_rows, np.int64)]).astype(np.int32)
+    final: jnp.ndarray | None = None  # [S, V] float32: the distribution sampled from (`processed_logprobs`)
 
 
 def tree_nbytes(tree) -> int:

@@ -1,16 +1,33 @@
-"""The device step: one jitted pure function `step(params, state, batch) -> (state, results)`.
+"""The device step: a jitted forward `step_forward(params, state, batch) -> (state, hidden)` and a jitted sampler
+`step_sample(head, hidden, inputs) -> results`, composed by `step`.
 
-embed -> layers (write this step's K/V into their pages, attend through the page table) -> logits for each row's
-last real token -> on-device sampling. `state` is donated, so the cache is updated in place. Shapes come from the
-static `BatchShape`; each distinct shape compiles once (`paged.buckets` enumerates them for warm-up).
+embed -> layers (write this step's K/V into their pages, attend through the page table) -> the hidden state of each
+row's last real token; then final norm + LM head -> on-device sampling. `state` is donated, so the cache is updated
+in place.
 
-`decode_steps` runs several decode steps in one call (`lax.scan`), feeding each sampled token back in: fewer
-dispatches per token, at the price of the host seeing stop conditions only every n tokens.
+What compiles, and why it is split in two (docs/performance.md, "Compilation"; the buckets in `paged.buckets`):
+- `step_forward` compiles once per bucket (`forward_shape`: token layout, context buckets, sampled row counts).
+  The context length is not a compile-time shape: the page table is always `pages_per_row` wide and attention reads
+  the smallest of `shape.page_buckets` that holds the longest row, picked at run time by `lax.switch` (each branch
+  is one attention call; the layer stack around it is compiled once). Decode rows are attended in cache-sized
+  groups by a loop that stops after the last real row, so padding rows cost no attention. In a prefill bucket the
+  decode rows' tokens sit in the last window's padding (`Batch.decode_tokens`) and are gathered for attention.
+- `step_sample` compiles once per sampled row count `S'`. Every sampler option is a runtime value: penalties
+  (history always `R` wide), the sparse bias (always `B` wide) and the dense bias for rows with more entries each
+  run under a `lax.cond` that skips them when no row uses them; the top `TOP_K_WIDTH` tokens are computed under a
+  cond when asked for; the raw logits and the final distribution are always outputs (the host copies them only when
+  asked). The sampler costs as much to compile as the 30-layer forward (it is ~150 small kernels), so keeping it
+  out of the per-layout variants halves the compile time of each.
+
+`decode_steps` runs several decode steps in one call (`lax.scan` over forward + sampler), feeding each sampled token
+back in: fewer dispatches per token, at the price of the host seeing stop conditions only every n tokens. It
+compiles once per decode layout and burst length.
 """
-
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,28 +35,131 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
-from paged.sampling import sample
-from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results, token_offsets, token_rows
-from pallas_kernels.paged_attention import IMPLS, layout_query_start, paged_attention, quantize_kv
+from paged.sampling import sample_final
+from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
+from pallas_kernels.paged_attention import (
+    IMPLS,
+    PrefillDecodeLayout,
+    decode_chunk_rows,
+    layout_query_start,
+    paged_attention,
+    quantize_kv,
+)
 
 ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "reference"
+
+# The sampler always prepares this many top tokens of the final distribution when any are asked for (under a
+# lax.cond: free otherwise); the host slices what each job wants. Wider requests are served on the host from the
+# final distribution (`Results.final`), so no request compiles another variant.
+TOP_K_WIDTH = 64
+
+# Decode rows riding in a prefill step are attended this many at a time (any number of them 0 .. max_batch_size - 1
+# may be real, and a computed group's padding rows cost as much attention as real ones: ~10 ms a row at a 512-token
+# context on the CPU). Decode-only buckets use cache-sized groups: there at most half the rows are padding.
+TAIL_DECODE_GROUP = 2
+
+
+def resolved_attn_impl(attn_impl: str) -> str:
+    """The implementation `paged_attention` runs for `attn_impl` on the current backend ("auto" resolved)."""
+    if attn_impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return attn_impl
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _decode_rows_attention(q, kc, vc, ks, vs, layer, query_lens, kv_lens, page_table, common,
+                           max_group: int | None = None) -> jnp.ndarray:
+    """XLA-path attention of decode rows (q [Sd, nH, D], one token each), in groups of rows whose gathered pages fit
+    the CPU cache (`decode_chunk_rows`; at most `max_group`), looping only up to the group of the last real row
+    (query_lens > 0): rows after it, the padding of the bucket, cost nothing. -> [Sd, nH, D], zeros for padding
+    rows."""
+    sd, nh, d = q.shape
+    kh, ps = kc.shape[-4], kc.shape[-2]
+    p = page_table.shape[1]
+    g = min(decode_chunk_rows(_next_pow2(sd), p * ps * kh * d * 4 * 2), sd, max_group or sd)
+    n = -(-sd // g)
+    pad = n * g - sd
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        query_lens, kv_lens = jnp.pad(query_lens, (0, pad)), jnp.pad(kv_lens, (0, pad))
+        page_table = jnp.pad(page_table, ((0, pad), (0, 0)), constant_values=NULL_PAGE)
+    last = jnp.max(jnp.where(query_lens > 0, jnp.arange(n * g) + 1, 0))  # rows up to the last real one
+    lay = PrefillDecodeLayout(0, 1, g)
+    qstart = jnp.arange(g, dtype=jnp.int32)
+
+    def group(i: jnp.ndarray, out: jnp.ndarray) -> jnp.ndarray:
+        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, i * g, g, axis=0)  # noqa: E731
+        o = paged_attention(cut(q), kc, vc, qstart, cut(query_lens), cut(kv_lens), cut(page_table), layout=lay,
+                            impl="xla", k_scales=ks, v_scales=vs, layer=layer, **common)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, i * g, axis=0)
+
+    zeros = jnp.zeros((n * g, nh, d), q.dtype)
+    # the cond skips the loop, operands and all, when no row is real (a prefill step without decode rows)
+    out = jax.lax.cond(last > 0, lambda: jax.lax.fori_loop(0, -(-last // g), group, zeros), lambda: zeros)
+    return out[:sd]
+
+
+def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Batch, page_table,
+               common: dict[str, Any]) -> jnp.ndarray:
+    """Paged attention of the whole batch over `page_table`'s pages (q [T, nH, D] -> [T, nH, D]). On the XLA path
+    the prefill windows and the decode rows are two calls (as the XLA path itself splits them), the decode rows
+    (gathered from their token slots) through `_decode_rows_attention`; other implementations take the ragged batch
+    in one call."""
+    lay = shape.layout
+    sp, qm = lay.num_prefill_rows, lay.max_q_len
+    if impl != "xla":
+        qstart = jnp.concatenate([jnp.arange(sp, dtype=jnp.int32) * qm, batch.decode_tokens])
+        return paged_attention(q, kc, vc, qstart, batch.query_lens, batch.kv_lens, page_table, impl=impl,
+                               layout=lay, k_scales=ks, v_scales=vs, layer=layer, **common)
+    dec_args = (batch.query_lens[sp:], batch.kv_lens[sp:], page_table[sp:], common)
+    if not sp:  # decode-only: row j's token is slot j
+        return _decode_rows_attention(q, kc, vc, ks, vs, layer, *dec_args)
+    pre = PrefillDecodeLayout(sp, qm, 0)
+    o = paged_attention(q[: sp * qm], kc, vc, layout_query_start(pre), batch.query_lens[:sp], batch.kv_lens[:sp],
+                        page_table[:sp], impl="xla", layout=pre, k_scales=ks, v_scales=vs, layer=layer, **common)
+    if lay.num_decode_rows:
+        o = jnp.concatenate([o, jnp.zeros((lay.num_decode_rows, *o.shape[1:]), o.dtype)])
+    if not shape.num_decode_rows:
+        return o
+    # The window output is zero past each chunk, where the decode rows' tokens sit; padding rows point past T.
+    qd = jnp.take(q, batch.decode_tokens, axis=0, mode="fill", fill_value=0)  # [Sd, nH, D]
+    # Any number of them may be real: small groups, so that a group's padding rows waste little attention.
+    od = _decode_rows_attention(qd, kc, vc, ks, vs, layer, *dec_args, max_group=TAIL_DECODE_GROUP)
+    return o.at[batch.decode_tokens].set(od, mode="drop")
+
+
+def page_bucket_index(kv_lens: jnp.ndarray, page_size: int, page_buckets: tuple[int, ...]) -> jnp.ndarray:
+    """int32 []: index of the smallest of `page_buckets` holding every row's `kv_lens` tokens."""
+    need = jnp.max((kv_lens + page_size - 1) // page_size)
+    return jnp.sum(jnp.asarray(page_buckets[:-1], jnp.int32) < need).astype(jnp.int32)
+
+
+def forward_inputs(batch: Batch) -> Batch:
+    """The batch without its sampler inputs (which the forward does not read, and whose row count varies)."""
+    return batch.replace(sampling=None, sample_positions=None, history=None, bias_ids=None, bias_values=None,
+                         bias_dense=None, bias_dense_on=None)
 
 
 def _forward(
     params: Weights, state: EngineState, batch: Batch, cfg: ModelConfig, shape: BatchShape, attn_impl: str,
     matmul_impl: str = "auto",
 ) -> tuple[EngineState, jnp.ndarray]:
-    """Run the model over the batch's tokens, writing K/V; returns the new state and hidden `[T, H]`."""
-    layout = shape.layout
+    """Run the model over the batch's tokens, writing K/V; returns the new state and the hidden state `[S, H]` of
+    each row's last real token."""
     ps = state.page_size
-    rows = jnp.asarray(token_rows(layout))  # [T]
-    offs = jnp.asarray(token_offsets(layout))  # [T]
-    real = offs < batch.query_lens[rows]  # [T]
+    s_count = shape.num_rows
+    rows = batch.token_rows  # [T], S for padding slots
+    real = rows < s_count  # [T]
     pos = batch.positions
-    write_page = jnp.where(real, batch.page_table[rows, pos // ps], NULL_PAGE)  # [T]
+    write_page = jnp.where(real, batch.page_table[jnp.minimum(rows, s_count - 1), pos // ps], NULL_PAGE)  # [T]
     write_off = jnp.where(real, pos % ps, 0)
-    sm_scale = cfg.head_dim**-0.5
-    qstart = layout_query_start(layout)
+    common = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
+    impl = resolved_attn_impl(attn_impl)
+    buckets = shape.page_buckets if impl != "pallas" and shape.page_buckets else (shape.pages_per_row,)
+    bucket = page_bucket_index(batch.kv_lens, ps, buckets) if len(buckets) > 1 else None
 
     def attend(layer, q, k, v, kv):
         kc, vc, ks, vs = kv
@@ -51,40 +171,96 @@ def _forward(
             vs = vs.at[layer, :, write_page, write_off].set(v_sc)
         kc = kc.at[layer, :, write_page, write_off].set(k.astype(kc.dtype))
         vc = vc.at[layer, :, write_page, write_off].set(v.astype(vc.dtype))
-        o = paged_attention(  # the whole stacked cache and the layer: no copy of the layer's pool
-            q, kc, vc, qstart, batch.query_lens, batch.kv_lens, batch.page_table, sm_scale=sm_scale, impl=attn_impl,
-            layout=layout, sliding_window=cfg.sliding_window, k_scales=ks, v_scales=vs, layer=layer,
-        )
+
+        def over(pages: int):  # attention reading the first `pages` pages of every row
+            # the whole stacked cache and the layer: no copy of the layer's pool
+            return lambda q, kc, vc, ks, vs: _attention(shape, impl, q, kc, vc, ks, vs, layer, batch,
+                                                        batch.page_table[:, :pages], common)
+
+        if bucket is None:
+            o = over(buckets[0])(q, kc, vc, ks, vs)
+        else:
+            o = jax.lax.switch(bucket, [over(p) for p in buckets], q, kc, vc, ks, vs)
         return o, (kc, vc, ks, vs)
 
     h = embed_tokens(params, batch.token_ids)
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
                                    matmul_impl)
-    return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h
+    if not shape.layout.num_prefill_rows:  # decode-only: row j's token is slot j
+        return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h
+    return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h[batch.last_tokens]
 
 
-def _sample_rows(
-    params: Weights, cfg: ModelConfig, shape: BatchShape, batch: Batch, h: jnp.ndarray, return_top_k: int,
-    return_logits: bool, matmul_impl: str = "auto",
+def lm_head(params: Weights) -> Weights:
+    """The weights the sampler needs (final norm, LM head or tied embedding), without the layers."""
+    return params.replace(layers=None)
+
+
+def sample_inputs(batch: Batch) -> dict[str, Any]:
+    """The sampler inputs of a batch (its first `S'` rows; nothing that depends on the token layout)."""
+    return dict(sampling=batch.sampling, positions=batch.sample_positions, history=batch.history,
+                bias_ids=batch.bias_ids, bias_values=batch.bias_values, bias_dense=batch.bias_dense,
+                bias_dense_on=batch.bias_dense_on)
+
+
+def _sample_rows(head: Weights, cfg: ModelConfig, h: jnp.ndarray, inputs: dict[str, Any], want_top_k: jnp.ndarray,
+                 top_k_width: int, matmul_impl: str = "auto", keep_logits: bool = True,
+                 keep_final: bool = True) -> Results:
+    """Logits of the rows' last tokens `h` [S, H] and the sampler; top tokens (`top_k_width` of them) only where
+    `want_top_k` (bool [], a runtime value). `keep_logits` / `keep_final`: also return the raw logits / the final
+    distribution (both are materialized anyway, so returning them costs no compute)."""
+    logits = compute_logits(head, cfg, h, matmul_impl)  # [S, V]
+    inputs = dict(inputs)
+    final, token, logprob = sample_final(logits, inputs.pop("sampling"), **inputs)
+    s, w = final.shape[0], min(top_k_width, final.shape[1])
+    top_logprobs, top_ids = jax.lax.cond(
+        want_top_k,
+        lambda: tuple(jax.lax.top_k(final, w)),
+        lambda: (jnp.zeros((s, w), jnp.float32), jnp.zeros((s, w), jnp.int32)),
+    )
+    return Results(token=token, logprob=logprob, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs,
+                   logits=logits if keep_logits else None, final=final if keep_final else None)
+
+
+def forward_shape(shape: BatchShape) -> BatchShape:
+    """The part of a bucket the forward is compiled for (the sampler's widths are not its business)."""
+    return dataclasses.replace(shape, history_len=0, num_bias=0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl"), donate_argnames=("state",))
+def step_forward(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
+    """The forward half of a step over `forward_inputs(batch)`: the new state, and the hidden states of the rows'
+    last tokens for each of `shape.sampled_row_counts` (the first n rows, `[n, H]` each). Compiles once per
+    `forward_shape(shape)`."""
+    state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
+    return state, tuple(h[:n] for n in shape.sampled_row_counts)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width"))
+def step_sample(
+    head: Weights,
+    h: jnp.ndarray,
+    inputs: dict[str, Any],
+    want_top_k: jnp.ndarray,
+    *,
+    cfg: ModelConfig,
+    matmul_impl: str = "auto",
+    top_k_width: int = TOP_K_WIDTH,
 ) -> Results:
-    layout = shape.layout
-    last = layout_query_start(layout) + jnp.maximum(batch.query_lens - 1, 0)  # [S]
-    logits = compute_logits(params, cfg, h[last], matmul_impl)  # [S, V]
-    out = sample(
-        logits, batch.sampling, positions=batch.kv_lens, history=batch.history,
-        bias_ids=batch.bias_ids, bias_values=batch.bias_values, return_top_k=return_top_k,
-    )
-    return Results(
-        token=out.token, logprob=out.logprob, top_ids=out.top_ids, top_logprobs=out.top_logprobs,
-        logits=logits if return_logits else None,
-    )
+    """The sampling half of a step: logits of `h` [S', H] through `head` (`lm_head(params)`), and the sampler over
+    `inputs` (`sample_inputs(batch)`). Compiles once per row count S' (R, B and V are fixed per engine)."""
+    return _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "shape", "return_top_k", "return_logits", "attn_impl", "matmul_impl"),
-    donate_argnames=("state",),
-)
 def step(
     params: Weights,
     state: EngineState,
@@ -97,16 +273,68 @@ def step(
     attn_impl: str = "auto",
     matmul_impl: str = "auto",
 ) -> tuple[EngineState, Results]:
-    """One engine step over a ragged batch of prefill chunks and decode rows."""
-    state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
-    return state, _sample_rows(params, cfg, shape, batch, h, return_top_k, return_logits, matmul_impl)
+    """One engine step over a ragged batch of prefill chunks and decode rows: `step_forward` then `step_sample` on
+    the batch's sampled rows. `state` is donated. Results have `top_ids`/`top_logprobs` `[S', return_top_k]` and
+    `logits` only if asked."""
+    state, hs = step_forward(params, state, forward_inputs(batch), cfg=cfg, shape=forward_shape(shape),
+                             attn_impl=attn_impl, matmul_impl=matmul_impl)
+    h = hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])]
+    res = step_sample(lm_head(params), h, sample_inputs(batch), jnp.asarray(return_top_k > 0), cfg=cfg,
+                      matmul_impl=matmul_impl)
+    if 0 < return_top_k <= res.top_ids.shape[1]:
+        top_logprobs, top_ids = res.top_logprobs[:, :return_top_k], res.top_ids[:, :return_top_k]
+    elif return_top_k > 0:  # wider than the sampler prepares: from the final distribution
+        top_logprobs, top_ids = jax.lax.top_k(res.final, min(return_top_k, res.final.shape[1]))
+    else:
+        top_logprobs, top_ids = res.top_logprobs[:, :0], res.top_ids[:, :0]
+    return state, res.replace(top_ids=top_ids, top_logprobs=top_logprobs,
+                              logits=res.logits if return_logits else None)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "shape", "num_steps", "return_top_k", "return_logits", "attn_impl", "matmul_impl"),
+    static_argnames=("cfg", "shape", "num_steps", "attn_impl", "matmul_impl", "top_k_width", "return_logits"),
     donate_argnames=("state",),
 )
+def decode_steps_jit(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    want_top_k: jnp.ndarray,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    num_steps: int,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+    top_k_width: int = TOP_K_WIDTH,
+    return_logits: bool = False,
+) -> tuple[EngineState, Results]:
+    """`num_steps` decode steps in one call (see `decode_steps`; `shape` is `forward_shape` of the bucket). Results
+    are stacked `[num_steps, S, ...]`; the final distribution is not returned, the raw logits only with
+    `return_logits` (static: the generator never asks for them in a burst)."""
+    if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
+        raise ValueError("decode_steps needs a decode-only batch shape (num_prefill_rows == 0) sampling every row")
+    active = batch.query_lens > 0  # [S]
+    head = lm_head(params)
+
+    def body(carry, _):
+        state, b = carry
+        state, h = _forward(params, state, forward_inputs(b), cfg, shape, attn_impl, matmul_impl)
+        res = _sample_rows(head, cfg, h, sample_inputs(b), want_top_k, top_k_width, matmul_impl,
+                           keep_logits=return_logits, keep_final=False)
+        tok = jnp.where(active, res.token, 0)
+        history = b.history
+        if history.shape[1]:
+            history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
+        nb = b.replace(token_ids=tok, positions=b.positions + active, kv_lens=b.kv_lens + active,
+                       sample_positions=b.sample_positions + active, history=history)
+        return (state, nb), res
+
+    (state, _), res = jax.lax.scan(body, (state, batch), None, length=num_steps)
+    return state, res
+
+
 def decode_steps(
     params: Weights,
     state: EngineState,
@@ -122,30 +350,33 @@ def decode_steps(
 ) -> tuple[EngineState, Results]:
     """`num_steps` decode steps in one call; `batch` must be decode-only (no prefill rows) and its page tables must
     already cover positions up to `kv_lens + num_steps - 1`. Results are stacked `[num_steps, S, ...]`."""
-    if shape.layout.num_prefill_rows:
-        raise ValueError("decode_steps needs a decode-only batch shape (num_prefill_rows == 0)")
-    active = batch.query_lens > 0  # [S]
-
-    def body(carry, _):
-        state, b = carry
-        state, h = _forward(params, state, b, cfg, shape, attn_impl, matmul_impl)
-        res = _sample_rows(params, cfg, shape, b, h, return_top_k, return_logits, matmul_impl)
-        tok = jnp.where(active, res.token, 0)
-        history = b.history
-        if history.shape[1]:
-            history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
-        nb = b.replace(
-            token_ids=tok, positions=b.positions + active, kv_lens=b.kv_lens + active, history=history,
-        )
-        return (state, nb), res
-
-    (state, _), res = jax.lax.scan(body, (state, batch), None, length=num_steps)
-    return state, res
+    width = max(TOP_K_WIDTH, return_top_k)
+    state, res = decode_steps_jit(params, state, batch, jnp.asarray(return_top_k > 0), cfg=cfg,
+                                  shape=forward_shape(shape), num_steps=num_steps, attn_impl=attn_impl,
+                                  matmul_impl=matmul_impl, top_k_width=width, return_logits=return_logits)
+    k = return_top_k
+    return state, res.replace(top_ids=res.top_ids[..., :k], top_logprobs=res.top_logprobs[..., :k])
 
 
 def count_compiles() -> dict[str, int]:
-    """Number of compiled variants held by each jitted entry point (for the bucket report)."""
-    return {"step": step._cache_size(), "decode_steps": decode_steps._cache_size()}
+    """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
+    (one per row count), "decode_steps" the multi-step bursts."""
+    return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
+            "decode_steps": decode_steps_jit._cache_size()}
 
 
-__all__ = ["ATTN_IMPLS", "count_compiles", "decode_steps", "step"]
+__all__ = [
+    "ATTN_IMPLS",
+    "TOP_K_WIDTH",
+    "count_compiles",
+    "decode_steps",
+    "decode_steps_jit",
+    "forward_inputs",
+    "forward_shape",
+    "lm_head",
+    "page_bucket_index",
+    "sample_inputs",
+    "step",
+    "step_forward",
+    "step_sample",
+]

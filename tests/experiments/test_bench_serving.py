@@ -353,6 +353,7 @@ def test_bad_slo_is_a_clear_error(bench, tmp_path):
         bench.main([])
 
 
+@pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_main_end_to_end_tiny_sweep(bench, tmp_path, capsys):
     _parse(["--model=tiny", "--dataset=random", "--num_prompts=4", "--input_len=6", "--output_len=4",
             "--range_ratio=0.3", "--max_concurrency=1,2", "--page_size=8", "--max_seq_len=32", "--max_chunk_size=16",

@@ -27,6 +27,7 @@ def tokens_of(c, ident):
     return [t for r in c.results if r["identifier"] == ident and r["stage"] == "streaming" for t in r["token_ids"]]
 
 
+@pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_continuous_batching_matches_each_job_alone(gen):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(0, 96, size=n)) for n in (3, 20, 9, 33, 1, 14)]
@@ -190,6 +191,7 @@ def test_generator_output_with_other_attention_impls_and_int8_cache(attn_impl, c
         assert tokens_of(c, i) == greedy_generate(MODEL.params, CFG, p, 4)
 
 
+@pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_multi_step_decode_matches_single_steps_token_for_token():
     """decode_steps=4 runs bursts through `paged.step.decode_steps`: greedy, seeded sampling and penalties (whose
     window is the history bucket) give the same tokens and probabilities as one step per iterate."""

@@ -341,6 +341,7 @@ def test_top_k_never_outside_top_k() -> None:
     assert all(len(seen[i]) > 1 for i in range(S) if rows[i]["top_k"] >= 4)
 
 
+@pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_empirical_frequencies_match_reference() -> None:
     """Chi-square and total variation of 16384 draws per setting against the reference (deterministic seeds)."""
     rng = np.random.default_rng(40)
@@ -538,6 +539,7 @@ def test_candidates_only_change_speed(candidates: int) -> None:
         assert_same_distribution(got, want, ambiguous, batch[1])
 
 
+@pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_draws_do_not_depend_on_candidates() -> None:
     """The sparse draw (noise only at the candidates) picks the same tokens as the full draw over the vocabulary."""
     rng = np.random.default_rng(110)

@@ -94,7 +94,8 @@ KEEPABLE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantized: bool = False) -> GGUFContents:
     """Metadata plus every tensor, HF-named and HF-oriented, dequantized to `dtype`; with `keep_quantized`, 2-D
-    Q4_0/Q4_1/Q8_0 tensors come back as `pallas_kernels.quant_format.QuantizedArray` (logical `[in, out]`, blocks imported without
+    Q4_0/Q4_1/Q8_0 tensors come back as `pallas_kernels.quant_format.QuantizedArray`
+    (logical `[in, out]`, blocks imported without
     requantization) instead."""
     reader = _open(path)
     spath = reader.path

@@ -135,7 +135,8 @@ def test_seed_warmup_then_generate(generator):
     # 003: warm up (ExLlamaV2 generates 32 tokens and resets the page table), then generate()
     generator.warmup()
     generator.reset_page_table()
-    out = generator.generate(prompt="Once upon a time,", max_new_tokens=8, gen_settings=ExLlamaV2Sampler.Settings.greedy())
+    out = generator.generate(prompt="Once upon a time,", max_new_tokens=8,
+                             gen_settings=ExLlamaV2Sampler.Settings.greedy())
     assert out.startswith("Once upon a time,")  # completion_only=False by default, as in ExLlamaV2
     only = generator.generate(prompt="Once upon a time,", max_new_tokens=8, completion_only=True,
                               gen_settings=ExLlamaV2Sampler.Settings.greedy())

@@ -66,8 +66,11 @@ def run_schedule(seqs, page_size, rng, attn_impl, cfg=CFG, params=PARAMS, max_ch
     return got
 
 
-@pytest.mark.parametrize("page_size", [pytest.param(8, marks=pytest.mark.slow), 16,
-                                       pytest.param(64, marks=pytest.mark.slow), pytest.param(256, marks=pytest.mark.slow)])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("page_size", [pytest.param(8, marks=SLOW), 16, pytest.param(64, marks=SLOW),
+                                       pytest.param(256, marks=SLOW)])
 def test_paged_step_matches_dense_forward(page_size):
     rng = np.random.default_rng(page_size)
     seqs = [list(rng.integers(0, CFG.vocab_size, size=int(rng.integers(3, 40)))) for _ in range(4)]

@@ -219,17 +219,24 @@ class Engine:
 
             it = tqdm(work, desc="compiling step buckets", unit="shape")
         no = np.bool_(False)
+        sampled: set[int] = set()
+        outs = []
+        # Nothing waits for the warm-up steps to finish (async dispatch): they run while the next variant traces
+        # and compiles.
         for shape, n in it:
             batch, _ = build_batch([], shape, self.page_size, self.vocab_size)
             if n > 1:
-                jax.block_until_ready(self._dispatch(batch, shape, False, n).token)
+                outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
             self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
                                           shape=forward_shape(shape), attn_impl=self.attn_impl,
                                           matmul_impl=self.matmul_impl)
             for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
-                small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
-                jax.block_until_ready(self._sample(h, small, no).token)
+                if rows not in sampled:
+                    sampled.add(rows)
+                    small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
+                    outs.append(self._sample(h, small, no).token)
+        jax.block_until_ready((outs, self.state))
         return len(work)
 
 

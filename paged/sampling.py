@@ -10,8 +10,10 @@ Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler
    output). Repetition is HF-style and multiplicative (positive logit / p, negative logit * p), frequency subtracts
    `freq * count`, presence subtracts `pres` once per distinct token. ExLlamaV2 does the same in one pass over the
    whole sequence; its range/decay window is replaced by "whatever the caller puts in `history`".
-2. Sparse additive bias (`bias_ids`/`bias_values`). ExLlamaV2 sets blocked tokens to -1e30 and then adds
-   `token_bias`; both collapse into this one step here (a value of -inf bans a token).
+2. Additive bias: sparse (`bias_ids`/`bias_values`), plus optionally a dense `[S, V]` bias for rows with many
+   entries (`adjusted_logits`; both it and the penalties run under a `lax.cond`, skipped when no row uses them).
+   ExLlamaV2 sets blocked tokens to -1e30 and then adds `token_bias`; both collapse into this one step here (a value
+   of -inf bans a token).
 3. Greedy rows (temperature < 0.01, the same threshold as ExLlamaV2) stop here: the token is the argmax, and the
    reported distribution is log_softmax of these logits at temperature 1 with no truncation.
 4. Temperature, applied before the softmax (ExLlamaV2's default, `temperature_last=False`).

@@ -79,8 +79,9 @@ def _workload(rng: np.random.Generator) -> list[list[Job]]:
          Job(healing, 5, token_healing=True, gen_settings=SamplingSettings(**sampled), seed=8),
          Job(TOK.encode("the quick"), 8, banned_strings=[" brown", " fox"], stop_conditions=["jump"],
              gen_settings=SamplingSettings(**sampled), seed=9)],
-        [Job(_ids(rng, n), 9, gen_settings=SamplingSettings.greedy(), return_top_tokens=k)  # bursts with top-k
-         for n, k in ((2, 0), (3, 5), (4, 0), (5, 2))],
+        # bursts with and without top-k; the jobs end one after another: bursts of 4, 3, 2 and 1 rows
+        [Job(_ids(rng, n), m, gen_settings=SamplingSettings.greedy(), return_top_tokens=k)
+         for n, m, k in ((2, 7, 0), (3, 13, 5), (4, 19, 0), (5, 25, 2))],
     ]
     return waves
 
@@ -109,6 +110,7 @@ def test_warmup_covers_everything_serving_hits():
     assert seen == {"/jax/core/compile/jaxpr_trace_duration": 0, "/jax/core/compile/backend_compile_duration": 0}
     # the workload did reach what it was meant to: every batch size, bursts, top-k and logits requests
     assert {n for n, _ in calls} == {1, 2, 3, 4}
+    assert {n for n, kw in calls if kw.get("num_steps", 1) > 1} == {1, 2, 3, 4}  # every burst bucket
     assert any(kw.get("num_steps", 1) > 1 and kw["return_top_k"] for _, kw in calls)
     assert {kw["return_top_k"] for _, kw in calls} >= {0, 1, 4, 64, 128}
     assert any(kw["return_logits"] for _, kw in calls)

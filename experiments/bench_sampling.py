@@ -23,7 +23,7 @@ flags.DEFINE_integer("iters", 20, "timed calls per setting")
 flags.DEFINE_integer("history", 256, "penalty history length R")
 flags.DEFINE_list("only", [], "run only these settings (names as printed)")
 flags.DEFINE_list("compile_rows", ["4", "64"], "batch sizes to time the compilation for")
-flags.DEFINE_string("module", "paged.sampling", "module providing SamplingParams and sample")
+flags.DEFINE_string("module", "paged.sampling", "module providing SamplingRows and sample")
 
 BASE = {"temperature": 0.8, "repetition_penalty": 1.025}
 SETTINGS = {
@@ -47,7 +47,7 @@ def main(argv):
     import numpy as np
 
     mod = importlib.import_module(FLAGS.module)
-    SamplingParams, sample = mod.SamplingParams, mod.sample  # noqa: N806
+    SamplingRows, sample = mod.SamplingRows, mod.sample  # noqa: N806
 
     v = FLAGS.vocab
     fn = jax.jit(sample, static_argnames="return_top_k")
@@ -64,7 +64,7 @@ def main(argv):
     jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()  # one-time compiler start-up, not the sampler's
     for s in (int(r) for r in FLAGS.compile_rows):
         t0 = time.perf_counter()
-        fn.lower(jnp.zeros((s, v), jnp.float32), SamplingParams.make(s), **batch_args(s)).compile()
+        fn.lower(jnp.zeros((s, v), jnp.float32), SamplingRows.make(s), **batch_args(s)).compile()
         print(f"compile S={s} V={v}: {time.perf_counter() - t0:.2f} s")
 
     s = FLAGS.rows
@@ -74,12 +74,12 @@ def main(argv):
     np.put_along_axis(logits, boost, rng.uniform(6.0, 12.0, size=(s, 32)).astype(np.float32), axis=-1)
     logits = jnp.asarray(logits)
     args = batch_args(s)
-    compiled = fn.lower(logits, SamplingParams.make(s), **args).compile()
+    compiled = fn.lower(logits, SamplingRows.make(s), **args).compile()
 
     for name, setting in SETTINGS.items():
         if FLAGS.only and name not in FLAGS.only:
             continue
-        params = jax.tree.map(jnp.asarray, SamplingParams.make([{**setting, "seed": i} for i in range(s)]))
+        params = jax.tree.map(jnp.asarray, SamplingRows.make([{**setting, "seed": i} for i in range(s)]))
         jax.block_until_ready(compiled(logits, params, **args))
         times = []
         for _ in range(FLAGS.iters):

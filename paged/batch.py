@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from paged.sampling import SamplingParams
+from paged.sampling import SamplingRows
 from paged.state import NULL_PAGE, Batch, BatchShape
 
 
@@ -23,7 +23,7 @@ class RowInput:
     start_pos: int
     pages: Sequence[int]
     sample: bool = True
-    sampling: Mapping | None = None  # keyword values for SamplingParams.make (missing: neutral/greedy)
+    sampling: Mapping | None = None  # keyword values for SamplingRows.make (missing: neutral/greedy)
     history: Sequence[int] = ()  # previous tokens for penalties, oldest first
     bias: Mapping[int, float] | None = None  # sparse additive logit bias (-inf bans)
 
@@ -127,7 +127,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
-        sampling=SamplingParams.make(sampling_rows), sample_positions=sample_positions, history=history,
+        sampling=SamplingRows.make(sampling_rows), sample_positions=sample_positions, history=history,
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),

@@ -22,7 +22,7 @@ from paged.errors import InvalidConfigError
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
-    decode_steps_jit,
+    decode_burst_jit,
     forward_inputs,
     forward_shape,
     lm_head,
@@ -112,7 +112,7 @@ class Engine:
                        matmul_impl=self.matmul_impl)
         want = np.bool_(want_top_k)
         if num_steps > 1:
-            self.state, res = decode_steps_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
+            self.state, res = decode_burst_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
                                                top_k_width=TOP_K_WIDTH, **statics)
             return res
         self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), **statics)
@@ -190,7 +190,7 @@ class Engine:
     def variants(self, decode_steps: int = 1) -> list[tuple[str, BatchShape, int]]:
         """Every compiled variant `run` can use with this configuration, as (entry point, bucket, n): the forward
         ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
-        samples n rows); with `decode_steps` > 1 the burst ("decode_steps", n = steps) of each decode-only bucket."""
+        samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket."""
         shapes = self.spec.all_shapes()
         out = [("step", s, 1) for s in shapes]
         seen: set[int] = set()
@@ -200,7 +200,7 @@ class Engine:
                     seen.add(n)
                     out.append(("sample", s, n))
         if decode_steps > 1:
-            out += [("decode_steps", s, decode_steps) for s in shapes if not s.layout.num_prefill_rows]
+            out += [("decode_burst", s, decode_steps) for s in shapes if not s.layout.num_prefill_rows]
         return out
 
     def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:

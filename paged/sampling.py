@@ -1,7 +1,7 @@
 """On-device, per-row token sampling for the paged engine.
 
 Everything here is pure and jittable and vectorised over the batch rows `S`; each row carries its own settings
-(`SamplingParams`, every field shape [S]). `sample` draws exactly from `processed_logprobs`, the final per-row
+(`SamplingRows`, every field shape [S]). `sample` draws exactly from `processed_logprobs`, the final per-row
 log-distribution, which speculative decoding can reuse for verification.
 
 Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler.sample` + C++ `sample_basic`):
@@ -60,7 +60,7 @@ CANDIDATES = 64
 GREEDY_TEMPERATURE = 0.01
 
 # Neutral ("off") value of every field, and the dtype it is stored with. temperature 0 means greedy, so
-# `SamplingParams.make(n)` gives n greedy rows.
+# `SamplingRows.make(n)` gives n greedy rows.
 NEUTRAL: dict[str, Any] = {
     "temperature": 0.0,
     "top_k": 0,
@@ -86,7 +86,7 @@ _DTYPES: dict[str, Any] = {
 
 
 @flax.struct.dataclass
-class SamplingParams:
+class SamplingRows:
     """Per-row sampling settings; every field has shape [S]."""
 
     temperature: jax.Array  # f32 [S]; < 0.01 (including <= 0) -> greedy
@@ -100,7 +100,7 @@ class SamplingParams:
     seed: jax.Array  # u32 [S]
 
     @staticmethod
-    def make(rows: Sequence[Mapping[str, Any]] | int, **defaults: Any) -> SamplingParams:
+    def make(rows: Sequence[Mapping[str, Any]] | int, **defaults: Any) -> SamplingRows:
         """Build numpy-backed params from per-row dicts (host helper).
 
         A missing key takes its value from `defaults`, else from `NEUTRAL`; `make(n)` gives n greedy rows.
@@ -119,7 +119,7 @@ class SamplingParams:
             if name == "seed":
                 values = [int(v) & 0xFFFFFFFF for v in values]  # any Python int is a valid seed
             fields[name] = np.asarray(values, dtype=dtype).reshape(len(rows))
-        return SamplingParams(**fields)
+        return SamplingRows(**fields)
 
     @property
     def greedy(self) -> jax.Array:
@@ -148,7 +148,7 @@ def token_counts(history: jax.Array, vocab_size: int) -> jax.Array:
     return _row_scatter_add(history, jnp.ones(history.shape, jnp.float32), vocab_size)
 
 
-def apply_penalties(logits: jax.Array, params: SamplingParams, history: jax.Array) -> jax.Array:
+def apply_penalties(logits: jax.Array, params: SamplingRows, history: jax.Array) -> jax.Array:
     """Repetition (multiplicative, HF-style), frequency (per occurrence) and presence penalties. [S, V] -> [S, V]."""
     counts = token_counts(history, logits.shape[-1])  # [S, V]
     present = counts > 0  # [S, V]
@@ -167,14 +167,14 @@ def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
     return logits + (bias if bias_dense is None else bias + bias_dense)
 
 
-def penalties_used(params: SamplingParams) -> jax.Array:
+def penalties_used(params: SamplingRows) -> jax.Array:
     """bool []: whether any row has a repetition, frequency or presence penalty (else `apply_penalties` is the
     identity and is skipped)."""
     return jnp.any((params.repetition_penalty != 1.0) | (params.frequency_penalty != 0.0)
                    | (params.presence_penalty != 0.0))
 
 
-def adjusted_logits(logits: jax.Array, params: SamplingParams, history: jax.Array, bias_ids: jax.Array,
+def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array, bias_ids: jax.Array,
                     bias_values: jax.Array, bias_dense: jax.Array | None = None,
                     bias_dense_on: jax.Array | None = None) -> jax.Array:
     """f32 [S, V]: penalties, then the bias. Each part runs under a `lax.cond` and is skipped (it would be the
@@ -308,7 +308,7 @@ def _log_softmax_kept(lp: jax.Array, keep: jax.Array, m: jax.Array, log_sum: jax
     return jnp.where(keep, (lp - m) - log_sum, -jnp.inf)
 
 
-def _truncation(logp: jax.Array, params: SamplingParams, candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(keep bool [S, V], ids i32 [S, C], inside bool [S]): the tokens kept by top_k -> top_p -> min_p -> typical,
     and per row C token ids that contain the whole kept set where `inside` (never for rows that keep everything,
     unless C = V).
@@ -385,7 +385,7 @@ def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dens
 
 def processed_logprobs(
     logits: jax.Array,
-    params: SamplingParams,
+    params: SamplingRows,
     *,
     history: jax.Array,
     bias_ids: jax.Array,
@@ -461,7 +461,7 @@ def gumbel_at(key_data: jax.Array, ids: jax.Array) -> jax.Array:
 
 def sample(
     logits: jax.Array,
-    params: SamplingParams,
+    params: SamplingRows,
     *,
     positions: jax.Array,
     history: jax.Array,
@@ -495,7 +495,7 @@ def sample(
 
 def sample_final(
     logits: jax.Array,
-    params: SamplingParams,
+    params: SamplingRows,
     *,
     positions: jax.Array,
     history: jax.Array,

@@ -1,5 +1,5 @@
 """`SamplingSettings`: a job's sampling configuration (user-facing, validated), turned into one row of the device
-`SamplingParams`. Defaults are ExLlamaV2's: temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025."""
+`SamplingRows`. Defaults are ExLlamaV2's: temperature 0.8, top_k 50, top_p 0.8, repetition penalty 1.025."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class SamplingSettings:
         )
 
     def device_row(self, seed: int) -> dict:
-        """This job's row of `paged.sampling.SamplingParams`."""
+        """This job's row of `paged.sampling.SamplingRows`."""
         return dict(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             typical=self.typical, repetition_penalty=self.repetition_penalty,

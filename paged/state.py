@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from paged.sampling import SamplingParams
+from paged.sampling import SamplingRows
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 
 NULL_PAGE = 0
@@ -136,7 +136,7 @@ class Batch:
     decode_tokens: jnp.ndarray  # [Sd] int32: the token slot of each decode row (T for padding rows)
     last_tokens: jnp.ndarray  # [S] int32: the token slot of each row's last token (0 for padding rows)
     # sampler inputs: the first S' rows (S' one of the shape's sample_rows)
-    sampling: SamplingParams  # fields [S']
+    sampling: SamplingRows  # fields [S']
     sample_positions: jnp.ndarray  # [S'] int32: position of the token each row samples (its kv_lens)
     history: jnp.ndarray  # [S', R] int32, -1 padded: previous tokens for penalties
     bias_ids: jnp.ndarray  # [S', B] int32, -1 padded

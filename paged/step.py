@@ -19,9 +19,9 @@ What compiles, and why it is split in two (docs/performance.md, "Compilation"; t
   asked). The sampler costs as much to compile as the 30-layer forward (it is ~150 small kernels), so keeping it
   out of the per-layout variants halves the compile time of each.
 
-`decode_steps` runs several decode steps in one call (`lax.scan` over forward + sampler), feeding each sampled token
-back in: fewer dispatches per token, at the price of the host seeing stop conditions only every n tokens. It
-compiles once per decode layout and burst length.
+The `decode_steps` setting runs several decode steps in one call (`decode_burst`, a `lax.scan` over forward +
+sampler), feeding each sampled token back in: fewer dispatches per token, at the price of the host seeing stop
+conditions only every n tokens. It compiles once per decode layout and burst length.
 """
 from __future__ import annotations
 
@@ -296,7 +296,7 @@ def step(
     static_argnames=("cfg", "shape", "num_steps", "attn_impl", "matmul_impl", "top_k_width", "return_logits"),
     donate_argnames=("state",),
 )
-def decode_steps_jit(
+def decode_burst_jit(
     params: Weights,
     state: EngineState,
     batch: Batch,
@@ -310,7 +310,7 @@ def decode_steps_jit(
     top_k_width: int = TOP_K_WIDTH,
     return_logits: bool = False,
 ) -> tuple[EngineState, Results]:
-    """`num_steps` decode steps in one call (see `decode_steps`; `shape` is `forward_shape` of the bucket). Results
+    """`num_steps` decode steps in one call (see `decode_burst`; `shape` is `forward_shape` of the bucket). Results
     are stacked `[num_steps, S, ...]`; the final distribution is not returned, the raw logits only with
     `return_logits` (static: the generator never asks for them in a burst)."""
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
@@ -335,7 +335,7 @@ def decode_steps_jit(
     return state, res
 
 
-def decode_steps(
+def decode_burst(
     params: Weights,
     state: EngineState,
     batch: Batch,
@@ -351,7 +351,7 @@ def decode_steps(
     """`num_steps` decode steps in one call; `batch` must be decode-only (no prefill rows) and its page tables must
     already cover positions up to `kv_lens + num_steps - 1`. Results are stacked `[num_steps, S, ...]`."""
     width = max(TOP_K_WIDTH, return_top_k)
-    state, res = decode_steps_jit(params, state, batch, jnp.asarray(return_top_k > 0), cfg=cfg,
+    state, res = decode_burst_jit(params, state, batch, jnp.asarray(return_top_k > 0), cfg=cfg,
                                   shape=forward_shape(shape), num_steps=num_steps, attn_impl=attn_impl,
                                   matmul_impl=matmul_impl, top_k_width=width, return_logits=return_logits)
     k = return_top_k
@@ -360,17 +360,17 @@ def decode_steps(
 
 def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
-    (one per row count), "decode_steps" the multi-step bursts."""
+    (one per row count), "decode_burst" the multi-step bursts."""
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
-            "decode_steps": decode_steps_jit._cache_size()}
+            "decode_burst": decode_burst_jit._cache_size()}
 
 
 __all__ = [
     "ATTN_IMPLS",
     "TOP_K_WIDTH",
     "count_compiles",
-    "decode_steps",
-    "decode_steps_jit",
+    "decode_burst",
+    "decode_burst_jit",
     "forward_inputs",
     "forward_shape",
     "lm_head",

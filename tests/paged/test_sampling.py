@@ -14,7 +14,7 @@ import pytest
 from paged.sampling import (
     NEUTRAL,
     SampleOutput,
-    SamplingParams,
+    SamplingRows,
     apply_bias,
     apply_penalties,
     gumbel_at,
@@ -174,7 +174,7 @@ def random_batch(seed: int, rows: list[dict] | None = None, s: int = S, v: int =
 def run_sample(logits, rows, history, bias_ids, bias_values, positions, k: int = K) -> SampleOutput:
     out = _sample(
         jnp.asarray(logits),
-        SamplingParams.make(rows),
+        SamplingRows.make(rows),
         positions=jnp.asarray(positions, jnp.int32),
         history=jnp.asarray(history),
         bias_ids=jnp.asarray(bias_ids),
@@ -188,7 +188,7 @@ def run_processed(logits, rows, history, bias_ids, bias_values) -> np.ndarray:
     return np.asarray(
         _processed(
             jnp.asarray(logits),
-            SamplingParams.make(rows),
+            SamplingRows.make(rows),
             history=jnp.asarray(history),
             bias_ids=jnp.asarray(bias_ids),
             bias_values=jnp.asarray(bias_values),
@@ -217,26 +217,26 @@ def assert_same_distribution(got: np.ndarray, want: np.ndarray, ambiguous: np.nd
 
 
 def test_make_defaults_and_validation() -> None:
-    p = SamplingParams.make(3)
+    p = SamplingRows.make(3)
     assert all(getattr(p, f).shape == (3,) for f in NEUTRAL)
     assert p.top_k.dtype == np.int32 and p.seed.dtype == np.uint32 and p.temperature.dtype == np.float32
     assert np.all(np.asarray(p.greedy))
-    p = SamplingParams.make([{"top_k": 3}, {"temperature": 0.5, "seed": -1}], temperature=1.0, top_p=0.9)
+    p = SamplingRows.make([{"top_k": 3}, {"temperature": 0.5, "seed": -1}], temperature=1.0, top_p=0.9)
     np.testing.assert_array_equal(p.top_k, [3, 0])
     np.testing.assert_allclose(p.temperature, [1.0, 0.5])
     np.testing.assert_allclose(p.top_p, [0.9, 0.9])
     assert p.seed[1] == 0xFFFFFFFF
     np.testing.assert_array_equal(np.asarray(p.greedy), [False, False])
     with pytest.raises(ValueError, match="unknown"):
-        SamplingParams.make([{"topk": 3}])
+        SamplingRows.make([{"topk": 3}])
     with pytest.raises(ValueError, match="unknown"):
-        SamplingParams.make(2, temprature=1.0)
+        SamplingRows.make(2, temprature=1.0)
 
 
 def test_penalties_hand_computed() -> None:
     logits = jnp.asarray([[2.0, -1.0, 3.0, -0.5, 1.0, 0.0]] * 4, jnp.float32)
     history = jnp.asarray([[0, 1, 1, 2, 2, 2, -1, -1]] * 4, jnp.int32)
-    params = SamplingParams.make(
+    params = SamplingRows.make(
         [
             {"repetition_penalty": 2.0},
             {"frequency_penalty": 0.5},
@@ -455,7 +455,7 @@ def test_logprob_and_top_k_outputs_consistent() -> None:
 def test_all_greedy_batch_and_empty_history_and_bias() -> None:
     rng = np.random.default_rng(80)
     logits = rng.standard_normal((4, 64)).astype(np.float32)
-    out = _sample(jnp.asarray(logits), SamplingParams.make(4), positions=jnp.zeros(4, jnp.int32),
+    out = _sample(jnp.asarray(logits), SamplingRows.make(4), positions=jnp.zeros(4, jnp.int32),
                   history=jnp.zeros((4, 0), jnp.int32), bias_ids=jnp.zeros((4, 0), jnp.int32),
                   bias_values=jnp.zeros((4, 0), jnp.float32), return_top_k=2)  # fmt: skip
     np.testing.assert_array_equal(np.asarray(out.token), np.argmax(logits, -1))
@@ -472,7 +472,7 @@ def test_large_vocab_batch() -> None:
         positions=jnp.arange(s, dtype=jnp.int32), history=jnp.asarray(history), bias_ids=jnp.asarray(bias_ids),
         bias_values=jnp.asarray(bias_values),
     )  # fmt: skip
-    params = SamplingParams.make(rows)
+    params = SamplingRows.make(rows)
     compiled = _sample.lower(jnp.asarray(logits), params, **args, return_top_k=4).compile()
     mem = compiled.memory_analysis()
     if mem is not None and getattr(mem, "temp_size_in_bytes", 0):
@@ -534,7 +534,7 @@ def test_candidates_only_change_speed(candidates: int) -> None:
     rng = np.random.default_rng(100 + candidates)
     for batch in (random_batch(101, _hard_rows(rng, S, V)), _tied_batch(102, _hard_rows(rng, S, V))):
         args = dict(history=jnp.asarray(batch[2]), bias_ids=jnp.asarray(batch[3]), bias_values=jnp.asarray(batch[4]))
-        got = np.asarray(_processed_with(candidates)(jnp.asarray(batch[0]), SamplingParams.make(batch[1]), **args))
+        got = np.asarray(_processed_with(candidates)(jnp.asarray(batch[0]), SamplingRows.make(batch[1]), **args))
         want, ambiguous = ref_batch(*batch, exact_ties=True)
         assert_same_distribution(got, want, ambiguous, batch[1])
 
@@ -548,7 +548,7 @@ def test_draws_do_not_depend_on_candidates() -> None:
         outs = []
         for candidates in (2, 64, V):  # mostly full draws / mostly sparse / always sparse
             out = _sample_with(candidates)(
-                jnp.asarray(batch[0]), SamplingParams.make(batch[1]), positions=jnp.arange(S, dtype=jnp.int32) * 7,
+                jnp.asarray(batch[0]), SamplingRows.make(batch[1]), positions=jnp.arange(S, dtype=jnp.int32) * 7,
                 history=jnp.asarray(batch[2]), bias_ids=jnp.asarray(batch[3]), bias_values=jnp.asarray(batch[4]),
             )  # fmt: skip
             outs.append(jax.tree.map(np.asarray, out))
@@ -582,7 +582,7 @@ def test_small_vocab_unfiltered_rows_draw_from_full_distribution() -> None:
     bias_ids = np.tile(np.asarray([[0, 5]], np.int32), (s, 1))
     bias_values = np.full((s, 2), -np.inf, np.float32)
     rows = [{"temperature": 1.0, "seed": i} for i in range(s)]
-    out = _sample(jnp.asarray(logits), SamplingParams.make(rows), positions=jnp.zeros(s, jnp.int32),
+    out = _sample(jnp.asarray(logits), SamplingRows.make(rows), positions=jnp.zeros(s, jnp.int32),
                   history=jnp.zeros((s, 0), jnp.int32), bias_ids=jnp.asarray(bias_ids),
                   bias_values=jnp.asarray(bias_values), return_top_k=0)  # fmt: skip
     counts = np.bincount(np.asarray(out.token), minlength=v)
@@ -598,7 +598,7 @@ def test_top_k_cut_into_banned_tokens() -> None:
     history[:] = -1
     bias_ids[:] = -1
     logits[:, 250:] = -np.inf  # only 250 allowed tokens
-    got = np.asarray(_processed_with(4)(jnp.asarray(logits), SamplingParams.make(rows), history=jnp.asarray(history),
+    got = np.asarray(_processed_with(4)(jnp.asarray(logits), SamplingRows.make(rows), history=jnp.asarray(history),
                                         bias_ids=jnp.asarray(bias_ids), bias_values=jnp.asarray(bias_values)))
     want, ambiguous = ref_batch(logits, rows, history, bias_ids, bias_values)
     assert_same_distribution(got, want, ambiguous, rows)

@@ -14,7 +14,7 @@ from models.llama import forward
 from paged.batch import RowInput, build_batch
 from paged.buckets import BucketSpec
 from paged.state import EngineState
-from paged.step import decode_steps, step
+from paged.step import decode_burst, step
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -171,7 +171,7 @@ def test_multi_step_decode_matches_single_steps():
     dec = [dataclasses.replace(r, tokens=[t], start_pos=len(r.tokens)) for r, t in zip(rows, first)]
     shape = spec.shape_for([], 2, 4, 0)
     batch, slots = build_batch(dec, shape, 8)
-    state, res = decode_steps(PARAMS, state, batch, cfg=CFG, shape=shape, num_steps=5)
+    state, res = decode_burst(PARAMS, state, batch, cfg=CFG, shape=shape, num_steps=5)
     multi = np.asarray(res.token)[:, slots].T.tolist()
 
     state, rows, first = prefill()

@@ -96,7 +96,7 @@ def test_warmup_covers_everything_serving_hits():
     assert n == len(spec.all_shapes()) + len(spec.decode_rows) - 1  # buckets + a burst per decode-only bucket
     compiled = {k: count_compiles()[k] - before[k] for k in before}
     kinds = [v[0] for v in variants]
-    assert compiled == {k: kinds.count(k) for k in ("step", "sample", "decode_steps")}
+    assert compiled == {k: kinds.count(k) for k in ("step", "sample", "decode_burst")}
     warm = count_compiles()
     calls = []
     engine_run = gen.engine.run

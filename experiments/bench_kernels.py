@@ -1,49 +1,220 @@
-"""Kernel benchmarks: paged attention (decode and prefill shapes) and dequant-matmul (int8, q4_1) per
-implementation, with achieved bandwidth / FLOP/s against this device's measured peaks.
+"""Kernel benchmark: paged attention and dequant-matmul implementations (built-in, registered, or `module:function`)
+on chosen shapes, each checked against the reference before it is timed, with bandwidth and FLOP utilisation
+against this device's peaks measured in the same run.
 
     python -m experiments.bench_kernels --json_out experiments/results/kernels_cpu.json
-    python -m experiments.bench_kernels --impls xla,pallas          # on a GPU
+    python -m experiments.bench_kernels --ops attention --attn_impls xla,my_module:my_attention \\
+        --attn_shapes decode16x2048,prefill256x512 --plot /tmp/attn.png
+    python -m experiments.bench_kernels --attn_impls pallas --sweep          # on a GPU: tune the kernel per shape
 
-Peaks are measured here, in the same run: bandwidth by a large array copy, FLOP/s by a large float32 matmul. On the
-CPU the Pallas kernels run interpreted (correctness only), so they are skipped unless asked for explicitly.
+Shapes: attention `decode{rows}x{ctx}` (rows decode tokens, each with ctx cached tokens), `prefill{q}x{ctx}` (one
+chunk of q tokens ending at ctx), `mixed{q}+{rows}x{ctx}` (a chunk and rows decode tokens), with `--heads`
+(KV heads x query heads per KV head x head dim; default SmolLM2's 3x3x64) and `--page_size`; or `conformance`,
+the quick case space of `pallas_kernels.testing`. Matmul `{n}x{in}x{out}` with `--kinds`.
+
+Each point: one untimed call (compile), then `--repeats` timings of `--iters` back-to-back calls; the record keeps
+the minimum and the median per call. Peaks: best-of-5 jit(a * 1.0001) over 128 MiB (bandwidth) and a float32
+2048^3 dot (FLOP/s), measured at the start. Bytes counted: attention reads every row's K and V (ctx x KV heads x
+head dim x 2 x itemsize, plus scales) and q; the matmul reads its weight leaves and x. FLOPs: attention
+4 x tokens x attended keys x heads x head dim; matmul 2 x n x in x out. On the CPU the Pallas kernels run
+interpreted (correctness only), so they are timed only when named.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
+import re
+import statistics
 import time
 
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("impls", None, "implementations to time (default: xla and reference on CPU, + pallas on GPU)")
-flags.DEFINE_integer("iters", 10, "timed calls per point")
-flags.DEFINE_string("json_out", None, "write results here")
+flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
+flags.DEFINE_list("attn_impls", None, "attention implementations: names or module:function paths "
+                  "(default: xla,reference on the CPU; pallas,xla on a GPU)")
+flags.DEFINE_list("matmul_impls", None, "dequant-matmul implementations (default: xla,reference on the CPU; "
+                  "pallas,xla on a GPU)")
+flags.DEFINE_list("attn_shapes", ["decode16x512", "decode16x2048", "prefill256x512", "mixed128+8x1024"],
+                  "attention shapes (see the module docstring), or 'conformance'")
+flags.DEFINE_list("matmul_shapes", ["1x576x1536", "16x576x1536", "1x1536x576", "64x576x1536"],
+                  "matmul shapes n x in x out, or 'conformance'")
+flags.DEFINE_list("kinds", ["q4_1", "int8"], "weight kinds for the matmul shapes (q4_1, q4_0, int8)")
+flags.DEFINE_string("heads", "3x3x64", "attention heads: KV heads x query heads per KV head x head dim")
+flags.DEFINE_integer("page_size", 64, "attention page size")
+flags.DEFINE_enum("cache_dtype", "float32", ["float32", "bfloat16", "int8"], "attention KV cache dtype")
+flags.DEFINE_string("attn_tuning", None, "tuning for the attention implementations that take one "
+                    "('block_q=16,pages_per_block=4' or a JSON file)")
+flags.DEFINE_string("matmul_tuning", None, "tuning for the matmul implementations that take one")
+flags.DEFINE_boolean("sweep", False, "tune: time every tuning of the sweep grid for implementations with a tuning "
+                     "type and record the best per shape")
+flags.DEFINE_integer("iters", 10, "back-to-back calls per timing")
+flags.DEFINE_integer("repeats", 5, "timings per point (min and median are recorded)")
+flags.DEFINE_boolean("check", True, "check every implementation against the reference before timing it")
+flags.DEFINE_string("json_out", None, "write the JSON record here")
+flags.DEFINE_string("plot", None, "write a per-shape bar chart of median times here (.png)")
 
 
-def timeit(fn, *args, iters: int) -> float:
-    import jax
+# ------------------------------------------------------------------------------------------------- shapes
+def attention_inputs(spec: str, heads: str, page_size: int, cache: str, seed: int = 0) -> tuple[str, dict, dict]:
+    """(label, paged_attention keyword arguments, cost {bytes, flops}) for one shape spec."""
+    import jax.numpy as jnp
+    import numpy as np
 
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - t0) / iters
+    from pallas_kernels.paged_attention import PrefillDecodeLayout, layout_query_start
+    from pallas_kernels.testing import quantize_pages
+
+    m = re.fullmatch(r"decode(\d+)x(\d+)|prefill(\d+)x(\d+)|mixed(\d+)\+(\d+)x(\d+)", spec)
+    if not m:
+        raise app.UsageError(f"attention shape {spec!r}: expected decode<rows>x<ctx>, prefill<q>x<ctx> or "
+                             "mixed<q>+<rows>x<ctx>")
+    kh, g, d = (int(x) for x in heads.split("x"))
+    if m.group(1):
+        rows, ctx, q_len = int(m.group(1)), int(m.group(2)), 0
+    elif m.group(3):
+        rows, q_len, ctx = 0, int(m.group(3)), int(m.group(4))
+    else:
+        q_len, rows, ctx = int(m.group(5)), int(m.group(6)), int(m.group(7))
+    layout = PrefillDecodeLayout(1 if q_len else 0, q_len or 1, rows)
+    s = layout.num_rows
+    ps = page_size
+    p = -(-ctx // ps)
+    num_pages = 1 + s * p
+    rng = np.random.default_rng(seed)
+    table = rng.permutation(np.arange(1, num_pages)).reshape(s, p).astype(np.int32)
+    q_lens = np.asarray([q_len] * (1 if q_len else 0) + [1] * rows, np.int32)
+    kv_lens = np.full((s,), ctx, np.int32)
+    kp = jnp.asarray(rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32))
+    vp = jnp.asarray(rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32))
+    q = jnp.asarray(rng.normal(size=(layout.num_tokens, kh * g, d)).astype(np.float32))
+    ks = vs = None
+    itemsize = 4
+    if cache == "int8":
+        kp, ks = quantize_pages(kp)
+        vp, vs = quantize_pages(vp)
+        itemsize = 1 + 4 / d
+    elif cache == "bfloat16":
+        q, kp, vp = q.astype(jnp.bfloat16), kp.astype(jnp.bfloat16), vp.astype(jnp.bfloat16)
+        itemsize = 2
+    inputs = dict(q=q, k_pages=kp, v_pages=vp, query_start=layout_query_start(layout), query_lens=jnp.asarray(q_lens),
+                  kv_lens=jnp.asarray(kv_lens), page_table=jnp.asarray(table), sm_scale=d**-0.5, layout=layout,
+                  sliding_window=None, soft_cap=None, k_scales=ks, v_scales=vs)
+    attended = rows * ctx + sum(ctx - q_len + i + 1 for i in range(q_len))
+    cost = {"bytes": int(2 * s * ctx * kh * d * itemsize + q.size * q.dtype.itemsize),
+            "flops": int(4 * attended * kh * g * d)}
+    return f"{spec} h{heads} ps{ps} {cache}", inputs, cost
 
 
-def measure_peaks(iters: int) -> dict:
+def conformance_attention() -> list[tuple[str, dict, dict]]:
+    from pallas_kernels import testing
+
+    out = []
+    for case in testing.attention_cases("quick"):
+        inputs = testing.build_attention_inputs(case)
+        itemsize = 1 if case.cache == "int8" else (2 if case.cache == "bfloat16" else 4)
+        kv = int(sum(inputs["kv_lens"])) * case.kv_heads * case.head_dim * 2 * itemsize
+        qn = int(sum(inputs["query_lens"]))
+        out.append((f"conformance:{case.name}", inputs, {"bytes": kv, "flops": 4 * qn * int(max(inputs["kv_lens"]))
+                                                          * case.kv_heads * case.q_per_kv * case.head_dim}))
+    return out
+
+
+def matmul_inputs(spec: str, kind: str, seed: int = 0) -> tuple[str, tuple, dict]:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    x = jnp.ones((64 * 1024 * 1024 // 4,), jnp.float32)  # 64 MB
-    copy = jax.jit(lambda a: a * 1.0001)
-    t = timeit(copy, x, iters=iters)
-    a = jnp.ones((2048, 2048), jnp.float32)
-    mm = jax.jit(lambda a: a @ a)
-    tm = timeit(mm, a, iters=iters)
-    return {"bandwidth_gbps": 2 * x.nbytes / t / 1e9, "matmul_gflops": 2 * 2048**3 / tm / 1e9}
+    from pallas_kernels.testing import random_quantized
+
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", spec)
+    if not m:
+        raise app.UsageError(f"matmul shape {spec!r}: expected <n>x<in>x<out>")
+    n, k, out = (int(x) for x in m.groups())
+    rng = np.random.default_rng(seed)
+    qa = random_quantized(rng, kind, 32, k, out)
+    x = jnp.asarray(rng.normal(size=(n, k)).astype(np.float32))
+    wbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(qa))
+    return f"{spec} {kind}", (x, qa), {"bytes": wbytes + x.nbytes, "flops": 2 * n * k * out}
+
+
+# ------------------------------------------------------------------------------------------------- timing
+def time_calls(fn, iters: int, repeats: int) -> dict:
+    """Per-call seconds: min and median over `repeats` timings of `iters` back-to-back calls, after one untimed
+    call (compilation, first touch)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    per_call = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) / iters)
+    return {"min_s": min(per_call), "median_s": statistics.median(per_call), "repeats": repeats, "iters": iters}
+
+
+def attention_runner(impl, inputs: dict, tuning):
+    from pallas_kernels.testing import run_attention
+
+    return lambda: run_attention(impl, inputs, tuning=tuning)
+
+
+def attention_error(impl, inputs: dict, tuning) -> float:
+    import numpy as np
+
+    from pallas_kernels.testing import reference_attention, run_attention
+
+    got = np.asarray(run_attention(impl, inputs, tuning=tuning).astype("float32"))
+    return float(np.abs(got - reference_attention(inputs)).max())
+
+
+def matmul_runner(impl, args: tuple, tuning):
+    import jax
+
+    from pallas_kernels.dequant_matmul import dequant_matmul
+
+    f = jax.jit(lambda x, qa: dequant_matmul(x, qa, impl=impl, config=tuning))
+    return lambda: f(*args)
+
+
+def matmul_error(impl, args: tuple, tuning) -> float:
+    import numpy as np
+
+    from pallas_kernels.testing import numpy_matmul
+
+    got = np.asarray(matmul_runner(impl, args, tuning)(), np.float64)
+    want = numpy_matmul(np.asarray(args[0]), args[1])
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-9))
+
+
+def sweep_grid(family: str, label: str, inputs) -> list:
+    """Tunings of the built-in kernels to try for one shape."""
+    from pallas_kernels.dequant_matmul import MatmulTuning, _check_tuning
+    from pallas_kernels.tuning import AttentionTuning
+
+    out = []
+    if family == "attention":
+        for bq in (1, 2, 4, 8, 16, 32):
+            for ppb in (1, 2, 4, 8):
+                for ks in (1, 2, 4, 8):
+                    if ks > 1 and inputs["layout"].num_prefill_rows:
+                        continue  # split-K is for decode
+                    out.append(AttentionTuning(block_q=bq, pages_per_block=ppb, k_splits=ks))
+        return out
+    x, qa = inputs
+    for bn in (16, 32, 64):
+        for bo in (32, 64, 128, 256):
+            for bi in (32, 64, 128, 256):
+                for si in (1, 2, 4, 8):
+                    t = MatmulTuning(block_n=bn, block_out=bo, block_in=bi, split_in=si)
+                    try:
+                        _check_tuning(x.shape[0], qa, t, native_gpu=False)
+                    except ValueError:
+                        continue
+                    out.append(t)
+    return out
 
 
 def main(argv):
@@ -51,74 +222,135 @@ def main(argv):
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
+    import dataclasses
 
-    from models.quant import quantize
-    from pallas_kernels.dequant_matmul import dequant_matmul
-    from pallas_kernels.paged_attention import PrefillDecodeLayout, layout_query_start, paged_attention
+    import jax
+
+    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.serving.hardware import measure_peaks
+    from pallas_kernels.registry import attention_registry, matmul_registry
 
     gpu = jax.default_backend() == "gpu"
-    impls = FLAGS.impls or (["xla", "pallas"] if gpu else ["xla", "reference"])
-    peaks = measure_peaks(FLAGS.iters)
-    print(f"device {jax.devices()[0]}: copy {peaks['bandwidth_gbps']:.1f} GB/s, "
-          f"f32 matmul {peaks['matmul_gflops']:.1f} GFLOP/s")
-    rows = []
-    rng = np.random.default_rng(0)
-    # ---- paged attention (SmolLM2 heads: 3 KV heads x 3 q heads, D 64)
-    kh, g, d, ps = 3, 3, 64, 64
-    for name, layout, ctx in (("decode", PrefillDecodeLayout(0, 1, 16), 512),
-                              ("decode", PrefillDecodeLayout(0, 1, 16), 2048),
-                              ("prefill", PrefillDecodeLayout(1, 256, 0), 512)):
-        s = layout.num_rows
-        p = -(-ctx // ps)
-        num_pages = 1 + s * p
-        table = jnp.asarray(rng.permutation(np.arange(1, num_pages)).reshape(s, p).astype(np.int32))
-        q_lens = jnp.full((s,), layout.max_q_len, jnp.int32)
-        kv_lens = jnp.full((s,), ctx, jnp.int32)
-        q = jnp.asarray(rng.normal(size=(layout.num_tokens, kh * g, d)).astype(np.float32))
-        kp = jnp.asarray(rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32))
-        vp = jnp.asarray(rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32))
-        qs = layout_query_start(layout)
-        kv_bytes = 2 * s * ctx * kh * d * 4
-        flops = 4 * layout.num_tokens * ctx * kh * g * d
-        for impl in impls:
-            fn = jax.jit(lambda q, kp, vp, impl=impl, layout=layout, qs=qs, q_lens=q_lens, kv_lens=kv_lens,
-                         table=table: paged_attention(q, kp, vp, qs, q_lens, kv_lens, table, sm_scale=d**-0.5,
-                                                      impl=impl, layout=layout))
-            t = timeit(fn, q, kp, vp, iters=FLAGS.iters)
-            rec = dict(op="paged_attention", shape=f"{name} {s}x{layout.max_q_len} ctx {ctx}", impl=impl,
-                       ms=t * 1e3, gbps=kv_bytes / t / 1e9, gflops=flops / t / 1e9)
-            rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
-            rows.append(rec)
-            print(f"attention {rec['shape']:24s} {impl:9s} {rec['ms']:8.2f} ms  {rec['gbps']:6.1f} GB/s "
-                  f"({100 * rec['bandwidth_frac']:.0f}% of copy)  {rec['gflops']:6.1f} GFLOP/s")
-    # ---- dequant matmul: SmolLM2 MLP shapes
-    for k, n in ((576, 1536), (1536, 576)):
-        w = jnp.asarray(rng.normal(0, 0.02, size=(k, n)).astype(np.float32))
-        for batch in (1, 16):
-            x = jnp.asarray(rng.normal(size=(batch, k)).astype(np.float32))
-            f32 = jax.jit(lambda x, w: x @ w)
-            t = timeit(f32, x, w, iters=FLAGS.iters)
-            rows.append(dict(op="matmul", shape=f"{batch}x{k}x{n}", impl="float32", ms=t * 1e3,
-                             gbps=w.nbytes / t / 1e9))
-            print(f"matmul {batch}x{k}x{n} float32   {t * 1e3:8.3f} ms  {w.nbytes / t / 1e9:6.1f} GB/s")
-            for kind in ("int8", "q4_1"):
-                qa = quantize(w, kind, 32)
-                wbytes = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(qa))
-                for impl in impls:
-                    fn = jax.jit(lambda x, qa, impl=impl: dequant_matmul(x, qa, impl=impl))
-                    t = timeit(fn, x, qa, iters=FLAGS.iters)
-                    rec = dict(op="dequant_matmul", shape=f"{batch}x{k}x{n}", kind=kind, impl=impl, ms=t * 1e3,
-                               gbps=wbytes / t / 1e9, gflops=2 * batch * k * n / t / 1e9)
-                    rows.append(rec)
-                    print(f"matmul {batch}x{k}x{n} {kind:5s} {impl:9s} {t * 1e3:8.3f} ms  {rec['gbps']:6.1f} GB/s")
+    default_impls = ["pallas", "xla"] if gpu else ["xla", "reference"]
+    load = load_average("before the kernel benchmark")
+    peaks = measure_peaks()
+    print(f"device {jax.devices()[0]}: copy {peaks['bandwidth_gbps']:.1f} GB/s, f32 matmul "
+          f"{peaks['matmul_gflops']:.1f} GFLOP/s")
+    rows: list[dict] = []
+    tuned: list[dict] = []
+
+    families = []
+    if "attention" in FLAGS.ops:
+        reg = attention_registry()
+        shapes = conformance_attention() if FLAGS.attn_shapes == ["conformance"] else [
+            attention_inputs(s, FLAGS.heads, FLAGS.page_size, FLAGS.cache_dtype) for s in FLAGS.attn_shapes]
+        families.append(("attention", reg, FLAGS.attn_impls or default_impls, shapes, FLAGS.attn_tuning,
+                         attention_runner, attention_error))
+    if "matmul" in FLAGS.ops:
+        reg = matmul_registry()
+        if FLAGS.matmul_shapes == ["conformance"]:
+            from pallas_kernels import testing
+
+            shapes = []
+            for c in testing.matmul_cases("quick"):
+                x, qa = testing.build_matmul_inputs(c)
+                wb = sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(qa))
+                shapes.append((f"conformance:{c.name}", (x, qa), {"bytes": wb + x.nbytes,
+                                                                   "flops": 2 * c.n * c.k * c.out}))
+        else:
+            shapes = [matmul_inputs(s, k) for s in FLAGS.matmul_shapes for k in FLAGS.kinds]
+        families.append(("matmul", reg, FLAGS.matmul_impls or default_impls, shapes, FLAGS.matmul_tuning,
+                         matmul_runner, matmul_error))
+
+    tol = {"attention": 3e-2 if FLAGS.cache_dtype == "bfloat16" else (2e-3 if gpu else 1e-4), "matmul": 2e-3}
+    for family, reg, impls, shapes, tuning_text, runner, error in families:
+        for impl_name in impls:
+            impl = reg.get(impl_name)
+            tuning = reg.parse_tuning(impl, tuning_text) if impl.tuning_type is not None else None
+            for label, inputs, cost in shapes:
+                rec = {"op": family, "shape": label, "impl": impl_name,
+                       "tuning": dataclasses.asdict(tuning) if tuning is not None else None, **cost}
+                if FLAGS.check and impl_name != "reference":
+                    err = error(impl, inputs, tuning)
+                    rec["max_error"] = err
+                    rec["correct"] = err <= tol[family]
+                    if not rec["correct"]:
+                        print(f"{family} {label:40s} {impl_name:12s} WRONG: max error {err:.3g} > {tol[family]}; "
+                              "not timed")
+                        rows.append(rec)
+                        continue
+                candidates = [tuning]
+                if FLAGS.sweep and impl.tuning_type is not None:
+                    candidates = sweep_grid(family, label, inputs)
+                best = None
+                for t in candidates:
+                    try:
+                        timing = time_calls(runner(impl, inputs, t), FLAGS.iters, FLAGS.repeats)
+                    except Exception as e:  # noqa: BLE001 (a tuning the kernel rejects for this shape)
+                        if len(candidates) == 1:
+                            raise
+                        print(f"  skip {t}: {type(e).__name__}: {str(e)[:80]}")
+                        continue
+                    if best is None or timing["median_s"] < best[1]["median_s"]:
+                        best = (t, timing)
+                t, timing = best
+                if FLAGS.sweep and impl.tuning_type is not None:
+                    rec["tuning"] = dataclasses.asdict(t)
+                    tuned.append({"op": family, "impl": impl_name, "shape": label, "tuning": rec["tuning"],
+                                  "median_s": timing["median_s"], "candidates": len(candidates)})
+                rec.update(timing)
+                med = timing["median_s"]
+                rec["gbps"] = cost["bytes"] / med / 1e9
+                rec["gflops"] = cost["flops"] / med / 1e9
+                rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
+                rec["flops_frac"] = rec["gflops"] / peaks["matmul_gflops"]
+                rows.append(rec)
+                print(f"{family} {label:40s} {impl_name:12s} min {timing['min_s'] * 1e3:8.3f} ms  median "
+                      f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)  "
+                      f"{rec['gflops']:7.1f} GFLOP/s ({100 * rec['flops_frac']:5.1f}% of dot)")
+    record = {"experiment": "bench_kernels", "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)},
+              "git": git_info(), "device": device_info(), "versions": versions(), "load_avg_before": load,
+              "load_avg_after": load_average(), "peaks": peaks, "results": rows, "tuned": tuned,
+              "notes": __doc__}
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0]), backend=jax.default_backend(), machine=platform.machine(),
-                           cpus=os.cpu_count(), load_avg=os.getloadavg(), jax=jax.__version__, peaks=peaks,
-                           results=rows), f, indent=1)
+            json.dump(record, f, indent=1, default=str)
+        print(f"wrote {FLAGS.json_out}")
+    if FLAGS.plot:
+        plot_results(rows, FLAGS.plot)
+        print(f"wrote {FLAGS.plot}")
+    if any(r.get("correct") is False for r in rows):
+        raise SystemExit(1)
+
+
+def plot_results(rows: list[dict], path: str) -> None:
+    """One bar group per shape, one bar per implementation: median ms (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if "median_s" in r]
+    shapes = list(dict.fromkeys(f"{r['op']}: {r['shape']}" for r in timed))
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shapes) * max(1, len(impls)) / 2), 4.5))
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs, ys = [], []
+        for i, s in enumerate(shapes):
+            for r in timed:
+                if f"{r['op']}: {r['shape']}" == s and r["impl"] == impl:
+                    xs.append(i + j * width)
+                    ys.append(r["median_s"] * 1e3)
+        ax.bar(xs, ys, width, label=impl)
+    ax.set_xticks([i + width * (len(impls) - 1) / 2 for i in range(len(shapes))])
+    ax.set_xticklabels(shapes, rotation=30, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("median ms per call")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_format import QuantizedArray, dequantize
-
-IMPLS = ("auto", "xla", "pallas", "reference")
+from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,31 +268,88 @@ def dequant_matmul_pallas(
 
 
 # ------------------------------------------------------------------------------------------------ entry point
+# The implementations, registered by name (`pallas_kernels.registry.MATMUL`). The contract (see the module
+# docstring): fn(x [N, in] float, qa: QuantizedArray (one matrix, not stacked), *, tuning) -> float32 [N, out].
+
+
+def _reference_impl(x, qa, *, tuning=None):
+    del tuning
+    return dequant_matmul_reference(x, qa)
+
+
+def _xla_impl(x, qa, *, tuning=None):
+    del tuning
+    return dequant_matmul_xla(x, qa)
+
+
+def _pallas_impl(x, qa, *, tuning=None, interpret=None):
+    return dequant_matmul_pallas(x, qa, tuning, interpret=interpret)
+
+
+_pallas_impl.tuning_type = MatmulTuning
+
+# The built-in names (every registered name, plugins included, is `MATMUL.names()`).
+IMPLS = ("auto", "reference", "xla", "pallas")
+
+
 def dequant_matmul(
     x: jnp.ndarray,
     qa: QuantizedArray,
     *,
-    impl: str = "auto",
-    config: MatmulTuning | None = None,
+    impl: str | KernelImpl = "auto",
+    config: Any = None,
     interpret: bool | None = None,
 ) -> jnp.ndarray:
     """`x` `[N, in]` @ the matrix `qa` stands for `[in, out]` -> float32 `[N, out]`.
 
-    impl: "auto" (Pallas on GPU, XLA elsewhere), "xla", "pallas" or "reference". `config` and `interpret` only
-    affect the Pallas kernel.
+    impl: a registered name ("reference", "xla", "pallas", or one a user registered), a `module:function` path, or
+    "auto" (Pallas on GPU, XLA elsewhere). `config` is the implementation's tuning (`MatmulTuning` for the kernel);
+    `interpret` only affects the built-in kernel.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+    try:
+        entry = MATMUL.get(impl)
+    except KernelError as e:
+        raise ValueError(f"impl: {e}") from None
     if not isinstance(qa, QuantizedArray):
         raise TypeError(f"dequant_matmul needs a QuantizedArray; got {type(qa).__name__}")
     if qa.batch_shape:
         raise ValueError(f"qa is stacked (batch_shape={qa.batch_shape}); slice one matrix out first")
     if x.ndim != 2 or x.shape[1] != qa.shape[0]:
         raise ValueError(f"x must be [N, in={qa.shape[0]}]; got shape {tuple(x.shape)}")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl == "reference":
-        return dequant_matmul_reference(x, qa)
-    if impl == "xla":
-        return dequant_matmul_xla(x, qa)
-    return dequant_matmul_pallas(x, qa, config, interpret=interpret)
+    if entry.fn is _pallas_impl:
+        return _pallas_impl(x, qa, tuning=config, interpret=interpret)
+    return entry.fn(x, qa, tuning=config)
+
+
+def contract_cases() -> list[tuple[jnp.ndarray, QuantizedArray]]:
+    """Small (x, qa) pairs in the contract's terms, one per weight kind (q4_1, q4_0 and int8 in groups of 32, int8
+    per output channel): x [3, 64] float32, qa standing for [64, 32]. Used by the registration check;
+    `pallas_kernels.testing` has the full case space."""
+    import numpy as np
+
+    from pallas_kernels.testing import random_quantized
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    return [(x, random_quantized(rng, kind, group, 64, 32)) for kind, group in (("q4_1", 32), ("q4_0", 32),
+                                                                               ("int8", 32), ("int8", 64))]
+
+
+def check_contract(impl: KernelImpl) -> None:
+    """`KernelContractError` unless `impl` traces on `contract_cases()` to float32 `[N, out]`. Traces only."""
+    for x, qa in contract_cases():
+        try:
+            out = jax.eval_shape(lambda x, qa: dequant_matmul(x, qa, impl=impl), x, qa)
+        except Exception as e:  # noqa: BLE001 (whatever the user's function raised while tracing)
+            raise KernelContractError(
+                f"dequant_matmul: {impl.name!r} failed on the contract's small case ({qa.kind}, group "
+                f"{qa.group_size}): {type(e).__name__}: {e}. See docs/kernels.md") from e
+        want = (x.shape[0], qa.shape[1])
+        if not hasattr(out, "shape") or tuple(out.shape) != want or out.dtype != jnp.float32:
+            got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+            raise KernelContractError(f"dequant_matmul: {impl.name!r} must return float32 {want}; it returned {got}. "
+                                      "See docs/kernels.md")
+
+
+for _name, _fn in (("reference", _reference_impl), ("xla", _xla_impl), ("pallas", _pallas_impl)):
+    MATMUL.register(_name, _fn, check=False, builtin=True)

@@ -22,19 +22,45 @@ folds the scales into the scores and the softmax weights instead of dequantizing
 
 Implementations: `ragged_paged_attention_reference` (the spec), `ragged_paged_attention_xla` (batches in
 `PrefillDecodeLayout`, the CPU path), `ragged_paged_attention_pallas` (a Pallas kernel over any ragged batch, for
-the GPU; interpreted on the CPU), and `paged_attention`, the `impl` switch.
+the GPU; interpreted on the CPU), and `paged_attention`, the dispatcher. They are registered in
+`pallas_kernels.registry.ATTENTION` as "reference", "xla" and "pallas"; a new one is registered the same way, or
+named by its import path `module:function` wherever an implementation name is accepted.
+
+The contract of an implementation (what `paged_attention`, hence the engine's step, calls):
+
+    fn(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *,
+       sm_scale, sliding_window, soft_cap, k_scales, v_scales, layout, tuning) -> out
+
+- q `[T, nH, D]` (the model's dtype: float32 or bfloat16); out: the same shape and dtype, zeros for tokens of no
+  row. nH is a multiple of KH (grouped-query attention: query head h reads KV head h // (nH // KH)).
+- k_pages, v_pages `[KH, num_pages, page_size, D]`: float32/bfloat16, or int8 with k_scales, v_scales
+  `[KH, num_pages, page_size]` float32 (else both None). Page 0 is the null page.
+- query_start, query_lens, kv_lens `[S]` int32 and page_table `[S, P]` int32: the ragged batch above. Rows with
+  query_lens 0 are padding. In the engine's batches `query_start` is `layout_query_start(layout)` extended by the
+  decode tokens' slots, and the decode tokens of a prefill bucket sit in the last window's padding.
+- sm_scale float; sliding_window int >= 1 or None; soft_cap float or None (all static).
+- layout: the `PrefillDecodeLayout` the batch is padded to, or None (then only the ragged arrays describe it).
+- tuning: whatever the implementation's `tuning_type` is (a frozen, hashable dataclass; `AttentionTuning` for the
+  built-in kernel), or None for its default. Set it with `EngineConfig.attn_tuning` / `--attn_tuning`.
+- Registered with `stacked_cache=True`, it also gets `layer` (int32 scalar) and the stacked cache
+  `[L, KH, num_pages, page_size, D]` (scales `[L, KH, num_pages, page_size]`) and must read that layer; otherwise
+  the dispatcher passes the layer's slice.
+It is called inside `jax.jit` with the arrays traced and everything else static. `check_contract` traces it on a
+small case at registration; `pallas_kernels.testing` holds the conformance suite.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.registry import ATTENTION, KernelContractError, KernelError, KernelImpl
 from pallas_kernels.tuning import AttentionTuning, default_tuning
 
 NEG_INF = -1e30
@@ -550,7 +576,57 @@ def ragged_paged_attention_pallas(
     return out[:t_count, :, :g].reshape(t_count, nh, d).astype(q.dtype)
 
 
-IMPLS = ("auto", "xla", "pallas", "reference")
+# ---------------------------------------------------------------------------------------------------------------
+# The implementations, registered by name (`pallas_kernels.registry.ATTENTION`), and the dispatcher
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Every implementation is called by `paged_attention` the same way (the contract in the module docstring):
+#     fn(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window, soft_cap,
+#        k_scales, v_scales, layout, tuning[, layer])
+# The built-ins are thin adapters over the functions above.
+
+
+def _reference_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale,
+                    sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None):
+    del layout, tuning  # the spec needs neither
+    return ragged_paged_attention_reference(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
+                                            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                            k_scales=k_scales, v_scales=v_scales)
+
+
+def _xla_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
+              soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, layer=None):
+    """The layout fast path; without a layout (a batch in no `PrefillDecodeLayout`), the reference."""
+    del tuning
+    if layout is None:
+        if layer is not None:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
+            k_scales = None if k_scales is None else k_scales[layer]
+            v_scales = None if v_scales is None else v_scales[layer]
+        return _reference_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, sm_scale=sm_scale,
+                               sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+                               v_scales=v_scales)
+    return ragged_paged_attention_xla(q, k_pages, v_pages, query_lens, kv_lens, page_table, layout=layout,
+                                      sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                      k_scales=k_scales, v_scales=v_scales, layer=layer)
+
+
+def _pallas_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
+                 soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, interpret=None):
+    """The Pallas kernel; without a `tuning`, the default for the shape (knowing the longest query from `layout`)."""
+    if tuning is None and layout is not None:
+        tuning = default_tuning(num_tokens=q.shape[0], max_query_len=layout.max_q_len,
+                                num_kv_heads=k_pages.shape[0], page_size=k_pages.shape[2],
+                                pages_per_row=page_table.shape[1])
+    return ragged_paged_attention_pallas(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
+                                         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                         k_scales=k_scales, v_scales=v_scales, config=tuning, interpret=interpret)
+
+
+_pallas_impl.tuning_type = AttentionTuning
+
+# The built-in names (every registered name, plugins included, is `ATTENTION.names()`).
+IMPLS = ("auto", "reference", "xla", "pallas")
 
 
 def paged_attention(
@@ -563,49 +639,105 @@ def paged_attention(
     page_table: jnp.ndarray,  # [S, P] int32
     *,
     sm_scale: float,
-    impl: str = "auto",
+    impl: str | KernelImpl = "auto",
     layout: PrefillDecodeLayout | None = None,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     k_scales: jnp.ndarray | None = None,  # [KH, num_pages, page_size] float32, with int8 pages
     v_scales: jnp.ndarray | None = None,
-    config: AttentionTuning | None = None,
+    config: Any = None,
     interpret: bool | None = None,
     layer: jnp.ndarray | None = None,
 ) -> jnp.ndarray:  # [T, nH, D]
-    """Ragged paged attention through the implementation `impl` picks:
-    "pallas" the kernel; "xla" the layout fast path (the reference when `layout` is None); "reference" the spec;
-    "auto" the kernel on a GPU, otherwise "xla". `layout`, when given, must describe the batch (the XLA path
-    ignores `query_start`) and lets the kernel's default tuning know the longest query. With `layer` (an int32
-    scalar), the pools and scales are the stacked cache `[L, KH, num_pages, page_size, (D)]` and that layer's is
-    used: the XLA path gathers from the stack directly, the others take the layer's slice."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if layer is not None and not (impl == "xla" and layout is not None):
-        pick = lambda a: None if a is None else a[layer]
+    """Ragged paged attention through the implementation `impl` names (`ATTENTION.get`): a registered name
+    ("reference" the spec, "xla" the layout fast path, "pallas" the kernel, or one registered by a user), a
+    `module:function` import path, or "auto" (the kernel on a GPU, otherwise "xla"). `layout`, when given, must
+    describe the batch (the XLA path ignores `query_start`). `config` is the implementation's tuning (passed as
+    `tuning=`; `AttentionTuning` for the kernel; None: its default). `interpret` only affects the built-in kernel.
+    With `layer` (an int32 scalar) the pools and scales are the stacked cache `[L, KH, num_pages, page_size, (D)]`:
+    implementations registered with `stacked_cache=True` read that layer themselves, the others get its slice."""
+    try:
+        entry = ATTENTION.get(impl)
+    except KernelError as e:
+        raise ValueError(f"impl: {e}") from None
+    if layer is not None and not entry.stacked_cache:
+        pick = lambda a: None if a is None else a[layer]  # noqa: E731
         k_pages, v_pages, k_scales, v_scales = pick(k_pages), pick(v_pages), pick(k_scales), pick(v_scales)
         layer = None
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
-                  v_scales=v_scales)
-    if impl == "pallas":
-        if config is None and layout is not None:
-            config = default_tuning(num_tokens=q.shape[0], max_query_len=layout.max_q_len,
-                                    num_kv_heads=k_pages.shape[0], page_size=k_pages.shape[2],
-                                    pages_per_row=page_table.shape[1])
-        return ragged_paged_attention_pallas(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
-                                             config=config, interpret=interpret, **common)
-    if impl == "xla" and layout is not None:
-        return ragged_paged_attention_xla(q, k_pages, v_pages, query_lens, kv_lens, page_table, layout=layout,
-                                          layer=layer, **common)
-    return ragged_paged_attention_reference(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
-                                            **common)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+                  v_scales=v_scales, layout=layout, tuning=config)
+    if layer is not None:
+        kwargs["layer"] = layer
+    if entry.fn is _pallas_impl:
+        kwargs["interpret"] = interpret
+    return entry.fn(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, **kwargs)
+
+
+def contract_case(stacked: bool = False, int8: bool = False, window: int | None = None) -> dict[str, Any]:
+    """A small batch in the contract's terms (one prefill row of 3 tokens, one decode row; 2 query heads per KV head,
+    head_dim 16, page_size 8; `stacked`: a 2-layer stacked cache with `layer=1`), as the keyword arguments of
+    `paged_attention` (without `impl`). Used by the registration check; `pallas_kernels.testing` has the full case
+    space."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    kh, g, d, ps, n_pages = 1, 2, 16, 8, 4
+    layout = PrefillDecodeLayout(1, 4, 1)
+    lead = (2,) if stacked else ()
+    pool = lambda: rng.normal(size=(*lead, kh, n_pages, ps, d)).astype(np.float32)  # noqa: E731
+    k, v = pool(), pool()
+    ks = vs = None
+    if int8:
+        ks = np.abs(rng.normal(size=(*lead, kh, n_pages, ps))).astype(np.float32) * 0.02
+        vs = np.abs(rng.normal(size=(*lead, kh, n_pages, ps))).astype(np.float32) * 0.02
+        k, v = np.clip(np.round(k * 40), -127, 127).astype(np.int8), np.clip(np.round(v * 40), -127, 127).astype(
+            np.int8)
+    case = dict(
+        q=jnp.asarray(rng.normal(size=(layout.num_tokens, kh * g, d)).astype(np.float32)),
+        k_pages=jnp.asarray(k), v_pages=jnp.asarray(v),
+        query_start=layout_query_start(layout), query_lens=jnp.asarray([3, 1], jnp.int32),
+        kv_lens=jnp.asarray([11, 5], jnp.int32), page_table=jnp.asarray([[1, 2], [3, 0]], jnp.int32),
+        sm_scale=d**-0.5, layout=layout, sliding_window=window,
+        k_scales=None if ks is None else jnp.asarray(ks), v_scales=None if vs is None else jnp.asarray(vs),
+    )
+    if stacked:
+        case["layer"] = jnp.int32(1)
+    return case
+
+
+def check_contract(impl: KernelImpl) -> None:
+    """`KernelContractError` unless `impl` traces on `contract_case()` (float and int8 caches, the stacked cache
+    when it takes one) to an output of the query's shape and dtype. Traces only (`jax.eval_shape`)."""
+    for int8 in (False, True):
+        case = contract_case(stacked=impl.stacked_cache, int8=int8)
+        q = case["q"]
+        try:
+            static = dict(layout=case["layout"], sm_scale=case["sm_scale"])
+            out = jax.eval_shape(lambda c, static=static: paged_attention(impl=impl, **c, **static),
+                                 {k: v for k, v in case.items() if k not in static})
+        except Exception as e:  # noqa: BLE001 (whatever the user's function raised while tracing)
+            raise KernelContractError(
+                f"paged_attention: {impl.name!r} failed on the contract's small case ({'int8' if int8 else 'float32'}"
+                f" cache{', stacked with layer=' if impl.stacked_cache else ''}): {type(e).__name__}: {e}. "
+                "See docs/kernels.md for the arguments, shapes and dtypes") from e
+        if not hasattr(out, "shape") or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            got = f"{getattr(out, 'shape', type(out).__name__)} {getattr(out, 'dtype', '')}"
+            raise KernelContractError(
+                f"paged_attention: {impl.name!r} must return the query's shape and dtype {tuple(q.shape)} "
+                f"{q.dtype}; it returned {got}. See docs/kernels.md")
+
+
+for _name, _fn, _stacked in (("reference", _reference_impl, False), ("xla", _xla_impl, True),
+                             ("pallas", _pallas_impl, False)):
+    ATTENTION.register(_name, _fn, stacked_cache=_stacked, check=False, builtin=True)
 
 
 __all__ = [
+    "ATTENTION",
     "IMPLS",
     "AttentionTuning",
+    "check_contract",
+    "contract_case",
     "PrefillDecodeLayout",
     "layout_query_start",
     "paged_attention",

@@ -1,9 +1,9 @@
 """Tuning of the ragged paged attention kernel: the `AttentionTuning` block sizes and the default table.
 
-The defaults are heuristics, not measurements: no GPU was available when they were written, so they follow the
-usual shape rules (keys per compute block near 64, one token per program for decode with the context split over
-enough programs to fill an H100's 132 SMs twice, 16 query tokens per program for prefill). Replace the table
-with measured values when a benchmark on the target GPU exists.
+The defaults are measured entries of `pallas_kernels.tuned_tables` where a sweep has filled one in
+(`experiments.bench_kernels --sweep`), otherwise heuristics: no GPU was available when they were written, so they
+follow the usual shape rules (keys per compute block near 64, one token per program for decode with the context
+split over enough programs to fill an H100's 132 SMs twice, 16 query tokens per program for prefill).
 """
 
 from __future__ import annotations
@@ -55,7 +55,17 @@ TARGET_DECODE_PROGRAMS = 2 * 132  # two waves on an H100 (132 SMs)
 def default_tuning(
     *, num_tokens: int, max_query_len: int, num_kv_heads: int, page_size: int, pages_per_row: int
 ) -> AttentionTuning:
-    """The tuning used when the caller passes none. Everything here is static (shapes, not values)."""
+    """The tuning used when the caller passes none: a measured entry of `pallas_kernels.tuned_tables` for this
+    device and shape class if there is one, else the heuristics below. Everything here is static (shapes, not
+    values)."""
+    import jax
+
+    from pallas_kernels.tuned_tables import lookup_attention
+
+    measured = lookup_attention(jax.devices()[0].device_kind, max_query_len=max_query_len,
+                                num_kv_heads=num_kv_heads, page_size=page_size, pages_per_row=pages_per_row)
+    if measured is not None:
+        return measured
     ppb = 1
     while ppb * 2 * page_size <= TARGET_KEYS_PER_BLOCK and ppb * 2 <= max(pages_per_row, 1):
         ppb *= 2

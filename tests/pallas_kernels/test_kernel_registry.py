@@ -1,0 +1,243 @@
+"""Kernel prototyping without editing the project: the registries (built-ins registered like plugins, import paths,
+the contract checked at registration), tuning parsing, the importable conformance suite (the built-ins pass it; a
+kernel written outside the repository passes it through one pytest command; a wrong one fails it), and the kernel
+benchmark on an external kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pallas_kernels import testing
+from pallas_kernels.registry import (
+    KernelContractError,
+    KernelError,
+    UnknownKernelError,
+    attention_registry,
+    matmul_registry,
+)
+from pallas_kernels.tuning import AttentionTuning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A paged attention written as a researcher outside the project would: straight from the contract in
+# docs/kernels.md, one gather of each token's row context (no code of the project's implementations).
+EXTERNAL = '''
+import jax
+import jax.numpy as jnp
+
+
+def attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
+              soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None):
+    t = jnp.arange(q.shape[0])
+    inside = (t[:, None] >= query_start) & (t[:, None] < query_start + query_lens)      # [T, S]
+    row = jnp.argmax(inside, axis=1)
+    pos = kv_lens[row] - query_lens[row] + t - query_start[row]                           # [T]
+    kh, _, ps, d = k_pages.shape
+    keys = jnp.arange(page_table.shape[1] * ps)
+    page, off = page_table[row][:, keys // ps], keys % ps                                  # [T, L]
+    k = k_pages[:, page, off].astype(jnp.float32)                                          # [KH, T, L, D]
+    v = v_pages[:, page, off].astype(jnp.float32)
+    if k_scales is not None:
+        k, v = k * k_scales[:, page, off][..., None], v * v_scales[:, page, off][..., None]
+    qg = q.astype(jnp.float32).reshape(q.shape[0], kh, -1, d)                              # [T, KH, G, D]
+    s = jnp.einsum("tkgd,ktld->tkgl", qg, k, precision="highest") * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    ok = (keys[None] <= pos[:, None]) & inside.any(1)[:, None]
+    WINDOW
+    s = jnp.where(ok[:, None, None], s, -jnp.inf)
+    w = jnp.where(ok[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
+    o = jnp.einsum("tkgl,ktld->tkgd", w, v, precision="highest")
+    return jnp.where(inside.any(1)[:, None, None], o.reshape(q.shape), 0.0).astype(q.dtype)
+'''
+GOOD = EXTERNAL.replace(
+    "WINDOW", "ok = ok if sliding_window is None else ok & (pos[:, None] - keys[None] < sliding_window)")
+WRONG = EXTERNAL.replace("WINDOW", "pass  # forgets the sliding window")
+NO_SOFT_CAP = GOOD.replace("soft_cap=None, k_scales", "k_scales")
+NO_SCALE = GOOD.replace(' * sm_scale', '')
+
+
+@pytest.fixture
+def kernel_dir(tmp_path, monkeypatch):
+    (tmp_path / "ext_good.py").write_text(GOOD)
+    (tmp_path / "ext_wrong.py").write_text(WRONG)
+    (tmp_path / "ext_nocap.py").write_text(NO_SOFT_CAP)
+    (tmp_path / "ext_noscale.py").write_text(NO_SCALE)
+    (tmp_path / "ext_shape.py").write_text("def attention(q, k, v, qs, ql, kl, pt, *, sm_scale, sliding_window, "
+                                           "soft_cap, k_scales, v_scales, layout, tuning):\n    return q[:1]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    reg = attention_registry()
+    for name in list(reg.names()):
+        if name.startswith("ext_"):
+            reg.unregister(name)
+
+
+def _env(path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(path), ROOT, env.get("PYTHONPATH", "")])
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+# ----------------------------------------------------------------------------------------------- registries
+def test_builtins_are_registered_like_plugins():
+    a, m = attention_registry(), matmul_registry()
+    assert a.names()[:4] == ("auto", "reference", "xla", "pallas")
+    assert m.names()[:4] == ("auto", "reference", "xla", "pallas")
+    assert all(a.get(n).builtin for n in ("reference", "xla", "pallas"))
+    assert a.get("xla").stacked_cache and not a.get("pallas").stacked_cache
+    assert a.get("auto").name == "xla"  # on the CPU
+    assert a.get("pallas").tuning_type is AttentionTuning and a.get("xla").tuning_type is None
+
+
+def test_import_path_registers_on_first_use_and_runs_in_the_dispatcher(kernel_dir):
+    reg = attention_registry()
+    impl = reg.get("ext_good:attention")
+    assert impl.name == "ext_good:attention" and "ext_good:attention" in reg.names()
+    case = testing.attention_cases("quick")[1]  # mixed batch with a sliding window
+    testing.check_attention("ext_good:attention", case)
+
+
+def test_wrong_kernels_are_rejected_at_registration_with_what_to_change(kernel_dir):
+    reg = attention_registry()
+    with pytest.raises(KernelContractError, match=r"does not accept the keyword\(s\) \['soft_cap'\]"):
+        reg.get("ext_nocap:attention")
+    with pytest.raises(KernelContractError, match=r"must return the query's shape and dtype"):
+        reg.get("ext_shape:attention")
+    with pytest.raises(UnknownKernelError, match="cannot import module 'no_such_module'"):
+        reg.get("no_such_module:attention")
+    with pytest.raises(UnknownKernelError, match="has no attribute 'missing'"):
+        reg.get("ext_good:missing")
+    with pytest.raises(UnknownKernelError, match="unknown implementation 'flash'.*module:function"):
+        reg.get("flash")
+    with pytest.raises(KernelError, match="already registered"):
+        reg.register("xla", lambda *a, **k: None)
+    with pytest.raises(KernelError, match="built-in"):
+        reg.unregister("pallas")
+    assert "ext_nocap:attention" not in reg.names()  # nothing half-registered
+
+
+def test_a_deliberately_wrong_kernel_fails_the_check(kernel_dir):
+    window_case = next(c for c in testing.attention_cases("quick") if c.window)
+    testing.check_attention("reference", window_case)
+    with pytest.raises(AssertionError, match=window_case.name):
+        testing.check_attention("ext_wrong:attention", window_case)
+
+
+def test_matmul_registry_checks_its_contract():
+    reg = matmul_registry()
+    with pytest.raises(KernelContractError, match="cannot be called as the contract calls it"):
+        reg.register("mm_one_arg", lambda x: x)
+    with pytest.raises(KernelContractError, match=r"must return float32 \(3, 32\)"):
+        reg.register("mm_wrong_shape", lambda x, qa, *, tuning=None: x)
+    assert "mm_one_arg" not in reg.names() and "mm_wrong_shape" not in reg.names()
+
+
+# ------------------------------------------------------------------------------------------------------ tuning
+def test_tuning_from_flags_json_and_dicts(tmp_path):
+    reg = attention_registry()
+    assert reg.parse_tuning("pallas", "block_q=8, pages_per_block=2,k_splits=3") == AttentionTuning(8, 2, 3)
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"block_q": 4}))
+    assert reg.parse_tuning("pallas", str(f)) == AttentionTuning(block_q=4)
+    assert reg.parse_tuning("pallas", {"num_warps": 8}) == AttentionTuning(num_warps=8)
+    assert reg.parse_tuning("pallas", None) is None and reg.parse_tuning("pallas", "") is None
+    with pytest.raises(KernelError, match="has no field.*block_k"):
+        reg.parse_tuning("pallas", "block_k=8")
+    with pytest.raises(KernelError, match="block_q must be a power of two"):
+        reg.parse_tuning("pallas", "block_q=3")
+    with pytest.raises(KernelError, match="is not a valid int"):
+        reg.parse_tuning("pallas", "block_q=big")
+    with pytest.raises(KernelError, match="takes no tuning"):
+        reg.parse_tuning("xla", "block_q=8")
+
+
+def test_the_tuning_reaches_the_kernel():
+    """A tuning given to the dispatcher is the blocking the kernel runs (its pallas_call's grid)."""
+    import jax
+
+    from tests.pallas_kernels.helpers import equations
+
+    case = testing.attention_cases("quick")[2]
+    inputs = testing.build_attention_inputs(case)
+    t = AttentionTuning(block_q=4, pages_per_block=1, k_splits=2)
+    arrays = {k: v for k, v in inputs.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in inputs.items() if k not in arrays}
+    jaxpr = jax.make_jaxpr(lambda a: testing.run_attention("pallas", {**a, **static}, tuning=t, interpret=True))(
+        arrays)
+    (call,) = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    assert tuple(call.params["grid_mapping"].grid) == (-(-inputs["q"].shape[0] // 4), case.kv_heads, 2)
+
+
+def test_default_tuning_prefers_a_measured_table_entry(monkeypatch):
+    import jax
+
+    from pallas_kernels import tuned_tables
+    from pallas_kernels.tuning import default_tuning
+
+    shape = dict(num_tokens=16, max_query_len=1, num_kv_heads=2, page_size=16, pages_per_row=40)
+    heuristic = default_tuning(**shape)
+    measured = AttentionTuning(block_q=2, pages_per_block=8, k_splits=5)
+    key = tuned_tables.attention_key(max_query_len=1, num_kv_heads=2, page_size=16, pages_per_row=40)
+    monkeypatch.setitem(tuned_tables.ATTENTION, jax.devices()[0].device_kind, {key: measured})
+    assert default_tuning(**shape) == measured != heuristic
+
+
+# ------------------------------------------------------------------------------------- the conformance suite
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("case", testing.attention_cases("quick"), ids=lambda c: c.name)
+def test_builtin_attention_conforms(impl, case):
+    testing.check_attention(impl, case)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "reference"])
+@pytest.mark.parametrize("case", testing.matmul_cases("quick"), ids=lambda c: c.name)
+def test_builtin_matmul_conforms(impl, case):
+    testing.check_matmul(impl, case)
+
+
+def _pytest(path, *args) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "--pyargs",
+           "pallas_kernels.conformance", *args]
+    return subprocess.run(cmd, cwd=path, env=_env(path), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_an_external_kernel_passes_the_suite_through_one_pytest_command(kernel_dir):
+    done = _pytest(kernel_dir, "--kernel=ext_good:attention")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"{1 + len(testing.attention_cases('quick'))} passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_wrong_external_kernel_fails_the_suite(kernel_dir):
+    done = _pytest(kernel_dir, "--kernel=ext_wrong:attention", "-k", "window")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "mixed-gqa2-ps16-window" in done.stdout and "differ from the reference" in done.stdout
+    done = _pytest(kernel_dir, "--kernel=ext_nocap:attention", "-k", "registers")
+    assert done.returncode == 1 and "does not accept the keyword(s) ['soft_cap']" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_benchmark_checks_then_times_an_external_kernel(kernel_dir):
+    out = kernel_dir / "bench.json"
+    cmd = [sys.executable, "-m", "experiments.bench_kernels", "--ops=attention",
+           "--attn_impls=xla,ext_good:attention,ext_noscale:attention", "--attn_shapes=decode2x40,mixed8+1x64",
+           "--heads=1x2x16", "--page_size=8", "--iters=1", "--repeats=2", f"--json_out={out}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]  # the wrong kernel is reported, not timed
+    rec = json.loads(out.read_text())
+    by = {(r["impl"], r["shape"].split()[0]): r for r in rec["results"]}
+    good = by[("ext_good:attention", "decode2x40")]
+    assert good["correct"] and good["min_s"] <= good["median_s"] and good["gbps"] > 0
+    assert rec["peaks"]["bandwidth_gbps"] > 0 and rec["git"]["sha"]
+    wrong = by[("ext_noscale:attention", "decode2x40")]
+    assert not wrong["correct"] and wrong["max_error"] > 1e-3 and "median_s" not in wrong
+    assert np.isfinite(by[("xla", "mixed8+1x64")]["median_s"])

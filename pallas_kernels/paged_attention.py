@@ -39,7 +39,10 @@ The contract of an implementation (what `paged_attention`, hence the engine's st
   query_lens 0 are padding. In the engine's batches `query_start` is `layout_query_start(layout)` extended by the
   decode tokens' slots, and the decode tokens of a prefill bucket sit in the last window's padding.
 - sm_scale float; sliding_window int >= 1 or None; soft_cap float or None (all static).
-- layout: the `PrefillDecodeLayout` the batch is padded to, or None (then only the ragged arrays describe it).
+- layout: the `PrefillDecodeLayout` the batch is padded to, or None (then only the ragged arrays describe it). With
+  S == layout.num_rows the batch is exactly the layout (windows of `max_q_len` tokens, then one slot per decode
+  row); the engine's prefill buckets may also put decode rows in the padding of the last window, and then S >
+  layout.num_rows and only `query_start` says where they are.
 - tuning: whatever the implementation's `tuning_type` is (a frozen, hashable dataclass; `AttentionTuning` for the
   built-in kernel), or None for its default. Set it with `EngineConfig.attn_tuning` / `--attn_tuning`.
 - Registered with `stacked_cache=True`, it also gets `layer` (int32 scalar) and the stacked cache
@@ -596,9 +599,10 @@ def _reference_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_
 
 def _xla_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
               soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, layer=None):
-    """The layout fast path; without a layout (a batch in no `PrefillDecodeLayout`), the reference."""
+    """The layout fast path; for a batch that is not exactly its layout (none given, or decode rows in a window's
+    padding), the reference."""
     del tuning
-    if layout is None:
+    if layout is None or page_table.shape[0] != layout.num_rows:
         if layer is not None:
             k_pages, v_pages = k_pages[layer], v_pages[layer]
             k_scales = None if k_scales is None else k_scales[layer]

@@ -26,10 +26,22 @@ class RowInput:
     sampling: Mapping | None = None  # keyword values for SamplingRows.make (missing: neutral/greedy)
     history: Sequence[int] = ()  # previous tokens for penalties, oldest first
     bias: Mapping[int, float] | None = None  # sparse additive logit bias (-inf bans)
+    # Speculative verification: `tokens` are the last accepted token and then the drafts, and the row samples at
+    # every position (needs a verification bucket). Position j samples the token at `start_pos + j + 1`, with the
+    # penalty history `position_history[j]` (default: `history` followed by the drafts before it, cut to the
+    # bucket's width) and the bias `position_bias[j]` (default, or where None: `bias`).
+    verify: bool = False
+    position_history: Sequence[Sequence[int]] | None = None
+    position_bias: Sequence[Mapping[int, float] | None] | None = None
 
     @property
     def is_decode(self) -> bool:
         return len(self.tokens) == 1
+
+    @property
+    def is_step_row(self) -> bool:
+        """A verification row or a 1-token row: what owns `verify_len` slots in a verification bucket."""
+        return self.verify or len(self.tokens) == 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -39,7 +51,7 @@ def _zero_bias(num_rows: int, vocab_size: int) -> jax.Array:
 
 
 def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
-                sample_rows: int | None = None) -> tuple[Batch, list[int]]:
+                sample_rows: int | None = None, slots: Sequence[int] | None = None) -> tuple[Batch, list[int]]:
     """Lay `rows` out in `shape`: multi-token rows in prefill windows (the longest first), single-token rows in the
     decode slots or, in a prefill layout, in the padding of the last window right after its chunk.
 
@@ -47,7 +59,13 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     bias: up to `shape.num_bias` entries of a row go in the sparse arrays; a row with more goes in the dense
     `[S', V]` bias, which needs `vocab_size` (without it, `Batch.bias_dense` is None and such a row is an error).
     Returns the batch and, for each input row, its row index in the batch (where its results come out).
+    `slots` (decode-only buckets only): put input row i in batch row `slots[i]` instead (rows in between are
+    padding), so that a draft model's batch lines up with the target's verification batch.
     """
+    if shape.verify_len:
+        return _build_verify_batch(rows, shape, page_size, vocab_size, sample_rows)
+    if any(r.verify for r in rows):
+        raise ValueError(f"verification rows need a verification bucket (verify_len > 0), got {shape}")
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
     s_count, t_count, p = shape.num_rows, shape.num_tokens, shape.pages_per_row
@@ -80,9 +98,18 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         len(rows[pre[sp - 1]].tokens) if len(pre) == sp else 0)
     if dec and first + len(dec) > t_count:
         raise ValueError(f"{len(dec)} decode rows do not fit the {t_count - first} free token slots of {shape}")
-    for j, i in enumerate(dec):
-        slot_of[i], start[i] = sp + j, first + j
-        decode_tokens[j] = first + j
+    if slots is not None:
+        if sp or len(slots) != len(rows) or len(set(slots)) != len(slots) or any(
+                not 0 <= x < shape.num_decode_rows for x in slots) or pre:
+            raise ValueError(f"slots={list(slots)} must place {len(rows)} decode rows in distinct rows of the "
+                             f"decode-only {shape}")
+        for i, x in enumerate(slots):
+            slot_of[i], start[i] = x, x
+            decode_tokens[x] = x
+    else:
+        for j, i in enumerate(dec):
+            slot_of[i], start[i] = sp + j, first + j
+            decode_tokens[j] = first + j
     if rows and max(slot_of) >= s_sample:
         raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
     for i, r in enumerate(rows):
@@ -131,5 +158,141 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
+    )
+    return batch, slot_of
+
+
+def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None,
+                        sample_rows: int | None) -> tuple[Batch, list[int]]:
+    """`build_batch` for a verification bucket (`shape.verify_len` W > 0; see `paged.state`): step rows (verification
+    rows, 1-token rows) own W slots each, in input order: windows of a decode-only bucket, or the tail of the last
+    prefill window at a stride of W; multi-token non-verification rows are prefill chunks in the windows (the
+    longest first). Every row has W sample points; the sampler inputs have `sample_rows * W` rows."""
+    w = shape.verify_len
+    lay = shape.layout
+    sp, qm = lay.num_prefill_rows, lay.max_q_len
+    s_count, t_count, p = shape.num_rows, shape.num_tokens, shape.pages_per_row
+    s_sample = s_count if sample_rows is None else sample_rows
+    n_pts = s_sample * w
+    steps = [i for i, r in enumerate(rows) if r.is_step_row]
+    if shape.step_rows_in_windows:
+        pre: list[int] = []
+        if len(steps) != len(rows) or len(steps) > sp:
+            raise ValueError(f"{len(rows)} rows ({len(steps)} step rows) do not fit the decode-only {shape}")
+    else:
+        pre = sorted((i for i, r in enumerate(rows) if not r.is_step_row), key=lambda i: -len(rows[i].tokens))
+        if len(pre) > sp or len(steps) > shape.num_decode_rows:
+            raise ValueError(f"{len(pre)} prefill + {len(steps)} step rows do not fit {shape}")
+    for i, r in enumerate(rows):
+        if r.verify and not 1 <= len(r.tokens) <= w:
+            raise ValueError(f"verification row {i} has {len(r.tokens)} tokens; a bucket of verify_len={w} holds "
+                             f"1 to {w}")
+    token_ids = np.zeros(t_count, np.int32)
+    positions = np.zeros(t_count, np.int32)
+    token_rows = np.full(t_count, s_count, np.int32)
+    query_lens = np.zeros(s_count, np.int32)
+    kv_lens = np.zeros(s_count, np.int32)
+    page_table = np.full((s_count, p), NULL_PAGE, np.int32)
+    decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
+    last_tokens = np.zeros(s_count, np.int32)
+    sample_tokens = np.zeros((s_count, w), np.int32)
+    sample_positions = np.zeros(n_pts, np.int32)
+    drafts = np.full((s_sample, w - 1), -1, np.int32)
+    num_drafts = np.zeros(s_sample, np.int32)
+    history = np.full((n_pts, shape.history_len), -1, np.int32)
+    bias_ids = np.full((n_pts, shape.num_bias), -1, np.int32)
+    bias_values = np.zeros((n_pts, shape.num_bias), np.float32)
+    dense: np.ndarray | None = None
+    sampling_rows: list[Mapping] = [{} for _ in range(n_pts)]
+    slot_of = [0] * len(rows)
+    start = [0] * len(rows)
+    if shape.step_rows_in_windows:
+        for j, i in enumerate(steps):
+            slot_of[i], start[i] = j, j * qm
+    else:
+        for j, i in enumerate(pre):
+            slot_of[i], start[i] = j, j * qm
+            if len(rows[i].tokens) > qm:
+                raise ValueError(f"row {i} has {len(rows[i].tokens)} tokens, more than the window of {qm}")
+        first = (sp - 1) * qm + (len(rows[pre[sp - 1]].tokens) if len(pre) == sp else 0)
+        if steps and first + len(steps) * w > t_count:
+            raise ValueError(f"{len(steps)} step rows of {w} slots do not fit the {t_count - first} free token "
+                             f"slots of {shape}")
+        for j, i in enumerate(steps):
+            slot_of[i], start[i] = sp + j, first + j * w
+            decode_tokens[j] = first + j * w
+    if rows and max(slot_of) >= s_sample:
+        raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
+
+    def put_bias(pt: int, bias: Mapping[int, float] | None, i: int) -> None:
+        nonlocal dense
+        if not bias:
+            return
+        if len(bias) <= shape.num_bias:
+            ids = list(bias)
+            bias_ids[pt, : len(ids)] = ids
+            bias_values[pt, : len(ids)] = [bias[k] for k in ids]
+            return
+        if vocab_size is None:
+            raise ValueError(f"row {i} has {len(bias)} bias entries, more than the bucket's {shape.num_bias}, and "
+                             "no vocab_size was given for the dense bias")
+        if dense is None:
+            dense = np.zeros((n_pts, vocab_size), np.float32)
+        ids = np.fromiter(bias.keys(), np.int64, len(bias))
+        vals = np.fromiter(bias.values(), np.float32, len(bias))
+        ok = (ids >= 0) & (ids < vocab_size)
+        dense[pt, ids[ok]] = vals[ok]
+
+    def put_history(pt: int, hist: Sequence[int]) -> None:
+        if shape.history_len and len(hist):
+            h = list(hist)[-shape.history_len :]
+            history[pt, shape.history_len - len(h) :] = h
+
+    for i, r in enumerate(rows):
+        s, t0, n = slot_of[i], start[i], len(r.tokens)
+        token_ids[t0 : t0 + n] = r.tokens
+        positions[t0 : t0 + n] = np.arange(r.start_pos, r.start_pos + n)
+        token_rows[t0 : t0 + n] = s
+        last_tokens[s] = t0 + n - 1
+        query_lens[s] = n
+        kv_lens[s] = r.start_pos + n
+        need = -(-kv_lens[s] // page_size)
+        if len(r.pages) < need:
+            raise ValueError(f"row {i} needs {need} pages for {kv_lens[s]} tokens but has {len(r.pages)}")
+        if need > p:
+            raise ValueError(f"row {i} needs {need} pages, more than the bucket's {p}")
+        page_table[s, : min(len(r.pages), p)] = list(r.pages)[:p]
+        points = n if r.verify else 1
+        if r.verify:
+            sample_tokens[s, :n] = np.arange(t0, t0 + n)
+            num_drafts[s] = n - 1
+            drafts[s, : n - 1] = list(r.tokens)[1:]
+        else:
+            sample_tokens[s, 0] = t0 + n - 1
+        for j in range(points):
+            pt = s * w + j
+            sample_positions[pt] = kv_lens[s] - points + 1 + j
+            if r.sampling:
+                sampling_rows[pt] = r.sampling
+            if r.verify and r.position_history is not None:
+                put_history(pt, r.position_history[j])
+            elif r.verify:
+                put_history(pt, list(r.history) + list(r.tokens)[1 : j + 1] if len(r.history) else ())
+            else:
+                put_history(pt, r.history)
+            pb = r.position_bias[j] if r.verify and r.position_bias is not None else None
+            put_bias(pt, r.bias if pb is None else pb, i)
+    (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
+     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts) = jax.device_put(
+        (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
+         sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts))
+    batch = Batch(
+        token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
+        page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
+        sampling=SamplingRows.make(sampling_rows), sample_positions=sample_positions, history=history,
+        bias_ids=bias_ids, bias_values=bias_values,
+        bias_dense=None if vocab_size is None else (_zero_bias(n_pts, vocab_size) if dense is None else dense),
+        bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
+        sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts,
     )
     return batch, slot_of

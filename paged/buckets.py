@@ -27,6 +27,13 @@ Default engine (max_batch_size 16, max_chunk_size 256, max_prefill_rows 1): 5 de
 forward variants and 5 sampler variants (1, 2, 4, 8, 16 rows); `decode_steps > 1` adds one burst variant per
 decode layout. The previous scheme (every layout x context x history bucket, static bias width, top-k and logits
 switches) had 280 variants for the same engine, and compiled more while serving.
+
+Speculative verification (`verify_len` W = k + 1 > 0, set by `Engine.enable_verification`) adds one verification
+bucket per plain one (`verify_shapes`): decode-only layouts of n windows of W slots (n = 1, 2, 4, ... as the decode
+layouts), and the prefill layouts with their step rows at a stride of W in the last window (the full-chunk window
+grows to max_chunk_size + (max_batch_size - 1) * W). Their sampler runs over n * W sample points, one variant per
+row count n (`paged.speculative.verify_sample`). With W = 0 nothing changes: the same buckets as without
+speculation.
 """
 from __future__ import annotations
 
@@ -77,12 +84,15 @@ class BucketSpec:
     # Context buckets chosen at run time inside each variant (XLA and reference attention, whose cost grows with
     # the page-table width). Off for the Pallas kernel, which visits only each row's real pages by itself.
     page_switch: bool = True
+    verify_len: int = 0  # W = 1 + drafts per verification row (0: no verification buckets)
 
     def __post_init__(self):
         if self.max_batch_size < 1 or self.max_chunk_size < 1 or self.max_pages_per_row < 1:
             raise ValueError(f"BucketSpec needs positive sizes, got {self}")
         if self.max_prefill_rows < 1:
             raise ValueError(f"BucketSpec needs max_prefill_rows >= 1, got {self}")
+        if self.verify_len == 1 or self.verify_len < 0:
+            raise ValueError(f"BucketSpec needs verify_len 0 (off) or >= 2 (1 + drafts), got {self.verify_len}")
 
     @classmethod
     def from_config(cls, config: EngineConfig, attn_impl: str | None = None) -> BucketSpec:
@@ -116,6 +126,13 @@ class BucketSpec:
         return self.q_lens + ((top,) if top > self.max_chunk_size else ())
 
     @property
+    def verify_windows(self) -> tuple[int, ...]:
+        """Prefill window sizes of the mixed verification buckets: `q_lens`, and one holding a full chunk plus W
+        slots for every other row."""
+        top = self.max_chunk_size + (self.max_batch_size - 1) * self.verify_len
+        return self.q_lens + ((top,) if top > self.max_chunk_size else ())
+
+    @property
     def pages(self) -> tuple[int, ...]:
         """Context buckets (pages per row) attention chooses from at run time."""
         lo = min(max(1, self.min_context // self.page_size), self.max_pages_per_row)
@@ -142,12 +159,56 @@ class BucketSpec:
                           tail_decode_rows=self.max_batch_size - sp if sp else 0,
                           sample_rows=tuple(n for n in self.sample_rows if sp and sp <= n < rows) + (rows,))
 
+    def _verify_decode_shape(self, n: int) -> BatchShape:
+        w = self.verify_len
+        return BatchShape(layout=PrefillDecodeLayout(n, w, 0), pages_per_row=self.max_pages_per_row,
+                          history_len=self.history_len, num_bias=BIAS_WIDTH,
+                          page_buckets=self.pages if self.page_switch else (), sample_rows=(n,), verify_len=w)
+
+    def _verify_mixed_shape(self, sp: int, window: int) -> BatchShape:
+        shape = dataclasses.replace(self.shape(PrefillDecodeLayout(sp, window, 0)), verify_len=self.verify_len)
+        if not shape.tail_decode_rows:  # max_batch_size == prefill rows: no room for step rows
+            raise ValueError(f"{self} has no room for verification rows beside {sp} prefill rows")
+        return shape
+
+    def verify_shapes(self) -> list[BatchShape]:
+        """The verification buckets (empty when `verify_len` is 0)."""
+        if not self.verify_len:
+            return []
+        out = [self._verify_decode_shape(n) for n in self.decode_rows if n]
+        for sp in self.prefill_rows[1:]:
+            if sp < self.max_batch_size:
+                out += [self._verify_mixed_shape(sp, qm) for qm in self.verify_windows]
+        return out
+
     def all_shapes(self) -> list[BatchShape]:
-        return [self.shape(lay) for lay in self.layouts()]
+        return [self.shape(lay) for lay in self.layouts()] + self.verify_shapes()
+
+    def verify_shape_for(self, prefill_lens: list[int], num_step_rows: int, max_pages: int) -> BatchShape:
+        """Smallest verification bucket for prefill chunks of `prefill_lens` tokens and `num_step_rows` step rows
+        (verification rows of at most W tokens, and 1-token rows), rows needing up to `max_pages` pages."""
+        if not self.verify_len:
+            raise ValueError("this BucketSpec has no verification buckets (verify_len=0)")
+        sp = len(prefill_lens)
+        if sp > min(self.max_prefill_rows, self.max_batch_size):
+            raise ValueError(f"{sp} prefill rows exceed max_prefill_rows={self.max_prefill_rows}")
+        if sp + num_step_rows > self.max_batch_size:
+            raise ValueError(f"{sp} + {num_step_rows} rows exceed max_batch_size={self.max_batch_size}")
+        if num_step_rows == 0:
+            raise ValueError("a verification batch needs at least one step row")
+        if max_pages > self.max_pages_per_row:
+            raise ValueError(f"{max_pages} pages per row exceed max_pages_per_row={self.max_pages_per_row}")
+        if not sp:
+            return self._verify_decode_shape(next(x for x in self.decode_rows if x >= num_step_rows))
+        if max(prefill_lens) > self.max_chunk_size:
+            raise ValueError(f"prefill chunk of {max(prefill_lens)} tokens exceeds max_chunk_size="
+                             f"{self.max_chunk_size}")
+        need = max(max(prefill_lens), min(prefill_lens) + num_step_rows * self.verify_len)
+        return self._verify_mixed_shape(sp, next(x for x in self.verify_windows if x >= need))
 
     def row_counts(self) -> tuple[int, ...]:
         """The distinct sampled row counts of the buckets: one sampler variant each."""
-        return tuple(sorted({n for s in self.all_shapes() for n in s.sampled_row_counts}))
+        return tuple(sorted({n for s in self.all_shapes() if not s.verify_len for n in s.sampled_row_counts}))
 
     def shape_for(self, prefill_lens: list[int], num_decode: int, max_pages: int, history: int = 0) -> BatchShape:
         """Smallest bucket for `len(prefill_lens)` prefill rows of those lengths, `num_decode` single-token rows and

@@ -23,6 +23,7 @@ from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
     decode_burst_jit,
+    draft_burst_jit,
     forward_inputs,
     forward_shape,
     lm_head,
@@ -30,6 +31,7 @@ from paged.step import (
     step_forward,
     step_sample,
 )
+from pallas_kernels.paged_attention import PrefillDecodeLayout
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
@@ -77,6 +79,70 @@ class Engine:
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
+        self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
+        self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def enable_verification(self, num_draft_tokens: int, draft_probs: bool) -> None:
+        """Add the verification buckets (`verify_len = num_draft_tokens + 1`) to `spec`, so that `run` takes
+        `RowInput.verify` rows. `draft_probs`: the drafts come with their distributions (a draft model; `run` then
+        needs `draft_logprobs=`), else they are one-hot proposals (n-gram). Call before `warmup()`."""
+        if num_draft_tokens < 1:
+            raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.spec = dataclasses.replace(self.spec, verify_len=num_draft_tokens + 1)
+        self.verify_probs = bool(draft_probs)
+
+    def enable_drafting(self, num_draft_tokens: int) -> None:
+        """Make this engine a draft model's: `draft()` proposes `num_draft_tokens` per row (one compiled burst per
+        decode bucket, covered by `warmup()`)."""
+        if num_draft_tokens < 1:
+            raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        self.draft_len = num_draft_tokens
+
+    def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
+        """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
+        building it: a draft model lays its proposals out in the same rows (`draft`)."""
+        shape = self.verify_shape_for(rows)
+        sampled = shape.sample_rows_for(len(rows))
+        sp = 0 if shape.step_rows_in_windows else shape.layout.num_prefill_rows
+        pre = sorted((i for i, r in enumerate(rows) if not r.is_step_row), key=lambda i: -len(rows[i].tokens))
+        slots = [0] * len(rows)
+        for j, i in enumerate(pre):
+            slots[i] = j
+        for j, i in enumerate(i for i, r in enumerate(rows) if r.is_step_row):
+            slots[i] = sp + j
+        return shape, sampled, slots
+
+    def verify_shape_for(self, rows: Sequence[RowInput]) -> BatchShape:
+        pages = max(-(-(r.start_pos + len(r.tokens)) // self.page_size) for r in rows)
+        return self.spec.verify_shape_for([len(r.tokens) for r in rows if not r.is_step_row],
+                                          sum(r.is_step_row for r in rows), pages)
+
+    def draft(self, rows: Sequence[RowInput], slots: Sequence[int], num_rows: int,
+              then_feed: Sequence[int]) -> tuple[np.ndarray, jax.Array]:
+        """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
+        jitted call (`paged.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
+        `num_rows` rows (the target's verification rows, so that the distributions line up with them), and feeds
+        `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`). Returns the drafts (host, i32
+        `[len(rows), draft_len]`) and their distributions (device, f32 log-probs `[num_rows, draft_len, V]`, by
+        batch row)."""
+        if not self.draft_len:
+            raise InvalidConfigError("this engine does not draft: call enable_drafting() first")
+        t0 = time.perf_counter()
+        shape = self.spec.shape(PrefillDecodeLayout(0, 1, num_rows))
+        batch, got_slots = build_batch(rows, shape, self.page_size, self.vocab_size, slots=slots)
+        feed = np.full(num_rows, -1, np.int32)
+        feed[list(got_slots)] = list(then_feed)
+        t1 = time.perf_counter()
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, jax.device_put(feed),
+                                                cfg=self.cfg, shape=forward_shape(shape), num_drafts=self.draft_len,
+                                                attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+        t2 = time.perf_counter()
+        host = np.asarray(jax.device_get(tokens))[np.asarray(got_slots, np.int64)]
+        self.timings["build_s"] += t1 - t0
+        self.timings["dispatch_s"] += t2 - t1
+        self.timings["wait_s"] += time.perf_counter() - t2
+        return host, q
 
     @property
     def page_size(self) -> int:
@@ -123,14 +189,23 @@ class Engine:
                            top_k_width=TOP_K_WIDTH)
 
     def run(
-        self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1
+        self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1,
+        draft_logprobs: jax.Array | None = None,
     ) -> StepOutput:
         """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`.
 
         Nothing here compiles once `warmup()` has run: top-k, logits and every sampler setting are runtime values of
         the same variants. `return_top_k` up to `TOP_K_WIDTH` comes from the device's top tokens; wider, from the
         final distribution on the host. Only what is asked for is copied to the host. A burst that asks for logits
-        or more than `TOP_K_WIDTH` top tokens runs as single steps (the generator never asks for logits in one)."""
+        or more than `TOP_K_WIDTH` top tokens runs as single steps (the generator never asks for logits in one).
+
+        Rows with `verify` make it a verification step (`enable_verification`; results per position, see
+        `StepOutput`); `draft_logprobs` (device f32 `[S', k, V]` by batch row, from the draft engine's `draft()`
+        laid out by `verify_plan`) is then required if the engine verifies a draft model's proposals."""
+        if any(r.verify for r in rows):
+            if num_steps != 1:
+                raise ValueError("a verification step is a single step (num_steps=1)")
+            return self._run_verify(rows, return_top_k, return_logits, draft_logprobs)
         k = min(return_top_k, self.vocab_size)
         wide = k > TOP_K_WIDTH
         if num_steps > 1 and (return_logits or wide):
@@ -169,6 +244,52 @@ class Engine:
             logits=pick(got["logits"]) if return_logits else None, shape=shape, seconds=dt,
         )
 
+    def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
+                    draft_logprobs: jax.Array | None) -> StepOutput:
+        from paged.speculative import verify_sample
+
+        if not self.spec.verify_len:
+            raise InvalidConfigError("verification rows need enable_verification() on the engine")
+        if self.verify_probs and draft_logprobs is None:
+            raise ValueError("this engine verifies a draft model's proposals: pass draft_logprobs=")
+        k = min(return_top_k, self.vocab_size)
+        wide = k > TOP_K_WIDTH
+        t_build = time.perf_counter()
+        shape, sampled, _ = self.verify_plan(rows)
+        batch, slots = build_batch(rows, shape, self.page_size, self.vocab_size, sample_rows=sampled)
+        t0 = time.perf_counter()
+        statics = dict(cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
+                       matmul_impl=self.matmul_impl)
+        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), **statics)
+        h = hs[shape.sampled_row_counts.index(sampled)]
+        q = draft_logprobs if self.verify_probs else None
+        res = verify_sample(self._head, h, sample_inputs(batch), _verify_inputs(batch), np.bool_(0 < k <= TOP_K_WIDTH),
+                            q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
+        t_dispatched = time.perf_counter()
+        idx = np.asarray(slots)
+        want = {"token": res.token, "logprob": res.logprob, "num_accepted": res.num_accepted}
+        if 0 < k <= TOP_K_WIDTH:
+            want.update(top_ids=res.top_ids, top_logprobs=res.top_logprobs)
+        if return_logits:
+            want["logits"] = res.logits
+        if wide:
+            want["final"] = res.final
+        got = jax.device_get(want)
+        t_done = time.perf_counter()
+        self.timings["build_s"] += t0 - t_build
+        self.timings["dispatch_s"] += t_dispatched - t0
+        self.timings["wait_s"] += t_done - t_dispatched
+        token = got["token"][idx]
+        if wide:
+            top_ids, top_logprobs = host_top_k(got["final"][idx], k)
+        elif k:
+            top_ids, top_logprobs = got["top_ids"][idx][..., :k], got["top_logprobs"][idx][..., :k]
+        else:
+            top_ids, top_logprobs = np.zeros((*token.shape, 0), np.int32), np.zeros((*token.shape, 0), np.float32)
+        return StepOutput(token=token, logprob=got["logprob"][idx], top_ids=top_ids, top_logprobs=top_logprobs,
+                          logits=got["logits"][idx] if return_logits else None, shape=shape,
+                          seconds=t_done - t0, num_accepted=got["num_accepted"][idx])
+
     def _run_single_steps(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
                           num_steps: int) -> StepOutput:
         """`num_steps` decode steps as single steps, each sampled token fed back on the host as the burst's scan
@@ -190,54 +311,89 @@ class Engine:
     def variants(self, decode_steps: int = 1) -> list[tuple[str, BatchShape, int]]:
         """Every compiled variant `run` can use with this configuration, as (entry point, bucket, n): the forward
         ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
-        samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket."""
+        samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket.
+        With speculation: the verification sampler ("verify") of each row count of the verification buckets, and on
+        a draft engine the proposal burst ("draft_burst", n = drafts) of each decode-only bucket."""
         shapes = self.spec.all_shapes()
         out = [("step", s, 1) for s in shapes]
-        seen: set[int] = set()
+        seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
         for s in shapes:
+            kind = "verify" if s.verify_len else "sample"
             for n in s.sampled_row_counts:
-                if n not in seen:
-                    seen.add(n)
-                    out.append(("sample", s, n))
+                if n not in seen[kind]:
+                    seen[kind].add(n)
+                    out.append((kind, s, n))
+        plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
-            out += [("decode_burst", s, decode_steps) for s in shapes if not s.layout.num_prefill_rows]
+            out += [("decode_burst", s, decode_steps) for s in plain_decode]
+        if self.draft_len:
+            out += [("draft_burst", s, self.draft_len) for s in plain_decode]
         return out
 
     def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:
         """Compile every variant `run` can hit (`variants`; default: for the buckets of `spec.all_shapes()`): the
-        forward of each bucket, the sampler of each row count, and with `decode_steps` > 1 the burst of each
-        decode-only bucket. Returns the number of step variants (buckets, plus bursts); the samplers come with them.
+        forward of each bucket, the sampler of each row count, with `decode_steps` > 1 the burst of each
+        decode-only bucket, with speculation the verification sampler of each row count and a draft engine's
+        proposal burst of each decode-only bucket. Returns the number of step variants (buckets, plus bursts); the
+        samplers come with them.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
+        from paged.speculative import verify_sample
+
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
-        work = [(shape, 1) for shape in shapes]
+        work = [(shape, 1, "step") for shape in shapes]
+        plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
-            work += [(shape, decode_steps) for shape in shapes if not shape.layout.num_prefill_rows]
+            work += [(shape, decode_steps, "burst") for shape in plain_decode]
+        if self.draft_len:
+            work += [(shape, self.draft_len, "draft") for shape in plain_decode]
         it = work
         if progress:
             from tqdm import tqdm
 
             it = tqdm(work, desc="compiling step buckets", unit="shape")
         no = np.bool_(False)
-        sampled: set[int] = set()
+        sampled: dict[bool, set[int]] = {False: set(), True: set()}
         outs = []
         # Nothing waits for the warm-up steps to finish (async dispatch): they run while the next variant traces
         # and compiles.
-        for shape, n in it:
+        for shape, n, kind in it:
             batch, _ = build_batch([], shape, self.page_size, self.vocab_size)
-            if n > 1:
+            if kind == "burst":
                 outs.append(self._dispatch(batch, shape, False, n).token)
+                continue
+            if kind == "draft":
+                feed = jax.device_put(np.full(shape.num_rows, -1, np.int32))
+                self.state, tokens, _ = draft_burst_jit(
+                    self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
+                    num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+                outs.append(tokens)
                 continue
             self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
                                           shape=forward_shape(shape), attn_impl=self.attn_impl,
                                           matmul_impl=self.matmul_impl)
+            verify = bool(shape.verify_len)
             for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
-                if rows not in sampled:
-                    sampled.add(rows)
-                    small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
+                if rows in sampled[verify]:
+                    continue
+                sampled[verify].add(rows)
+                small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
+                if not verify:
                     outs.append(self._sample(h, small, no).token)
+                    continue
+                q = None
+                if self.verify_probs:
+                    q = jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
+                outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small), no, q,
+                                          cfg=self.cfg, matmul_impl=self.matmul_impl,
+                                          top_k_width=TOP_K_WIDTH).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
+
+
+def _verify_inputs(batch: Batch) -> dict:
+    """The verification inputs of a batch: the drafts of each row and how many there are."""
+    return dict(drafts=batch.drafts, num_drafts=batch.num_drafts)
 
 
 def host_top_k(final: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

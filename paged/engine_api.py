@@ -21,7 +21,16 @@ from paged.config import EngineConfig
 @dataclasses.dataclass
 class StepOutput:
     """Host copy of one step's results, indexed by input row (not by batch slot). With `num_steps > 1` every array
-    gains a leading `[num_steps]` axis."""
+    gains a leading `[num_steps]` axis.
+
+    A verification step (some row has `RowInput.verify`; speculative decoding) returns per-position results
+    instead: every array gains a `[W]` axis after the row axis (W = `verify_len` = 1 + drafts per row), so `token`
+    and `logprob` are `[n, W]`, `top_ids` / `top_logprobs` `[n, W, K]`, `logits` `[n, W, V]`, and `num_accepted`
+    `[n]` is set. Row i emits `token[i, :num_accepted[i] + 1]`: its accepted drafts, then the target's next token
+    (the correction at the first rejected draft, or the bonus token when all were accepted); `logprob`, `top_*`
+    and `logits` at those positions are the target's at each (what a non-speculative step would report there).
+    A row that is not a verification row has `num_accepted` 0 and its result at position 0. Entries past
+    `num_accepted[i]` are undefined (token -1)."""
 
     token: np.ndarray  # [n] int32
     logprob: np.ndarray  # [n] float32
@@ -30,6 +39,7 @@ class StepOutput:
     logits: np.ndarray | None  # [n, V]
     shape: Any  # the BatchShape the rows were padded to (None for engines without buckets)
     seconds: float
+    num_accepted: np.ndarray | None = None  # [n] int32, verification steps only
 
 
 @runtime_checkable
@@ -51,5 +61,6 @@ class EngineProtocol(Protocol):
 
     def run(self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False,
             num_steps: int = 1) -> StepOutput: ...
+    # (The JAX `Engine.run` also takes `draft_logprobs=` for verification steps: see `paged.speculative`.)
 
     def warmup(self, progress: bool = False, decode_steps: int = 1) -> int: ...

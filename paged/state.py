@@ -14,6 +14,13 @@ Contract (see docs/architecture.md, "The device step"):
 - Every row's last real token is sampled on the device (the first `S'` rows, `S'` one of the bucket's
   `sample_rows`); the host ignores the tokens of prefill chunks that do not reach the end of the prompt
   (`RowInput.sample` is False).
+- Verification buckets (`BatchShape.verify_len = W = k + 1 > 0`, speculative decoding): every row owns `W` *sample
+  points* instead of one, and the sampler runs over `S' * W` of them (point j of row s is sampler row `s * W + j`).
+  A verification row (`RowInput.verify`: the last accepted token and up to k drafts) samples at every one of its
+  positions; any other row samples only its last token (point 0) and its other points are padding. Step rows
+  (verification rows and 1-token rows) own `W` token slots each: in a decode-only verification bucket the layout is
+  `PrefillDecodeLayout(n, W, 0)` (every row a window of W); in a mixed one they sit in the padding of the last
+  prefill window at a stride of W (`decode_tokens`), after the chunks.
 """
 from __future__ import annotations
 
@@ -54,6 +61,9 @@ class BatchShape:
     page_buckets: tuple[int, ...] = ()  # ascending, the last one == pages_per_row; () = (pages_per_row,)
     tail_decode_rows: int = 0  # decode rows packed into the last prefill window's padding
     sample_rows: tuple[int, ...] = ()  # ascending, the last one == num_rows; () = (num_rows,)
+    # W = 1 + max drafts per row: each row samples W points and step rows own W token slots (0: no verification;
+    # the non-speculative buckets, whose compiled variants are exactly those of an engine without speculation)
+    verify_len: int = 0
 
     def __post_init__(self):
         if self.page_buckets and (self.page_buckets[-1] != self.pages_per_row
@@ -68,6 +78,16 @@ class BatchShape:
     @property
     def num_rows(self) -> int:
         return self.layout.num_rows + self.tail_decode_rows
+
+    @property
+    def points_per_row(self) -> int:
+        """Sample points per row: `verify_len` in a verification bucket, else 1."""
+        return self.verify_len or 1
+
+    @property
+    def step_rows_in_windows(self) -> bool:
+        """A decode-only verification bucket: every row (a step row) owns a window of `verify_len` slots."""
+        return bool(self.verify_len) and not self.num_decode_rows
 
     @property
     def num_decode_rows(self) -> int:
@@ -145,6 +165,11 @@ class Batch:
     # bias_dense_on. None when the batch was built without the vocabulary size (no such rows allowed then).
     bias_dense: jnp.ndarray | None = None  # [S', V] float32
     bias_dense_on: jnp.ndarray | None = None  # bool []
+    # Verification buckets only (None otherwise). The sampler inputs above then have S' * W rows (one per sample
+    # point, point j of row s at s * W + j), `sample_positions` the position each point samples.
+    sample_tokens: jnp.ndarray | None = None  # [S, W] int32: token slot of each sample point (0 for padding)
+    drafts: jnp.ndarray | None = None  # [S', W - 1] int32: the draft tokens of each row (-1 padded)
+    num_drafts: jnp.ndarray | None = None  # [S'] int32: drafts to verify per row (0: not a verification row)
 
 
 @struct.dataclass
@@ -155,6 +180,9 @@ class Results:
     top_logprobs: jnp.ndarray  # [S, K] float32
     logits: jnp.ndarray | None = None  # [S, V] float32 when requested (pre-sampling, raw model logits)
     final: jnp.ndarray | None = None  # [S, V] float32: the distribution sampled from (`processed_logprobs`)
+    # Verification steps (`paged.speculative.verify_sample`): every field above is per sample point, [S', W, ...];
+    # `token[s, :num_accepted[s] + 1]` are row s's accepted drafts and then the target's next token.
+    num_accepted: jnp.ndarray | None = None  # [S'] int32
 
 
 def tree_nbytes(tree) -> int:

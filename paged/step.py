@@ -71,35 +71,37 @@ def _next_pow2(n: int) -> int:
 
 
 def _decode_rows_attention(q, kc, vc, ks, vs, layer, query_lens, kv_lens, page_table, common,
-                           max_group: int | None = None) -> jnp.ndarray:
-    """XLA-path attention of decode rows (q [Sd, nH, D], one token each), in groups of rows whose gathered pages fit
-    the CPU cache (`decode_chunk_rows`; at most `max_group`), looping only up to the group of the last real row
-    (query_lens > 0): rows after it, the padding of the bucket, cost nothing. -> [Sd, nH, D], zeros for padding
-    rows."""
-    sd, nh, d = q.shape
+                           max_group: int | None = None, width: int = 1) -> jnp.ndarray:
+    """XLA-path attention of decode rows (q [Sd * width, nH, D]: `width` token slots per row, the first
+    `query_lens` real; 1 for plain decode rows, W for the step rows of a verification bucket), in groups of rows
+    whose gathered pages fit the CPU cache (`decode_chunk_rows`; at most `max_group`), looping only up to the group
+    of the last real row (query_lens > 0): rows after it, the padding of the bucket, cost nothing. -> [Sd * width,
+    nH, D], zeros for padding rows."""
+    t, nh, d = q.shape
+    sd = t // width
     kh, ps = kc.shape[-4], kc.shape[-2]
     p = page_table.shape[1]
     g = min(decode_chunk_rows(_next_pow2(sd), p * ps * kh * d * 4 * 2), sd, max_group or sd)
     n = -(-sd // g)
     pad = n * g - sd
     if pad:
-        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        q = jnp.pad(q, ((0, pad * width), (0, 0), (0, 0)))
         query_lens, kv_lens = jnp.pad(query_lens, (0, pad)), jnp.pad(kv_lens, (0, pad))
         page_table = jnp.pad(page_table, ((0, pad), (0, 0)), constant_values=NULL_PAGE)
     last = jnp.max(jnp.where(query_lens > 0, jnp.arange(n * g) + 1, 0))  # rows up to the last real one
-    lay = PrefillDecodeLayout(0, 1, g)
-    qstart = jnp.arange(g, dtype=jnp.int32)
+    lay = PrefillDecodeLayout(0, 1, g) if width == 1 else PrefillDecodeLayout(g, width, 0)
+    qstart = layout_query_start(lay)
 
     def group(i: jnp.ndarray, out: jnp.ndarray) -> jnp.ndarray:
-        cut = lambda a: jax.lax.dynamic_slice_in_dim(a, i * g, g, axis=0)  # noqa: E731
-        o = paged_attention(cut(q), kc, vc, qstart, cut(query_lens), cut(kv_lens), cut(page_table), layout=lay,
-                            impl="xla", k_scales=ks, v_scales=vs, layer=layer, **common)
-        return jax.lax.dynamic_update_slice_in_dim(out, o, i * g, axis=0)
+        cut = lambda a, m=1: jax.lax.dynamic_slice_in_dim(a, i * g * m, g * m, axis=0)  # noqa: E731
+        o = paged_attention(cut(q, width), kc, vc, qstart, cut(query_lens), cut(kv_lens), cut(page_table),
+                            layout=lay, impl="xla", k_scales=ks, v_scales=vs, layer=layer, **common)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, i * g * width, axis=0)
 
-    zeros = jnp.zeros((n * g, nh, d), q.dtype)
+    zeros = jnp.zeros((n * g * width, nh, d), q.dtype)
     # the cond skips the loop, operands and all, when no row is real (a prefill step without decode rows)
     out = jax.lax.cond(last > 0, lambda: jax.lax.fori_loop(0, -(-last // g), group, zeros), lambda: zeros)
-    return out[:sd]
+    return out[: sd * width]
 
 
 def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Batch, page_table,
@@ -111,7 +113,10 @@ def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Ba
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
     if impl != "xla":
-        qstart = jnp.concatenate([jnp.arange(sp, dtype=jnp.int32) * qm, batch.decode_tokens])
+        if shape.step_rows_in_windows:  # (a decode-only verification bucket: all windows)
+            qstart = jnp.arange(sp, dtype=jnp.int32) * qm
+        else:
+            qstart = jnp.concatenate([jnp.arange(sp, dtype=jnp.int32) * qm, batch.decode_tokens])
         return paged_attention(q, kc, vc, qstart, batch.query_lens, batch.kv_lens, page_table, impl=impl,
                                layout=lay, k_scales=ks, v_scales=vs, layer=layer, **common)
     dec_args = (batch.query_lens[sp:], batch.kv_lens[sp:], page_table[sp:], common)
@@ -125,10 +130,13 @@ def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Ba
     if not shape.num_decode_rows:
         return o
     # The window output is zero past each chunk, where the decode rows' tokens sit; padding rows point past T.
-    qd = jnp.take(q, batch.decode_tokens, axis=0, mode="fill", fill_value=0)  # [Sd, nH, D]
+    # In a verification bucket each decode (step) row owns W slots from its decode_tokens entry.
+    w = shape.verify_len or 1
+    slots = batch.decode_tokens if w == 1 else (batch.decode_tokens[:, None] + jnp.arange(w)).reshape(-1)
+    qd = jnp.take(q, slots, axis=0, mode="fill", fill_value=0)  # [Sd * W, nH, D]
     # Any number of them may be real: small groups, so that a group's padding rows waste little attention.
-    od = _decode_rows_attention(qd, kc, vc, ks, vs, layer, *dec_args, max_group=TAIL_DECODE_GROUP)
-    return o.at[batch.decode_tokens].set(od, mode="drop")
+    od = _decode_rows_attention(qd, kc, vc, ks, vs, layer, *dec_args, max_group=TAIL_DECODE_GROUP, width=w)
+    return o.at[slots].set(od, mode="drop")
 
 
 def page_bucket_index(kv_lens: jnp.ndarray, page_size: int, page_buckets: tuple[int, ...]) -> jnp.ndarray:
@@ -140,7 +148,7 @@ def page_bucket_index(kv_lens: jnp.ndarray, page_size: int, page_buckets: tuple[
 def forward_inputs(batch: Batch) -> Batch:
     """The batch without its sampler inputs (which the forward does not read, and whose row count varies)."""
     return batch.replace(sampling=None, sample_positions=None, history=None, bias_ids=None, bias_values=None,
-                         bias_dense=None, bias_dense_on=None)
+                         bias_dense=None, bias_dense_on=None, drafts=None, num_drafts=None)
 
 
 def _forward(
@@ -148,12 +156,15 @@ def _forward(
     matmul_impl: str = "auto",
 ) -> tuple[EngineState, jnp.ndarray]:
     """Run the model over the batch's tokens, writing K/V; returns the new state and the hidden state `[S, H]` of
-    each row's last real token."""
+    each row's last real token (verification buckets: `[S * W, H]`, every sample point)."""
     ps = state.page_size
     s_count = shape.num_rows
     rows = batch.token_rows  # [T], S for padding slots
     real = rows < s_count  # [T]
     pos = batch.positions
+    # Positions past the page table (a blind burst or draft running past a row's last page) write the null page
+    # rather than wherever a clamped index would land.
+    real = real & (pos < batch.page_table.shape[1] * ps)
     write_page = jnp.where(real, batch.page_table[jnp.minimum(rows, s_count - 1), pos // ps], NULL_PAGE)  # [T]
     write_off = jnp.where(real, pos % ps, 0)
     common = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
@@ -186,9 +197,12 @@ def _forward(
     h = embed_tokens(params, batch.token_ids)
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
                                    matmul_impl)
+    new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs)
+    if shape.verify_len:  # every sample point: [S * W, H], point j of row s at s * W + j
+        return new, h[batch.sample_tokens.reshape(-1)]
     if not shape.layout.num_prefill_rows:  # decode-only: row j's token is slot j
-        return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h
-    return EngineState(k=k, v=v, k_scale=ks, v_scale=vs), h[batch.last_tokens]
+        return new, h
+    return new, h[batch.last_tokens]
 
 
 def lm_head(params: Weights) -> Weights:
@@ -239,10 +253,11 @@ def step_forward(
     matmul_impl: str = "auto",
 ) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
     """The forward half of a step over `forward_inputs(batch)`: the new state, and the hidden states of the rows'
-    last tokens for each of `shape.sampled_row_counts` (the first n rows, `[n, H]` each). Compiles once per
-    `forward_shape(shape)`."""
+    last tokens for each of `shape.sampled_row_counts` (the first n rows, `[n, H]` each; `[n * W, H]`, every
+    sample point, in a verification bucket). Compiles once per `forward_shape(shape)`."""
     state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
-    return state, tuple(h[:n] for n in shape.sampled_row_counts)
+    w = shape.points_per_row
+    return state, tuple(h[: n * w] for n in shape.sampled_row_counts)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width"))
@@ -313,17 +328,27 @@ def decode_burst_jit(
     """`num_steps` decode steps in one call (see `decode_burst`; `shape` is `forward_shape` of the bucket). Results
     are stacked `[num_steps, S, ...]`; the final distribution is not returned, the raw logits only with
     `return_logits` (static: the generator never asks for them in a burst)."""
+    return _burst(params, state, batch, want_top_k, None, cfg, shape, num_steps, attn_impl, matmul_impl,
+                  top_k_width, return_logits, keep_final=False)
+
+
+def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.ndarray, forced: jnp.ndarray | None,
+           cfg: ModelConfig, shape: BatchShape, num_steps: int, attn_impl: str, matmul_impl: str, top_k_width: int,
+           return_logits: bool, keep_final: bool) -> tuple[EngineState, Results]:
+    """The scan of `decode_burst_jit`: each step's sampled token is fed to the next step, or, where `forced`
+    (i32 [num_steps, S], -1: no) is given and >= 0, `forced[t]` is fed after step t instead."""
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
         raise ValueError("decode_steps needs a decode-only batch shape (num_prefill_rows == 0) sampling every row")
     active = batch.query_lens > 0  # [S]
     head = lm_head(params)
 
-    def body(carry, _):
+    def body(carry, forced_t):
         state, b = carry
         state, h = _forward(params, state, forward_inputs(b), cfg, shape, attn_impl, matmul_impl)
         res = _sample_rows(head, cfg, h, sample_inputs(b), want_top_k, top_k_width, matmul_impl,
-                           keep_logits=return_logits, keep_final=False)
-        tok = jnp.where(active, res.token, 0)
+                           keep_logits=return_logits, keep_final=keep_final)
+        tok = res.token if forced_t is None else jnp.where(forced_t >= 0, forced_t, res.token)
+        tok = jnp.where(active, tok, 0)
         history = b.history
         if history.shape[1]:
             history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
@@ -331,8 +356,44 @@ def decode_burst_jit(
                        sample_positions=b.sample_positions + active, history=history)
         return (state, nb), res
 
-    (state, _), res = jax.lax.scan(body, (state, batch), None, length=num_steps)
+    (state, _), res = jax.lax.scan(body, (state, batch), forced, length=num_steps)
     return state, res
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl"), donate_argnames=("state",),
+)
+def draft_burst_jit(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    then_feed: jnp.ndarray,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    num_drafts: int,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
+    """A draft model's proposal for every row of a decode-only `batch` (`shape` is `forward_shape` of its bucket):
+    `num_drafts + 1` steps of the `decode_burst_jit` scan. Row s feeds its batch token; where `then_feed[s] >= 0`
+    (the draft cache lacked one more token: the row's last draft was accepted and the target added the bonus
+    token) that token is fed after step 0 instead of step 0's sample, and the row's drafts start one step later.
+    So the drafts of row s are the samples of steps `c .. c + num_drafts - 1`, c = (then_feed[s] >= 0); a row with
+    c = 0 runs one step more than it needs (its KV lands past its drafts, where nothing reads it).
+
+    Returns the new state, the drafts i32 `[S, num_drafts]`, and the distributions they were drawn from, f32
+    `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection sampling), on the device."""
+    steps = num_drafts + 1
+    forced = jnp.full((steps, shape.num_rows), -1, jnp.int32).at[0].set(then_feed)
+    state, res = _burst(params, state, batch, jnp.asarray(False), forced, cfg, shape, steps, attn_impl, matmul_impl,
+                        TOP_K_WIDTH, return_logits=False, keep_final=True)
+    c = (then_feed >= 0).astype(jnp.int32)  # [S]
+    idx = c[:, None] + jnp.arange(num_drafts, dtype=jnp.int32)  # [S, k]: the step of each draft
+    tokens = jnp.take_along_axis(res.token.T, idx, axis=1)  # res.token [steps, S]
+    final = jnp.swapaxes(res.final, 0, 1)  # [S, steps, V]
+    q = jnp.take_along_axis(final, idx[:, :, None], axis=1)
+    return state, tokens, q
 
 
 def decode_burst(
@@ -360,9 +421,13 @@ def decode_burst(
 
 def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
-    (one per row count), "decode_burst" the multi-step bursts."""
+    (one per row count), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (one per
+    decode layout), "verify" the speculative verification sampler (one per row count)."""
+    from paged.speculative import verify_sample
+
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
-            "decode_burst": decode_burst_jit._cache_size()}
+            "decode_burst": decode_burst_jit._cache_size(), "draft_burst": draft_burst_jit._cache_size(),
+            "verify": verify_sample._cache_size()}
 
 
 __all__ = [
@@ -371,6 +436,7 @@ __all__ = [
     "count_compiles",
     "decode_burst",
     "decode_burst_jit",
+    "draft_burst_jit",
     "forward_inputs",
     "forward_shape",
     "lm_head",

@@ -96,7 +96,7 @@ def test_warmup_covers_everything_serving_hits():
     assert n == len(spec.all_shapes()) + len(spec.decode_rows) - 1  # buckets + a burst per decode-only bucket
     compiled = {k: count_compiles()[k] - before[k] for k in before}
     kinds = [v[0] for v in variants]
-    assert compiled == {k: kinds.count(k) for k in ("step", "sample", "decode_burst")}
+    assert compiled == {k: kinds.count(k) for k in before}
     warm = count_compiles()
     calls = []
     engine_run = gen.engine.run
@@ -186,3 +186,44 @@ def test_burst_asking_for_logits_or_wide_top_k_runs_as_single_steps(return_top_k
                for r, t in zip(cur, out.token)]
     np.testing.assert_array_equal(burst.token, np.stack([o.token for o in singles]))
     np.testing.assert_array_equal(burst.top_ids, np.stack([o.top_ids for o in singles]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_warmup_covers_speculative_steps(drafter):
+    """With speculation on, warmup() compiles the verification buckets (forward and verification sampler per row
+    count) and a draft engine's buckets and proposal bursts; a speculative workload (verification rows alone and
+    beside prefill chunks, greedy and sampled rows, penalties) then compiles nothing. With it off, the variants are
+    exactly the plain ones (test_warmup_covers_everything_serving_hits)."""
+    from models.draft import truncated_model
+    from paged.speculative import Speculator
+    from tests.paged.test_speculative import _loop
+
+    settings = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64,
+                    max_prefill_rows=1, max_penalty_range=16)
+    jax.clear_caches()  # count this test's compilations alone (the parametrizations share buckets)
+    engine = Engine(MODEL, **settings)
+    plain = len(engine.variants())
+    kw = dict(use_ngram_draft=True) if drafter == "ngram" else dict(draft_model=truncated_model(MODEL, 1))
+    spec = Speculator(engine, num_draft_tokens=3, **kw)
+    engines = [engine] + ([spec.draft.engine] if spec.draft is not None else [])
+    kinds = [v[0] for e in engines for v in e.variants()]
+    assert len(engine.variants()) == plain + len(engine.spec.verify_shapes()) + len(engine.spec.decode_rows) - 1
+    before = count_compiles()
+    engine.warmup()
+    spec.warmup()
+    compiled = {k: count_compiles()[k] - before[k] for k in before}
+    assert compiled == {k: kinds.count(k) for k in before}
+    warm = count_compiles()
+    rng = np.random.default_rng(5)
+    motif = _ids(rng, 4)
+    prompts = [motif * 3, _ids(rng, 20), _ids(rng, 2) + motif * 2]  # the n-gram drafter matches the motifs
+    sampling = [{"temperature": 0.0}, {"temperature": 0.9, "top_k": 30, "seed": 3, "repetition_penalty": 1.2},
+                {"temperature": 1.0, "seed": 4}]
+    with count_jax_compiles() as seen:
+        # the first job is pushed to repeat its motif (a logit bias), so the n-gram drafter finds matches
+        outs, _ = _loop(engine, spec, prompts, 9, sampling, biases=[{int(t): 8.0 for t in motif}, None, None])
+    assert all(len(o) == 9 for o in outs)
+    assert count_compiles() == warm
+    assert seen == {"/jax/core/compile/jaxpr_trace_duration": 0, "/jax/core/compile/backend_compile_duration": 0}
+    assert spec.stats()["drafted_tokens"] > 0

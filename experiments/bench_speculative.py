@@ -1,0 +1,133 @@
+"""Speculative decoding benchmark: tokens/s and acceptance for no draft, n-gram, a truncated-layer self-draft and a
+distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two seeded workloads:
+
+- `copy`: rewrite or quote a given text or code (the output repeats the prompt: n-gram territory);
+- `chat`: open questions (the draft model's territory).
+
+Each configuration warms up (compiles) first, then times `generate()` over the batch; the JSON record carries the
+flags, git state, device and versions (`experiments.serving.env`). Needs the generator wiring of issue 13 phase 2
+(`DynamicGenerator(model, draft_model=..., num_draft_tokens=..., use_ngram_draft=..., max_ngram=...)` and the
+`accepted_draft_tokens` / `rejected_draft_tokens` final-result fields).
+
+    python -m experiments.bench_speculative --draft_dir=/tmp/smollm2-draft-4l --json_out=/tmp/bench_spec.json
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m", "target model")
+flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
+flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
+flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs per run")
+flags.DEFINE_list("workloads", ["copy", "chat"], "seeded workloads")
+flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
+flags.DEFINE_integer("max_ngram", 4, "n-gram drafter: longest suffix matched")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
+flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (rejection sampling)")
+flags.DEFINE_integer("seed", 0, "workload and sampling seed")
+flags.DEFINE_string("json_out", None, "write the record here")
+FLAGS = flags.FLAGS
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "All that glitters is not gold; fortune favours the bold, and practice makes perfect.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n",
+    "Photosynthesis converts light energy into chemical energy. Plants take in carbon dioxide and water and, using "
+    "sunlight, produce glucose and oxygen. The process happens in the chloroplasts.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
+]
+COPY_TASKS = ["Repeat the following text exactly:\n\n{}", "Rewrite the following, fixing any typos:\n\n{}",
+              "Quote this passage and then explain it briefly:\n\n{}"]
+CHAT = ["What are three tips for learning a new language?", "Write a short poem about autumn.",
+        "Explain how a rainbow forms.", "What should I pack for a weekend hiking trip?",
+        "Tell me a fun fact about octopuses.", "How do I make a good cup of tea?",
+        "Describe the city of Paris in a few sentences.", "Why is the sky blue?"]
+
+
+def workload(name: str, n: int, seed: int) -> list[str]:
+    rng = random.Random(f"{name}:{seed}")
+    if name == "copy":
+        return [rng.choice(COPY_TASKS).format(rng.choice(TEXTS)) for _ in range(n)]
+    return [rng.choice(CHAT) for _ in range(n)]
+
+
+def chat_prompt(tok, text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def main(argv):
+    del argv
+    from experiments.serving.env import device_info, git_info, load_average, versions
+    from models import load_model
+    from models.draft import truncated_model
+    from paged import DynamicGenerator, Job, SamplingSettings
+
+    target = load_model(FLAGS.model)
+    tok = target.tokenizer
+    drafts = {"none": None, "ngram": None, "self": truncated_model(target, FLAGS.self_draft_layers)}
+    if FLAGS.draft_dir:
+        drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False)
+    settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
+                else SamplingSettings(temperature=FLAGS.temperature))
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "self_draft_layers", "drafters",
+                                                        "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
+                                                        "max_new_tokens", "temperature", "seed")},
+              "git": git_info(), "device": device_info(), "versions": versions(),
+              "load_before": load_average("bench_speculative"), "runs": []}
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    for drafter in FLAGS.drafters:
+        if drafter not in drafts:
+            print(f"skipping {drafter} (no --draft_dir)")
+            continue
+        kw = {}
+        if drafter == "ngram":
+            kw = dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens)
+        elif drafts[drafter] is not None:
+            kw = dict(draft_model=drafts[drafter], num_draft_tokens=FLAGS.num_draft_tokens)
+        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), max_seq_len=1024, **kw)
+        t0 = time.perf_counter()
+        gen.warmup()
+        compile_s = time.perf_counter() - t0
+        for wl in FLAGS.workloads:
+            for bs in batch_sizes:
+                prompts = [chat_prompt(tok, p) for p in workload(wl, bs, FLAGS.seed)]
+                jobs = [Job(tok.encode(p, encode_special_tokens=True), FLAGS.max_new_tokens, gen_settings=settings,
+                            seed=FLAGS.seed + i, stop_conditions=[tok.eos_token_id] if hasattr(tok, "eos_token_id")
+                            else None) for i, p in enumerate(prompts)]
+                gen.enqueue(jobs)
+                t0 = time.perf_counter()
+                finals = []
+                while gen.num_remaining_jobs():
+                    finals += [r for r in gen.iterate() if r["eos"]]
+                dt = time.perf_counter() - t0
+                new = sum(r["new_tokens"] for r in finals)
+                acc = sum(r.get("accepted_draft_tokens", 0) for r in finals)
+                rej = sum(r.get("rejected_draft_tokens", 0) for r in finals)
+                run = {"drafter": drafter, "workload": wl, "batch_size": bs, "new_tokens": new, "seconds": dt,
+                       "tokens_per_s": new / dt, "accepted_draft_tokens": acc, "rejected_draft_tokens": rej,
+                       "acceptance_rate": acc / (acc + rej) if acc + rej else None, "compile_s": compile_s,
+                       "metrics": {k: v for k, v in gen.metrics().items() if not isinstance(v, (list, dict))}}
+                record["runs"].append(run)
+                print(f"{drafter:>9} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
+                      f"{run['acceptance_rate'] if run['acceptance_rate'] is not None else '-'}")
+    base = {(r["workload"], r["batch_size"]): r["tokens_per_s"] for r in record["runs"] if r["drafter"] == "none"}
+    for r in record["runs"]:
+        b = base.get((r["workload"], r["batch_size"]))
+        r["speedup_vs_none"] = r["tokens_per_s"] / b if b else None
+    record["load_after"] = load_average()
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as fh:
+            json.dump(record, fh, indent=2)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,143 @@
+"""`DraftModel`: a draft model's engine for speculative decoding, mirroring the target's paged cache.
+
+The draft engine is an ordinary `paged.engine.Engine` built with the target's `EngineConfig` (same page size,
+number of pages, batch and chunk limits), so the page ids the target's page pool hands out index the draft's cache
+too: every row the target runs (prefill chunks, plain decode rows) is run on the draft with the same pages
+("mirrored"), so prefix sharing, the prompt cache, cancel and eviction need nothing more: a page is valid, shared,
+cached or free in both caches at once. The draft may lag the target by the tokens it has not been fed yet; it
+tracks, per job, how many of the job's tokens have KV in its cache, and feeds the missing ones before drafting:
+one or two after a verification step (the bonus token, and the last draft when every draft was accepted), any
+number as a catch-up chunk in the rare other cases.
+
+Validation (`InvalidConfigError`): the draft must share the target's vocabulary size and, where both have one,
+its tokenizer (the bytes of every token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+
+from paged.batch import RowInput
+from paged.errors import InvalidConfigError
+
+
+def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any = None) -> None:
+    """Raise `InvalidConfigError` unless `draft_model` can draft for `target_model`: same vocabulary size, and the
+    same token bytes for every id where both have a tokenizer."""
+    tv, dv = target_model.config.vocab_size, getattr(getattr(draft_model, "config", None), "vocab_size", None)
+    if dv is None or not hasattr(draft_model, "params"):
+        raise InvalidConfigError(f"draft_model must be a loaded models.Model, got {type(draft_model).__name__}")
+    if tv != dv:
+        raise InvalidConfigError(f"draft_model has a vocabulary of {dv} tokens but the model has {tv}; speculative "
+                                 "decoding needs a draft with the same vocabulary and tokenizer")
+    ta = target_tokenizer if target_tokenizer is not None else getattr(target_model, "tokenizer", None)
+    tb = getattr(draft_model, "tokenizer", None)
+    if ta is None or tb is None or ta is tb:
+        return
+    if getattr(ta, "vocab_size", tv) != getattr(tb, "vocab_size", tv):
+        raise InvalidConfigError("draft_model's tokenizer has a different vocabulary size than the model's")
+    for i in range(tv):
+        if ta.token_bytes(i) != tb.token_bytes(i):
+            raise InvalidConfigError(f"draft_model's tokenizer differs from the model's (token {i}: "
+                                     f"{tb.token_bytes(i)!r} vs {ta.token_bytes(i)!r}); speculative decoding needs "
+                                     "the same tokenizer")
+
+
+class DraftModel:
+    """The draft side of `paged.speculative.Speculator` for a draft model."""
+
+    def __init__(self, target: Any, model: Any, num_draft_tokens: int, tokenizer: Any = None):
+        from paged.engine import Engine
+
+        check_draft_model(target.model, model, tokenizer)
+        self.k = num_draft_tokens
+        self.engine = Engine(model, target.config)
+        self.engine.enable_drafting(num_draft_tokens)
+        self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
+
+    def warmup(self, progress: bool = False) -> int:
+        return self.engine.warmup(progress=progress)
+
+    def release(self, key: Hashable) -> None:
+        self.kv.pop(key, None)
+
+    def _mirror(self, items: list[tuple[Hashable, RowInput]]) -> None:
+        """Run `items` on the draft engine (results unused), in as few calls as the buckets allow, each job's rows
+        in order; then each job's KV reaches the end of its last row."""
+        cfg = self.engine.config
+        groups: list[list[tuple[Hashable, RowInput]]] = []
+        for key, row in items:
+            g = groups[-1] if groups else None
+            fits = g is not None and len(g) < cfg.max_batch_size and all(k != key for k, _ in g) and (
+                row.is_decode or sum(not r.is_decode for _, r in g) < cfg.max_prefill_rows)
+            if fits:
+                g.append((key, row))
+            else:
+                groups.append([(key, row)])
+        for g in groups:
+            self.engine.run([r for _, r in g])
+            for key, r in g:
+                self.kv[key] = r.start_pos + len(r.tokens)
+
+    def propose(self, target: Any, specs: Sequence[Any], want: list[int]
+                ) -> tuple[list[list[int]], jax.Array | None, list[int], list[int]]:
+        """Mirror the step's other rows, then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
+        call laid out like the target's verification batch. Returns (drafts per row, the draft distributions
+        [S', k, V] by target batch row, the catch-up offset of each row, the drafts to verify per row)."""
+        from paged.speculative import DRAFT_SEED_SALT, verification_row
+
+        mirror: list[tuple[Hashable, RowInput]] = []
+        chunk = self.engine.config.max_chunk_size
+        offsets = [0] * len(specs)
+        for i, (s, n) in enumerate(zip(specs, want)):
+            row = s.row
+            if not n:
+                mirror.append((s.key, row))
+                continue
+            have = min(self.kv.get(s.key, row.start_pos), row.start_pos)
+            while row.start_pos - have > 1:  # lagging: catch up to one token before the row's (rare)
+                end = min(row.start_pos - 1, have + chunk)
+                mirror.append((s.key, RowInput(tokens=list(s.sequence[have:end]), start_pos=have, pages=row.pages,
+                                               sample=False)))
+                have = end
+            self.kv[s.key] = have
+            offsets[i] = row.start_pos - have
+        if mirror:
+            self._mirror(mirror)
+        drafting = [i for i, n in enumerate(want) if n]
+        if not drafting:
+            return [[] for _ in specs], None, offsets, want
+        placeholder = [verification_row(s, [0] * n) if n else s.row for s, n in zip(specs, want)]
+        _, sampled, slots = target.verify_plan(placeholder)
+        drows, feed = [], []
+        for i in drafting:
+            s = specs[i]
+            row = s.row
+            sampling = dict(row.sampling or {})
+            sampling["seed"] = (int(sampling.get("seed", 0)) ^ DRAFT_SEED_SALT) & 0xFFFFFFFF
+            if offsets[i]:  # the token before the row's is missing too: feed it first, then the row's
+                hist = list(s.sequence[: row.start_pos])[-len(row.history) :] if len(row.history) else ()
+                drows.append(RowInput(tokens=[s.sequence[row.start_pos - 1]], start_pos=row.start_pos - 1,
+                                      pages=row.pages, sampling=sampling, history=hist, bias=row.bias))
+                feed.append(int(row.tokens[0]))
+            else:
+                drows.append(RowInput(tokens=list(row.tokens), start_pos=row.start_pos, pages=row.pages,
+                                      sampling=sampling, history=row.history, bias=row.bias))
+                feed.append(-1)
+        tokens, q = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed)
+        drafts: list[list[int]] = [[] for _ in specs]
+        for j, i in enumerate(drafting):
+            drafts[i] = [int(t) for t in tokens[j]]
+        return drafts, q, offsets, want
+
+    def accepted(self, spec: Any, item: Any, num_drafts: int, offset: int) -> None:
+        """Record what the draft cache holds of the job after the step (see the module docstring)."""
+        if not num_drafts:
+            return
+        a = item.num_accepted
+        # The draft fed the row's token and its drafts d_1 .. d_k (d_k only without catch-up, which ran one step
+        # fewer for the drafts): the accepted ones have valid KV.
+        self.kv[spec.key] = spec.row.start_pos + 1 + (a if offset == 0 else min(a, self.k - 1))

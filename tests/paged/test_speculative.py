@@ -1,0 +1,260 @@
+"""Speculative decoding, phase 1: verification rows in the ragged step, the acceptance rules (greedy and lossless
+rejection sampling), the draft model's mirrored cache and the `Speculator`, driven by a minimal host loop (the
+generator wiring comes in phase 2)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random_weights
+from models.draft import truncated_model
+from models.loader import Model
+from paged.batch import RowInput
+from paged.engine import Engine
+from paged.errors import InvalidConfigError
+from paged.speculative import SpecRow, Speculator, accept_drafts
+
+CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0), tokenizer=None, source="tiny")
+OTHER = Model(config=CFG, params=init_random_weights(CFG, seed=7), tokenizer=None, source="tiny-other")
+SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_prefill_rows=1,
+                max_penalty_range=16)
+# penalties strong enough to move every token's probability: the whole final distribution is compared
+SAMPLED = {"temperature": 0.8, "top_p": 0.97, "repetition_penalty": 1.5, "frequency_penalty": 0.7, "seed": 4}
+
+
+def _hist(seq: list[int], end: int, r: int = 16) -> list[int]:
+    return seq[max(0, end - r) : end]
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_verification_rows_give_the_results_of_single_positions(mixed):
+    """A verification row's per-position logits, final distribution (top-k) and the target's token at each position
+    are those of feeding the positions one at a time, penalties seeing the earlier drafts; also with a prefill chunk
+    sharing the step (a mixed verification bucket)."""
+    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
+    a.enable_verification(3, draft_probs=False)
+    prompts = [[5, 7, 9, 11, 13, 2, 3], [40, 41, 42, 43, 44]]
+    pages = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    other = RowInput(tokens=list(range(60, 72)), start_pos=0, pages=[13, 14, 15], sample=False)
+    for e in (a, b):
+        e.run([RowInput(tokens=p[:-1], start_pos=0, pages=pg, sample=False) for p, pg in zip(prompts, pages)][:1])
+        e.run([RowInput(tokens=prompts[1][:-1], start_pos=0, pages=pages[1], sample=False)])
+    drafts = [[17, 19, 23], [50]]
+    settings = [SAMPLED, {"temperature": 0.0}]
+    seqs = [p + d for p, d in zip(prompts, drafts)]
+    rows = [RowInput(tokens=[p[-1]] + d, start_pos=len(p) - 1, pages=pg, sampling=st, history=_hist(s, len(p)),
+                     verify=True) for p, d, pg, st, s in zip(prompts, drafts, pages, settings, seqs)]
+    if mixed:
+        rows.insert(1, other)
+    v = CFG.vocab_size
+    out = a.run(rows, return_logits=True, return_top_k=v)  # the whole final distribution, per position
+    assert out.token.shape == (len(rows), 4) and out.num_accepted is not None
+    if mixed:
+        assert out.shape.verify_len == 4 and out.shape.tail_decode_rows > 0
+        b.run([other])
+        out_rows = [0, 2]
+    else:
+        assert out.shape.step_rows_in_windows
+        out_rows = [0, 1]
+    for r, p, d, pg, st, s in zip(out_rows, prompts, drafts, pages, settings, seqs):
+        for j in range(len(d) + 1):
+            pos = len(p) - 1 + j
+            o = b.run([RowInput(tokens=[s[pos]], start_pos=pos, pages=pg, sampling=st, history=_hist(s, pos + 1))],
+                      return_logits=True, return_top_k=v)
+            np.testing.assert_allclose(out.logits[r, j], o.logits[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(out.top_ids[r, j], o.top_ids[0])
+            np.testing.assert_allclose(out.top_logprobs[r, j], o.top_logprobs[0], rtol=1e-5, atol=1e-5)
+            # (every position's distribution is computed; tokens are defined up to the first rejection)
+            if j == out.num_accepted[r] and st["temperature"] == 0.0:  # the greedy row's next token: the argmax
+                assert out.token[r, j] == o.token[0]
+
+
+def test_greedy_acceptance_keeps_the_matching_prefix_then_the_targets_token():
+    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
+    a.enable_verification(4, draft_probs=False)
+    prompt, pages = [3, 1, 4, 1, 5, 9, 2, 6], [1, 2, 3, 4, 5]
+    for e in (a, b):
+        e.run([RowInput(tokens=prompt[:-1], start_pos=0, pages=pages, sample=False)])
+    seq = list(prompt)
+    for _ in range(5):  # the greedy continuation, one position at a time
+        o = b.run([RowInput(tokens=[seq[-1]], start_pos=len(seq) - 1, pages=pages)])
+        seq.append(int(o.token[0]))
+    cont = seq[len(prompt) :]
+    row = lambda d: RowInput(tokens=[prompt[-1], *d], start_pos=len(prompt) - 1, pages=pages, verify=True)  # noqa
+    out = a.run([row(cont[:4])])
+    assert out.num_accepted[0] == 4 and out.token[0].tolist() == cont[:5]  # all accepted, then the bonus token
+    wrong = [cont[0], (cont[1] + 1) % CFG.vocab_size, cont[2], cont[3]]
+    out = a.run([row(wrong)])
+    assert out.num_accepted[0] == 1 and out.token[0, :2].tolist() == cont[:2]  # the correction at the mismatch
+    out = a.run([row(cont[:2])])  # fewer drafts than the bucket holds
+    assert out.num_accepted[0] == 2 and out.token[0, :3].tolist() == cont[:3]
+
+
+# ------------------------------------------------------------------------------------- rejection sampling
+P0 = np.array([0.55, 0.25, 0.12, 0.08])
+Q0 = np.array([0.08, 0.12, 0.25, 0.55])
+P1 = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.05, 0.05, 0.1, 0.8]])
+Q1 = P1[::-1]
+
+
+def _emitted_pairs(rule: dict, n: int = 20000, one_hot: bool = False, seed: int = 0) -> np.ndarray:
+    """Empirical joint distribution [4, 4] of the first two tokens emitted with two drafts drawn from q (or, one_hot,
+    fixed drafts), over n seeds; the second token comes from a fresh target draw where the round ended after one."""
+    rng = np.random.default_rng(seed)
+    d1 = np.zeros(n, np.int64) + 2 if one_hot else rng.choice(4, size=n, p=Q0)
+    d2 = np.array([3 if one_hot else rng.choice(4, p=Q1[x]) for x in d1])
+    final = np.log(np.stack([np.broadcast_to(P0, (n, 4)), P1[d1], np.full((n, 4), 0.25)], axis=1))  # [n, 3, V]
+    q = None if one_hot else np.log(np.stack([np.broadcast_to(Q0, (n, 4)), Q1[d1]], axis=1))
+    token = np.zeros((n, 3), np.int32)
+    token[:, 1] = [rng.choice(4, p=P1[x]) for x in d1]  # the target's own draw at position 1 (the bonus there)
+    token[:, 2] = 0
+    toks, a = accept_drafts(jnp.asarray(final, jnp.float32), jnp.asarray(token), jnp.asarray(np.stack([d1, d2], 1)),
+                            jnp.full((n,), 1 if one_hot else 2, jnp.int32) if one_hot else jnp.full((n,), 2, jnp.int32),
+                            jnp.zeros(n, bool), jnp.arange(n, dtype=jnp.uint32), jnp.tile(jnp.arange(3) + 10, (n, 1)),
+                            None if q is None else jnp.asarray(q, jnp.float32), **rule)
+    toks, a = np.asarray(toks), np.asarray(a)
+    t0 = toks[:, 0]
+    t1 = np.where(a >= 1, toks[:, 1], [rng.choice(4, p=P1[x]) for x in t0])
+    joint = np.zeros((4, 4))
+    np.add.at(joint, (t0, t1), 1)
+    return joint / n
+
+
+@pytest.mark.parametrize("rule, lossless", [({}, True), ({"always_accept": True}, False),
+                                            ({"residual_renorm": False}, False)])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_is_lossless_and_broken_rules_are_caught(rule, lossless, one_hot):
+    """The first two emitted tokens follow the target's distribution (total variation within sampling noise of
+    20000 seeds); accepting every draft, or drawing the correction from p instead of norm(max(0, p - q)), does not."""
+    if one_hot and rule.get("residual_renorm") is False:
+        pass  # with one-hot q the unnormalised residual is p with the draft kept: still biased, caught as well
+    joint = _emitted_pairs(rule, one_hot=one_hot)
+    want = P0[:, None] * P1
+    tv = 0.5 * np.abs(joint - want).sum()
+    assert (tv < 0.025) == lossless, tv
+
+
+def test_every_draft_is_accepted_when_q_equals_p():
+    n, v = 512, 7
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(n, 4, v)) * 2
+    final = jnp.asarray(logits - np.log(np.exp(logits).sum(-1, keepdims=True)), jnp.float32)
+    drafts = jnp.asarray(rng.integers(0, v, size=(n, 3)), jnp.int32)
+    toks, a = accept_drafts(final, jnp.zeros((n, 4), jnp.int32), drafts, jnp.full((n,), 3, jnp.int32),
+                            jnp.zeros(n, bool), jnp.arange(n, dtype=jnp.uint32), jnp.tile(jnp.arange(4), (n, 1)),
+                            final[:, :3])
+    assert (np.asarray(a) == 3).all()
+    np.testing.assert_array_equal(np.asarray(toks)[:, :3], np.asarray(drafts))
+
+
+# ------------------------------------------------------------------------------------- host loop
+def _loop(engine: Engine, spec: Speculator | None, prompts, max_new: int, sampling, pages_per_job: int = 9,
+          biases=None):
+    """A minimal generator: one prefill chunk per step, decode rows for the others, up to k drafts per decode row
+    (limited by max_new), tokens fed in order. Returns the outputs and the steps run."""
+    k = spec.k if spec else 0
+    biases = biases or [None] * len(prompts)
+    jobs = [dict(seq=list(p), kv=0, new=0, pages=list(range(1 + i * pages_per_job, 1 + (i + 1) * pages_per_job)),
+                 key=i) for i, p in enumerate(prompts)]
+    steps = 0
+    while any(j["new"] < max_new for j in jobs):
+        specs, chunk = [], False
+        for j, st, bias in zip(jobs, sampling, biases):
+            if j["new"] >= max_new:
+                continue
+            rem = len(j["seq"]) - j["kv"]
+            if rem > 1:
+                if chunk:
+                    continue
+                chunk = True
+                n = min(rem, engine.config.max_chunk_size)
+                row = RowInput(tokens=j["seq"][j["kv"] : j["kv"] + n], start_pos=j["kv"], pages=j["pages"],
+                               sample=j["kv"] + n == len(j["seq"]), sampling=st, bias=bias)
+                specs.append(SpecRow(key=j["key"], row=row, sequence=j["seq"]))
+            else:
+                row = RowInput(tokens=[j["seq"][-1]], start_pos=j["kv"], pages=j["pages"], sampling=st, bias=bias)
+                specs.append(SpecRow(key=j["key"], row=row, sequence=j["seq"],
+                                     max_drafts=min(k, max_new - j["new"] - 1)))
+        owners = [next(j for j in jobs if j["key"] == s.key) for s in specs]
+        if spec is None:
+            out = engine.run([s.row for s in specs])
+            accepted = [([int(out.token[i])] if s.row.sample else [], len(s.row.tokens)) for i, s in enumerate(specs)]
+        else:
+            plan = spec.plan(specs)
+            out = engine.run(plan.rows, draft_logprobs=plan.draft_logprobs)
+            accepted = [(r.tokens, r.kv_advance) for r in spec.accept(plan, out)]
+        steps += 1
+        for j, (toks, adv) in zip(owners, accepted):
+            j["kv"] += adv
+            for t in toks:
+                if j["new"] < max_new:
+                    j["seq"].append(t)
+                    j["new"] += 1
+    return [j["seq"][len(p) :] for j, p in zip(jobs, prompts)], steps
+
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28],
+           [30, 31, 30, 31, 30]]
+GREEDY = [{"temperature": 0.0}] * 3
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    return _loop(Engine(MODEL, **SETTINGS), None, PROMPTS, 12, GREEDY)[0]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self", "truncated", "unrelated"])
+def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
+    engine = Engine(MODEL, **SETTINGS)
+    kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),
+          "truncated": dict(draft_model=truncated_model(MODEL, 1)), "unrelated": dict(draft_model=OTHER)}[drafter]
+    spec = Speculator(engine, num_draft_tokens=3, **kw)
+    outs, _ = _loop(engine, spec, PROMPTS, 12, GREEDY)
+    assert outs == greedy_reference
+    stats = spec.stats()
+    assert stats["drafted_tokens"] > 0
+    if drafter == "self":
+        assert stats["acceptance_rate"] == 1.0
+    if drafter == "unrelated":
+        assert stats["acceptance_rate"] < 0.5
+
+
+def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
+    """Rejection sampling, not sample-then-match: with q = p (the target drafting for itself) every draft is
+    accepted, at temperature 1 as well as greedy."""
+    engine = Engine(MODEL, **SETTINGS)
+    spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL)
+    sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
+    outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
+    assert all(len(o) == 10 for o in outs)
+    assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
+    again = Engine(MODEL, **SETTINGS)
+    assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
+
+
+def test_draft_cache_mirrors_the_targets_page_ids():
+    engine = Engine(MODEL, **SETTINGS)
+    spec = Speculator(engine, num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))
+    _loop(engine, spec, PROMPTS[:2], 4, GREEDY)
+    used_t = np.flatnonzero(np.abs(np.asarray(engine.state.k[0])).sum(axis=(0, 2, 3)))
+    used_d = np.flatnonzero(np.abs(np.asarray(spec.draft.engine.state.k[0])).sum(axis=(0, 2, 3)))
+    assert set(used_t) - {0} == set(used_d) - {0} and len(set(used_t) - {0}) >= 4
+    assert spec.draft.engine.config.num_pages == engine.config.num_pages
+    assert spec.draft.engine.config.page_size == engine.config.page_size
+
+
+def test_invalid_speculation_configs():
+    engine = Engine(MODEL, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="not both"):
+        Speculator(engine, draft_model=MODEL, use_ngram_draft=True)
+    with pytest.raises(InvalidConfigError, match="num_draft_tokens"):
+        Speculator(engine, use_ngram_draft=True, num_draft_tokens=0)
+    small = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                        num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(InvalidConfigError, match="vocabulary"):
+        Speculator(engine, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
+                                             source="small"))

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from models.linear import MATMUL_IMPLS
 from paged.errors import InvalidConfigError
 from paged.validate import Checker
-from pallas_kernels.paged_attention import IMPLS as ATTN_IMPLS
+from pallas_kernels.registry import KernelError, attention_registry, matmul_registry
+
+ATTN_IMPLS = attention_registry().names()  # the built-ins; anything registered, or a module:function path, also works
+MATMUL_IMPLS = matmul_registry().names()
 
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: per-token-per-head scales beside the values
 DEFAULT_MAX_SEQ_LEN = 2048  # cap on the model's max positions when max_seq_len is not given
@@ -41,8 +43,13 @@ class EngineConfig:
         1, "decode steps per device call once every job decodes (1 = one token per iterate(); more = fewer host "
         "round trips, tokens arrive in bursts)")
     cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
-    attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}")
-    matmul_impl: str = _field("auto", f"quantized matmul implementation: one of {MATMUL_IMPLS}")
+    attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}, another registered "
+                            "name, or a module:function import path (docs/kernels.md)")
+    matmul_impl: str = _field("auto", f"quantized matmul implementation: one of {MATMUL_IMPLS}, another registered "
+                              "name, or a module:function import path (docs/kernels.md)")
+    attn_tuning: Any = _field(None, "tuning of the attention implementation (e.g. 'block_q=16,pages_per_block=4', a "
+                              "JSON file, a dict or its tuning dataclass; None: its default)")
+    matmul_tuning: Any = _field(None, "tuning of the matmul implementation (as attn_tuning; e.g. 'block_n=16')")
 
     def __post_init__(self):
         c = Checker("EngineConfig", InvalidConfigError)
@@ -57,8 +64,17 @@ class EngineConfig:
         c.int_("max_penalty_range", self.max_penalty_range, 0)
         c.int_("decode_steps", self.decode_steps, 1)
         c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
-        c.choice("attn_impl", self.attn_impl, ATTN_IMPLS)
-        c.choice("matmul_impl", self.matmul_impl, MATMUL_IMPLS)
+        for name, registry in (("attn", attention_registry()), ("matmul", matmul_registry())):
+            impl = getattr(self, f"{name}_impl")
+            if not isinstance(impl, str):
+                c.fail_type(f"{name}_impl", impl, f"a name ({', '.join(registry.names())}) or a module:function path")
+            try:
+                registry.get(impl)
+                # normalised to the implementation's tuning dataclass (frozen, hashable: a static argument of the step)
+                tuning = registry.parse_tuning(impl, getattr(self, f"{name}_tuning"))
+            except KernelError as e:
+                c.fail(f"{name}_impl={impl!r}: {e}")
+            object.__setattr__(self, f"{name}_tuning", tuning)
 
     @property
     def max_pages_per_row(self) -> int:

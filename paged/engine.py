@@ -32,6 +32,7 @@ from paged.step import (
     step_sample,
 )
 from pallas_kernels.paged_attention import PrefillDecodeLayout
+from pallas_kernels.registry import Tuned, with_tuning
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
@@ -153,12 +154,13 @@ class Engine:
         return self.config.max_seq_len
 
     @property
-    def attn_impl(self) -> str:
-        return self.config.attn_impl
+    def attn_impl(self) -> str | Tuned:
+        """The attention implementation the step runs, with the config's tuning (a hashable static argument)."""
+        return with_tuning(self.config.attn_impl, self.config.attn_tuning)
 
     @property
-    def matmul_impl(self) -> str:
-        return self.config.matmul_impl
+    def matmul_impl(self) -> str | Tuned:
+        return with_tuning(self.config.matmul_impl, self.config.matmul_tuning)
 
     @property
     def num_pages(self) -> int:

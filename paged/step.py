@@ -45,6 +45,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     quantize_kv,
 )
+from pallas_kernels.registry import Tuned, split_tuning, with_tuning
 
 ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "reference"
 
@@ -59,11 +60,18 @@ TOP_K_WIDTH = 64
 TAIL_DECODE_GROUP = 2
 
 
-def resolved_attn_impl(attn_impl: str) -> str:
-    """The implementation `paged_attention` runs for `attn_impl` on the current backend ("auto" resolved)."""
-    if attn_impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return attn_impl
+def resolved_attn_impl(attn_impl: str | Tuned) -> str | Tuned:
+    """The implementation `paged_attention` runs for `attn_impl` on the current backend ("auto" resolved; a `Tuned`
+    keeps its tuning)."""
+    name, tuning = split_tuning(attn_impl)
+    if name == "auto":
+        name = "pallas" if jax.default_backend() == "gpu" else "xla"
+    return with_tuning(name, tuning)
+
+
+def impl_name(attn_impl: str | Tuned) -> str:
+    """The implementation's name without its tuning."""
+    return split_tuning(attn_impl)[0]
 
 
 def _next_pow2(n: int) -> int:
@@ -112,7 +120,7 @@ def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Ba
     in one call."""
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
-    if impl != "xla":
+    if impl_name(impl) != "xla":
         if shape.step_rows_in_windows:  # (a decode-only verification bucket: all windows)
             qstart = jnp.arange(sp, dtype=jnp.int32) * qm
         else:
@@ -169,7 +177,7 @@ def _forward(
     write_off = jnp.where(real, pos % ps, 0)
     common = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
     impl = resolved_attn_impl(attn_impl)
-    buckets = shape.page_buckets if impl != "pallas" and shape.page_buckets else (shape.pages_per_row,)
+    buckets = shape.page_buckets if impl_name(impl) != "pallas" and shape.page_buckets else (shape.pages_per_row,)
     bucket = page_bucket_index(batch.kv_lens, ps, buckets) if len(buckets) > 1 else None
 
     def attend(layer, q, k, v, kv):

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.quant_format import QuantizedArray, dequantize
-from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl
+from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +306,8 @@ def dequant_matmul(
     "auto" (Pallas on GPU, XLA elsewhere). `config` is the implementation's tuning (`MatmulTuning` for the kernel);
     `interpret` only affects the built-in kernel.
     """
+    impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
+    config = tuned if config is None else config
     try:
         entry = MATMUL.get(impl)
     except KernelError as e:

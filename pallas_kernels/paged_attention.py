@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.registry import ATTENTION, KernelContractError, KernelError, KernelImpl
+from pallas_kernels.registry import ATTENTION, KernelContractError, KernelError, KernelImpl, split_tuning
 from pallas_kernels.tuning import AttentionTuning, default_tuning
 
 NEG_INF = -1e30
@@ -660,6 +660,8 @@ def paged_attention(
     `tuning=`; `AttentionTuning` for the kernel; None: its default). `interpret` only affects the built-in kernel.
     With `layer` (an int32 scalar) the pools and scales are the stacked cache `[L, KH, num_pages, page_size, (D)]`:
     implementations registered with `stacked_cache=True` read that layer themselves, the others get its slice."""
+    impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
+    config = tuned if config is None else config
     try:
         entry = ATTENTION.get(impl)
     except KernelError as e:

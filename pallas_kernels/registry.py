@@ -63,6 +63,28 @@ class KernelImpl:
     tuning_type: type | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """An implementation name (or path) with the tuning to run it with: hashable, so it travels as the `attn_impl` /
+    `matmul_impl` static argument of the engine's jitted step; the dispatchers unpack it."""
+
+    impl: str
+    tuning: Any
+
+    def __str__(self) -> str:
+        return f"{self.impl}[{self.tuning}]"
+
+
+def with_tuning(impl: str, tuning: Any) -> str | Tuned:
+    """`impl` itself when there is no tuning (so untuned programs keep their compile keys), else `Tuned`."""
+    return impl if tuning is None else Tuned(impl, tuning)
+
+
+def split_tuning(spec: Any) -> tuple[Any, Any]:
+    """(implementation spec, tuning or None) of a name, path, `KernelImpl` or `Tuned`."""
+    return (spec.impl, spec.tuning) if isinstance(spec, Tuned) else (spec, None)
+
+
 class KernelRegistry:
     """Implementations of one kernel family, by name.
 
@@ -166,6 +188,8 @@ class KernelRegistry:
         under that path on first use). Raises `UnknownKernelError` / `KernelContractError`."""
         if isinstance(spec, KernelImpl):
             return spec
+        if isinstance(spec, Tuned):
+            spec = spec.impl
         if not isinstance(spec, str):
             raise UnknownKernelError(f"{self.family}: an implementation is given by name or 'module:function' path, "
                                      f"got {type(spec).__name__}")
@@ -327,7 +351,10 @@ __all__ = [
     "KernelError",
     "KernelImpl",
     "KernelRegistry",
+    "Tuned",
     "UnknownKernelError",
     "attention_registry",
     "matmul_registry",
+    "split_tuning",
+    "with_tuning",
 ]

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,7 +162,6 @@ def test_tuning_from_flags_json_and_dicts(tmp_path):
 
 def test_the_tuning_reaches_the_kernel():
     """A tuning given to the dispatcher is the blocking the kernel runs (its pallas_call's grid)."""
-    import jax
 
     from tests.pallas_kernels.helpers import equations
 
@@ -177,7 +177,6 @@ def test_the_tuning_reaches_the_kernel():
 
 
 def test_default_tuning_prefers_a_measured_table_entry(monkeypatch):
-    import jax
 
     from pallas_kernels import tuned_tables
     from pallas_kernels.tuning import default_tuning
@@ -241,3 +240,56 @@ def test_the_benchmark_checks_then_times_an_external_kernel(kernel_dir):
     wrong = by[("ext_noscale:attention", "decode2x40")]
     assert not wrong["correct"] and wrong["max_error"] > 1e-3 and "median_s" not in wrong
     assert np.isfinite(by[("xla", "mixed8+1x64")]["median_s"])
+
+
+# ------------------------------------------------------------------------------------ in the engine config
+def _greedy_tokens(config) -> list[int]:
+    from models import ModelConfig, init_random_weights
+    from models.loader import Model
+    from paged.generator import DynamicGenerator
+    from paged.job import Job
+    from paged.settings import SamplingSettings
+
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+
+    model = Model(config=cfg, params=init_random_weights(cfg, seed=3), tokenizer=None, source="tiny")
+    gen = DynamicGenerator(model, config=config)
+    jobs = [Job(list(range(1, 1 + n)), 6, gen_settings=SamplingSettings.greedy()) for n in (5, 19)]
+    gen.enqueue(jobs)
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    return [j.sequence[j.prompt_len:] for j in jobs]
+
+
+def test_engine_config_takes_import_paths_and_tunings_and_generates_the_same(kernel_dir, monkeypatch):
+    from paged.config import EngineConfig
+    from pallas_kernels import paged_attention as pa
+    from tests.pallas_kernels.helpers import spy
+
+    base = dict(num_pages=24, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64)
+    want = _greedy_tokens(EngineConfig(**base, attn_impl="xla"))
+    assert _greedy_tokens(EngineConfig(**base, attn_impl="ext_good:attention")) == want
+    tuned = EngineConfig(**base, attn_impl="pallas", attn_tuning="block_q=4,pages_per_block=1")
+    assert tuned.attn_tuning == AttentionTuning(block_q=4, pages_per_block=1)
+    assert EngineConfig.from_kwargs(**tuned.to_dict()) == tuned
+    jax.clear_caches()  # the kernel is traced afresh, so the spy sees its calls
+    calls = spy(monkeypatch, pa, ["ragged_paged_attention_pallas"])
+    assert _greedy_tokens(tuned) == want
+    assert calls and all(kw["config"] == tuned.attn_tuning for _, _, kw in calls)  # the tuning reached the kernel
+
+
+def test_engine_config_rejects_bad_kernels_and_tunings(kernel_dir):
+    from paged.config import EngineConfig
+    from paged.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="attn_impl='flash'.*unknown implementation"):
+        EngineConfig(attn_impl="flash")
+    with pytest.raises(InvalidConfigError, match=r"does not accept the keyword\(s\) \['soft_cap'\]"):
+        EngineConfig(attn_impl="ext_nocap:attention")
+    with pytest.raises(InvalidConfigError, match="'xla' takes no tuning"):
+        EngineConfig(attn_impl="xla", attn_tuning="block_q=8")
+    with pytest.raises(InvalidConfigError, match="has no field"):
+        EngineConfig(attn_impl="pallas", attn_tuning="block_k=8")
+    with pytest.raises(InvalidConfigError, match="matmul_impl='nope'"):
+        EngineConfig(matmul_impl="nope")

@@ -25,32 +25,27 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.serving import flags as workload_flags
 
 FLAGS = flags.FLAGS
 _BEFORE = set(FLAGS) - set(engine_flags.NAMES)
 engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
+workload_flags.define()  # --input_len, --output_len, --range_ratio, --num_prefixes, --prefix_len, --burstiness,
+# --slo, --plot
 # workload
 flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "prefix"], "request workload")
 flags.DEFINE_integer("num_prompts", 32, "measured requests per run")
-flags.DEFINE_integer("input_len", 128, "random: prompt tokens; prefix: suffix tokens after the shared prefix")
-flags.DEFINE_integer("output_len", 32, "random / prefix: output tokens (exact: no stop tokens)")
-flags.DEFINE_float("range_ratio", 0.0, "random / prefix: lengths uniform in [len*(1-r), len*(1+r)]")
-flags.DEFINE_integer("num_prefixes", 4, "prefix: number of distinct shared prefixes")
-flags.DEFINE_integer("prefix_len", 256, "prefix: tokens per shared prefix")
 flags.DEFINE_string("dataset_path", None,
                     "sharegpt: length-pair file (default experiments/data/sharegpt_like_lengths.json)")
 # load
 flags.DEFINE_list("max_concurrency", ["4"], "requests in flight; a comma list runs a sweep; 'inf' = no limit")
 flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0)")
-flags.DEFINE_float("burstiness", 1.0, "gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier)")
 flags.DEFINE_integer("num_warmup", None, "unmeasured requests run before each measured run, at its concurrency "
                      "(default: max(2, max_concurrency), or max_batch_size without a limit)")
 flags.DEFINE_bool("compile_all_buckets", True, "generator.warmup(): compile every step bucket before measuring")
-flags.DEFINE_string("slo", "", "goodput SLOs in ms, e.g. 'ttft:2000,tpot:100,e2el:30000'")
 # output
 flags.DEFINE_string("output_dir", "experiments/results/serving", "where records (and plots) are written")
 flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
-flags.DEFINE_bool("plot", False, "write latency-CDF PNGs (and throughput / TPOT vs concurrency for a sweep)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
 # model / engine: experiments/engine_flags.py (--max_penalty_range defaults to 0 here: the benchmark uses no penalties)

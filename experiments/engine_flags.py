@@ -4,6 +4,9 @@ absl flags live in one process-wide registry, so a flag two scripts both need is
 `define()` at import (a second call is a no-op) and gets the same `--model`, `--quant`, cache and engine flags as
 every other script, with the same meaning and defaults. `validate()` checks them with messages that name the flag
 and the allowed values; `load_model()` and `generator_kwargs()` turn them into the library's arguments.
+
+The flags count as the calling script's own (`flags.disclaim_key_flags()` below), so `--help` lists them, not only
+`--helpfull`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from paged.config import EngineConfig, config_fields
 from paged.errors import InvalidConfigError
 
 FLAGS = flags.FLAGS
+flags.disclaim_key_flags()  # flags defined by define() belong to the script that calls it (and show in its --help)
 
 # Experiments differ from the library's defaults here (None: the script decides, see `engine_config`).
 EXPERIMENT_DEFAULTS = {"decode_steps": 4, "max_batch_size": None, "max_penalty_range": None}
@@ -43,7 +47,10 @@ def define() -> None:
             flags.DEFINE_string(f.name, default, help_text)
         else:
             flags.DEFINE_integer(f.name, default, help_text)
-    flags.DEFINE_string("policy", "exllamav2", "admission policy: exllamav2, fcfs or shortest_prompt_first")
+    from paged.policies import policy_names
+
+    flags.DEFINE_string("policy", "exllamav2", f"scheduling policy: one of {policy_names()}, or 'module:Class' for "
+                        "your own paged.policies.Policy subclass (docs/scheduling.md)")
     flags.DEFINE_string("compilation_cache_dir", None, "persistent JAX compilation cache directory")
     flags.DEFINE_bool("progress", True, "progress bars on stderr")
     flags.DEFINE_integer("seed", None, "seed (generate: sampling seed, None = random, job i uses seed + i; "
@@ -69,7 +76,6 @@ def validate() -> None:
     """Raise app.UsageError naming the flag and the allowed values."""
     from models.loader import DTYPES
     from models.weights import QUANT_MODES
-    from paged.policy import POLICIES
 
     def one_of(name: str, allowed) -> None:
         value = getattr(FLAGS, name)
@@ -77,11 +83,25 @@ def validate() -> None:
             raise app.UsageError(f"--{name}={value} is not one of: {', '.join(str(a) for a in allowed)}")
 
     one_of("dtype", tuple(DTYPES))
-    one_of("policy", tuple(POLICIES))
+    check_policy("policy", FLAGS.policy)
     one_of("quant", ("none", *(q for q in QUANT_MODES if q)))
     engine_config(1)
     if FLAGS.temperature < 0:
         raise app.UsageError(f"--temperature must be >= 0 (0 = greedy), got {FLAGS.temperature}")
+
+
+def check_policy(flag: str, value: str) -> None:
+    """A policy name or 'module:Class' that `paged.policies.make_policy` accepts; else app.UsageError."""
+    from paged.errors import GeneratorError
+    from paged.policies import make_policy, policy_names
+
+    try:
+        make_policy(value)
+    except GeneratorError as e:
+        if ":" in value:
+            raise app.UsageError(f"--{flag}={value}: {e}") from None
+        raise app.UsageError(f"--{flag}={value} is not one of: {policy_names()} (or 'module:Class' for your own "
+                             "paged.policies.Policy subclass)") from None
 
 
 def load_model() -> Any:

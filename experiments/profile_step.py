@@ -12,6 +12,15 @@ Device: the same decode batch shape is timed as the whole step and as its parts,
 stack with attention replaced by a pass-through (matmuls, norms, rope; KV writes skipped), `num_layers` calls of
 paged attention over one layer's cache, and final norm + LM head + the sampler. Parts are timed separately, so
 they need not add up exactly to the step (fusion across parts, cache effects).
+
+With `--fit_out PATH` it instead measures `Engine.run` over a grid of step shapes (`--grid_prefill` tokens of one
+prefill chunk x `--grid_decode` decode rows x `--grid_context` tokens of context per row), after compiling every
+bucket of the engine the policy comparison uses (`--fit_max_batch_size`, `--fit_max_seq_len`, max_chunk_size 256),
+adds the generator's host overhead per step (from a short generator run), fits the simulator's `StepTimeModel`
+(`paged.sim`) and saves it as JSON naming the device and the model:
+
+    python -m experiments.profile_step --model smollm2-135m \
+        --fit_out experiments/results/step_time_smollm2_cpu.json
 """
 
 from __future__ import annotations
@@ -33,6 +42,13 @@ flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
 flags.DEFINE_integer("iters", 5, "timed calls per device part")
 flags.DEFINE_string("json_out", None, "write the breakdown here")
+flags.DEFINE_string("fit_out", None, "fit the simulator's StepTimeModel over the shape grid and write it here "
+                    "(instead of the breakdown)")
+flags.DEFINE_list("grid_prefill", ["0", "16", "64", "128", "256"], "fit: prefill chunk tokens (0 = none)")
+flags.DEFINE_list("grid_decode", ["0", "1", "2", "4", "8", "15"], "fit: decode rows")
+flags.DEFINE_list("grid_context", ["32", "256", "768"], "fit: context tokens per row before the step")
+flags.DEFINE_integer("fit_max_batch_size", 16, "fit: the engine's max_batch_size (as compare_policies uses)")
+flags.DEFINE_integer("fit_max_seq_len", 1024, "fit: the engine's max_seq_len (as compare_policies uses)")
 
 
 def host_breakdown(model, rows: int) -> dict:
@@ -149,6 +165,71 @@ def device_breakdown(model, rows: int) -> dict:
     return rec
 
 
+def fit_step_time(model) -> dict:
+    """Median `Engine.run` wall time of every grid shape, plus the host loop's overhead per step, fitted."""
+    import numpy as np
+
+    from experiments.serving import env
+    from paged import DynamicGenerator, Job, SamplingSettings
+    from paged.batch import RowInput
+    from paged.config import EngineConfig
+    from paged.engine import Engine
+    from paged.sim import StepShape, StepTimeModel
+
+    ps, batch, seq = FLAGS.page_size, FLAGS.fit_max_batch_size, FLAGS.fit_max_seq_len
+    cfg = EngineConfig(page_size=ps, max_batch_size=batch, max_chunk_size=256, max_seq_len=seq,
+                       cache_dtype=FLAGS.cache_dtype, max_penalty_range=0)
+    eng = Engine(model, cfg)
+    t0 = time.perf_counter()
+    eng.warmup()
+    print(f"compiled every bucket in {time.perf_counter() - t0:.1f} s")
+    per_row = eng.config.max_pages_per_row
+    shapes, seconds, points = [], [], []
+    for c in (int(x) for x in FLAGS.grid_context):
+        for p in (int(x) for x in FLAGS.grid_prefill):
+            for d in (int(x) for x in FLAGS.grid_decode):
+                if (p == 0 and d == 0) or d + (p > 0) > batch or c + max(p, 1) > seq:
+                    continue
+                rows = []
+                for r in range(d + (p > 0)):
+                    n = p if (p and r == 0) else 1
+                    pages = list(range(1 + r * per_row, 1 + (r + 1) * per_row))[: -(-(c + n) // ps)]
+                    rows.append(RowInput(tokens=[7] * n, start_pos=c, pages=pages))
+                if 1 + len(rows) * per_row > eng.config.num_pages:
+                    continue
+                eng.run(rows)  # untimed: first touch
+                times = []
+                for _ in range(FLAGS.iters):
+                    t = time.perf_counter()
+                    eng.run(rows)
+                    times.append(time.perf_counter() - t)
+                shape = StepShape.from_rows(rows, eng.spec)
+                shapes.append(shape)
+                seconds.append(float(np.median(times)))
+                points.append(dict(prefill=p, decode=d, context=c, seconds=seconds[-1], **shape.__dict__))
+                print(f"prefill {p:4d} decode {d:3d} context {c:5d}: {1e3 * seconds[-1]:8.2f} ms")
+    # the host loop around the engine call (admission, planning, results) on a short decode-heavy run
+    gen = DynamicGenerator(engine=eng)
+    rng = np.random.default_rng(0)
+    gen.enqueue([Job(rng.integers(0, model.config.vocab_size, 64).tolist(), 48,
+                     gen_settings=SamplingSettings.greedy()) for _ in range(batch // 2)])
+    m0 = gen.metrics()
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    m1 = gen.metrics()
+    steps = m1["steps"] - m0["steps"]
+    host = (m1["time_schedule_s"] - m0["time_schedule_s"] + m1["time_results_s"] - m0["time_results_s"]) / steps
+    device = env.device_info()
+    device_name = f"{device['cpu_model'] or device['device_kind']} ({device['backend']}, {device['cpus_usable']} cores)"
+    fit = StepTimeModel.fit(shapes, seconds, device=device_name, model=FLAGS.model,
+                            notes=f"fitted by experiments/profile_step.py on {len(shapes)} grid shapes; base_s "
+                            f"includes the host loop's {1e3 * host:.2f} ms per step outside Engine.run")
+    fit.base_s += host
+    fit.fit_stats.update(host_s_per_step=host, load_avg=env.load_average(), grid=points,
+                         engine=eng.config.to_dict())
+    return fit
+
+
 def main(argv):
     del argv
     import logging
@@ -162,6 +243,13 @@ def main(argv):
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")
+    if FLAGS.fit_out:
+        fit = fit_step_time(model)
+        fit.save(FLAGS.fit_out)
+        print(f"fit: base {1e3 * fit.base_s:.2f} ms + " + " + ".join(
+            f"{1e6 * c:.2f} us x {f}" for f, c in fit.coef.items()) + f"; mean |rel error| "
+            f"{fit.fit_stats['mean_abs_rel_error']:.3f} over {fit.fit_stats['samples']} shapes -> {FLAGS.fit_out}")
+        return
     out = []
     for rows in (int(c) for c in FLAGS.concurrency):
         host = host_breakdown(model, rows)

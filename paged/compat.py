@@ -331,7 +331,7 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
 
 # Native settings the compat generator passes through (there is no ExLlamaV2 name for them).
 _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "decode_steps", "cache_dtype",
-                  "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config")
+                  "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock")
 
 
 # ---------------------------------------------------------------------------------------------- async

@@ -19,12 +19,13 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from paged.buckets import next_pow2
+from paged.clock import wall_clock
 from paged.config import EngineConfig
 from paged.engine_api import EngineProtocol
 from paged.errors import (
@@ -40,7 +41,7 @@ from paged.errors import (
 from paged.job import Job
 from paged.job_output import JobOutput
 from paged.page_pool import PagePool
-from paged.policy import Policy, make_policy
+from paged.policies import Policy, make_policy
 from paged.scheduler import Scheduler
 from paged.settings import SamplingSettings
 from paged.streaming import TextStream
@@ -78,10 +79,11 @@ class DynamicGenerator:
         cache_dtype: str | None = None,
         attn_impl: str | None = None,
         matmul_impl: str | None = None,
-        policy: str | Policy = "exllamav2",
+        policy: str | Policy | type[Policy] = "exllamav2",
         compilation_cache_dir: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
         engine: EngineProtocol | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
@@ -89,6 +91,11 @@ class DynamicGenerator:
         `config`, overridden by any keyword given here; None means "the default". `engine`: an object implementing
         `EngineProtocol` to use instead of building one (tests, simulators); its own config then applies, and only
         the host-loop setting `decode_steps` may still be given here.
+
+        `policy`: a name from `paged.policies.POLICIES`, `"module:Class"`, a `Policy` subclass or instance
+        (`paged.policies`; the policy's `allocation` decides between reserved and on-demand pages). `clock`: the
+        zero-argument callable (seconds) behind every job timestamp (arrival, first and last token); default: the
+        engine's `clock` attribute if it has one (a simulated engine's virtual clock), else `time.perf_counter`.
         """
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
@@ -127,12 +134,20 @@ class DynamicGenerator:
         self.max_seq_len = self.config.max_seq_len
         self.max_batch_size = self.config.max_batch_size
         self.decode_steps = self.config.decode_steps
+        if clock is None:
+            clock = getattr(engine, "clock", None) or wall_clock
+        if not callable(clock):
+            raise InvalidConfigTypeError(f"DynamicGenerator: clock must be a zero-argument callable returning seconds "
+                                         f"(e.g. time.perf_counter or a paged.clock.VirtualClock), got "
+                                         f"{type(clock).__name__}")
+        self.clock = clock
         self.policy = make_policy(policy)
         self.pool = PagePool(self.config.num_pages, self.page_size)
-        self.scheduler = Scheduler(self.config, self.pool, self.policy, self.vocab_size)
-        self.output = JobOutput(self.pool, self.page_size, self._piece)
-        self.pending: list[Job] = []
+        self.pending: list[Job] = []  # waiting: never admitted, or preempted (at the front)
         self.active: list[Job] = []
+        self.scheduler = Scheduler(self.config, self.pool, self.policy, self.vocab_size, self.pending, self.active,
+                                   self.clock)
+        self.output = JobOutput(self.pool, self.page_size, self._piece)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
@@ -226,7 +241,7 @@ class DynamicGenerator:
     def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None]) -> int:
         stream, healing = prepared
         self._serial += 1
-        job.mark_enqueued(self._serial)
+        job.mark_enqueued(self._serial, self.clock())
         if job.seed is None:
             job.seed = self._rng.getrandbits(32)
         job.stream = stream
@@ -292,10 +307,10 @@ class DynamicGenerator:
                                 "so far are kept for the next iterate(), and the generator is still usable") from e
 
     def _step(self, results: list[dict], t0: float) -> list[dict]:
-        self.scheduler.admit(self.pending, self.active, lambda job: results.append(self.output.base(job, "started")))
-        rows, owners, failed = self.scheduler.plan(self.active)
+        self.scheduler.admit(lambda job: results.append(self.output.base(job, "started")))
+        rows, owners, failed = self.scheduler.plan()
         for job, e in failed:
-            results.append(self._fail(job, e, time.perf_counter()))
+            results.append(self._fail(job, e, self.clock()))
         if not rows:
             self.timings["schedule_s"] += time.perf_counter() - t0
             return results
@@ -306,9 +321,10 @@ class DynamicGenerator:
         t1 = time.perf_counter()
         out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
         self.steps += k
-        now = time.perf_counter()
+        t2 = time.perf_counter()
+        now = self.clock()
         self.timings["schedule_s"] += t1 - t0
-        self.timings["engine_s"] += now - t1
+        self.timings["engine_s"] += t2 - t1
         try:
             if k == 1:
                 self._collect(rows, owners, out, now, results)
@@ -319,7 +335,7 @@ class DynamicGenerator:
                     self._collect([r for r, _, _ in live], [j for _, j, _ in live],
                                   _StepView(out, i, [c for _, _, c in live]), now, results)
         finally:
-            self.timings["results_s"] += time.perf_counter() - now
+            self.timings["results_s"] += time.perf_counter() - t2
         return results
 
     def _collect(self, rows: list, owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
@@ -339,7 +355,7 @@ class DynamicGenerator:
         if not row.sample:
             self.tokens_prefilled += n
             results.append({**self.output.base(job, "prefill"), "curr_progress": job.kv_position,
-                            "max_progress": job.prompt_len})
+                            "max_progress": len(job.sequence)})  # the prompt (plus, once preempted, its output)
             return
         if n > 1:
             self.tokens_prefilled += n
@@ -378,6 +394,7 @@ class DynamicGenerator:
             "tokens_generated": self.tokens_generated, "jobs_completed": self.jobs_completed,
             "jobs_failed": self.jobs_failed, "steps_failed": self.steps_failed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
+            "preemptions": self.scheduler.preemptions, "tokens_recomputed": self.scheduler.tokens_recomputed,
             **{f"time_{k}": v for k, v in self.timings.items()},
             **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},
         }

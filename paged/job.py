@@ -1,10 +1,16 @@
 """`Job`: one generation request and its progress through the generator.
 
-Life story: `Job(...)` validates its inputs -> `enqueue` checks it can ever fit and gives it a serial -> the policy
-admits it when its pages fit (a `started` result) -> prefill chunks run in the ragged step (`prefill` results) ->
-the last prompt chunk samples the first token -> one decode row per step, each sampled token streamed
-(`streaming` results) -> a stop token, stop string or max_new_tokens ends it (`eos=True`), its pages are released
-and stay in the prompt cache.
+Life story: `Job(...)` validates its inputs -> `enqueue` checks it can ever fit, gives it a serial and stamps its
+`arrival` from the generator's clock -> the policy admits it when its pages fit (a `started` result) -> prefill
+chunks run in the ragged step (`prefill` results) -> the last prompt chunk samples the first token -> one decode row
+per step, each sampled token streamed (`streaming` results) -> a stop token, stop string or max_new_tokens ends it
+(`eos=True`), its pages are released and stay in the prompt cache. A policy may preempt it on the way (its pages are
+released, it waits again with its generated tokens kept, and recomputes them from the prefix cache when re-admitted:
+`preemptions` counts how often).
+
+What a policy may read (`paged.policies`): `serial` (enqueue order), `arrival`, `priority`, `deadline` /
+`deadline_at`, `expected_new_tokens`, `prompt_len`, `max_new_tokens`, `new_tokens`, `preemptions`, `skips`, and
+(running jobs) `kv_position`, `pages`.
 """
 
 from __future__ import annotations
@@ -87,7 +93,13 @@ class Job:
         decode_special_tokens: bool = False,
         banned_strings: Iterable[str] | str | None = None,
         token_healing: bool = False,
+        priority: int = 0,
+        deadline: float | None = None,
+        expected_new_tokens: int | None = None,
     ):
+        """Scheduling hints (read by policies, see `paged.policies`): `priority` (higher first, may be negative),
+        `deadline` (an SLO: seconds after arrival by which the job should finish), `expected_new_tokens` (a
+        predicted output length, e.g. from a length predictor; `sjf` orders by it when given)."""
         c = Checker("Job", InvalidJobError)
         self.input_ids = _as_id_list(c, input_ids)
         self.max_new_tokens = c.int_("max_new_tokens", max_new_tokens, 1)
@@ -108,6 +120,10 @@ class Job:
         self.decode_special_tokens = c.bool_("decode_special_tokens", decode_special_tokens)
         self.banned_strings = c.strings("banned_strings", banned_strings)
         self.token_healing = c.bool_("token_healing", token_healing)
+        self.priority = c.int_("priority", priority, None, allowed="an int (higher runs first)")
+        self.deadline = None if deadline is None else c.float_(
+            "deadline", deadline, 0.0, lo_open=True, allowed="None or a finite number of seconds > 0 after arrival")
+        self.expected_new_tokens = c.optional_int("expected_new_tokens", expected_new_tokens, 0)
         # --- generator-side state (set by enqueue / admission / steps)
         self.serial: int | None = None
         self.skips = 0
@@ -122,7 +138,9 @@ class Job:
         self.explored: dict[int, set[int]] = {}  # sequence index -> tokens banned there after a rewind
         self.healing_allowed: list[int] = []  # token healing: ids allowed for the first sample
         self.pending_extras: list[dict] = []  # per-token extras (probs, top-k, logits) not yet released with text
-        self.time_enqueue = 0.0
+        self.time_enqueue = 0.0  # the generator's clock at enqueue() (`arrival`)
+        self.preemptions = 0  # times a policy preempted it (pages released, recomputed on re-admission)
+        self.prefix_memo: tuple | None = None  # (sequence length, hashes, page tokens) of its cacheable prefix
         self.time_first_prefill: float | None = None
         self.time_first_token: float | None = None
         self.time_last_token: float | None = None
@@ -136,9 +154,19 @@ class Job:
     def total_len(self) -> int:
         return self.prompt_len + self.max_new_tokens
 
-    def mark_enqueued(self, serial: int) -> None:
+    @property
+    def arrival(self) -> float:
+        """When it was enqueued, on the generator's clock (virtual seconds under simulation)."""
+        return self.time_enqueue
+
+    @property
+    def deadline_at(self) -> float | None:
+        """`arrival + deadline` on the generator's clock, or None without a deadline."""
+        return None if self.deadline is None else self.time_enqueue + self.deadline
+
+    def mark_enqueued(self, serial: int, now: float | None = None) -> None:
         self.serial = serial
-        self.time_enqueue = time.perf_counter()
+        self.time_enqueue = time.perf_counter() if now is None else now
 
     def __repr__(self) -> str:
         return (f"Job(serial={self.serial}, identifier={self.identifier!r}, prompt={self.prompt_len}, "

@@ -119,7 +119,7 @@ class JobOutput:
         last_token = job.time_last_token if job.time_last_token is not None else now
         return dict(
             eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
-            prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens,
+            prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens, preemptions=job.preemptions,
             cached_pages=job.cached_tokens // self.page_size,
             time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
             time_prefill=first_token - (job.time_first_prefill or first_token),

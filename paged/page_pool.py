@@ -155,6 +155,13 @@ class PagePool:
             pages.append(self._take())
         return pages, complete
 
+    def take(self, n: int) -> list[int]:
+        """`n` fresh unhashed pages (evicting cached ones LRU), referenced once: a running job's next pages when they
+        are allocated on demand."""
+        if n > self.available:
+            raise PagePoolError(f"{n} pages asked for, {self.available} available; check available first")
+        return [self._take() for _ in range(n)]
+
     def mark_filled(self, idx: int, filled: int) -> None:
         p = self.pages[idx]
         p.filled = max(p.filled, min(filled, self.page_size))

@@ -1,68 +1,171 @@
-"""`Scheduler`: the mechanism under the policy. Each step it admits waiting jobs whose pages fit (in the order and
-with the skips the `Policy` decides), then plans one ragged step: a decode row for every job with one token to feed,
-prefill chunks within the token budget and the prefill-row limit, and how many decode steps may run blind
-(`decode_steps` bursts).
+"""`Scheduler`: the mechanism under the policy. Each step it admits waiting jobs (in the order, with the skips and
+the preemptions the `Policy` decides) whose pages fit, then plans one ragged step: a decode row for every running job
+with one token to feed, prefill chunks within the token budget the policy grants and the prefill-row limit, and how
+many decode steps may run blind (`decode_steps` bursts).
 
-It reads and updates jobs' page lists and KV positions and the `PagePool`; it never touches the engine or the
-result stream (that is `paged.job_output`).
+Pages are given out as the policy's `allocation` says. `reserve`: prompt + max_new_tokens at admission, so a running
+job never runs out. `on_demand`: the prompt (the whole sequence, for a preempted job) at admission, then a page at a
+time as decoding reaches it; when the pool is empty the policy names a victim, which is preempted by recompute:
+its pages are released (complete, hashed ones stay in the prompt cache), it goes back to the front of the waiting
+queue with its generated tokens and text stream kept, and on re-admission its whole sequence is prefilled again,
+mostly skipped as cached pages. Greedy and seeded sampling depend only on the context and the position, so its
+output is the one an unpreempted run gives, and nothing is streamed twice.
+
+It reads and updates jobs' page lists and KV positions, the waiting and running lists and the `PagePool`; it never
+touches the engine or the result stream (that is `paged.job_output`).
 """
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
 from paged.batch import RowInput
 from paged.config import EngineConfig
-from paged.errors import JobFailure
+from paged.errors import InvalidConfigError, JobFailure
 from paged.job import Job
 from paged.page_pool import PagePool, chain_hashes
-from paged.policy import Policy
+from paged.policies import Policy
 
 HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
+WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
+
+
+class SchedulerView:
+    """What a policy sees and may do (`paged.policies.base.SchedulerView` documents each member)."""
+
+    def __init__(self, sched: Scheduler):
+        self._s = sched
+        self.config = sched.config
+        self.running = sched.active
+
+    @property
+    def now(self) -> float:
+        return self._s.clock()
+
+    @property
+    def pages_available(self) -> int:
+        return self._s.pool.available
+
+    def fits(self, job: Job) -> bool:
+        return self._s.fits(job)
+
+    def start(self, job: Job) -> None:
+        self._s.start(job)
+
+    def preempt(self, job: Job) -> None:
+        self._s.preempt(job)
+
+    def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
+        return self._s.would_fit_without(job, victims)
+
+    def cached_prefix_tokens(self, job: Job) -> int:
+        return self._s.cached_prefix_tokens(job)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, policy: Policy, vocab_size: int):
+    def __init__(self, config: EngineConfig, pool: PagePool, policy: Policy, vocab_size: int, pending: list[Job],
+                 active: list[Job], clock: Callable[[], float]):
         self.config = config
         self.pool = pool
         self.policy = policy
         self.vocab_size = vocab_size
         self.page_size = config.page_size
+        self.pending = pending  # the generator's lists, updated in place
+        self.active = active
+        self.clock = clock
+        self.on_demand = policy.allocation == "on_demand"
+        self.watermark = int(WATERMARK * pool.num_pages) if self.on_demand else 0
+        self.view = SchedulerView(self)
+        self.preemptions = 0
+        self.tokens_recomputed = 0  # tokens of preempted jobs whose KV had to be computed again
+        self._started: Callable[[Job], None] = lambda job: None
+        self._budget = 0
+        self._prefill_rows = 0
 
     def pages_for(self, job: Job) -> int:
-        """Pages reserved for a job: its prompt plus max_new_tokens."""
+        """Pages a job needs at most: its prompt plus max_new_tokens (all reserved at admission with `reserve`)."""
         return -(-job.total_len // self.page_size)
+
+    def admission_pages(self, job: Job) -> int:
+        """Pages allocated when the job is admitted: `pages_for` (reserve) or its sequence so far (on_demand)."""
+        return -(-len(job.sequence) // self.page_size) if self.on_demand else self.pages_for(job)
 
     # ------------------------------------------------------------------ admission
     def prefix(self, job: Job) -> tuple[list[bytes], list[tuple[int, ...]]]:
-        """Chained hashes and tokens of the job's full prompt pages that may come from the cache (the last prompt
-        token always runs, since it samples)."""
-        n = (job.prompt_len - 1) // self.page_size
+        """Chained hashes and tokens of the job's full pages that may come from the cache: its sequence (prompt, and
+        for a preempted job the tokens generated so far) except the last token, which always runs since it samples,
+        and except text its stream still holds (a banned string may rewind it). Memoised while the job waits."""
+        seq = job.sequence
+        memo = job.prefix_memo
+        if memo is not None and memo[0] == len(seq):
+            return memo[1], memo[2]
+        held = len(job.stream.held) if job.stream is not None else 0
         ps = self.page_size
-        toks = [tuple(job.input_ids[i * ps : (i + 1) * ps]) for i in range(n)]
-        return chain_hashes(job.input_ids, ps, n), toks
+        n = min(len(seq) - 1, len(seq) - held) // ps
+        toks = [tuple(seq[i * ps : (i + 1) * ps]) for i in range(n)]
+        hashes = chain_hashes(seq, ps, n)
+        job.prefix_memo = (len(seq), hashes, toks)
+        return hashes, toks
 
-    def admit(self, pending: list[Job], active: list[Job], started: Callable[[Job], None]) -> None:
-        """Move the jobs the policy admits from `pending` to `active` (pages allocated); `started(job)` for each."""
+    def fits(self, job: Job) -> bool:
+        if len(self.active) >= self.config.max_batch_size:
+            return False
+        hashes, toks = self.prefix(job)
+        need = self.pool.pages_needed(hashes, toks, self.admission_pages(job))
+        return need + self.watermark <= self.pool.available
 
-        def fits(job: Job) -> bool:
-            if len(active) >= self.config.max_batch_size:
-                return False
-            hashes, toks = self.prefix(job)
-            return self.pool.pages_needed(hashes, toks, self.pages_for(job)) <= self.pool.available
+    def start(self, job: Job) -> None:
+        hashes, toks = self.prefix(job)
+        job.pages, complete = self.pool.allocate(hashes, toks, self.admission_pages(job))
+        job.page_hashes = list(hashes)
+        job.kv_position = complete * self.page_size
+        self.pending.remove(job)
+        self.active.append(job)
+        if job.preemptions:
+            self.tokens_recomputed += len(job.sequence) - job.kv_position
+        else:
+            job.cached_tokens = job.kv_position
+            self._started(job)
 
-        def start(job: Job) -> None:
-            hashes, toks = self.prefix(job)
-            job.pages, complete = self.pool.allocate(hashes, toks, self.pages_for(job))
-            job.page_hashes = hashes
-            job.kv_position = job.cached_tokens = complete * self.page_size
-            pending.remove(job)
-            active.append(job)
-            started(job)
+    def preempt(self, job: Job) -> None:
+        """Preempt a running job by recompute (see the module docstring)."""
+        if job not in self.active:
+            raise InvalidConfigError(f"policy {self.policy.name!r} tried to preempt {job!r}, which is not running")
+        self.active.remove(job)
+        self.pool.release(job.pages)
+        job.pages = []
+        job.page_hashes = []
+        job.kv_position = 0
+        job.prefix_memo = None
+        job.preemptions += 1
+        self.preemptions += 1
+        self.pending.insert(0, job)
 
-        if pending and len(active) < self.config.max_batch_size:
-            self.policy.admit(list(pending), fits, start)
+    def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
+        if len(self.active) - len(victims) >= self.config.max_batch_size:
+            return False
+        refs = collections.Counter(p for v in victims for p in v.pages)
+        freed = sum(1 for p, n in refs.items() if self.pool.pages[p].ref_count == n)
+        hashes, toks = self.prefix(job)
+        need = self.pool.pages_needed(hashes, toks, self.admission_pages(job))
+        return need + self.watermark <= self.pool.available + freed
+
+    def cached_prefix_tokens(self, job: Job) -> int:
+        hashes, toks = self.prefix(job)
+        n = 0
+        for idx in self.pool.match(hashes, toks):
+            if self.pool.pages[idx].filled < self.page_size:
+                break
+            n += 1
+        return n * self.page_size
+
+    def admit(self, started: Callable[[Job], None]) -> None:
+        """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
+        if self.pending and (len(self.active) < self.config.max_batch_size or self.policy.preemptive):
+            self._started = started
+            self.policy.admit(list(self.pending), self.view)
 
     # ------------------------------------------------------------------ planning
     def skip_complete_pages(self, job: Job) -> None:
@@ -73,7 +176,8 @@ class Scheduler:
             if page.filled < ps:
                 break
             job.kv_position += ps
-            job.cached_tokens = max(job.cached_tokens, job.kv_position)
+            if not job.preemptions:  # a recompute is not a prompt-cache hit of the request
+                job.cached_tokens = max(job.cached_tokens, job.kv_position)
 
     def row(self, job: Job, tokens: list[int], sample: bool) -> RowInput:
         """The job's row for this step: `tokens` from its KV position, with its sampling settings, penalty history
@@ -97,23 +201,37 @@ class Scheduler:
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
                         sampling=s.device_row(job.seed), history=history, bias=bias)
 
-    def plan(self, active: list[Job]) -> tuple[list[RowInput], list[Job], list[tuple[Job, Exception]]]:
+    def plan(self) -> tuple[list[RowInput], list[Job], list[tuple[Job, Exception]]]:
         """Rows of the next step and the job of each row; jobs whose row could not be built come back as failures
-        (the caller ends them) instead of stopping the step."""
+        (the caller ends them) instead of stopping the step. With `on_demand` pages, decode rows get their next page
+        here, preempting the policy's victims when none is left."""
+        active = self.active
         rows, owners, failed = [], [], []
-        prefill_rows = 0
-        budget = self.config.max_chunk_size
         ps = self.page_size
+        decode_rows = 0
         for job in active:
+            self.skip_complete_pages(job)
+            decode_rows += len(job.sequence) - job.kv_position == 1
+        budget = self.policy.prefill_budget(decode_rows, self.view)
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise InvalidConfigError(f"policy {self.policy.name!r}: prefill_budget() must return an int >= 0, got "
+                                     f"{budget!r}")
+        self._budget = min(budget, self.config.max_chunk_size)
+        self._prefill_rows = 0
+        preempted: set[int] = set()
+        for job in (list(active) if self.on_demand else active):
+            if id(job) in preempted:
+                continue
             try:
-                self.skip_complete_pages(job)
                 remaining = len(job.sequence) - job.kv_position
                 if remaining == 1:
+                    if len(job.pages) * ps < len(job.sequence) and not self.grow(job, rows, owners, preempted):
+                        continue  # the job itself was preempted
                     rows.append(self.row(job, [job.sequence[-1]], True))
                 else:
-                    if prefill_rows >= self.config.max_prefill_rows or budget <= 0:
+                    if self._prefill_rows >= self.config.max_prefill_rows or self._budget <= 0:
                         continue  # waits for a later step
-                    n = min(remaining, budget)
+                    n = min(remaining, self._budget)
                     # stop before a page that is complete already (being shared): it is skipped next step
                     end = job.kv_position + n
                     for p in range(-(-job.kv_position // ps), -(-end // ps)):
@@ -122,13 +240,35 @@ class Scheduler:
                             break
                     n = end - job.kv_position  # a 1-token chunk rides in a decode slot, without sampling
                     rows.append(self.row(job, job.sequence[job.kv_position : end], end == len(job.sequence)))
-                    prefill_rows += n > 1
-                    budget -= n
+                    self._prefill_rows += n > 1
+                    self._budget -= n
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 failed.append((job, e))
                 continue
             owners.append(job)
         return rows, owners, failed
+
+    def grow(self, job: Job, rows: list[RowInput], owners: list[Job], preempted: set[int]) -> bool:
+        """Give a decoding job the page its next token is written to (`on_demand`), preempting the policy's victims
+        while the pool is empty. Returns False when the job itself was preempted."""
+        while len(job.pages) * self.page_size < len(job.sequence):
+            if self.pool.available:
+                job.pages.extend(self.pool.take(1))
+                continue
+            v = self.policy.victim(list(self.active), job, self.view)
+            v = job if v is None else v
+            if v in owners:  # already planned this step: take its row back
+                i = owners.index(v)
+                row = rows.pop(i)
+                owners.pop(i)
+                if len(row.tokens) > 1 or not row.sample:
+                    self._budget += len(row.tokens)
+                    self._prefill_rows -= len(row.tokens) > 1
+            self.preempt(v)
+            preempted.add(id(v))
+            if v is job:
+                return False
+        return True
 
     def burst(self, rows: list[RowInput], owners: list[Job], want_logits: bool, admission_waiting: bool) -> int:
         """Decode steps for this engine call: `decode_steps` when it is safe to run them blind, else 1.

@@ -38,6 +38,7 @@ class RequestRecord:
     eos_reason: str | None = None
     prefix_id: int | None = None
     error: str = ""
+    preemptions: int = 0  # times the scheduling policy preempted it (final result's `preemptions`)
 
     @property
     def output_tokens(self) -> int:

@@ -44,7 +44,7 @@ def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path:
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         if ax.has_data():
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="lower right")
     return _save(plt, fig, path, title)
 
 
@@ -64,4 +64,23 @@ def plot_sweep(points: Sequence[tuple[float, float, float | None]], path: str, t
         ax.set_xticks(x)
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
+    return _save(plt, fig, path, title)
+
+
+def plot_policy_bars(rows: Sequence[dict], path: str, title: str = "") -> str:
+    """One bar per policy in each panel: TTFT p50 / p99, E2EL p50, output throughput, preemptions, mean page
+    utilisation (`rows`: compare_policies' summary rows)."""
+    plt = _plt()
+    panels = [("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"), ("e2el_p50_ms", "E2EL p50 (ms)"),
+              ("output_tok_s", "output tokens / s"), ("preemptions", "preemptions"),
+              ("page_util", "mean page utilisation")]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    names = [r["policy"] for r in rows]
+    for ax, (key, label) in zip(axes.flat, panels):
+        vals = [r.get(key) or 0.0 for r in rows]
+        ax.bar(range(len(names)), vals, color=[f"C{i}" for i in range(len(names))])
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize="small")
+        ax.set_title(label)
+        ax.grid(alpha=0.3, axis="y")
     return _save(plt, fig, path, title)

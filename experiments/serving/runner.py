@@ -95,6 +95,11 @@ class RunResult:
     trace: list[tuple[float, int, int, int]]  # (t, generator.active, generator.pending, requests in flight)
     metrics_before: dict
     metrics_after: dict
+    page_use: list[float] = dataclasses.field(default_factory=list)  # pages referenced / usable, after each step
+
+    @property
+    def mean_page_utilisation(self) -> float | None:
+        return sum(self.page_use) / len(self.page_use) if self.page_use else None
 
     @property
     def max_in_flight(self) -> int:
@@ -128,11 +133,15 @@ def run_benchmark(
     progress: bool = False,
     desc: str = "requests",
     max_stalls: int = 1000,
+    deadline: float | None = None,
+    oracle_lengths: bool = False,
 ) -> RunResult:
     """Run `requests` through `generator`; returns per-request records with token timestamps.
 
-    Each request becomes `Job(prompt_ids, output_len, gen_settings=..., seed=seed + index)` with no stop
-    conditions, so it produces exactly `output_len` tokens. `arrivals` overrides the generated schedule."""
+    Each request becomes `Job(prompt_ids, output_len, gen_settings=..., seed=seed + index, priority=req.priority)`
+    with no stop conditions, so it produces exactly `output_len` tokens; `deadline` (seconds after arrival) is given
+    to every job, and with `oracle_lengths` the job's `expected_new_tokens` is its true output length (for `sjf`).
+    `arrivals` overrides the generated schedule. Under simulation pass the virtual clock's `clock` and `sleep`."""
     from paged.job import Job
     from paged.settings import SamplingSettings
 
@@ -148,6 +157,8 @@ def run_benchmark(
     records: list[RequestRecord] = []
     in_flight: dict[int, RequestRecord] = {}
     trace: list[tuple[float, int, int, int]] = []
+    page_use: list[float] = []
+    pool = getattr(generator, "pool", None)
     pbar = None
     if progress:
         from tqdm import tqdm
@@ -168,7 +179,8 @@ def run_benchmark(
                                         scheduled=sched[next_i], arrival=max(sched[next_i], slot), enqueued=now,
                                         prefix_id=req.prefix_id)
                     job = Job(req.prompt_ids, req.output_len, gen_settings=gen_settings, seed=seed + req.index,
-                              identifier=("bench_serving", req.index))
+                              identifier=("bench_serving", req.index), priority=req.priority, deadline=deadline,
+                              expected_new_tokens=req.output_len if oracle_lengths else None)
                     generator.enqueue(job)
                     in_flight[id(job)] = rec
                     records.append(rec)
@@ -183,6 +195,8 @@ def run_benchmark(
                     continue
                 results = generator.iterate()
                 now = clock() - t0
+                if pool is not None:
+                    page_use.append(pool.num_referenced / pool.num_pages)
                 for r in results:
                     rec = in_flight.get(id(r["job"]))
                     if rec is None:
@@ -192,6 +206,7 @@ def run_benchmark(
                     if r["eos"]:
                         rec.cached_tokens = int(r.get("cached_tokens", 0))
                         rec.eos_reason = r.get("eos_reason")
+                        rec.preemptions = int(r.get("preemptions", 0))
                         if rec.output_tokens != rec.target_output_len:
                             rec.error = (f"produced {rec.output_tokens} tokens, expected {rec.target_output_len} "
                                          f"({rec.eos_reason})")
@@ -211,7 +226,7 @@ def run_benchmark(
             pbar.close()
     metrics_after = dict(generator.metrics())
     return RunResult(records=records, duration=duration, steps=probe.steps, step_summary=probe.summary(duration),
-                     trace=trace, metrics_before=metrics_before, metrics_after=metrics_after)
+                     trace=trace, metrics_before=metrics_before, metrics_after=metrics_after, page_use=page_use)
 
 
 def warm_up(generator, requests: Sequence[Request], *, gen_settings=None, max_concurrency: int | None = None,

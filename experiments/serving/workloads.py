@@ -26,6 +26,7 @@ class Request:
     prompt_ids: list[int]
     output_len: int
     prefix_id: int | None = None  # prefix workload: which shared prefix the prompt starts with
+    priority: int = 0  # scheduling priority (higher first), for the `priority` policy
 
     @property
     def prompt_len(self) -> int:
@@ -206,3 +207,57 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     rng = np.random.default_rng([seed, 1])  # a stream independent of the workload's (same seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
     return np.concatenate([[0.0], np.cumsum(gaps)])[:n]
+
+
+# ------------------------------------------------------------------------------------------------ scenarios
+SCENARIOS = ("poisson", "gamma", "sharegpt", "shared_prompt", "bursty")
+
+
+def bursty_arrivals(n: int, rate: float, burst_size: int = 16, seed: int = 0) -> np.ndarray:
+    """Bursts of `burst_size` requests that all arrive at once; burst starts are a Poisson process with rate
+    `rate / burst_size`, so the mean request rate is `rate` but the queue sees `burst_size`-deep spikes."""
+    if burst_size < 1:
+        raise ValueError(f"burst_size must be >= 1, got {burst_size}")
+    starts = arrival_times(-(-n // burst_size), rate / burst_size, 1.0, seed)
+    return np.repeat(starts, burst_size)[:n]
+
+
+def make_scenario(name: str, n: int, *, rate: float, vocab_size: int, special_ids: Iterable[int] = (), seed: int = 0,
+                  max_seq_len: int | None = None, input_len: int = 256, output_len: int = 64,
+                  range_ratio: float = 0.5, burstiness: float = 0.25, prefix_len: int = 512, num_prefixes: int = 1,
+                  burst_size: int = 16, priority_levels: int = 1) -> tuple[Workload, np.ndarray]:
+    """A workload and its arrival times (seconds), a pure function of the arguments:
+
+    - `poisson`: random prompts of ~input_len and outputs of ~output_len tokens (+-range_ratio), Poisson arrivals;
+    - `gamma`: the same requests, gamma inter-arrival times of shape `burstiness` (< 1: burstier than Poisson);
+    - `sharegpt`: ShareGPT-like (input, output) length pairs, Poisson arrivals;
+    - `shared_prompt`: `num_prefixes` shared system prompts of `prefix_len` tokens + a random ~input_len suffix
+      (the prefix cache's case), Poisson arrivals;
+    - `bursty`: the `poisson` requests arriving in bursts of `burst_size` at once.
+
+    `priority_levels > 1` gives each request a seeded uniform priority in [0, priority_levels)."""
+    lengths = dict(vocab_size=vocab_size, special_ids=special_ids, seed=seed, max_seq_len=max_seq_len)
+    if name in ("poisson", "gamma", "bursty"):
+        wl = random_workload(n, input_len, output_len, range_ratio=range_ratio, **lengths)
+    elif name == "sharegpt":
+        wl = sharegpt_workload(n, **lengths)
+    elif name == "shared_prompt":
+        wl = prefix_workload(n, num_prefixes, prefix_len, input_len, output_len, range_ratio=range_ratio, **lengths)
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(SCENARIOS)}")
+    if name == "gamma":
+        arrivals = arrival_times(n, rate, burstiness, seed)
+    elif name == "bursty":
+        arrivals = bursty_arrivals(n, rate, burst_size, seed)
+    else:
+        arrivals = arrival_times(n, rate, 1.0, seed)
+    if priority_levels < 1:
+        raise ValueError(f"priority_levels must be >= 1, got {priority_levels}")
+    if priority_levels > 1:
+        prio = np.random.default_rng([seed, 2]).integers(0, priority_levels, size=n)
+        for r, p in zip(wl.requests, prio):
+            r.priority = int(p)
+    wl.name = name
+    wl.params.update(scenario=name, rate=rate, burstiness=burstiness if name == "gamma" else 1.0,
+                     burst_size=burst_size if name == "bursty" else None, priority_levels=priority_levels)
+    return wl, arrivals

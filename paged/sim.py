@@ -1,0 +1,198 @@
+"""Simulation: the real generator, scheduler, policies and page pool driving a `SimulatedEngine` instead of the
+model, on a virtual clock, so policies can be compared at scales (and on hardware) this machine cannot serve.
+
+- `StepShape`: what a step's cost depends on: prefill tokens, decode rows, KV tokens attended (the sum over rows of
+  the context after the step's tokens) and the token slots of the shape bucket the batch is padded to.
+- `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`; `constant(s)` for hand-checkable
+  tests, `fit(samples)` (non-negative least squares) for measured step times. Saved as JSON with the device and
+  model it was measured on (`experiments/profile_step.py --fit_out` writes one; `experiments/results/` holds the
+  2-core CPU + SmolLM2 fit).
+- `SimulatedEngine`: implements `paged.engine_api.EngineProtocol`. Tokens come from the deterministic fake model of
+  `paged.testing.FakeEngine` (next token = last token + 1); each `run` advances its `clock` (a `VirtualClock`) by
+  the model's prediction for the step's shape. A generator built on it takes that clock (`DynamicGenerator(engine=
+  sim)`), so arrival, TTFT, ITL and queue times are virtual seconds.
+
+    sim = SimulatedEngine(EngineConfig(num_pages=257, max_seq_len=2048, max_batch_size=32),
+                          StepTimeModel.load("experiments/results/step_time_smollm2_cpu.json"))
+    gen = DynamicGenerator(engine=sim, policy="vllm")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from paged.buckets import BucketSpec
+from paged.clock import VirtualClock
+from paged.config import EngineConfig
+from paged.engine_api import StepOutput
+from paged.errors import InvalidConfigError
+from paged.testing import FakeEngine
+
+FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens")
+SCHEMA = "step_time_model/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int  # tokens of the step's prefill chunks (rows with more than one token, or not sampling)
+    decode_rows: int  # single-token sampling rows
+    kv_tokens: int  # sum over rows of start_pos + row tokens: the KV positions attention reads
+    padded_tokens: int  # token slots of the bucket the batch is padded to (0 without buckets)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Any], spec: BucketSpec | None = None) -> StepShape:
+        """The shape of a step over `RowInput`s, padded as `spec` pads it (None: no padding term)."""
+        prefill, decode, kv, lens, max_pages = 0, 0, 0, [], 1
+        ps = spec.page_size if spec is not None else 1
+        for r in rows:
+            n = len(r.tokens)
+            end = r.start_pos + n
+            kv += end
+            if n == 1 and r.sample:
+                decode += 1
+            else:
+                prefill += n
+                lens.append(n)
+            max_pages = max(max_pages, -(-end // ps))
+        padded = 0
+        if spec is not None and rows:
+            layout = spec.shape_for(lens, len(rows) - len(lens), min(max_pages, spec.max_pages_per_row)).layout
+            padded = layout.num_tokens
+        return cls(prefill, decode, kv, padded)
+
+    def features(self) -> list[float]:
+        return [float(getattr(self, f)) for f in FEATURES]
+
+
+@dataclasses.dataclass
+class StepTimeModel:
+    """seconds(step) = base_s + sum over FEATURES of coef[f] * shape.f (every coefficient >= 0)."""
+
+    base_s: float
+    coef: dict[str, float] = dataclasses.field(default_factory=dict)
+    device: str = "unspecified"
+    model: str = "unspecified"
+    notes: str = ""
+    fit_stats: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.coef) - set(FEATURES))
+        if unknown:
+            raise InvalidConfigError(f"StepTimeModel: unknown coefficient(s) {unknown}; known: {list(FEATURES)}")
+        for name, v in [("base_s", self.base_s), *self.coef.items()]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise InvalidConfigError(f"StepTimeModel: {name} must be a finite number >= 0 (seconds), got {v!r}")
+
+    def predict(self, shape: StepShape) -> float:
+        return self.base_s + sum(c * getattr(shape, f) for f, c in self.coef.items())
+
+    @classmethod
+    def constant(cls, seconds: float) -> StepTimeModel:
+        """Every step takes `seconds` (hand-checkable tests)."""
+        return cls(base_s=seconds, notes="constant")
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], *, device: str = "unspecified",
+            model: str = "unspecified", notes: str = "") -> StepTimeModel:
+        """Non-negative least squares of `seconds` on the features (plus an intercept), minimising relative error
+        (each sample weighted by 1 / its time, so short decode steps count as much as long prefill steps)."""
+        if len(shapes) != len(seconds) or len(shapes) < len(FEATURES) + 1:
+            raise InvalidConfigError(f"StepTimeModel.fit: need as many times as shapes and at least "
+                                     f"{len(FEATURES) + 1} samples, got {len(shapes)} shapes, {len(seconds)} times")
+        y = np.asarray(seconds, np.float64)
+        if not (np.all(np.isfinite(y)) and np.all(y > 0)):
+            raise InvalidConfigError("StepTimeModel.fit: step times must be finite and > 0")
+        x = np.asarray([[1.0, *s.features()] for s in shapes], np.float64)
+        w = 1.0 / y
+        coef = _nnls(x * w[:, None], y * w)
+        pred = x @ coef
+        rel = np.abs(pred - y) / y
+        stats = {"samples": int(len(y)), "mean_abs_rel_error": float(rel.mean()),
+                 "max_abs_rel_error": float(rel.max()),
+                 "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-30))}
+        return cls(base_s=float(coef[0]), coef={f: float(c) for f, c in zip(FEATURES, coef[1:])}, device=device,
+                   model=model, notes=notes, fit_stats=stats)
+
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, **dataclasses.asdict(self)}
+
+    def save(self, path: str | os.PathLike) -> None:
+        os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepTimeModel:
+        if d.get("schema") != SCHEMA:
+            raise InvalidConfigError(f"StepTimeModel: expected schema {SCHEMA!r}, got {d.get('schema')!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> StepTimeModel:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise InvalidConfigError(f"StepTimeModel.load({os.fspath(path)!r}): {e}; write one with "
+                                     "`python -m experiments.profile_step --fit_out PATH`") from e
+        return cls.from_dict(d)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by elimination: solve, drop the most negative coefficient, repeat (exact for the
+    few well-separated features here; `scipy.optimize.nnls` is not a dependency)."""
+    active = list(range(a.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if not active or sol.min() >= 0:
+            out = np.zeros(a.shape[1])
+            out[active] = sol
+            return out
+        del active[int(np.argmin(sol))]
+
+
+class SimulatedEngine(FakeEngine):
+    """The fake model on a virtual clock: each step advances `clock` by `step_time.predict(StepShape)`.
+
+    `records` (when `record_steps`) holds one `(StepShape, seconds)` per step for the experiment's per-step log."""
+
+    def __init__(self, config: EngineConfig, step_time: StepTimeModel, *, vocab_size: int = 258,
+                 clock: VirtualClock | None = None, record_steps: bool = False, pad_to_buckets: bool = True):
+        if not isinstance(config, EngineConfig) or not config.resolved:
+            raise InvalidConfigError("SimulatedEngine: config must be a resolved paged.EngineConfig (num_pages and "
+                                     "max_seq_len set)")
+        if not isinstance(step_time, StepTimeModel):
+            raise InvalidConfigError(f"SimulatedEngine: step_time must be a paged.sim.StepTimeModel, got "
+                                     f"{type(step_time).__name__}")
+        super().__init__(config=config, vocab_size=vocab_size, record=False)
+        self.spec = BucketSpec.from_config(config, attn_impl="xla")
+        self.step_time = step_time
+        self.clock = clock if clock is not None else VirtualClock()
+        self.pad_to_buckets = pad_to_buckets
+        self.record_steps = record_steps
+        self.records: list[tuple[StepShape, float]] = []
+        self.timings = {"simulated_s": 0.0}
+
+    def run(self, rows, *, return_top_k=0, return_logits=False, num_steps=1) -> StepOutput:
+        if num_steps > 1:  # FakeEngine runs the burst as single steps through self.run: each advances the clock
+            t0 = self.clock()
+            out = super().run(rows, return_top_k=return_top_k, return_logits=return_logits, num_steps=num_steps)
+            out.seconds = self.clock() - t0
+            return out
+        shape = StepShape.from_rows(rows, self.spec if self.pad_to_buckets else None)
+        dt = self.step_time.predict(shape)
+        out = super().run(rows, return_top_k=return_top_k, return_logits=return_logits)
+        self.clock.advance(dt)
+        self.timings["simulated_s"] += dt
+        if self.record_steps:
+            self.records.append((shape, dt))
+        out.seconds = dt
+        return out

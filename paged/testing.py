@@ -1,0 +1,238 @@
+"""A hand-checkable fake engine and a byte tokenizer, so the scheduler, policies, page pool and streaming can be
+tested without a JAX forward pass (JetStream-style). Importable from outside the repository's tests:
+
+    from paged.testing import ByteTokenizer, FakeEngine, drain
+    gen = DynamicGenerator(tokenizer=ByteTokenizer(), engine=FakeEngine(num_pages=32), policy="vllm")
+
+`paged.sim.SimulatedEngine` is this engine plus a virtual clock advanced by a step-time model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from paged.buckets import BucketSpec
+from paged.config import EngineConfig
+from paged.engine_api import StepOutput
+
+
+class ByteTokenizer:
+    """Token i < 256 is the byte i; 256 = <eos> (special), 257 = <bos> (special)."""
+
+    vocab_size = 258
+    eos_token_id = 256
+    bos_token_id = 257
+    special_token_ids = frozenset({256, 257})
+    chat_template = None
+
+    def encode(self, text, *, add_bos=False, encode_special_tokens=False):
+        return ([257] if add_bos else []) + list(text.encode())
+
+    def decode(self, ids, *, decode_special_tokens=False):
+        return b"".join(self.token_bytes(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, t):
+        return bytes([t]) if t < 256 else (b"<eos>" if t == 256 else b"<bos>")
+
+
+def fake_logprob(token: int, pos: int) -> float:
+    """The fake's log-probability of `token` sampled at sequence position `pos` (the index it takes in the job's
+    sequence): -(token % 7 + 1) / 10 - pos / 1000, so every (token, position) pair reports its own value."""
+    return -(token % 7 + 1) / 10 - pos / 1000
+
+
+def fake_top_k(token: int, pos: int, k: int, vocab_size: int = 258) -> tuple[list[int], list[float]]:
+    """The fake's top-k at that step: the sampled token and the k - 1 ids after it, each half a nat less likely."""
+    return [(token + j) % vocab_size for j in range(k)], [fake_logprob(token, pos) - j / 2 for j in range(k)]
+
+
+class FakeEngine:
+    """next token = (last input token + 1) % vocab, or a scripted continuation: `script[first prompt token] =
+    (prompt_len, tokens)` makes a job whose prompt starts with that token emit `tokens` in order. Tokens with a
+    -inf bias are skipped (the next id is taken). Log-probabilities and top-k come from `fake_logprob` and
+    `fake_top_k` of the sampled token and its position; logits are one-hot at the sampled token."""
+
+    def __init__(self, num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=128,
+                 max_prefill_rows=1, vocab_size=258, script=None, record=True, config=None):
+        """`record=False` keeps no history (`calls`, `written`): for long simulations (a `script` needs the
+        written cache). `config`: an `EngineConfig` to use instead of the size arguments."""
+        # implements paged.engine_api.EngineProtocol
+        if config is None:
+            config = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
+                                  max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
+                                  max_prefill_rows=max_prefill_rows)
+        if script and not record:
+            raise ValueError("FakeEngine: a script needs record=True (it reads the written cache)")
+        self.config = config
+        page_size, num_pages, max_seq_len = config.page_size, config.num_pages, config.max_seq_len
+        self.record = record
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.spec = BucketSpec.from_config(self.config)
+        self.timings = {}
+        self.script = script or {}
+        self.calls = []  # rows of every step
+        self.bursts = []  # num_steps of every multi-step call
+        self.written = {}  # (page, offset) -> token, to check what the cache would hold
+
+    def run(self, rows, *, return_top_k=0, return_logits=False, num_steps=1, draft_logprobs=None):
+        if any(getattr(r, "verify", False) for r in rows):
+            return self._run_verify(rows, return_top_k, return_logits)
+        if num_steps > 1:  # like paged.step.decode_steps: each sampled token is fed back as the next input
+            self.bursts.append(num_steps)
+            outs = []
+            for _ in range(num_steps):
+                outs.append(self.run(rows, return_top_k=return_top_k))
+                rows = [dataclasses.replace(r, tokens=[int(t)], start_pos=r.start_pos + 1)
+                        for r, t in zip(rows, outs[-1].token)]
+            stack = lambda name: np.stack([getattr(o, name) for o in outs])
+            return StepOutput(token=stack("token"), logprob=stack("logprob"), top_ids=stack("top_ids"),
+                              top_logprobs=stack("top_logprobs"), logits=None, shape=None, seconds=0.0)
+        if self.record:
+            self.calls.append(rows)
+        tokens, logprobs, top_ids, top_logprobs = [], [], [], []
+        for r in rows:
+            self._write(r)
+            t, lp, ids, lps = self._sample(r, return_top_k)
+            tokens.append(t)
+            logprobs.append(lp)
+            top_ids.append(ids)
+            top_logprobs.append(lps)
+        n, k = len(rows), return_top_k
+        logits = None
+        if return_logits:
+            logits = np.zeros((n, self.vocab_size), np.float32)
+            logits[np.arange(n), tokens] = 1.0
+        return StepOutput(
+            token=np.asarray(tokens, np.int32), logprob=np.asarray(logprobs, np.float32),
+            top_ids=np.asarray(top_ids, np.int32).reshape(n, k),
+            top_logprobs=np.asarray(top_logprobs, np.float32).reshape(n, k),
+            logits=logits, shape=None, seconds=0.0,
+        )
+
+    def _write(self, r):
+        if self.record:
+            for i, t in enumerate(r.tokens):
+                pos = r.start_pos + i
+                self.written[(r.pages[pos // self.page_size], pos % self.page_size)] = t
+
+    def _sample(self, r, return_top_k):
+        """(token, logprob, top ids, top logprobs) the fake samples after row `r`."""
+        t = self.next_token(r)
+        bias = r.bias or {}
+        while bias.get(t, 0.0) == -math.inf:
+            t = (t + 1) % self.vocab_size
+        pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
+        ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size)
+        return t, fake_logprob(t, pos), ids, lps
+
+    # ------------------------------------------------------------------ speculative verification (n-gram drafts)
+    def enable_verification(self, num_draft_tokens, draft_probs=False):
+        """Accept verification rows (`RowInput.verify`) of up to `num_draft_tokens` one-hot drafts, checked greedily
+        against the fake's own next token (the fake is deterministic, so greedy acceptance is exact)."""
+        if draft_probs:
+            raise ValueError("FakeEngine verifies one-hot drafts only (n-gram), not a draft model's")
+        self.verify_len = num_draft_tokens + 1
+
+    def _run_verify(self, rows, return_top_k, return_logits):
+        """Results per position `[n, W]` and `num_accepted [n]`, as `paged.engine.Engine` returns them: position j of
+        a verification row is sampled from the row cut after its j-th token (with `position_bias[j]`), drafts are
+        accepted while they equal those samples, and the sample at the first mismatch (or after the last draft) ends
+        the row's tokens (-1 after it)."""
+        w = getattr(self, "verify_len", 0)
+        if not w:
+            raise ValueError("verification rows need enable_verification() on the engine")
+        if self.record:
+            self.calls.append(rows)
+        n, k = len(rows), return_top_k
+        token = np.full((n, w), -1, np.int32)
+        logprob = np.zeros((n, w), np.float32)
+        top_ids = np.zeros((n, w, k), np.int32)
+        top_logprobs = np.zeros((n, w, k), np.float32)
+        accepted = np.zeros(n, np.int32)
+        for i, r in enumerate(rows):
+            self._write(r)
+            if not r.verify:
+                t, lp, ids, lps = self._sample(r, k)
+                token[i, 0], logprob[i, 0], top_ids[i, 0], top_logprobs[i, 0] = t, lp, ids, lps
+                continue
+            if len(r.tokens) > w:
+                raise ValueError(f"a verification row of {len(r.tokens)} tokens exceeds verify_len {w}")
+            drafts = list(r.tokens[1:])
+            for j in range(len(r.tokens)):
+                bias = r.bias
+                if r.position_bias is not None and r.position_bias[j] is not None:
+                    bias = r.position_bias[j]
+                sub = dataclasses.replace(r, tokens=list(r.tokens[: j + 1]), verify=False, bias=bias)
+                t, lp, ids, lps = self._sample(sub, k)
+                token[i, j], logprob[i, j], top_ids[i, j], top_logprobs[i, j] = t, lp, ids, lps
+                if j < len(drafts) and drafts[j] == t:
+                    accepted[i] += 1
+                    continue
+                break
+        logits = None
+        if return_logits:
+            logits = np.zeros((n, w, self.vocab_size), np.float32)
+            for i in range(n):
+                for j in range(w):
+                    if token[i, j] >= 0:
+                        logits[i, j, token[i, j]] = 1.0
+        return StepOutput(token=token, logprob=logprob, top_ids=top_ids, top_logprobs=top_logprobs, logits=logits,
+                          shape=None, seconds=0.0, num_accepted=accepted)
+
+    def next_token(self, r):
+        if not self.script:
+            return (r.tokens[-1] + 1) % self.vocab_size
+        end = r.start_pos + len(r.tokens)  # tokens in context after this row
+        ctx_first = self.written.get((r.pages[0], 0))
+        if ctx_first in self.script:
+            prompt_len, tokens = self.script[ctx_first]
+            n_generated = end - prompt_len
+            if 0 <= n_generated < len(tokens):
+                return tokens[n_generated]
+        return (r.tokens[-1] + 1) % self.vocab_size
+
+    def warmup(self, progress=False, decode_steps=1):
+        return 0
+
+
+class ContextFakeEngine(FakeEngine):
+    """A fake whose next token depends on every token of the row's context as read back from the (fake) KV cache
+    through its page table: a lowercase letter, 97 + (sum of (position + 1) * token) % 26. A stale, missing or
+    misplaced KV entry (wrong page after preemption, a bad prefix-cache hit) changes the output."""
+
+    def next_token(self, r):
+        ps = self.page_size
+        end = r.start_pos + len(r.tokens)
+        acc = 0
+        for pos in range(end):
+            acc += (pos + 1) * self.written[(r.pages[pos // ps], pos % ps)]
+        return 97 + acc % 26
+
+
+@dataclasses.dataclass
+class Collected:
+    results: list
+    texts: dict
+    finals: dict
+
+
+def drain(gen, limit=10_000):
+    """Run the generator until empty; collect results, streamed text per identifier, final dicts."""
+    results, texts, finals = [], {}, {}
+    for _ in range(limit):
+        if not gen.num_remaining_jobs():
+            break
+        for r in gen.iterate():
+            results.append(r)
+            if r["stage"] == "streaming":
+                texts[r["identifier"]] = texts.get(r["identifier"], "") + r["text"]
+            if r["eos"]:
+                finals[r["identifier"]] = r
+    else:
+        raise AssertionError("generator did not finish")
+    return Collected(results, texts, finals)

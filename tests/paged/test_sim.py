@@ -1,0 +1,171 @@
+"""The simulator: the virtual clock, the StepTimeModel, the simulated engine's virtual timings, determinism for a
+seed, and one policy object driving both the real engine and the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.batch import RowInput
+from paged.buckets import BucketSpec
+from paged.clock import VirtualClock
+from paged.config import EngineConfig
+from paged.engine_api import EngineProtocol
+from paged.errors import InvalidConfigError
+from paged.policies import VLLMPolicy
+from paged.sim import FEATURES, SimulatedEngine, StepShape, StepTimeModel
+from paged.testing import ByteTokenizer, drain
+
+TOK = ByteTokenizer()
+GREEDY = SamplingSettings.greedy()
+CFG = EngineConfig(num_pages=33, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=128)
+
+
+def test_virtual_clock():
+    c = VirtualClock(2.0)
+    assert c() == 2.0
+    c.advance(0.5)
+    c.sleep(-1.0)  # like time.sleep: nothing
+    c.sleep(1.5)
+    assert c() == 4.0
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="cannot advance"):
+            c.advance(bad)
+
+
+def test_step_shape_from_rows_counts_prefill_decode_kv_and_padding():
+    spec = BucketSpec.from_config(CFG, attn_impl="xla")
+    rows = [RowInput(tokens=[1] * 10, start_pos=3, pages=[1, 2], sample=False),
+            RowInput(tokens=[5], start_pos=20, pages=[3, 4, 5]), RowInput(tokens=[6], start_pos=7, pages=[6])]
+    s = StepShape.from_rows(rows, spec)
+    assert (s.prefill_tokens, s.decode_rows, s.kv_tokens) == (10, 2, 13 + 21 + 8)
+    assert s.padded_tokens == 16  # one window of 16 holds the chunk of 10 and the two decode tokens
+    assert StepShape.from_rows(rows[1:], spec).padded_tokens == 2
+    assert StepShape.from_rows(rows).padded_tokens == 0
+
+
+def test_step_time_model_predict_fit_save_load(tmp_path):
+    m = StepTimeModel(0.01, {"prefill_tokens": 1e-3, "decode_rows": 2e-3, "kv_tokens": 1e-6})
+    assert m.predict(StepShape(100, 4, 1000, 128)) == pytest.approx(0.01 + 0.1 + 0.008 + 0.001)
+    rng = np.random.default_rng(0)
+    shapes = [StepShape(*map(int, rng.integers(0, 256, 4))) for _ in range(40)]
+    fit = StepTimeModel.fit(shapes, [m.predict(s) for s in shapes], device="cpu", model="m")
+    assert fit.base_s == pytest.approx(0.01) and fit.fit_stats["mean_abs_rel_error"] < 1e-9
+    assert all(fit.coef[f] == pytest.approx(m.coef.get(f, 0.0), abs=1e-12) for f in FEATURES)
+    path = tmp_path / "stm.json"
+    fit.save(path)
+    assert json.loads(path.read_text())["device"] == "cpu"
+    back = StepTimeModel.load(path)
+    assert back == fit
+    with pytest.raises(InvalidConfigError, match="unknown coefficient"):
+        StepTimeModel(0.0, {"flops": 1.0})
+    with pytest.raises(InvalidConfigError, match="base_s must be a finite number >= 0"):
+        StepTimeModel(-1.0)
+    with pytest.raises(InvalidConfigError, match="profile_step"):
+        StepTimeModel.load(tmp_path / "missing.json")
+    path.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(InvalidConfigError, match="schema"):
+        StepTimeModel.load(path)
+
+
+def test_simulated_engine_timings_are_virtual_and_exact():
+    sim = SimulatedEngine(CFG, StepTimeModel.constant(0.5))
+    assert isinstance(sim, EngineProtocol)
+    gen = DynamicGenerator(tokenizer=TOK, engine=sim)
+    assert gen.clock is sim.clock
+    sim.clock.advance(10.0)
+    gen.enqueue(Job(TOK.encode("a" * 20), 5, identifier="j"))  # 20-token prompt: chunks of 16 + 4
+    f = drain(gen).finals["j"]
+    assert gen.pending == [] and sim.clock() == 10.0 + 0.5 * 6  # 2 prefill steps (the 2nd samples) + 4 decodes
+    assert f["time_enqueued"] == 0.0 and f["time_prefill"] == 1.0 and f["time_generate"] == 2.0
+    assert f["job"].arrival == 10.0
+
+
+def test_simulated_engine_uses_the_model_of_each_step_shape():
+    m = StepTimeModel(0.001, {"prefill_tokens": 0.01, "decode_rows": 0.1})
+    sim = SimulatedEngine(CFG, m, record_steps=True)
+    gen = DynamicGenerator(tokenizer=TOK, engine=sim, decode_steps=2)
+    gen.enqueue(Job(TOK.encode("abc"), 5))
+    drain(gen)
+    shapes = [s for s, _ in sim.records]
+    assert shapes[0].prefill_tokens == 3 and all(s.decode_rows == 1 for s in shapes[1:])
+    assert sim.clock() == pytest.approx(sum(m.predict(s) for s in shapes))
+    assert sim.clock() == pytest.approx(0.001 + 0.03 + 4 * 0.101)
+
+
+def run_workload(seed: int, policy="vllm"):
+    rng = np.random.default_rng(seed)
+    sim = SimulatedEngine(EngineConfig(num_pages=17, page_size=8, max_batch_size=4, max_chunk_size=16,
+                                       max_seq_len=64), StepTimeModel(0.01, {"prefill_tokens": 1e-3}))
+    gen = DynamicGenerator(engine=sim, policy=policy)
+    arrivals = np.cumsum(rng.exponential(0.05, 40))
+    out, i = [], 0
+    while i < len(arrivals) or gen.num_remaining_jobs():
+        while i < len(arrivals) and arrivals[i] <= sim.clock():
+            gen.enqueue(Job(rng.integers(0, 250, int(rng.integers(4, 30))).tolist(), int(rng.integers(1, 30)),
+                            identifier=i))
+            i += 1
+        if not gen.num_remaining_jobs():
+            sim.clock.sleep(arrivals[i] - sim.clock())
+            continue
+        out += [(r["identifier"], sim.clock(), tuple(r.get("token_ids", ()))) for r in gen.iterate()]
+    return out, gen.metrics()["preemptions"]
+
+
+def test_simulation_is_deterministic_for_a_seed():
+    a, pa = run_workload(3)
+    b, pb = run_workload(3)
+    c, _ = run_workload(4)
+    assert a == b and pa == pb and pa > 0 and a != c
+
+
+class CountingPolicy(VLLMPolicy):
+    """The vLLM policy, counting how often each hook is consulted."""
+
+    def __init__(self):
+        self.calls = {"admit": 0, "prefill_budget": 0}
+
+    def admit(self, waiting, s):
+        self.calls["admit"] += 1
+        super().admit(waiting, s)
+
+    def prefill_budget(self, decode_rows, s):
+        self.calls["prefill_budget"] += 1
+        return super().prefill_budget(decode_rows, s)
+
+
+def test_one_policy_object_drives_the_real_engine_and_the_simulator():
+    """The same CountingPolicy instance schedules a tiny real model and the simulator; on the real engine the
+    preempted run's greedy output equals the unpreempted one (reserve pages, one job at a time, same engine)."""
+    from experiments.common import load_experiment_model
+
+    model = load_experiment_model("tiny")
+    policy = CountingPolicy()
+    kw = dict(num_pages=9, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64, max_penalty_range=0)
+    real = DynamicGenerator(model, policy=policy, **kw)
+    sim = SimulatedEngine(real.config, StepTimeModel.constant(0.01))
+    simulated = DynamicGenerator(engine=sim, policy=policy)
+    prompts = [list(range(1, 12)), list(range(20, 31))]  # 11 + 30 tokens: 6 pages each, 8 in the pool
+    outs = {}
+    for name, gen in (("real", real), ("sim", simulated)):
+        before = dict(policy.calls)
+        gen.enqueue([Job(p, 30, identifier=i, gen_settings=GREEDY) for i, p in enumerate(prompts)])
+        c = drain(gen)
+        assert all(policy.calls[k] > before[k] for k in before), name
+        assert gen.metrics()["preemptions"] >= 1, name
+        gen.pool.check({})
+        outs[name] = {k: f["full_completion"] for k, f in c.finals.items()}
+        assert {k: f["new_tokens"] for k, f in c.finals.items()} == {0: 30, 1: 30}
+    ref = DynamicGenerator(engine=real.engine, policy="exllamav2")  # one job at a time: never preempted
+    ref.enqueue([Job(p, 30, identifier=i, gen_settings=GREEDY) for i, p in enumerate(prompts)])
+    tokens = lambda g, c: {i: [t for r in c.results if r["identifier"] == i and r["stage"] == "streaming"
+                               for t in r["token_ids"]] for i in (0, 1)}
+    c_ref = drain(ref)
+    assert ref.metrics()["preemptions"] == 0
+    real.enqueue([Job(p, 30, identifier=i, gen_settings=GREEDY) for i, p in enumerate(prompts)])
+    c_real = drain(real)
+    assert real.metrics()["preemptions"] >= 2
+    assert tokens(real, c_real) == tokens(ref, c_ref)

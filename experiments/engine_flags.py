@@ -43,7 +43,7 @@ def define() -> None:
         help_text = f.metadata["help"]
         if f.name in EXPERIMENT_DEFAULTS and default is None:
             help_text += " (default: set by the script)"
-        if f.type in ("str", str):
+        if f.type in ("str", str, "Any"):  # Any: a kernel tuning, given as text ("block_q=16,..." or a JSON file)
             flags.DEFINE_string(f.name, default, help_text)
         else:
             flags.DEFINE_integer(f.name, default, help_text)

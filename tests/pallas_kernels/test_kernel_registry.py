@@ -293,3 +293,63 @@ def test_engine_config_rejects_bad_kernels_and_tunings(kernel_dir):
         EngineConfig(attn_impl="pallas", attn_tuning="block_k=8")
     with pytest.raises(InvalidConfigError, match="matmul_impl='nope'"):
         EngineConfig(matmul_impl="nope")
+
+
+# ------------------------------------------------------------------------------------------ the experiments
+def test_engine_flags_take_paths_and_tunings(kernel_dir):
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from experiments import engine_flags
+
+    engine_flags.define()
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["x", "--attn_impl=pallas", "--attn_tuning=block_q=8,k_splits=2", "--matmul_impl=xla"])
+        cfg = engine_flags.engine_config(2)
+        assert cfg.attn_tuning == AttentionTuning(block_q=8, k_splits=2) and cfg.matmul_tuning is None
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["x", "--attn_impl=ext_good:attention"])
+        assert engine_flags.engine_config(2).attn_impl == "ext_good:attention"
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["x", "--attn_impl=ext_nocap:attention"])
+        with pytest.raises(Exception, match=r"--attn_impl='ext_nocap:attention'.*soft_cap"):
+            engine_flags.engine_config(2)
+
+
+@pytest.mark.slow
+def test_generate_and_bench_serving_run_an_external_kernel(kernel_dir, tmp_path):
+    import shutil
+
+    import torch
+    import transformers
+
+    tok_dir = os.path.join(ROOT, "tests", "models", "data", "tiny_bpe")
+    vocab = len(json.load(open(os.path.join(tok_dir, "tokenizer.json")))["model"]["vocab"]) + 1
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   bos_token_id=1, eos_token_id=3, pad_token_id=0)
+    model_dir = tmp_path / "model"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tok_dir, name), model_dir / name)
+    common = [f"--model={model_dir}", "--max_seq_len=128", "--page_size=8", "--max_chunk_size=16",
+              "--max_batch_size=2", "--max_new_tokens=8", "--prompt=Tell me about caches.", "--noprogress"]
+    texts = {}
+    for impl in ("xla", "ext_good:attention"):
+        out = tmp_path / f"{impl.replace(':', '_')}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "experiments.generate", *common, f"--attn_impl={impl}",
+                               f"--output={out}"], cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        texts[impl] = json.loads(out.read_text().splitlines()[0])["completion"]
+    assert texts["ext_good:attention"] == texts["xla"] != ""  # greedy: the same text
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_serving", "--model=tiny", "--dataset=random", "--num_prompts=2",
+         "--input_len=6", "--output_len=3", "--max_concurrency=1", "--page_size=8", "--max_seq_len=32",
+         "--max_chunk_size=16", "--num_warmup=0", "--nocompile_all_buckets", "--noprogress", "--nomeasure_hardware",
+         "--attn_impl=ext_good:attention", f"--output_dir={tmp_path}", "--run_name=k"],
+        cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ext_good:attention" in (tmp_path / "k.jsonl").read_text()

@@ -52,6 +52,8 @@ class EngineProtocol(Protocol):
     - `timings`: cumulative seconds by phase (reported by `generator.metrics()`; may be empty);
     - `run(rows, ...)`: one step (or `num_steps` decode steps) over the rows; must not keep references to `rows`;
     - `warmup(...)`: compile or prepare every bucket; returns how many variants it prepared.
+    - optional `clock`: the engine's own clock (the simulator's virtual clock, `paged.clock.VirtualClock`), which
+      `DynamicGenerator` adopts when it is given no `clock=`, so every timing is in that clock's time.
     """
 
     config: EngineConfig

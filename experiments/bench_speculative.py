@@ -32,6 +32,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (rejection sampling)")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")
 flags.DEFINE_string("json_out", None, "write the record here")
+flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
+                  "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
 
 TEXTS = [
@@ -94,7 +96,8 @@ def main(argv):
             kw = dict(draft_model=drafts[drafter], num_draft_tokens=FLAGS.num_draft_tokens)
         gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), max_seq_len=1024, **kw)
         t0 = time.perf_counter()
-        gen.warmup()
+        if FLAGS.warmup:
+            gen.warmup()
         compile_s = time.perf_counter() - t0
         for wl in FLAGS.workloads:
             for bs in batch_sizes:
@@ -102,6 +105,7 @@ def main(argv):
                 jobs = [Job(tok.encode(p, encode_special_tokens=True), FLAGS.max_new_tokens, gen_settings=settings,
                             seed=FLAGS.seed + i, stop_conditions=[tok.eos_token_id] if hasattr(tok, "eos_token_id")
                             else None) for i, p in enumerate(prompts)]
+                before = gen.metrics()
                 gen.enqueue(jobs)
                 t0 = time.perf_counter()
                 finals = []
@@ -111,13 +115,20 @@ def main(argv):
                 new = sum(r["new_tokens"] for r in finals)
                 acc = sum(r.get("accepted_draft_tokens", 0) for r in finals)
                 rej = sum(r.get("rejected_draft_tokens", 0) for r in finals)
+                after = gen.metrics()
+                rows = after["verification_rows"] - before["verification_rows"]
+                hist = [a - b for a, b in zip(after["accepted_at_position"], before["accepted_at_position"])]
                 run = {"drafter": drafter, "workload": wl, "batch_size": bs, "new_tokens": new, "seconds": dt,
                        "tokens_per_s": new / dt, "accepted_draft_tokens": acc, "rejected_draft_tokens": rej,
                        "acceptance_rate": acc / (acc + rej) if acc + rej else None, "compile_s": compile_s,
+                       "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
+                       "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
                        "metrics": {k: v for k, v in gen.metrics().items() if not isinstance(v, (list, dict))}}
                 record["runs"].append(run)
+                rate, mal = run["acceptance_rate"], run["mean_accepted_length"]
                 print(f"{drafter:>9} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
-                      f"{run['acceptance_rate'] if run['acceptance_rate'] is not None else '-'}")
+                      f"{'-' if rate is None else f'{100 * rate:.1f}%'}  mean accepted length "
+                      f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
     base = {(r["workload"], r["batch_size"]): r["tokens_per_s"] for r in record["runs"] if r["drafter"] == "none"}
     for r in record["runs"]:
         b = base.get((r["workload"], r["batch_size"]))

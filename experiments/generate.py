@@ -70,6 +70,13 @@ flags.DEFINE_float("repetition_penalty", 1.0, "> 0, 1 = off")
 flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence (0 = off)")
 flags.DEFINE_float("presence_penalty", 0.0, "subtracted once per present token (0 = off)")
 flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the EOS token always stops)")
+# --- speculative decoding (docs/speculative.md): one drafter at most
+flags.DEFINE_string("draft_model", None, "speculative decoding with a draft model: an HF directory or .gguf sharing "
+                    "the model's tokenizer (e.g. experiments.distill_draft --out), or 'self:N' for the model's own "
+                    "first N layers (a truncated self-draft, no training)")
+flags.DEFINE_integer("num_draft_tokens", 4, "tokens drafted per job and step (with --draft_model or --ngram_draft)")
+flags.DEFINE_bool("ngram_draft", False, "speculative decoding with n-gram prompt lookup (no draft model)")
+flags.DEFINE_integer("max_ngram", 4, "--ngram_draft: longest suffix looked up in the prompt and output")
 # --- cache and engine: experiments/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
 
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
@@ -170,9 +177,47 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
         uses_penalties = build_settings().uses_penalties
     try:
         return DynamicGenerator(model, **engine_flags.generator_kwargs(max_batch_size or 1,
-                                                                      max_penalty_range=1024 if uses_penalties else 0))
+                                                                      max_penalty_range=1024 if uses_penalties else 0),
+                                **speculation_kwargs(model))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
+
+
+def speculation_kwargs(model) -> dict:
+    """The generator's speculative-decoding arguments from --draft_model / --ngram_draft (empty: none)."""
+    if FLAGS.ngram_draft and FLAGS.draft_model:
+        raise app.UsageError("--draft_model and --ngram_draft: choose one drafter")
+    if FLAGS.num_draft_tokens < 1 or FLAGS.max_ngram < 1:
+        raise app.UsageError("--num_draft_tokens and --max_ngram must be >= 1")
+    if FLAGS.ngram_draft:
+        return dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens)
+    if not FLAGS.draft_model:
+        return {}
+    from models import ModelError, load_model
+    from models.draft import truncated_model
+
+    src = FLAGS.draft_model
+    try:
+        if src.startswith("self:"):
+            try:
+                n = int(src[5:])
+            except ValueError:
+                raise app.UsageError(f"--draft_model {src}: 'self:N' takes a layer count, e.g. self:4") from None
+            draft = truncated_model(model, n)
+        else:
+            draft = load_model(src, dtype=FLAGS.dtype)  # its tokenizer, if it has one, must be the model's
+    except ModelError as e:
+        raise app.UsageError(f"--draft_model {src}: {e}") from e
+    return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens)
+
+
+def speculation_line(metrics: dict) -> str | None:
+    """"[speculative: ...]" with the acceptance rate and mean accepted length, or None without drafts."""
+    if not metrics.get("drafted_tokens"):
+        return None
+    return (f"[speculative: {metrics['accepted_draft_tokens']} / {metrics['drafted_tokens']} drafts accepted "
+            f"({100 * metrics['acceptance_rate']:.1f}%), mean accepted length {metrics['mean_accepted_length']:.2f} "
+            f"tokens per verification]")
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
@@ -395,6 +440,9 @@ def run_single(gen, tok, req: Request, *, sink: IO[str] | None = None, compiled:
     print()
     record = make_record(req, final)
     print(timing_line(record, compiled=compiled, total_s=time.perf_counter() - t0), file=sys.stderr)
+    line = speculation_line(gen.metrics())
+    if line:
+        print(line, file=sys.stderr)
     write_record(sink, record)
     return record
 
@@ -547,6 +595,9 @@ def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int 
         "decode_tok_s_mean": float(np.mean(rates)) if rates else nan,
         "output_tok_s": generated / wall_s if wall_s > 0 else nan,
         "wall_s": wall_s,
+        "drafted_tokens": metrics.get("drafted_tokens", 0),
+        "acceptance_rate": metrics.get("acceptance_rate", 0.0),
+        "mean_accepted_length": metrics.get("mean_accepted_length", 0.0),
     }
 
 
@@ -564,6 +615,9 @@ def format_summary(s: dict) -> str:
         ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}"),
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
+    if s.get("drafted_tokens"):
+        rows[-1:-1] = [("draft acceptance rate", f"{100 * s['acceptance_rate']:.1f}% of {s['drafted_tokens']} drafts"),
+                       ("mean accepted length", f"{s['mean_accepted_length']:.2f} tokens per verification")]
     width = max(len(k) for k, _ in rows)
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([rule] + [f"{k:<{width}}  {v}" for k, v in rows] + [rule])

@@ -249,16 +249,14 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
         filter_background_eval: bool = True,
         **kwargs: Any,
     ):
-        if draft_model is not None or draft_cache is not None:
-            raise _unsupported("draft_model", draft_model, "speculative decoding is not implemented yet")
-        if use_ngram_draft:
-            raise _unsupported("use_ngram_draft", use_ngram_draft, "speculative decoding is not implemented yet")
+        if draft_cache is not None and draft_model is None:
+            raise InvalidConfigError("ExLlamaV2DynamicGenerator: draft_cache without draft_model")
+        # draft_cache: the draft model's paged cache is built here, mirroring the main cache's pages
         if not paged:
             raise _unsupported("paged", paged, "only the paged cache exists")
         for name, value, default in (("max_q_size", max_q_size, 8), ("max_sampling_threads", max_sampling_threads, 16),
                                      ("min_sampling_threads", min_sampling_threads, 3),
-                                     ("filter_background_eval", filter_background_eval, True),
-                                     ("num_draft_tokens", num_draft_tokens, 4), ("max_ngram", max_ngram, 4)):
+                                     ("filter_background_eval", filter_background_eval, True)):
             if value != default:
                 warnings.warn(f"ExLlamaV2DynamicGenerator: {name}={value!r} has no effect here (it tunes ExLlamaV2's "
                               "own implementation)", stacklevel=2)
@@ -274,7 +272,8 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
             if max_seq_len is None:  # one job may use the whole budget, up to the model's positions
                 max_seq_len = min(cache.max_seq_len, model.config.max_position_embeddings)
         super().__init__(model, tokenizer, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         max_chunk_size=max_chunk_size, **native)
+                         max_chunk_size=max_chunk_size, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                         use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, **native)
 
     def reset_page_table(self) -> None:
         """Forget the prompt cache (live jobs keep their pages)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from paged import spec_step
 from paged.buckets import next_pow2
 from paged.clock import wall_clock
 from paged.config import EngineConfig
@@ -44,6 +45,8 @@ from paged.page_pool import PagePool
 from paged.policies import Policy, make_policy
 from paged.scheduler import Scheduler
 from paged.settings import SamplingSettings
+from paged.spec_step import SpeculativeStep, check_speculation_args
+from paged.speculative import Accepted
 from paged.streaming import TextStream
 
 # Settings that belong to the engine (they shape the cache and the compiled buckets) rather than to the host loop.
@@ -84,6 +87,10 @@ class DynamicGenerator:
         config: EngineConfig | None = None,
         engine: EngineProtocol | None = None,
         clock: Callable[[], float] | None = None,
+        draft_model: Any = None,
+        num_draft_tokens: int = 4,
+        use_ngram_draft: bool = False,
+        max_ngram: int = 4,
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
@@ -96,7 +103,15 @@ class DynamicGenerator:
         (`paged.policies`; the policy's `allocation` decides between reserved and on-demand pages). `clock`: the
         zero-argument callable (seconds) behind every job timestamp (arrival, first and last token); default: the
         engine's `clock` attribute if it has one (a simulated engine's virtual clock), else `time.perf_counter`.
+
+        Speculative decoding (docs/speculative.md): `draft_model` (a `models.Model` with the model's vocabulary and
+        tokenizer, e.g. `models.draft.truncated_model(model, n)`) or `use_ngram_draft=True` (prompt lookup over the
+        last `max_ngram` tokens) drafts up to `num_draft_tokens` tokens per decoding job and step, verified in the same
+        ragged step; the output is the one without speculation (greedy: token for token; sampled: in distribution,
+        seeded reruns identical). Without a drafter nothing changes. Decode bursts (`decode_steps`) are off while
+        speculating.
         """
+        speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram)
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
@@ -148,6 +163,12 @@ class DynamicGenerator:
         self.scheduler = Scheduler(self.config, self.pool, self.policy, self.vocab_size, self.pending, self.active,
                                    self.clock)
         self.output = JobOutput(self.pool, self.page_size, self._piece)
+        self.speculation: SpeculativeStep | None = None
+        if speculate:
+            self.speculation = SpeculativeStep(engine, self.scheduler, draft_model=draft_model,
+                                               num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
+                                               max_ngram=max_ngram, tokenizer=tokenizer)
+            self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
@@ -277,6 +298,8 @@ class DynamicGenerator:
 
     def _retire(self, job: Job) -> None:
         self.active.remove(job)
+        if self.speculation is not None:
+            self.speculation.release(job)
         self.pool.release(job.pages)
         job.pages = []
 
@@ -317,16 +340,29 @@ class DynamicGenerator:
         top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
         want_logits = any(j.return_logits for j in owners)
         waiting = bool(self.pending) and len(self.active) < self.max_batch_size
-        k = self.scheduler.burst(rows, owners, want_logits, waiting)
-        t1 = time.perf_counter()
-        out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
+        items = None
+        if self.speculation is None:
+            k = self.scheduler.burst(rows, owners, want_logits, waiting)
+            t1 = time.perf_counter()
+            out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
+        else:  # draft, verify, accept (paged/spec_step.py); one step, no bursts
+            k = 1
+            t1 = time.perf_counter()
+            out, items = self.speculation.run(self.engine, rows, owners, return_top_k=top_k,
+                                              return_logits=want_logits)
         self.steps += k
         t2 = time.perf_counter()
         now = self.clock()
         self.timings["schedule_s"] += t1 - t0
         self.timings["engine_s"] += t2 - t1
         try:
-            if k == 1:
+            if items is not None:
+                for row, job, item in zip(rows, owners, items):
+                    try:
+                        self._collect_accepted(row, job, item, out.seconds, now, results)
+                    except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
+                        results.append(self._fail(job, e, now))
+            elif k == 1:
                 self._collect(rows, owners, out, now, results)
             else:  # step i's tokens are fed as if they came from single steps, skipping jobs that ended
                 live = [(r, j, i) for i, (r, j) in enumerate(zip(rows, owners))]
@@ -359,25 +395,47 @@ class DynamicGenerator:
             return
         if n > 1:
             self.tokens_prefilled += n
-        logprob = float(out.logprob[i])
-        if not np.isfinite(logprob):
-            raise JobFailure(f"the sampler returned token {int(out.token[i])} with log-probability {logprob}: no "
-                             "token was allowed at this position, or the model produced non-finite logits")
-        extras = {}
-        if job.return_probs:
-            extras["token_probs"] = float(np.exp(logprob))
-        if job.return_top_tokens:
-            k = job.return_top_tokens
-            extras["top_k_tokens"] = out.top_ids[i, :k].tolist()
-            extras["top_k_probs"] = np.exp(out.top_logprobs[i, :k]).tolist()
-        if job.return_logits:
-            extras["logits"] = out.logits[i]
+        extras = _extras(job, int(out.token[i]), float(out.logprob[i]), out.top_ids[i], out.top_logprobs[i],
+                         None if out.logits is None else out.logits[i])
         r = self.output.receive(job, int(out.token[i]), extras, now)
         self.tokens_generated += 1
         results.append(r)
         if r["eos"]:
             self._retire(job)
             self.jobs_completed += 1
+
+    def _collect_accepted(self, row: Any, job: Job, item: Accepted, seconds: float, now: float,
+                          results: list[dict]) -> None:
+        """`_collect_one` for a speculative step: the row's tokens (none, one, or accepted drafts and the target's
+        next token) are fed one at a time (`JobOutput.feed`)."""
+        n = len(row.tokens)
+        if job.time_first_prefill is None:
+            job.time_first_prefill = now - seconds
+        if not item.tokens:
+            self.output.advance(job, item.kv_advance)
+            self.tokens_prefilled += n
+            results.append({**self.output.base(job, "prefill"), "curr_progress": job.kv_position,
+                            "max_progress": len(job.sequence)})
+            return
+        if n > 1:
+            self.tokens_prefilled += n
+        extras, error = [], None
+        for i, t in enumerate(item.tokens):  # tokens up to a non-finite one are kept, then the job fails
+            try:
+                extras.append(_extras(job, t, float(item.logprobs[i]), item.top_ids[i], item.top_logprobs[i],
+                                      None if item.logits is None else item.logits[i]))
+            except JobFailure as e:
+                error = e
+                break
+        for r in self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now):
+            self.tokens_generated += 1
+            results.append(r)
+            if r["eos"]:
+                self._retire(job)
+                self.jobs_completed += 1
+                return
+        if error is not None:
+            raise error
 
     def _piece(self, token: int) -> str:
         tok = self.tokenizer
@@ -395,6 +453,7 @@ class DynamicGenerator:
             "jobs_failed": self.jobs_failed, "steps_failed": self.steps_failed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
             "preemptions": self.scheduler.preemptions, "tokens_recomputed": self.scheduler.tokens_recomputed,
+            **(self.speculation.metrics() if self.speculation is not None else spec_step.empty_metrics()),
             **{f"time_{k}": v for k, v in self.timings.items()},
             **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},
         }
@@ -403,7 +462,10 @@ class DynamicGenerator:
         """Compile every step bucket (and the multi-step decode variants with decode_steps > 1), then forget the
         prompt cache. Returns the number of variants compiled."""
         with self.lock:
-            n = self.engine.warmup(progress=progress, decode_steps=self.decode_steps)
+            if self.speculation is None:
+                n = self.engine.warmup(progress=progress, decode_steps=self.decode_steps)
+            else:  # no bursts while speculating; the verification buckets, and the draft model's variants
+                n = self.engine.warmup(progress=progress) + self.speculation.warmup(progress)
             self.pool.reset_cache()
             return n
 
@@ -500,6 +562,24 @@ class DynamicGenerator:
         if return_last_results:
             return out, (last[0] if single else last)
         return out
+
+
+def _extras(job: Job, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray,
+            logits: np.ndarray | None) -> dict:
+    """The per-token extras a job asked for (probability, top-k, logits); a non-finite log-probability fails it."""
+    if not np.isfinite(logprob):
+        raise JobFailure(f"the sampler returned token {token} with log-probability {logprob}: no "
+                         "token was allowed at this position, or the model produced non-finite logits")
+    extras = {}
+    if job.return_probs:
+        extras["token_probs"] = float(np.exp(logprob))
+    if job.return_top_tokens:
+        k = job.return_top_tokens
+        extras["top_k_tokens"] = top_ids[:k].tolist()
+        extras["top_k_probs"] = np.exp(top_logprobs[:k]).tolist()
+    if job.return_logits:
+        extras["logits"] = logits
+    return extras
 
 
 def _check_model(model: Any) -> None:

@@ -66,6 +66,23 @@ class JobOutput:
             self.pool.truncate(job.pages[p], c - p * ps)
 
     # ------------------------------------------------------------------ results
+    def feed(self, job: Job, tokens: list[int], kv_advance: int, extras: list[dict], now: float) -> list[dict]:
+        """Several tokens of one row (speculative decoding: accepted drafts, then the target's token), fed one at a
+        time as if each came from its own step. `kv_advance` of the row's tokens have valid K/V: the row's input and
+        the accepted drafts. The K/V of a draft is counted only once the draft has been received, so the job's KV
+        position never passes its sequence; feeding stops at the first token that ends the job or rewinds it (the
+        later ones were conditioned on it). Returns the `streaming` results."""
+        self.advance(job, kv_advance - max(len(tokens) - 1, 0))
+        out = []
+        for i, (token, ex) in enumerate(zip(tokens, extras)):
+            if i:
+                self.advance(job, 1)  # the draft received just before has its K/V in the cache
+            r = self.receive(job, token, ex, now)
+            out.append(r)
+            if r["eos"] or "suppressed_tokens" in r:
+                break
+        return out
+
     def receive(self, job: Job, token: int, extras: dict, now: float) -> dict:
         """Append a sampled token to the job and return its `streaming` result (final, with `eos=True`, when a stop
         condition or max_new_tokens ends the job)."""
@@ -120,6 +137,8 @@ class JobOutput:
         return dict(
             eos=True, eos_reason=reason, full_completion=job.full_completion, new_tokens=job.new_tokens,
             prompt_tokens=job.prompt_len, cached_tokens=job.cached_tokens, preemptions=job.preemptions,
+            accepted_draft_tokens=job.accepted_draft_tokens,
+            rejected_draft_tokens=job.drafted_tokens - job.accepted_draft_tokens,
             cached_pages=job.cached_tokens // self.page_size,
             time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
             time_prefill=first_token - (job.time_first_prefill or first_token),

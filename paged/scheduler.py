@@ -81,6 +81,7 @@ class Scheduler:
         self.preemptions = 0
         self.tokens_recomputed = 0  # tokens of preempted jobs whose KV had to be computed again
         self._started: Callable[[Job], None] = lambda job: None
+        self.on_release: Callable[[Job], None] = lambda job: None  # a job lost its pages (speculative state reset)
         self._budget = 0
         self._prefill_rows = 0
 
@@ -142,6 +143,7 @@ class Scheduler:
         job.preemptions += 1
         self.preemptions += 1
         self.pending.insert(0, job)
+        self.on_release(job)
 
     def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
         if len(self.active) - len(victims) >= self.config.max_batch_size:
@@ -184,14 +186,8 @@ class Scheduler:
         and logit bias (settings' bias and bans, stop tokens before min_new_tokens, token healing, tokens banned at
         this position by earlier banned-string rewinds)."""
         s = job.gen_settings
-        bias = s.bias()
-        if job.new_tokens < job.min_new_tokens:
-            bias.update({t: -math.inf for t in job.stop_tokens})
         sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
-        if job.new_tokens == 0 and job.healing_allowed:
-            # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
-            bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
-        bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
+        bias = self._bias(job, sample_index, job.new_tokens)
         if sample and sum(1 for v in bias.values() if v == -math.inf) >= self.vocab_size:
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
@@ -200,6 +196,23 @@ class Scheduler:
         history = job.sequence[max(0, end - window) : end] if s.uses_penalties and window else ()
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
                         sampling=s.device_row(job.seed), history=history, bias=bias)
+
+    def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
+        """The logit bias of the token at `job.sequence[sample_index]`, the job's output token number `out_index`."""
+        bias = job.gen_settings.bias()
+        if out_index < job.min_new_tokens:
+            bias.update({t: -math.inf for t in job.stop_tokens})
+        if out_index == 0 and job.healing_allowed:
+            # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
+            bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
+        bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
+        return bias
+
+    def sample_bias(self, job: Job, sample_index: int) -> dict[int, float] | None:
+        """The bias a row sampling `job.sequence[sample_index]` would get (`sample_index >= len(job.sequence)`: a
+        speculative draft position), or None where every token is banned."""
+        bias = self._bias(job, sample_index, job.new_tokens + sample_index - len(job.sequence))
+        return None if sum(1 for v in bias.values() if v == -math.inf) >= self.vocab_size else bias
 
     def plan(self) -> tuple[list[RowInput], list[Job], list[tuple[Job, Exception]]]:
         """Rows of the next step and the job of each row; jobs whose row could not be built come back as failures

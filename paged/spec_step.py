@@ -1,0 +1,119 @@
+"""The generator's side of speculative decoding: which rows of a step may speculate and how far, the step itself
+(`Speculator.plan` -> `engine.run` -> `Speculator.accept`), and the per-job counters. `DynamicGenerator` holds one
+`SpeculativeStep` when it was given a drafter (`draft_model=` or `use_ngram_draft=True`) and none otherwise, in
+which case nothing here runs and the step is exactly the non-speculative one.
+
+A decoding job's row (one token to feed) verifies up to `max_drafts` drafts:
+    min(num_draft_tokens,
+        max_new_tokens - new_tokens - 1,            # the row emits up to drafts + 1 tokens: never more than asked
+        len(pages) * page_size - kv_position - 1)   # the row writes KV at kv .. kv + drafts: inside its own pages
+and the bias at each drafted position is the one the scheduler would give the row that samples there (stop tokens
+before `min_new_tokens`, tokens banned there by banned-string rewinds, the settings' bias and bans); drafting stops
+before a position where every token is banned. Prefill chunks (and the chunk that samples the first token) share
+the step unchanged. The tokens of each row then go through `JobOutput.feed`, one at a time, as if they had come
+from single steps (see the module docstring of `paged.speculative` for the call sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from paged.batch import RowInput
+from paged.errors import InvalidConfigError
+from paged.speculative import Accepted, SpecRow, Speculator
+
+
+def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any) -> bool:
+    """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
+    given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise InvalidConfigError(f"DynamicGenerator: num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
+        raise InvalidConfigError(f"DynamicGenerator: max_ngram must be an int >= 1, got {max_ngram!r}")
+    if not isinstance(use_ngram_draft, bool):
+        raise InvalidConfigError(f"DynamicGenerator: use_ngram_draft must be a bool, got {use_ngram_draft!r}")
+    if draft_model is not None and use_ngram_draft:
+        raise InvalidConfigError("DynamicGenerator: speculative decoding takes one drafter: pass draft_model= or "
+                                 "use_ngram_draft=True, not both")
+    return draft_model is not None or use_ngram_draft
+
+
+class SpeculativeStep:
+    """Drafts, verifies and accepts for one generator (see the module docstring).
+
+    `scheduler` provides `sample_bias(job, index)` (the logit bias of the row that samples sequence index `index`, or
+    None where every token is banned) and the engine config; `engine` must support verification rows
+    (`enable_verification`), and a draft model needs the JAX `paged.engine.Engine`."""
+
+    def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
+                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None):
+        if not hasattr(engine, "enable_verification"):
+            raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
+                                     f"(enable_verification); {type(engine).__name__} does not")
+        if draft_model is not None and not (hasattr(engine, "verify_plan") and hasattr(engine, "model")):
+            raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.engine.Engine as the "
+                                     f"target (it mirrors its cache), not {type(engine).__name__}")
+        self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                                     use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer)
+        self.k = num_draft_tokens
+        self.scheduler = scheduler
+        self.page_size = scheduler.config.page_size
+        self.max_penalty_range = scheduler.config.max_penalty_range
+
+    # ------------------------------------------------------------------ rows
+    def max_drafts(self, job: Any, row: RowInput) -> int:
+        if not (row.sample and len(row.tokens) == 1):
+            return 0
+        room = len(job.pages) * self.page_size - job.kv_position - 1
+        return max(0, min(self.k, job.max_new_tokens - job.new_tokens - 1, room))
+
+    def spec_row(self, row: RowInput, job: Any) -> SpecRow:
+        m = self.max_drafts(job, row)
+        base = job.kv_position + len(row.tokens)  # sequence index the row's first position samples
+        biases = []
+        for j in range(1, m + 1):
+            b = self.scheduler.sample_bias(job, base + j)
+            if b is None:  # every token banned there: draft no further
+                m = j - 1
+                break
+            biases.append(b)
+        s = job.gen_settings
+        window = min(s.penalty_range, self.max_penalty_range) if s.uses_penalties else 0
+        return SpecRow(key=job, row=row, sequence=job.sequence, max_drafts=m,
+                       bias_at=lambda j, biases=biases: biases[j - 1], penalty_window=window)
+
+    # ------------------------------------------------------------------ the step
+    def run(self, engine: Any, rows: Sequence[RowInput], owners: Sequence[Any], *, return_top_k: int,
+            return_logits: bool) -> tuple[Any, list[Accepted]]:
+        """Draft, run the step (verification rows where there are drafts), accept. Returns the engine's output
+        and one `Accepted` per row, in order."""
+        plan = self.speculator.plan([self.spec_row(r, j) for r, j in zip(rows, owners)])
+        kw = {} if plan.draft_logprobs is None else {"draft_logprobs": plan.draft_logprobs}
+        out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
+        items = self.speculator.accept(plan, out)
+        for job, item in zip(owners, items):
+            job.drafted_tokens += item.num_drafted
+            job.accepted_draft_tokens += item.num_accepted
+        return out, items
+
+    # ------------------------------------------------------------------ bookkeeping
+    def release(self, job: Any) -> None:
+        """Forget the job's drafter state (finished, failed, cancelled or preempted)."""
+        self.speculator.release(job)
+
+    def warmup(self, progress: bool = False) -> int:
+        return self.speculator.warmup(progress)
+
+    def metrics(self) -> dict:
+        s = self.speculator.stats()
+        return {"drafted_tokens": s["drafted_tokens"], "accepted_draft_tokens": s["accepted_draft_tokens"],
+                "rejected_draft_tokens": s["rejected_draft_tokens"], "acceptance_rate": s["acceptance_rate"],
+                "mean_accepted_length": s["mean_accepted_length"], "verification_rows": self.speculator.rounds,
+                "accepted_at_position": s["accepted_at_position"]}
+
+
+def empty_metrics() -> dict:
+    """`SpeculativeStep.metrics()` of a generator that does not speculate."""
+    return {"drafted_tokens": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0, "acceptance_rate": 0.0,
+            "mean_accepted_length": 0.0, "verification_rows": 0, "accepted_at_position": []}

@@ -1,0 +1,448 @@
+"""Speculative decoding through the real `DynamicGenerator` (phase 2 of the feature: the generator wiring).
+
+Two engines: the hand-checkable fake (`paged.testing.FakeEngine`, which verifies one-hot n-gram drafts greedily) for
+everything downstream of the step (stop tokens and strings, banned-string rewinds, UTF-8 hold-back,
+min/max_new_tokens, per-token extras, token healing, page accounting under random enqueue / cancel / iterate and
+preemption), and tiny random JAX models for greedy identity with every drafter, mixed prefill/speculation batches
+and seeded reruns at temperature > 0. In every case the output must be the non-speculative generator's, result for
+result."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from models import ModelConfig, init_random_weights
+from models.draft import truncated_model
+from models.loader import Model
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsync
+from paged.errors import InvalidConfigError
+from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain
+
+TOK = ByteTokenizer()
+GREEDY = SamplingSettings.greedy()
+SKIP = ("job", "time_enqueued", "time_prefill", "time_generate", "cached_tokens", "cached_pages", "preemptions",
+        "accepted_draft_tokens", "rejected_draft_tokens", "serial")
+
+
+class CopyFakeEngine(ContextFakeEngine):
+    """Mostly copies the token `PERIOD` positions back (so prompt lookup drafts well), except where a hash of the
+    whole context read back through the page table says otherwise: a stale or misplaced KV entry (a rejected draft
+    left visible, a page registered over unaccepted tokens) changes the output."""
+
+    PERIOD = 6
+
+    def next_token(self, r):
+        ps = self.page_size
+        end = r.start_pos + len(r.tokens)
+        ctx = [self.written[(r.pages[p // ps], p % ps)] for p in range(end)]
+        acc = sum((p + 1) * t for p, t in enumerate(ctx))
+        if end < self.PERIOD or acc % 5 == 0:
+            return 97 + acc % 26
+        return ctx[end - self.PERIOD]
+
+
+def stream_of(results) -> dict:
+    """Per identifier: its streaming results without the keys that legitimately differ (timing, cache hits)."""
+    out = collections.defaultdict(list)
+    for r in results:
+        if r["stage"] != "streaming":
+            continue
+        d = {}
+        for k, v in r.items():
+            if k in SKIP:
+                continue
+            d[k] = np.asarray(v).tolist() if k == "logits" else v
+        out[r["identifier"]].append(d)
+    return dict(out)
+
+
+def fake_jobs():
+    """Jobs exercising every per-token path; prompts repeat so that prompt lookup proposes (and is often right)."""
+    rep = "the cat sat. the cat sat. the cat "
+    return [
+        Job(TOK.encode(rep), 20, gen_settings=GREEDY, identifier="plain"),
+        Job(TOK.encode(rep + "sat."), 24, gen_settings=GREEDY, identifier="stop", stop_conditions=["ca", 256]),
+        Job(TOK.encode("abcabcabcab"), 18, gen_settings=GREEDY, identifier="banned", banned_strings=["cab", "BC"]),
+        Job(TOK.encode("xyzxyzxyzx"), 9, min_new_tokens=6, gen_settings=GREEDY, identifier="min",
+            stop_conditions=[ord("y"), ord("z")]),
+        Job(TOK.encode("hello hello hel"), 7, gen_settings=GREEDY, identifier="extras", return_probs=True,
+            return_top_tokens=3, return_logits=True),
+        Job(TOK.encode("ababab\xc3"), 6, gen_settings=GREEDY, identifier="utf8"),
+        Job(TOK.encode("heal heal hea"), 8, gen_settings=GREEDY, identifier="healing", token_healing=True),
+        Job(TOK.encode("qq"), 1, gen_settings=GREEDY, identifier="one"),
+    ]
+
+
+def run_fake(engine_cls=FakeEngine, spec=None, policy="exllamav2", jobs=None, **engine_kw):
+    kw = dict(num_pages=64, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96)
+    gen = DynamicGenerator(tokenizer=TOK, engine=engine_cls(**{**kw, **engine_kw}), policy=policy, **(spec or {}))
+    gen.enqueue(jobs if jobs is not None else fake_jobs())
+    c = drain(gen)
+    gen.pool.check({})
+    return gen, c
+
+
+NGRAM = dict(use_ngram_draft=True, num_draft_tokens=4, max_ngram=3)
+
+
+@pytest.mark.parametrize("engine_cls", [FakeEngine, CopyFakeEngine])
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_speculation_streams_exactly_the_non_speculative_results(engine_cls, k):
+    _, ref = run_fake(engine_cls)
+    gen, got = run_fake(engine_cls, {**NGRAM, "num_draft_tokens": k})
+    assert stream_of(got.results) == stream_of(ref.results)
+    m = gen.metrics()
+    assert 0 < m["drafted_tokens"] and m["accepted_draft_tokens"] <= m["drafted_tokens"]
+    if engine_cls is CopyFakeEngine:  # copies: prompt lookup drafts well (the counting fake rarely repeats itself)
+        assert m["drafted_tokens"] > 30 and m["acceptance_rate"] > 0.3 and m["accepted_draft_tokens"] > 10
+    assert sum(f["accepted_draft_tokens"] for f in got.finals.values()) == m["accepted_draft_tokens"]
+    assert sum(f["rejected_draft_tokens"] for f in got.finals.values()) == m["rejected_draft_tokens"]
+    assert len(m["accepted_at_position"]) == k and m["accepted_at_position"][0] >= m["accepted_at_position"][-1]
+    assert m["acceptance_rate"] == m["accepted_draft_tokens"] / m["drafted_tokens"]
+    for f in ref.finals.values():
+        assert f["accepted_draft_tokens"] == f["rejected_draft_tokens"] == 0  # present without speculation too
+
+
+def test_rewinds_stop_strings_and_limits_really_happen_with_drafts():
+    """The scenario is not vacuous: drafts were accepted past a banned string (then rewound), max_new_tokens is
+    never exceeded, stop tokens before min_new_tokens are skipped, and a stop string ends a job mid-row."""
+    gen, c = run_fake(CopyFakeEngine, NGRAM)
+    assert any(r.get("suppressed_tokens") for r in c.results if r["identifier"] == "banned")
+    for j in fake_jobs():
+        f = c.finals[j.identifier]
+        assert f["new_tokens"] <= j.max_new_tokens
+    assert c.finals["min"]["new_tokens"] >= 6
+    assert gen.metrics()["accepted_draft_tokens"] > 0
+
+
+def test_no_drafter_leaves_the_step_alone():
+    """Without a drafter the generator builds no speculator and the engine never sees a verification row."""
+    gen, _ = run_fake(FakeEngine)
+    assert gen.speculation is None and not any(r.verify for rows in gen.engine.calls for r in rows)
+    gen, _ = run_fake(FakeEngine, NGRAM)
+    assert any(r.verify for rows in gen.engine.calls for r in rows)
+
+
+def test_drafts_never_write_past_the_reserved_pages():
+    """Every verification row's positions lie inside its own pages (the fake records the writes)."""
+    gen, _ = run_fake(CopyFakeEngine, {**NGRAM, "num_draft_tokens": 6}, page_size=8)
+    for rows in gen.engine.calls:
+        for r in rows:
+            assert r.start_pos + len(r.tokens) <= len(r.pages) * 8
+
+
+@pytest.mark.parametrize("policy", ["vllm", "priority"])
+def test_preemption_with_speculation_keeps_outputs_and_pages_exact(policy):
+    """On-demand pages with preemption by recompute, speculation on: the outputs are those of ample pages
+    without speculation, and the preempted jobs' drafter state is reset (the n-gram index resyncs)."""
+    rng = random.Random(3)
+    specs = []
+    for _ in range(10):
+        text = rng.choice(["abcabcabc", "the cat the cat ", "xyxyxy"]) + "".join(rng.choice("abc ") for _ in range(5))
+        specs.append(dict(text=text, n=rng.randint(4, 16), prio=rng.randint(0, 2), banned=rng.random() < 0.3))
+
+    def jobs():
+        return [Job(TOK.encode(s["text"]), s["n"], gen_settings=GREEDY, priority=s["prio"], identifier=i,
+                    banned_strings=["ca"] if s["banned"] else None) for i, s in enumerate(specs)]
+
+    _, ref = run_fake(CopyFakeEngine, jobs=jobs(), page_size=4, num_pages=64, max_seq_len=48)
+    released = collections.Counter()
+    gen = DynamicGenerator(tokenizer=TOK, engine=CopyFakeEngine(num_pages=14, page_size=4, max_batch_size=4,
+                                                                max_chunk_size=16, max_seq_len=48), policy=policy,
+                           **NGRAM)
+    release = gen.scheduler.on_release
+
+    def spy(job):
+        released[job.identifier] += 1
+        release(job)
+
+    gen.scheduler.on_release = spy
+    jobs_ = jobs()
+    gen.enqueue(jobs_)
+    got = drain(gen)
+    gen.pool.check({})
+    assert gen.metrics()["preemptions"] > 0 and gen.metrics()["accepted_draft_tokens"] > 0
+    assert stream_of(got.results) == stream_of(ref.results)
+    for j in jobs_:  # each preemption dropped the job's drafter state
+        assert released[j.identifier] == j.preemptions
+    assert not gen.speculation.speculator._ngrams  # and so did the end of every job
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("enqueue"), st.sampled_from(["", "abcabcab", "the cat the cat "]),
+                  st.text(alphabet="abc", min_size=1, max_size=10), st.integers(1, 14), st.booleans()),
+        st.tuples(st.just("cancel"), st.integers(0, 50)),
+        st.tuples(st.just("iterate"), st.integers(1, 4)),
+    ),
+    min_size=1, max_size=60,
+)
+
+
+def test_page_accounting_is_exact_under_random_operations_with_speculation():
+    totals: collections.Counter = collections.Counter()
+
+    @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(ops=ops, num_pages=st.integers(10, 24), policy=st.sampled_from(["exllamav2", "vllm"]))
+    def check(ops, num_pages, policy):
+        gen = DynamicGenerator(tokenizer=TOK, engine=CopyFakeEngine(num_pages=num_pages, page_size=4, max_batch_size=3,
+                                                                    max_chunk_size=8, max_seq_len=40),
+                               policy=policy, **NGRAM)
+        jobs, cancelled, finals = [], set(), {}
+
+        def verify():
+            refs = collections.Counter(p for j in gen.active for p in j.pages)
+            gen.pool.check(dict(refs))
+            for j in gen.active:  # the cache holds exactly the job's accepted tokens below its KV position
+                assert j.kv_position <= len(j.sequence)
+                for pos in range(j.kv_position):
+                    assert gen.engine.written[(j.pages[pos // 4], pos % 4)] == j.sequence[pos], (j, pos)
+
+        for op in ops:
+            if op[0] == "enqueue":
+                _, prefix, suffix, n, ban = op
+                j = Job(TOK.encode(prefix + suffix), n, gen_settings=GREEDY, identifier=len(jobs),
+                        banned_strings=["ca"] if ban else None)
+                if -(-(j.prompt_len + n) // 4) > num_pages or j.prompt_len + n > 40:
+                    continue
+                gen.enqueue(j)
+                jobs.append(j)
+            elif op[0] == "cancel" and jobs:
+                j = jobs[op[1] % len(jobs)]
+                if j.identifier not in finals:
+                    totals["cancelled_running"] += j in gen.active
+                    cancelled.add(j.identifier)
+                gen.cancel(j)
+            else:
+                for _ in range(op[1]):
+                    for r in gen.iterate():
+                        assert r["identifier"] not in cancelled
+                        if r["eos"]:
+                            finals[r["identifier"]] = r
+                    verify()
+            verify()
+        drain(gen)
+        gen.pool.check({})
+        assert gen.pool.num_referenced == 0 and not gen.speculation.speculator._ngrams
+        totals["accepted"] += gen.metrics()["accepted_draft_tokens"]
+        totals["preemptions"] += gen.metrics()["preemptions"]
+
+    check()
+    assert totals["accepted"] > 100 and totals["cancelled_running"] >= 3, totals
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0), tokenizer=TOK, source="tiny")
+OTHER = Model(config=CFG, params=init_random_weights(CFG, seed=7), tokenizer=TOK, source="tiny-other")
+SETTINGS = dict(num_pages=48, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_penalty_range=0)
+
+
+def test_invalid_speculation_arguments():
+    with pytest.raises(InvalidConfigError, match="not both"):
+        DynamicGenerator(MODEL, draft_model=MODEL, use_ngram_draft=True, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="num_draft_tokens"):
+        DynamicGenerator(MODEL, use_ngram_draft=True, num_draft_tokens=0, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="max_ngram"):
+        DynamicGenerator(MODEL, use_ngram_draft=True, max_ngram=0, **SETTINGS)
+    small = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
+                        num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(InvalidConfigError, match="vocabulary"):
+        DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
+                                                  source="small"), **SETTINGS)
+
+    class OtherBytes(ByteTokenizer):
+        def token_bytes(self, t):
+            return b"?" if t == 65 else super().token_bytes(t)
+
+    other_tok = Model(config=CFG, params=OTHER.params, tokenizer=OtherBytes(), source="other-tok")
+    with pytest.raises(InvalidConfigError, match="tokenizer"):
+        DynamicGenerator(MODEL, draft_model=other_tok, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="draft model needs"):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), draft_model=MODEL)
+
+
+def test_compat_aliases_accept_the_speculation_arguments():
+    g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, use_ngram_draft=True, num_draft_tokens=3, max_ngram=2, **SETTINGS)
+    assert g.speculation is not None and g.speculation.k == 3 and g.speculation.speculator.max_ngram == 2
+    g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, draft_model=truncated_model(MODEL, 1), **SETTINGS)
+    assert g.speculation.speculator.draft is not None
+    a = ExLlamaV2DynamicGeneratorAsync(MODEL, None, TOK, use_ngram_draft=True, **SETTINGS)
+    assert a.generator.speculation is not None
+    with pytest.raises(InvalidConfigError, match="not both"):
+        ExLlamaV2DynamicGenerator(MODEL, None, TOK, draft_model=MODEL, use_ngram_draft=True, **SETTINGS)
+
+
+# ---------------------------------------------------------------------------------------------- tiny JAX models
+PROMPTS = ["the cat sat on the mat. the cat sat", "abcabcabcabcabcabcabc", "hello world, hello", "zq"]
+
+
+def model_jobs(settings=GREEDY, seed=None, max_new=12):
+    return [Job(TOK.encode(p), max_new + i, gen_settings=settings, identifier=i, return_probs=True,
+                seed=None if seed is None else seed + i) for i, p in enumerate(PROMPTS)]
+
+
+def run_model(spec=None, jobs=None, **kw):
+    gen = DynamicGenerator(MODEL, **{**SETTINGS, **kw}, **(spec or {}))
+    gen.enqueue(jobs if jobs is not None else model_jobs())
+    c = drain(gen)
+    gen.pool.check({})
+    return gen, c
+
+
+def same_stream(a, b):
+    """Equal streams; probabilities within float noise (a verification row computes them in another batch)."""
+    sa, sb = stream_of(a.results), stream_of(b.results)
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert [r["token_ids"] for r in sa[i]] == [r["token_ids"] for r in sb[i]], i
+        assert [r["text"] for r in sa[i]] == [r["text"] for r in sb[i]], i
+        pa = [p for r in sa[i] for p in r.get("token_probs", [])]
+        pb = [p for r in sb[i] for p in r.get("token_probs", [])]
+        np.testing.assert_allclose(pa, pb, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    return run_model()[1]
+
+
+@pytest.mark.parametrize("drafter", ["self", "unrelated", "ngram"])
+def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
+    """Four jobs of different prompt lengths: the long prompts prefill (one chunk per step) while the short ones
+    already speculate, so verification rows and prefill chunks share steps."""
+    spec = {"self": dict(draft_model=MODEL), "unrelated": dict(draft_model=OTHER),
+            "ngram": dict(use_ngram_draft=True, max_ngram=3)}[drafter]
+    gen, c = run_model(dict(num_draft_tokens=3, **spec))
+    same_stream(c, greedy_reference)
+    m = gen.metrics()
+    assert m["drafted_tokens"] > 0
+    if drafter == "self":
+        assert m["acceptance_rate"] == 1.0 and m["mean_accepted_length"] > 3.0
+    if drafter == "unrelated":
+        assert m["acceptance_rate"] < 0.3
+    for f in c.finals.values():
+        assert f["accepted_draft_tokens"] + f["rejected_draft_tokens"] <= f["new_tokens"] * 3
+
+
+def test_mixed_steps_happen_with_a_draft_model():
+    """A verification row shares a step with a prefill chunk (the draft mirrors the chunk) and the output stays
+    the reference one."""
+    seen = []
+    gen = DynamicGenerator(MODEL, **SETTINGS, draft_model=truncated_model(MODEL, 1), num_draft_tokens=2)
+    run = gen.engine.run
+
+    def spy(rows, **kw):
+        seen.append((any(r.verify for r in rows), any(len(r.tokens) > 1 and not r.verify for r in rows)))
+        return run(rows, **kw)
+
+    gen.engine.run = spy
+    jobs = model_jobs()
+    gen.enqueue(jobs[3])
+    early = gen.iterate() + gen.iterate()  # job 3 decodes (and speculates) before the others arrive
+    gen.enqueue(jobs[:3])
+    c = drain(gen)
+    c.results[:0] = early
+    assert (True, True) in seen
+    ref = run_model(jobs=model_jobs())[1]
+    same_stream(c, ref)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_same_seed_same_output_at_temperature(drafter):
+    sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    spec = dict(draft_model=truncated_model(MODEL, 1)) if drafter == "model" else dict(use_ngram_draft=True)
+    outs = []
+    for _ in range(2):
+        _, c = run_model(dict(num_draft_tokens=3, **spec), jobs=model_jobs(sampled, seed=5))
+        outs.append({i: f["full_completion"] for i, f in c.finals.items()} | {
+            ("ids", i): t for i, t in ((i, [x for r in c.results if r["identifier"] == i and r["stage"] == "streaming"
+                                            for x in r["token_ids"]]) for i in c.finals)})
+    assert outs[0] == outs[1]
+    assert all(len(v) > 0 for k, v in outs[0].items() if isinstance(k, tuple))
+
+
+def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference):
+    """Settings built from the reference output (so they trigger): a stop string, a banned string, min/max tokens;
+    the self-draft (every draft accepted) must reproduce the non-speculative results exactly."""
+    ref_text = {i: f["full_completion"] for i, f in greedy_reference.finals.items()}
+
+    def jobs():
+        return [
+            Job(TOK.encode(PROMPTS[0]), 12, gen_settings=GREEDY, identifier="stop", stop_conditions=[ref_text[0][5:7]]),
+            Job(TOK.encode(PROMPTS[1]), 13, gen_settings=GREEDY, identifier="ban", banned_strings=[ref_text[1][4:6]]),
+            Job(TOK.encode(PROMPTS[2]), 9, min_new_tokens=4, gen_settings=GREEDY, identifier="min",
+                stop_conditions=[TOK.encode(ref_text[2])[1]]),
+            Job(TOK.encode(PROMPTS[3]), 2, gen_settings=GREEDY, identifier="max"),
+        ]
+
+    _, ref = run_model(jobs=jobs())
+    gen, got = run_model(dict(draft_model=MODEL, num_draft_tokens=3), jobs=jobs())
+    same_stream(got, ref)
+    assert got.finals["max"]["new_tokens"] == 2
+    assert gen.metrics()["acceptance_rate"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2 (slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_smollm2_greedy_identity(drafter):
+    from models import load_model
+
+    model = load_model("smollm2-135m", quant="keep")
+    tok = model.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over "
+                                                                    "the lazy dog. The quick brown fox"}]),
+               tok.apply_chat_template([{"role": "user", "content": "Name three colours."}])]
+
+    def run(spec):
+        gen = DynamicGenerator(model, max_batch_size=2, max_seq_len=256, max_chunk_size=64, page_size=16,
+                               max_penalty_range=0, **spec)
+        gen.enqueue([Job(tok.encode(p), 24, gen_settings=GREEDY, identifier=i, stop_conditions=[tok.eos_token_id])
+                     for i, p in enumerate(prompts)])
+        c = drain(gen)
+        return gen, {i: [t for r in c.results if r["identifier"] == i and r["stage"] == "streaming"
+                         for t in r["token_ids"]] for i in range(len(prompts))}
+
+    _, ref = run({})
+    spec = dict(use_ngram_draft=True) if drafter == "ngram" else dict(draft_model=truncated_model(model, 8))
+    gen, got = run(dict(num_draft_tokens=4, **spec))
+    assert got == ref
+    assert gen.metrics()["drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_draft_positions_get_their_own_bias(k):
+    """Stop tokens are banned before min_new_tokens and allowed after it, position by position inside one
+    verification row (a row that used its first position's bias throughout would skip the stop token)."""
+    script = {ord("z"): (10, list(b"ab ab ab ab"))}
+
+    def jobs():
+        return [Job(TOK.encode("zab ab ab "), 10, min_new_tokens=m, gen_settings=GREEDY, identifier=m,
+                    stop_conditions=[ord("b")]) for m in (2, 3, 4)]
+
+    refs = {m: stream_of(run_fake(FakeEngine, jobs=[j], script=script)[1].results) for m, j in
+            zip((2, 3, 4), jobs())}
+    for j in jobs():
+        gen, got = run_fake(FakeEngine, {**NGRAM, "num_draft_tokens": k}, jobs=[j], script=script)
+        assert stream_of(got.results) == refs[j.identifier]
+        assert gen.metrics()["accepted_draft_tokens"] > 0
+
+
+def test_drafts_stop_at_max_new_tokens():
+    """A row never verifies more drafts than the job may still emit: nothing is written at or past the position of
+    the job's last token, even with pages to spare."""
+    prompt = TOK.encode("the cat sat. the cat sat. the cat ")
+    for n in (1, 2, 5, 7):
+        gen, c = run_fake(CopyFakeEngine, {**NGRAM, "num_draft_tokens": 6}, jobs=[Job(prompt, n, gen_settings=GREEDY)],
+                          page_size=64, num_pages=8, max_seq_len=128)
+        assert c.finals[None]["new_tokens"] == n
+        assert max(r.start_pos + len(r.tokens) for rows in gen.engine.calls for r in rows) <= len(prompt) + n - 1

@@ -119,6 +119,7 @@ def test_empty_stdin_uses_the_default_prompt(model_dir, tmp_path, monkeypatch, c
 
 
 # ------------------------------------------------------------------------------------------------ bulk
+@pytest.mark.slow  # fast tier: test_bulk_shared_prefix_hits_the_cache runs the bulk mode
 def test_bulk_runs_every_line_in_input_order(model_dir, tmp_path, capsys):
     src = write_jsonl(tmp_path / "prompts.jsonl", [
         {"id": "first", "prompt": "Name a colour."},

@@ -46,7 +46,12 @@ def hf_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+# Fast tier: three architectures (plain Llama, Qwen2 bias + tied, Mistral sliding window); the rest in the slow tier.
+FAST_ARCHS = {"llama", "qwen2-bias-tied", "mistral-sliding"}
+
+
+@pytest.fixture(scope="module", params=[a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow)
+                                        for a in sorted(ARCHS)])
 def pair(request, tmp_path_factory):
     model = make_hf(request.param)
     d = tmp_path_factory.mktemp(request.param)

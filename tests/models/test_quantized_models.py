@@ -50,6 +50,7 @@ def test_keep_on_a_float_checkpoint_keeps_floats(tiny_dir):
         load_model(tiny_dir, quant="int3", load_tokenizer=False)
 
 
+@pytest.mark.slow  # fast tier: the kernel itself in tests/pallas_kernels
 def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monkeypatch):
     from paged import DynamicGenerator, Job, SamplingSettings
     from tests.paged.fakes import drain

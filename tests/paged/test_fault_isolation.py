@@ -282,6 +282,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediat
 MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1), tokenizer=None, source="tiny")
 
 
+@pytest.mark.slow  # fast tier: the same families on the fake engine (hypothesis) above
 def test_real_engine_healthy_jobs_unharmed_by_bad_jobs():
     kw = dict(num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64)
     prompts = {"a": [5, 6, 7, 8, 9, 10, 11], "b": [20, 21], "c": list(range(30, 50))}

@@ -179,7 +179,8 @@ def test_warmup_compiles_every_bucket_once_and_forgets_the_prompt_cache():
     assert count_compiles()["step"] == before
 
 
-@pytest.mark.parametrize("attn_impl, cache_dtype", [("pallas", "float32"), ("xla", "int8")])
+@pytest.mark.parametrize("attn_impl, cache_dtype", [pytest.param("pallas", "float32", marks=pytest.mark.slow),
+                                                    ("xla", "int8")])
 def test_generator_output_with_other_attention_impls_and_int8_cache(attn_impl, cache_dtype):
     g = DynamicGenerator(MODEL, num_pages=8, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=32,
                          attn_impl=attn_impl, cache_dtype=cache_dtype, max_penalty_range=0)

@@ -30,7 +30,7 @@ def _hist(seq: list[int], end: int, r: int = 16) -> list[int]:
     return seq[max(0, end - r) : end]
 
 
-@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("mixed", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_verification_rows_give_the_results_of_single_positions(mixed):
     """A verification row's per-position logits, final distribution (top-k) and the target's token at each position
     are those of feeding the positions one at a time, penalties seeing the earlier drafts; also with a prefill chunk
@@ -207,7 +207,8 @@ def greedy_reference():
     return _loop(Engine(MODEL, **SETTINGS), None, PROMPTS, 12, GREEDY)[0]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "self", "truncated", "unrelated"])
+@pytest.mark.parametrize("drafter", ["ngram", pytest.param("self", marks=pytest.mark.slow),
+                                     pytest.param("truncated", marks=pytest.mark.slow), "unrelated"])
 def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
     engine = Engine(MODEL, **SETTINGS)
     kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),

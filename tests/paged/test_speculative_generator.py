@@ -316,7 +316,8 @@ def greedy_reference():
     return run_model()[1]
 
 
-@pytest.mark.parametrize("drafter", ["self", "unrelated", "ngram"])
+# fast tier: n-gram and an unrelated draft model; the self-draft in the slow tier
+@pytest.mark.parametrize("drafter", [pytest.param("self", marks=pytest.mark.slow), "unrelated", "ngram"])
 def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
     """Four jobs of different prompt lengths: the long prompts prefill (one chunk per step) while the short ones
     already speculate, so verification rows and prefill chunks share steps."""
@@ -334,6 +335,7 @@ def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
         assert f["accepted_draft_tokens"] + f["rejected_draft_tokens"] <= f["new_tokens"] * 3
 
 
+@pytest.mark.slow  # fast tier: mixed steps with the n-gram drafter and the fake engine
 def test_mixed_steps_happen_with_a_draft_model():
     """A verification row shares a step with a prefill chunk (the draft mirrors the chunk) and the output stays
     the reference one."""
@@ -357,7 +359,7 @@ def test_mixed_steps_happen_with_a_draft_model():
     same_stream(c, ref)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("drafter", [pytest.param("model", marks=pytest.mark.slow), "ngram"])
 def test_same_seed_same_output_at_temperature(drafter):
     sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
     spec = dict(draft_model=truncated_model(MODEL, 1)) if drafter == "model" else dict(use_ngram_draft=True)

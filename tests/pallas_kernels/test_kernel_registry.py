@@ -262,6 +262,7 @@ def _greedy_tokens(config) -> list[int]:
     return [j.sequence[j.prompt_len:] for j in jobs]
 
 
+@pytest.mark.slow  # fast tier: test_engine_flags_take_paths_and_tunings and the registry tests
 def test_engine_config_takes_import_paths_and_tunings_and_generates_the_same(kernel_dir, monkeypatch):
     from paged.config import EngineConfig
     from pallas_kernels import paged_attention as pa

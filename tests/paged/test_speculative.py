@@ -237,6 +237,7 @@ def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
+@pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator
 def test_draft_cache_mirrors_the_targets_page_ids():
     engine = Engine(MODEL, **SETTINGS)
     spec = Speculator(engine, num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))

@@ -118,6 +118,7 @@ def test_state_is_donated_and_updated_in_place():
     assert float(jnp.abs(new_state.k[:, :, 2:]).sum()) == 0
 
 
+@pytest.mark.slow  # fast tier: test_sampling.py::test_seed_invariance_across_batch_composition (the sampler alone)
 def test_seeded_sampling_is_independent_of_batch_composition():
     spec = BucketSpec(max_batch_size=8, max_chunk_size=8, max_pages_per_row=2, page_size=8, min_context=16)
     # temperature 1.5 over the random model's flat logits: a draw rarely equals the argmax

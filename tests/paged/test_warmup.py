@@ -159,7 +159,7 @@ def test_top_k_wider_than_the_device_width_matches_lax_top_k():
         np.testing.assert_array_equal(vals, np.asarray(want_vals))
 
 
-@pytest.mark.parametrize("return_top_k, return_logits", [(128, False), (2, True)])
+@pytest.mark.parametrize("return_top_k, return_logits", [pytest.param(128, False, marks=pytest.mark.slow), (2, True)])
 def test_burst_asking_for_logits_or_wide_top_k_runs_as_single_steps(return_top_k, return_logits):
     eng = Engine(MODEL, num_pages=12, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=32,
                  max_prefill_rows=2, max_penalty_range=16)

@@ -146,6 +146,7 @@ def test_bulk_runs_every_line_in_input_order(model_dir, tmp_path, capsys):
     assert re.search(rf"\ngenerated tokens +{6 + 3 + 4 + 6 + 2}\n", summary)
 
 
+@pytest.mark.slow  # fast tier: test_bulk_shared_prefix_hits_the_cache
 def test_bulk_without_output_prints_records_to_stdout(model_dir, tmp_path, capsys):
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "One."}, {"prompt": "Two."}])
     run_main(*engine_args(model_dir, f"--prompts_file={src}", "--noprogress"))

@@ -208,7 +208,8 @@ def greedy_reference():
 
 
 @pytest.mark.parametrize("drafter", ["ngram", pytest.param("self", marks=pytest.mark.slow),
-                                     pytest.param("truncated", marks=pytest.mark.slow), "unrelated"])
+                                     pytest.param("truncated", marks=pytest.mark.slow),
+                                     pytest.param("unrelated", marks=pytest.mark.slow)])
 def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
     engine = Engine(MODEL, **SETTINGS)
     kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),

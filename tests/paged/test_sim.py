@@ -137,6 +137,7 @@ class CountingPolicy(VLLMPolicy):
         return super().prefill_budget(decode_rows, s)
 
 
+@pytest.mark.slow  # fast tier: the same policy object drives two fake engines in test_policies / above
 def test_one_policy_object_drives_the_real_engine_and_the_simulator():
     """The same CountingPolicy instance schedules a tiny real model and the simulator; on the real engine the
     preempted run's greedy output equals the unpreempted one (reserve pages, one job at a time, same engine)."""

@@ -46,8 +46,8 @@ def hf_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
-# Fast tier: plain Llama and Mistral with a sliding window; the other variants in the slow tier.
-FAST_ARCHS = {"llama", "mistral-sliding"}
+# Fast tier: plain Llama; the other architecture variants in the slow tier.
+FAST_ARCHS = {"llama"}
 
 
 @pytest.fixture(scope="module", params=[a if a in FAST_ARCHS else pytest.param(a, marks=pytest.mark.slow)

@@ -40,6 +40,7 @@ def test_continuous_batching_matches_each_job_alone(gen):
     gen.pool.check({})
 
 
+@pytest.mark.slow  # fast tier: prefix sharing on the fake engine (test_generator_fake.py)
 def test_shared_prefix_jobs_are_exact_and_share_pages(gen):
     rng = np.random.default_rng(1)
     prefix = list(rng.integers(0, 96, size=24))

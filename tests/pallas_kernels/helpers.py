@@ -9,11 +9,8 @@ from types import ModuleType
 from typing import Any
 
 import jax
-import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
-
-from pallas_kernels.quant_format import QuantizedArray
 
 
 # ------------------------------------------------------------------------------------------------------- spies
@@ -67,28 +64,6 @@ def find(fn: Callable, *args, primitive: str, **kwargs) -> list[JaxprEqn]:
 
 
 # --------------------------------------------------------------------------------------- the format in NumPy
-def numpy_dequantize(qa: QuantizedArray) -> np.ndarray:
-    """float64 `[in, out]` from the raw leaves of one (unstacked) `qa`, element by element from the documented
-    format: element `i` of column `o` is in group `g = i // G`; for q4 kinds its quant is the low nibble of packed
-    row `g * G/2 + i % G` when `i % G < G/2`, else the high nibble of packed row `g * G/2 + i % G - G/2`."""
-    k, out = qa.shape
-    g = qa.group_size
-    i = np.arange(k)
-    group = i // g  # [in]
-    scales = np.asarray(qa.scales, np.float64)[group]  # [in, out]
-    values = np.asarray(qa.values)
-    if qa.kind == "int8":
-        return values.astype(np.float64) * scales
-    r = i % g
-    low = r < g // 2
-    packed = values[group * (g // 2) + np.where(low, r, r - g // 2)].astype(np.int64)  # [in, out]
-    q = np.where(low[:, None], packed & 15, packed >> 4).astype(np.float64)
-    if qa.kind == "q4_1":
-        return q * scales + np.asarray(qa.mins, np.float64)[group]
-    assert qa.kind == "q4_0", qa.kind
-    return (q - 8.0) * scales
-
-
-def numpy_matmul(x: np.ndarray, qa: QuantizedArray) -> np.ndarray:
-    """`x` `[N, in]` @ the matrix `qa` stands for, in float64 NumPy: an oracle independent of `dequantize`."""
-    return np.asarray(x, np.float64) @ numpy_dequantize(qa)
+# The independent NumPy decoding of the quantized format lives in the conformance suite (the oracle of its matmul
+# cases); the kernel tests use the same one.
+from pallas_kernels.testing import numpy_dequantize, numpy_matmul  # noqa: E402, F401

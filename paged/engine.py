@@ -221,14 +221,7 @@ class Engine:
         t_dispatched = time.perf_counter()
         idx = np.asarray(slots)
         pick = (lambda a: a[idx]) if num_steps == 1 else (lambda a: a[:, idx])  # results are [S] or [n, S]
-        want = {"token": res.token, "logprob": res.logprob}
-        if 0 < k <= TOP_K_WIDTH:
-            want.update(top_ids=res.top_ids, top_logprobs=res.top_logprobs)
-        if return_logits:
-            want["logits"] = res.logits
-        if wide:
-            want["final"] = res.final
-        got = jax.device_get(want)  # the one host sync of the step: only what was asked for
+        got = _to_host(res, k, return_logits, wide)  # the one host sync of the step: only what was asked for
         t_done = time.perf_counter()
         dt = t_done - t0
         self.timings["build_s"] += t0 - t_build
@@ -269,14 +262,7 @@ class Engine:
                             q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
         t_dispatched = time.perf_counter()
         idx = np.asarray(slots)
-        want = {"token": res.token, "logprob": res.logprob, "num_accepted": res.num_accepted}
-        if 0 < k <= TOP_K_WIDTH:
-            want.update(top_ids=res.top_ids, top_logprobs=res.top_logprobs)
-        if return_logits:
-            want["logits"] = res.logits
-        if wide:
-            want["final"] = res.final
-        got = jax.device_get(want)
+        got = _to_host(res, k, return_logits, wide, num_accepted=res.num_accepted)
         t_done = time.perf_counter()
         self.timings["build_s"] += t0 - t_build
         self.timings["dispatch_s"] += t_dispatched - t0
@@ -391,6 +377,19 @@ class Engine:
                                           top_k_width=TOP_K_WIDTH).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
+
+
+def _to_host(res, k: int, return_logits: bool, wide: bool, **extra) -> dict:
+    """Copy to the host only what the caller asked for: tokens and log-probs (plus `extra` arrays), the device's top
+    tokens when 0 < k <= TOP_K_WIDTH, the logits, and the final distribution for wider top-k requests."""
+    want = {"token": res.token, "logprob": res.logprob, **extra}
+    if 0 < k <= TOP_K_WIDTH:
+        want.update(top_ids=res.top_ids, top_logprobs=res.top_logprobs)
+    if return_logits:
+        want["logits"] = res.logits
+    if wide:
+        want["final"] = res.final
+    return jax.device_get(want)
 
 
 def _verify_inputs(batch: Batch) -> dict:

@@ -50,6 +50,8 @@ flags.DEFINE_boolean("sweep", False, "tune: time every tuning of the sweep grid 
                      "type and record the best per shape")
 flags.DEFINE_integer("iters", 10, "back-to-back calls per timing")
 flags.DEFINE_integer("repeats", 5, "timings per point (min and median are recorded)")
+flags.DEFINE_boolean("dense_baseline", True, "also time a dense bfloat16 x @ W of each matmul shape (the roofline "
+                     "an int4/int8 GEMV is measured against: 'x bf16' in the output)")
 flags.DEFINE_boolean("check", True, "check every implementation against the reference before timing it")
 flags.DEFINE_string("json_out", None, "write the JSON record here")
 flags.DEFINE_string("plot", None, "write a per-shape bar chart of median times here (.png)")
@@ -204,7 +206,7 @@ def sweep_grid(family: str, label: str, inputs) -> list:
                     out.append(AttentionTuning(block_q=bq, pages_per_block=ppb, k_splits=ks))
         return out
     x, qa = inputs
-    for bn in (16, 32, 64):
+    for bn in [b for b in (16, 32, 64) if b == 16 or b <= x.shape[0]]:  # row blocks past n only add padding
         for bo in (32, 64, 128, 256):
             for bi in (32, 64, 128, 256):
                 for si in (1, 2, 4, 8):
@@ -308,6 +310,8 @@ def main(argv):
                 print(f"{family} {label:40s} {impl_name:12s} min {timing['min_s'] * 1e3:8.3f} ms  median "
                       f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)  "
                       f"{rec['gflops']:7.1f} GFLOP/s ({100 * rec['flops_frac']:5.1f}% of dot)")
+    if "matmul" in FLAGS.ops and FLAGS.dense_baseline and FLAGS.matmul_shapes != ["conformance"]:
+        dense_baselines(rows, peaks)
     record = {"experiment": "bench_kernels", "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)},
               "git": git_info(), "device": device_info(), "versions": versions(), "load_avg_before": load,
               "load_avg_after": load_average(), "peaks": peaks, "results": rows, "tuned": tuned,
@@ -321,6 +325,35 @@ def main(argv):
         print(f"wrote {FLAGS.plot}")
     if any(r.get("correct") is False for r in rows):
         raise SystemExit(1)
+
+
+def dense_baselines(rows: list[dict], peaks: dict) -> None:
+    """Time a dense bfloat16 `x @ W` (float32 accumulation) per matmul shape, add it to `rows`, and give every
+    quantized row of that shape its speed-up over it (`vs_dense_bf16`: dense time / quantized time)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    for spec in FLAGS.matmul_shapes:
+        n, k, out = (int(v) for v in spec.split("x"))
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.normal(size=(n, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.normal(size=(k, out)) / np.sqrt(k), jnp.bfloat16)
+        f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+        timing = time_calls(lambda f=f, x=x, w=w: f(x, w), FLAGS.iters, FLAGS.repeats)
+        med = timing["median_s"]
+        cost = {"bytes": 2 * (k * out + n * k), "flops": 2 * n * k * out}
+        rec = {"op": "matmul", "shape": f"{spec} dense_bf16", "impl": "jnp.dot", "tuning": None, **cost, **timing,
+               "gbps": cost["bytes"] / med / 1e9, "gflops": cost["flops"] / med / 1e9}
+        rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
+        rec["flops_frac"] = rec["gflops"] / peaks["matmul_gflops"]
+        rows.append(rec)
+        print(f"matmul {rec['shape']:40s} {'jnp.dot':12s} min {timing['min_s'] * 1e3:8.3f} ms  median "
+              f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)")
+        for r in rows:
+            if r["op"] == "matmul" and r["shape"].split(" ")[0] == spec and "median_s" in r and r is not rec:
+                r["vs_dense_bf16"] = med / r["median_s"]
+                print(f"  {r['shape']:30s} {r['impl']:12s} speed-up over dense bf16: {r['vs_dense_bf16']:5.2f}x")
 
 
 def plot_results(rows: list[dict], path: str) -> None:

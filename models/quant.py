@@ -63,8 +63,11 @@ def _quantize(w: jnp.ndarray, kind: str, group_size: int, scale_dtype) -> Quanti
     k, n = w.shape
     wg = w.reshape(k // group_size, group_size, n)  # [in/G, G, out]
 
-    def rounded(a):
-        return a.astype(scale_dtype).astype(jnp.float32)
+    def rounded(a):  # a's value in scale_dtype, kept in float32. Not `astype(scale_dtype).astype(float32)`: XLA:GPU
+        # may drop that round trip inside a fusion (excess precision), fitting the quants to unrounded scales
+        # (found on the first GPU run: int8 errors past half a step).
+        info = jnp.finfo(scale_dtype)
+        return jax.lax.reduce_precision(a, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
     def inv(d):
         return jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))

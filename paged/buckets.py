@@ -95,10 +95,11 @@ class BucketSpec:
             raise ValueError(f"BucketSpec needs verify_len 0 (off) or >= 2 (1 + drafts), got {self.verify_len}")
 
     @classmethod
-    def from_config(cls, config: EngineConfig, attn_impl: str | None = None) -> BucketSpec:
+    def from_config(cls, config: EngineConfig, attn_impl: str | None = None, head_dim: int = 64) -> BucketSpec:
         """The buckets of a resolved `EngineConfig`; `attn_impl`: the implementation attention resolves to
-        ("auto" resolved; default: the config's, resolved on the current backend)."""
-        impl = resolved_attn_impl(config.attn_impl if attn_impl is None else attn_impl)
+        ("auto" resolved; default: the config's, resolved on the current backend for the model's `head_dim`)."""
+        impl = resolved_attn_impl(config.attn_impl if attn_impl is None else attn_impl, head_dim=head_dim,
+                                  page_size=config.page_size)
         return cls(
             max_batch_size=config.max_batch_size, max_chunk_size=config.max_chunk_size,
             max_pages_per_row=config.max_pages_per_row, max_prefill_rows=config.max_prefill_rows,

@@ -31,11 +31,41 @@ from paged.step import (
     step_forward,
     step_sample,
 )
+from pallas_kernels import registry
+from pallas_kernels.dequant_matmul import gpu_unsupported_reason as matmul_gpu_reason
 from pallas_kernels.paged_attention import PrefillDecodeLayout
-from pallas_kernels.registry import Tuned, with_tuning
+from pallas_kernels.paged_attention import gpu_unsupported_reason as attention_gpu_reason
+from pallas_kernels.quant_format import QuantizedArray
+from pallas_kernels.registry import Tuned, split_tuning, with_tuning
 
 CACHE_DTYPES = {**DTYPES, "int8": jnp.int8}  # int8: per-token-per-head scales, dequantized inside attention
 MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
+
+
+def check_kernels_fit(model: Model, config: EngineConfig) -> None:
+    """On a GPU, `InvalidConfigError` when an explicitly chosen built-in Pallas kernel cannot run this model natively
+    (its shape rules: `gpu_unsupported_reason` of each kernel). "auto" never fails here: it falls back to "xla"
+    per shape. Off the GPU the kernels run interpreted, where every shape works."""
+    if not registry.on_gpu():
+        return
+    attn, attn_tuning = split_tuning(config.attn_impl)
+    attn_tuning = attn_tuning if attn_tuning is not None else config.attn_tuning
+    if attn == "pallas":
+        ppb = getattr(attn_tuning, "pages_per_block", None)
+        reason = attention_gpu_reason(model.config.head_dim, config.page_size, ppb)
+        if reason:
+            raise InvalidConfigError(f"attn_impl='pallas' cannot run this model on the GPU: {reason}. Use "
+                                     "attn_impl='auto' (falls back to 'xla' for such shapes) or 'xla'")
+    mm, mm_tuning = split_tuning(config.matmul_impl)
+    mm_tuning = mm_tuning if mm_tuning is not None else config.matmul_tuning
+    if mm == "pallas":
+        leaves = jax.tree.leaves(model.params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+        for qa in (a for a in leaves if isinstance(a, QuantizedArray)):
+            reason = matmul_gpu_reason(qa, mm_tuning)
+            if reason:
+                raise InvalidConfigError(f"matmul_impl='pallas' cannot run this model's {qa.shape[0]}x{qa.shape[1]} "
+                                         f"{qa.kind} weights on the GPU: {reason}. Use matmul_impl='auto' (falls "
+                                         "back to 'xla' per matrix) or 'xla'")
 
 
 def enable_compilation_cache(path: str | os.PathLike) -> None:
@@ -74,7 +104,8 @@ class Engine:
         self.vocab_size = self.cfg.vocab_size
         self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
                                         CACHE_DTYPES[self.config.cache_dtype])
-        self.spec = BucketSpec.from_config(self.config)
+        check_kernels_fit(model, self.config)
+        self.spec = BucketSpec.from_config(self.config, head_dim=self.cfg.head_dim)
         self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
         # Where the wall time of `run` goes (seconds, cumulative): padding the rows into a batch on the host,
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result

@@ -40,6 +40,7 @@ from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
 from pallas_kernels.paged_attention import (
     IMPLS,
     PrefillDecodeLayout,
+    auto_impl,
     decode_chunk_rows,
     layout_query_start,
     paged_attention,
@@ -47,7 +48,7 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.registry import Tuned, split_tuning, with_tuning
 
-ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU, XLA on CPU), "xla", "pallas", "reference"
+ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU where the shape allows, else XLA), "xla", "pallas", "reference"
 
 # The sampler always prepares this many top tokens of the final distribution when any are asked for (under a
 # lax.cond: free otherwise); the host slices what each job wants. Wider requests are served on the host from the
@@ -60,12 +61,12 @@ TOP_K_WIDTH = 64
 TAIL_DECODE_GROUP = 2
 
 
-def resolved_attn_impl(attn_impl: str | Tuned) -> str | Tuned:
-    """The implementation `paged_attention` runs for `attn_impl` on the current backend ("auto" resolved; a `Tuned`
-    keeps its tuning)."""
+def resolved_attn_impl(attn_impl: str | Tuned, *, head_dim: int, page_size: int) -> str | Tuned:
+    """The implementation `paged_attention` runs for `attn_impl` on the current backend and this model's shape
+    ("auto" resolved by `pallas_kernels.paged_attention.auto_impl`; a `Tuned` keeps its tuning)."""
     name, tuning = split_tuning(attn_impl)
     if name == "auto":
-        name = "pallas" if jax.default_backend() == "gpu" else "xla"
+        name = auto_impl(head_dim, page_size)
     return with_tuning(name, tuning)
 
 
@@ -176,7 +177,7 @@ def _forward(
     write_page = jnp.where(real, batch.page_table[jnp.minimum(rows, s_count - 1), pos // ps], NULL_PAGE)  # [T]
     write_off = jnp.where(real, pos % ps, 0)
     common = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
-    impl = resolved_attn_impl(attn_impl)
+    impl = resolved_attn_impl(attn_impl, head_dim=cfg.head_dim, page_size=ps)
     buckets = shape.page_buckets if impl_name(impl) != "pallas" and shape.page_buckets else (shape.pages_per_row,)
     bucket = page_bucket_index(batch.kv_lens, ps, buckets) if len(buckets) > 1 else None
 

@@ -57,6 +57,9 @@ def test_registers_against_the_contract(kernel):
 
 def test_attention_matches_the_reference(kernel, tuning):
     _, name, case = kernel
+    reason = testing.native_gpu_skip_reason(name, case)
+    if reason:
+        pytest.skip(reason)
     testing.check_attention(name, case, tuning=tuning)
 
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import registry
 from pallas_kernels.quant_format import QuantizedArray, dequantize
 from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
 
@@ -45,23 +46,35 @@ class MatmulTuning:
     block_out: output columns per program; must divide `out`.
     block_in: input rows per loop step; a multiple of the group size (or a divisor of `in` for per-channel int8).
     split_in: programs sharing one output tile, each over `in / split_in` rows; partials summed in float32.
+    num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
     """
 
     block_n: int = 16
     block_out: int = 128
     block_in: int = 64
     split_in: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MatmulTuning.{f.name} must be a positive int; got {v!r}")
+        if self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
+            raise ValueError(f"MatmulTuning.num_warps must be a power of two in [1, 32]; got {self.num_warps!r}")
 
 
 def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
-    """A tuning that fits the shape: power-of-two blocks that divide `in`/`out`, `split_in` for small outputs."""
+    """The tuning used when the caller passes none: a measured entry of `pallas_kernels.tuned_tables` for this
+    device and shape if there is one, else one that fits the shape: power-of-two blocks that divide `in`/`out`,
+    `split_in` for small outputs."""
+    from pallas_kernels.tuned_tables import lookup_matmul
+
     k, out = qa.shape
+    measured = lookup_matmul(jax.devices()[0].device_kind, kind=qa.kind, group_size=qa.group_size, k=k, out=out, n=n)
+    if measured is not None:
+        return MatmulTuning(**measured)
 
     def largest_pow2_divisor(size: int, cap: int, floor: int = 1) -> int:
         b = cap
@@ -217,6 +230,16 @@ def _check_tuning(n: int, qa: QuantizedArray, t: MatmulTuning, native_gpu: bool)
             raise ValueError(f"the GPU kernel needs powers of two >= 16 for its dot shapes; got {bad}")
 
 
+def gpu_unsupported_reason(qa: QuantizedArray, tuning: MatmulTuning | None = None, n: int = 1) -> str | None:
+    """Why the kernel cannot run natively on a GPU for this matrix (and tuning; None: the default tuning for `n`
+    rows), or None when it can."""
+    try:
+        _check_tuning(n, qa, tuning if tuning is not None else default_tuning(n, qa), native_gpu=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def dequant_matmul_pallas(
     x: jnp.ndarray, qa: QuantizedArray, config: MatmulTuning | None = None, *, interpret: bool | None = None
 ) -> jnp.ndarray:
@@ -254,6 +277,11 @@ def dequant_matmul_pallas(
     if qa.kind == "q4_1":
         in_specs.append(pl.BlockSpec((groups_split, t.block_out), scale_map))
         operands.append(qa.mins)
+    compiler_params = None
+    if not interpret:  # name the Triton backend: left unnamed, jax may pick Mosaic GPU, which this kernel does not fit
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
     partials = pl.pallas_call(
         kernel,
         grid=(n_pad // t.block_n, out // t.block_out, t.split_in),
@@ -261,6 +289,7 @@ def dequant_matmul_pallas(
         out_specs=pl.BlockSpec((None, t.block_n, t.block_out), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((t.split_in, n_pad, out), jnp.float32),
         interpret=interpret,
+        compiler_params=compiler_params,
         name=f"dequant_matmul_{qa.kind}",
     )(*operands)  # [split_in, n_pad, out]
     y = partials[0] if t.split_in == 1 else jnp.sum(partials, axis=0)
@@ -303,11 +332,13 @@ def dequant_matmul(
     """`x` `[N, in]` @ the matrix `qa` stands for `[in, out]` -> float32 `[N, out]`.
 
     impl: a registered name ("reference", "xla", "pallas", or one a user registered), a `module:function` path, or
-    "auto" (Pallas on GPU, XLA elsewhere). `config` is the implementation's tuning (`MatmulTuning` for the kernel);
-    `interpret` only affects the built-in kernel.
+    "auto" (Pallas on GPU where the kernel fits the matrix, see `gpu_unsupported_reason`; XLA elsewhere). `config`
+    is the implementation's tuning (`MatmulTuning` for the kernel); `interpret` only affects the built-in kernel.
     """
     impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
     config = tuned if config is None else config
+    if impl == "auto" and isinstance(qa, QuantizedArray) and registry.on_gpu():
+        impl = "pallas" if gpu_unsupported_reason(qa, config, x.shape[0]) is None else "xla"
     try:
         entry = MATMUL.get(impl)
     except KernelError as e:

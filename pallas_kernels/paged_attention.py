@@ -63,6 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import registry
 from pallas_kernels.registry import ATTENTION, KernelContractError, KernelError, KernelImpl, split_tuning
 from pallas_kernels.tuning import AttentionTuning, default_tuning
 
@@ -450,7 +451,26 @@ def _block_rows(
 
 
 def _should_interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else interpret
+    return not registry.on_gpu() if interpret is None else interpret
+
+
+def gpu_unsupported_reason(head_dim: int, page_size: int, pages_per_block: int | None = None) -> str | None:
+    """Why the kernel cannot run natively on a GPU for this shape (Triton's tensor-core dots need power-of-two
+    sizes >= 16), or None when it can. `pages_per_block`: the tuning's (None: any the default tuning could pick,
+    so only head_dim and page_size are checked)."""
+    problems = []
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        problems.append(f"head_dim={head_dim} (needs a power of two >= 16)")
+    if page_size & (page_size - 1):
+        problems.append(f"page_size={page_size} (needs a power of two)")
+    if pages_per_block is not None and pages_per_block * page_size < 16:
+        problems.append(f"pages_per_block * page_size = {pages_per_block} * {page_size} (needs >= 16)")
+    return "; ".join(problems) or None
+
+
+def auto_impl(head_dim: int, page_size: int) -> str:
+    """What "auto" runs for this shape: the kernel on a GPU where it supports the shape, otherwise "xla"."""
+    return "pallas" if registry.on_gpu() and gpu_unsupported_reason(head_dim, page_size) is None else "xla"
 
 
 @functools.partial(
@@ -499,10 +519,10 @@ def ragged_paged_attention_pallas(
     # (done in interpret mode too, so the CPU tests run the shapes the GPU runs).
     gp = max(_next_power_of_two(g), _next_power_of_two(-(-16 // bq)))
     if not interpret:
-        if d & (d - 1) or d < 16 or ps & (ps - 1) or ppb * ps < 16:
-            raise ValueError(f"the GPU kernel needs a power-of-two head_dim >= 16, a power-of-two page_size and "
-                             f"pages_per_block * page_size >= 16; got head_dim={d}, page_size={ps}, "
-                             f"pages_per_block={ppb}")
+        reason = gpu_unsupported_reason(d, ps, ppb)
+        if reason:
+            raise ValueError(f"the GPU kernel cannot run this shape: {reason}; use impl='xla' (or 'auto', which "
+                             "falls back to it) for such models")
 
     nb = -(-t_count // bq)
     t_pad = nb * bq
@@ -655,13 +675,16 @@ def paged_attention(
 ) -> jnp.ndarray:  # [T, nH, D]
     """Ragged paged attention through the implementation `impl` names (`ATTENTION.get`): a registered name
     ("reference" the spec, "xla" the layout fast path, "pallas" the kernel, or one registered by a user), a
-    `module:function` import path, or "auto" (the kernel on a GPU, otherwise "xla"). `layout`, when given, must
+    `module:function` import path, or "auto" (the kernel on a GPU where it supports the shape, see
+    `gpu_unsupported_reason`; otherwise "xla"). `layout`, when given, must
     describe the batch (the XLA path ignores `query_start`). `config` is the implementation's tuning (passed as
     `tuning=`; `AttentionTuning` for the kernel; None: its default). `interpret` only affects the built-in kernel.
     With `layer` (an int32 scalar) the pools and scales are the stacked cache `[L, KH, num_pages, page_size, (D)]`:
     implementations registered with `stacked_cache=True` read that layer themselves, the others get its slice."""
     impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
     config = tuned if config is None else config
+    if impl == "auto":
+        impl = auto_impl(q.shape[-1], k_pages.shape[-2])
     try:
         entry = ATTENTION.get(impl)
     except KernelError as e:
@@ -745,6 +768,8 @@ __all__ = [
     "check_contract",
     "contract_case",
     "PrefillDecodeLayout",
+    "auto_impl",
+    "gpu_unsupported_reason",
     "layout_query_start",
     "paged_attention",
     "quantize_kv",

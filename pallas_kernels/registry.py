@@ -299,10 +299,16 @@ def _where(fn: Callable) -> str:
     return f"{mod}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
 
 
-def _default_backend_auto() -> str:
+def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU: the one test of "auto" and of the kernels' native-GPU rules (tests
+    patch it to take the GPU branches on the CPU)."""
     import jax
 
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return jax.default_backend() == "gpu"
+
+
+def _default_backend_auto() -> str:
+    return "pallas" if on_gpu() else "xla"
 
 
 # The families. Their contracts and built-ins are registered by the kernel modules when they are imported (this

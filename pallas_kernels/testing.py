@@ -245,6 +245,18 @@ def reference_attention(inputs: dict[str, Any]) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
+def native_gpu_skip_reason(impl: Any, case: AttentionCase, interpret: bool | None = None) -> str | None:
+    """Why the built-in kernel, running natively on a GPU, does not take `case` (its shape rules,
+    `gpu_unsupported_reason`), or None. Conformance runs skip such cases; "auto" sends such models to "xla"."""
+    from pallas_kernels import registry
+    from pallas_kernels.paged_attention import ATTENTION, gpu_unsupported_reason
+
+    if interpret or not registry.on_gpu() or ATTENTION.get(impl) is not ATTENTION.get("pallas"):
+        return None
+    reason = gpu_unsupported_reason(case.head_dim, case.page_size)
+    return None if reason is None else f"the GPU kernel does not take {case.name}: {reason}"
+
+
 def check_attention(impl: Any, case: AttentionCase, *, tuning: Any = None, interpret: bool | None = None) -> None:
     """AssertionError unless implementation `impl` (a registered name, a `module:function` path or a `KernelImpl`)
     matches the reference on every draw of `case`: the output's shape and dtype, zeros for tokens of no row, and

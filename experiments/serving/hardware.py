@@ -13,6 +13,8 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 UTILISATION_NOTES = (
     "Estimated, useful work only (bucket padding not counted). Bytes per step = weight bytes (all parameter leaves, "
     "quantized ones at their resident size; an untied input-embedding table is excluded since a step reads only the "
@@ -21,52 +23,76 @@ UTILISATION_NOTES = (
     "step = 2 x (layer matmul params) x tokens + 2 x hidden x vocab x rows (logits of each row's last token) + "
     "attention 4 x layers x heads x head_dim x (attended positions, causal within a chunk). Achieved rates divide "
     "by the benchmark duration (wall, host time included) and, separately, by the summed engine step time. Peaks: "
-    "best-of-N timed jit(a * 1.0001) over a large f32 array (2 x bytes moved) and f32 jnp.dot of square matrices "
-    "(2 n^3 FLOPs), measured at the start of the invocation."
+    "best-of-N timed jit(a * 1.0001) over a large f32 array (2 x bytes moved) and jnp.dot of square matrices "
+    "(2 n^3 FLOPs; float32 on the CPU, bfloat16 on an accelerator), measured at the start of the invocation."
 )
 
 
-def best_time(fn, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls of `fn()` (blocking on its result), after one untimed call."""
+def best_time(fn, repeats: int, iters: int = 1) -> float:
+    """Seconds per call: the fastest of `repeats` timings of `iters` back-to-back calls of `fn()` (blocking on the
+    last result), after one untimed call. On an accelerator a single short call is mostly dispatch latency: pass
+    `iters` > 1 there."""
     import jax
 
     jax.block_until_ready(fn())  # compile + first touch
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
+        out = None
+        for _ in range(iters):
+            out = fn()
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / iters)
     return best
 
 
-def measure_memory_bandwidth(size_mb: int = 128, repeats: int = 5) -> dict:
-    """GB/s of a jitted elementwise pass over a `size_mb` float32 array (read + write)."""
+def _accelerator() -> bool:
+    import jax
+
+    return jax.default_backend() != "cpu"
+
+
+def measure_memory_bandwidth(size_mb: int | None = None, repeats: int = 5) -> dict:
+    """GB/s of a jitted elementwise pass over a float32 array (read + write): 128 MiB on the CPU, 1 GiB and 20
+    back-to-back calls per timing on an accelerator (so the launch gap is amortised)."""
     import jax
     import jax.numpy as jnp
 
+    acc = _accelerator()
+    size_mb = size_mb or (1024 if acc else 128)
+    iters = 20 if acc else 1
     x = jnp.ones((size_mb * 1024 * 1024 // 4,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    t = best_time(lambda: f(x), repeats)
+    t = best_time(lambda: f(x), repeats, iters)
     moved = 2 * x.nbytes
     return {"bandwidth_gbps": moved / t / 1e9, "bytes_moved": int(moved), "best_seconds": t, "repeats": repeats,
-            "method": f"best of {repeats}: jit(a * 1.0001) over a {size_mb} MiB float32 array, read + write"}
+            "method": f"best of {repeats} timings of {iters} calls: jit(a * 1.0001) over a {size_mb} MiB float32 "
+                      "array, read + write"}
 
 
-def measure_matmul_flops(n: int = 2048, repeats: int = 5) -> dict:
-    """FLOP/s of a jitted float32 n x n x n `jnp.dot`."""
+def measure_matmul_flops(n: int | None = None, repeats: int = 5) -> dict:
+    """FLOP/s of a jitted square `jnp.dot`: float32 2048^3 on the CPU; bfloat16 8192^3 (the tensor-core ceiling)
+    with 10 calls per timing on an accelerator."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.ones((n, n), jnp.float32)
-    b = jnp.full((n, n), 0.5, jnp.float32)
+    acc = _accelerator()
+    n = n or (8192 if acc else 2048)
+    dtype = jnp.bfloat16 if acc else jnp.float32
+    iters = 10 if acc else 1
+    rng = np.random.default_rng(0)  # random operands: zeros can run faster than real data
+    a = jnp.asarray(rng.normal(size=(n, n)), dtype)
+    b = jnp.asarray(rng.normal(size=(n, n)), dtype)
     f = jax.jit(jnp.dot)
-    t = best_time(lambda: f(a, b), repeats)
+    t = best_time(lambda: f(a, b), repeats, iters)
     flops = 2 * n**3
+    name = jnp.dtype(dtype).name
     return {"matmul_flops": flops / t, "matmul_gflops": flops / t / 1e9, "best_seconds": t, "repeats": repeats,
-            "method": f"best of {repeats}: jit(jnp.dot) float32 {n}x{n} @ {n}x{n} (2 n^3 FLOPs)"}
+            "dtype": name, "method": f"best of {repeats} timings of {iters} calls: jit(jnp.dot) {name} {n}x{n} @ "
+                                     f"{n}x{n} (2 n^3 FLOPs)"}
 
 
-def measure_peaks(size_mb: int = 128, matmul_n: int = 2048, repeats: int = 5) -> dict:
+def measure_peaks(size_mb: int | None = None, matmul_n: int | None = None, repeats: int = 5) -> dict:
     bw = measure_memory_bandwidth(size_mb, repeats)
     mm = measure_matmul_flops(matmul_n, repeats)
     return {"bandwidth_gbps": bw["bandwidth_gbps"], "matmul_gflops": mm["matmul_gflops"], "bandwidth": bw,

@@ -21,6 +21,7 @@ from pallas_kernels.registry import (
     UnknownKernelError,
     attention_registry,
     matmul_registry,
+    on_gpu,
 )
 from pallas_kernels.tuning import AttentionTuning
 
@@ -94,7 +95,7 @@ def test_builtins_are_registered_like_plugins():
     assert m.names()[:4] == ("auto", "reference", "xla", "pallas")
     assert all(a.get(n).builtin for n in ("reference", "xla", "pallas"))
     assert a.get("xla").stacked_cache and not a.get("pallas").stacked_cache
-    assert a.get("auto").name == "xla"  # on the CPU
+    assert a.get("auto").name == ("pallas" if on_gpu() else "xla")
     assert a.get("pallas").tuning_type is AttentionTuning and a.get("xla").tuning_type is None
 
 
@@ -189,10 +190,31 @@ def test_default_tuning_prefers_a_measured_table_entry(monkeypatch):
     assert default_tuning(**shape) == measured != heuristic
 
 
+def test_matmul_default_tuning_prefers_a_measured_table_entry(monkeypatch):
+    from pallas_kernels import tuned_tables
+    from pallas_kernels.dequant_matmul import MatmulTuning, default_tuning
+
+    qa = testing.random_quantized(np.random.default_rng(0), "q4_1", 32, 576, 1536)
+    monkeypatch.setattr(tuned_tables, "MATMUL", {})  # the heuristic (on an H100 the shipped table has this shape)
+    heuristic = default_tuning(1, qa)
+    entry = dict(block_n=16, block_out=256, block_in=32, split_in=2)
+    key = tuned_tables.matmul_key(kind="q4_1", group_size=32, k=576, out=1536, n=1)
+    assert key == tuned_tables.matmul_key(kind="q4_1", group_size=32, k=576, out=1536, n=16)  # one 16-row block
+    monkeypatch.setitem(tuned_tables.MATMUL, jax.devices()[0].device_kind, {key: entry})
+    assert default_tuning(1, qa) == MatmulTuning(**entry) != heuristic
+    assert default_tuning(32, qa).block_n == 32  # 32 rows: another shape class, no entry
+    for tunings in tuned_tables.MATMUL.values():  # every recorded entry is a valid tuning
+        for fields in tunings.values():
+            MatmulTuning(**fields)
+
+
 # ------------------------------------------------------------------------------------- the conformance suite
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("case", testing.attention_cases("quick"), ids=lambda c: c.name)
 def test_builtin_attention_conforms(impl, case):
+    reason = testing.native_gpu_skip_reason(impl, case)
+    if reason:
+        pytest.skip(reason)
     testing.check_attention(impl, case)
 
 

@@ -32,6 +32,11 @@ completion, new_tokens, prompt_tokens, cached_tokens (prompt tokens served by th
 
 With --chat (default) prompts are wrapped in the model's chat template (--system adds a system message); --nochat
 sends the raw text. The model's EOS token always stops a job; --stop adds comma-separated stop strings.
+
+Constrained decoding (docs/api.md, "Filters"): --json_schema FILE, --regex PATTERN and --grammar FILE (Lark) make
+every job's output follow them (given together, they intersect); such a job ends with eos_reason "end_filter" when
+its output is complete (--filter_prefer_eos: as soon as the filters accept it).
+    python -m experiments.generate --json_schema person.json --prompt "Describe a fictional person as JSON."
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ flags.DEFINE_string("draft_model", None, "speculative decoding with a draft mode
 flags.DEFINE_integer("num_draft_tokens", 4, "tokens drafted per job and step (with --draft_model or --ngram_draft)")
 flags.DEFINE_bool("ngram_draft", False, "speculative decoding with n-gram prompt lookup (no draft model)")
 flags.DEFINE_integer("max_ngram", 4, "--ngram_draft: longest suffix looked up in the prompt and output")
+# --- constrained decoding (paged/filters.py): the output of every job follows these (they intersect)
+flags.DEFINE_string("json_schema", None, "a JSON-schema file: the output is one JSON value valid under it")
+flags.DEFINE_string("regex", None, "the output matches this regular expression as a whole (Rust regex syntax)")
+flags.DEFINE_string("grammar", None, "a Lark grammar file (start rule `start`): the output is a sentence of it")
+flags.DEFINE_bool("filter_prefer_eos", False, "end a filtered job as soon as its filters accept the output")
 # --- cache and engine: experiments/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
 
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
@@ -138,6 +148,29 @@ def validate_flags() -> None:
         if not os.path.isdir(parent):
             raise app.UsageError(f"--output {FLAGS.output}: directory {parent} does not exist")
     build_settings()  # sampling flags
+    build_filters()  # a bad schema, regex or grammar is reported here, before the model loads
+
+
+def build_filters() -> list:
+    """The filters the flags ask for (`--json_schema`, `--regex`, `--grammar`); app.UsageError with the grammar
+    engine's message for a bad one."""
+    from paged.errors import InvalidJobError
+    from paged.filters import GrammarFilter, JsonSchemaFilter, RegexFilter
+
+    out = []
+    try:
+        for flag, make in (("json_schema", JsonSchemaFilter), ("grammar", GrammarFilter)):
+            path = getattr(FLAGS, flag)
+            if path is not None:
+                if not os.path.isfile(path):
+                    raise app.UsageError(f"--{flag} {path} does not exist")
+                with open(path, encoding="utf-8") as f:
+                    out.append(make(f.read()))
+        if FLAGS.regex is not None:
+            out.append(RegexFilter(FLAGS.regex))
+    except InvalidJobError as e:
+        raise app.UsageError(str(e)) from None
+    return out
 
 
 def build_settings(**overrides: Any):
@@ -260,7 +293,7 @@ def make_job(tok, req: Request, identifier: Any = None):
 
     return Job(req.ids, req.max_new_tokens, min_new_tokens=min(FLAGS.min_new_tokens, req.max_new_tokens),
                gen_settings=req.settings, stop_conditions=stop_conditions(tok, req.stop), seed=req.seed,
-               identifier=identifier)
+               identifier=identifier, filters=build_filters(), filter_prefer_eos=FLAGS.filter_prefer_eos)
 
 
 def single_request(prompt: str, rid: Any = 1) -> Request:

@@ -26,6 +26,9 @@ class RowInput:
     sampling: Mapping | None = None  # keyword values for SamplingRows.make (missing: neutral/greedy)
     history: Sequence[int] = ()  # previous tokens for penalties, oldest first
     bias: Mapping[int, float] | None = None  # sparse additive logit bias (-inf bans)
+    # Constrained decoding: the allowed tokens as packed bits (int32 [ceil(V/32)], token t = bit t % 32 of word
+    # t // 32); None: every token. Verification rows: `position_mask[j]` for position j (None entries: all).
+    mask: np.ndarray | None = None
     # Speculative verification: `tokens` are the last accepted token and then the drafts, and the row samples at
     # every position (needs a verification bucket). Position j samples the token at `start_pos + j + 1`, with the
     # penalty history `position_history[j]` (default: `history` followed by the drafts before it, cut to the
@@ -33,6 +36,7 @@ class RowInput:
     verify: bool = False
     position_history: Sequence[Sequence[int]] | None = None
     position_bias: Sequence[Mapping[int, float] | None] | None = None
+    position_mask: Sequence[np.ndarray | None] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -48,6 +52,39 @@ class RowInput:
 def _zero_bias(num_rows: int, vocab_size: int) -> jax.Array:
     """A device-resident zero dense bias [S, V], shared by every batch without dense-bias rows (no copy per step)."""
     return jax.device_put(np.zeros((num_rows, vocab_size), np.float32))
+
+
+@functools.lru_cache(maxsize=64)
+def _open_mask(num_rows: int, vocab_size: int) -> jax.Array:
+    """A device-resident all-ones token mask [S, ceil(V/32)], shared by every batch without filtered rows."""
+    return jax.device_put(np.full((num_rows, mask_words(vocab_size)), -1, np.int32))
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a packed token mask over `vocab_size` tokens."""
+    return -(-vocab_size // 32)
+
+
+class _Masks:
+    """The token-mask rows of one batch: materialised on the first row with a mask."""
+
+    def __init__(self, num_points: int, vocab_size: int | None):
+        self.num_points, self.vocab_size, self.rows = num_points, vocab_size, None
+
+    def put(self, pt: int, mask: np.ndarray | None, i: int) -> None:
+        if mask is None:
+            return
+        if self.vocab_size is None:
+            raise ValueError(f"row {i} has a token mask, and no vocab_size was given")
+        if self.rows is None:
+            self.rows = np.full((self.num_points, mask_words(self.vocab_size)), -1, np.int32)
+        self.rows[pt] = mask
+
+    def fields(self, device_rows) -> dict:
+        if self.vocab_size is None:
+            return dict(token_mask=None, token_mask_on=None)
+        return dict(token_mask=_open_mask(self.num_points, self.vocab_size) if device_rows is None else device_rows,
+                    token_mask_on=np.bool_(device_rows is not None))
 
 
 def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
@@ -86,6 +123,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     bias_ids = np.full((s_sample, shape.num_bias), -1, np.int32)
     bias_values = np.zeros((s_sample, shape.num_bias), np.float32)
     dense: np.ndarray | None = None  # [S', V], only if some row has more bias entries than num_bias
+    masks = _Masks(s_sample, vocab_size)
     sampling_rows: list[Mapping] = [{} for _ in range(s_sample)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)  # token slot of each row's first token
@@ -143,14 +181,15 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
             vals = np.fromiter(r.bias.values(), np.float32, len(r.bias))
             ok = (ids >= 0) & (ids < vocab_size)  # like the sparse path, which drops out-of-range ids
             dense[s, ids[ok]] = vals[ok]
+        masks.put(s, r.mask, i)
         if r.sampling:
             sampling_rows[s] = r.sampling
     # One device_put for every array: a copy, never a computation (jnp.asarray may compile a conversion for a new
     # shape), and one call is half the host time of one per array.
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense) = jax.device_put(
+     history, bias_ids, bias_values, dense, mask_rows) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
-         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense))
+         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense, masks.rows))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -158,6 +197,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
+        **masks.fields(mask_rows),
     )
     return batch, slot_of
 
@@ -203,6 +243,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     bias_ids = np.full((n_pts, shape.num_bias), -1, np.int32)
     bias_values = np.zeros((n_pts, shape.num_bias), np.float32)
     dense: np.ndarray | None = None
+    masks = _Masks(n_pts, vocab_size)
     sampling_rows: list[Mapping] = [{} for _ in range(n_pts)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)
@@ -282,10 +323,11 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
                 put_history(pt, r.history)
             pb = r.position_bias[j] if r.verify and r.position_bias is not None else None
             put_bias(pt, r.bias if pb is None else pb, i)
+            masks.put(pt, r.position_mask[j] if r.verify and r.position_mask is not None else r.mask, i)
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts) = jax.device_put(
+     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, mask_rows) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
-         sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts))
+         sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, masks.rows))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -293,6 +335,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(n_pts, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
+        **masks.fields(mask_rows),
         sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts,
     )
     return batch, slot_of

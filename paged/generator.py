@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from paged import spec_step
+from paged.batch import mask_words
 from paged.buckets import next_pow2
 from paged.clock import wall_clock
 from paged.config import EngineConfig
@@ -39,6 +40,7 @@ from paged.errors import (
     StepError,
     UnsupportedFeatureError,
 )
+from paged.filters import FilterState, compute_masks
 from paged.job import Job
 from paged.job_output import JobOutput
 from paged.page_pool import PagePool
@@ -229,9 +231,9 @@ class DynamicGenerator:
         if job.min_new_tokens and len(banned | job.stop_tokens) >= v:
             raise InvalidJobError(f"Job: with min_new_tokens={job.min_new_tokens} the stop tokens are banned too, and "
                                   "together with gen_settings' bans that is every token; allow at least one token")
-        if (job.stop_strings or job.banned_strings or job.token_healing) and self.tokenizer is None:
-            raise InvalidJobError("Job: stop strings, banned strings and token healing need a tokenizer; pass "
-                                  "tokenizer= to the generator")
+        if (job.stop_strings or job.banned_strings or job.token_healing or job.filters) and self.tokenizer is None:
+            raise InvalidJobError("Job: stop strings, banned strings, token healing and filters need a tokenizer; "
+                                  "pass tokenizer= to the generator")
         if job.total_len > self.max_seq_len:
             raise JobTooLargeError(
                 f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
@@ -242,8 +244,13 @@ class DynamicGenerator:
                 f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
                 "raise num_pages or lower max_new_tokens")
 
-    def _prepare(self, job: Job) -> tuple[TextStream, list[int] | None]:
-        """The job's text stream and token-healing allowed set, built without changing the job or the generator."""
+    def _prepare(self, job: Job) -> tuple[TextStream, list[int] | None, FilterState | None]:
+        """The job's text stream, token-healing allowed set and filter state, built without changing the job or the
+        generator."""
+        filter_state = None
+        if job.filters:  # InvalidJobError from the grammar engine propagates as is
+            filter_state = FilterState(job.filters, self.tokenizer, mask_words(self.vocab_size),
+                                       prefer_eos=job.filter_prefer_eos)
         try:
             stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
             healing = None
@@ -257,10 +264,10 @@ class DynamicGenerator:
                 stream.strip_prefix = prefix.decode("utf-8", errors="replace")
         except Exception as e:  # noqa: BLE001 (a tokenizer failing on this job's ids)
             raise InvalidJobError(f"{job!r}: preparing its text stream failed: {type(e).__name__}: {e}") from e
-        return stream, healing
+        return stream, healing, filter_state
 
-    def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None]) -> int:
-        stream, healing = prepared
+    def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None, FilterState | None]) -> int:
+        stream, healing, job.filter_state = prepared
         self._serial += 1
         job.mark_enqueued(self._serial, self.clock())
         if job.seed is None:
@@ -337,6 +344,9 @@ class DynamicGenerator:
         if not rows:
             self.timings["schedule_s"] += time.perf_counter() - t0
             return results
+        filtered = [i for i, (r, j) in enumerate(zip(rows, owners)) if r.sample and j.filter_state is not None]
+        for i, mask in zip(filtered, compute_masks([owners[i].filter_state for i in filtered])):
+            rows[i].mask = mask
         top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
         want_logits = any(j.return_logits for j in owners)
         waiting = bool(self.pending) and len(self.active) < self.max_batch_size

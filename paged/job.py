@@ -75,6 +75,22 @@ def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
     return tokens, strings
 
 
+def _filters(c: Checker, value: Any) -> list:
+    from paged.filters import Filter
+
+    if value is None:
+        return []
+    items = [value] if isinstance(value, Filter) else value
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        c.fail_type("filters", value, "a paged.filters.Filter or a list of them")
+    items = list(items)
+    for f in items:
+        if not isinstance(f, Filter):
+            c.fail_type("filters", f, "a paged.filters.Filter (JsonSchemaFilter, RegexFilter, GrammarFilter, "
+                        "ChoiceFilter, PrefixFilter)")
+    return items
+
+
 class Job:
     def __init__(
         self,
@@ -96,10 +112,16 @@ class Job:
         priority: int = 0,
         deadline: float | None = None,
         expected_new_tokens: int | None = None,
+        filters: Any = None,
+        filter_prefer_eos: bool = False,
     ):
         """Scheduling hints (read by policies, see `paged.policies`): `priority` (higher first, may be negative),
         `deadline` (an SLO: seconds after arrival by which the job should finish), `expected_new_tokens` (a
-        predicted output length, e.g. from a length predictor; `sjf` orders by it when given)."""
+        predicted output length, e.g. from a length predictor; `sjf` orders by it when given).
+
+        Constrained decoding (`paged.filters`): `filters`, a filter or a list of them (their allowed sets
+        intersect); the job ends with `eos_reason="end_filter"` when its output is complete, or, with
+        `filter_prefer_eos`, as soon as the filters accept it."""
         c = Checker("Job", InvalidJobError)
         self.input_ids = _as_id_list(c, input_ids)
         self.max_new_tokens = c.int_("max_new_tokens", max_new_tokens, 1)
@@ -124,6 +146,14 @@ class Job:
         self.deadline = None if deadline is None else c.float_(
             "deadline", deadline, 0.0, lo_open=True, allowed="None or a finite number of seconds > 0 after arrival")
         self.expected_new_tokens = c.optional_int("expected_new_tokens", expected_new_tokens, 0)
+        self.filters = _filters(c, filters)
+        self.filter_prefer_eos = c.bool_("filter_prefer_eos", filter_prefer_eos)
+        if self.filters and self.banned_strings:
+            c.fail("filters and banned_strings cannot be combined (a banned-string rewind would move the grammar "
+                   "back under the filter); express the ban in the grammar instead")
+        if self.filters and self.token_healing:
+            c.fail("filters and token_healing cannot be combined (the healed first token carries prompt text the "
+                   "grammar does not describe); pass token_healing=False")
         # --- generator-side state (set by enqueue / admission / steps)
         self.serial: int | None = None
         self.skips = 0
@@ -137,6 +167,7 @@ class Job:
         self.stream = None
         self.explored: dict[int, set[int]] = {}  # sequence index -> tokens banned there after a rewind
         self.healing_allowed: list[int] = []  # token healing: ids allowed for the first sample
+        self.filter_state = None  # paged.filters.FilterState: this job's grammar matchers (set at enqueue)
         self.pending_extras: list[dict] = []  # per-token extras (probs, top-k, logits) not yet released with text
         self.time_enqueue = 0.0  # the generator's clock at enqueue() (`arrival`)
         self.preemptions = 0  # times a policy preempted it (pages released, recomputed on re-admission)

@@ -102,6 +102,8 @@ class JobOutput:
             held["token_ids"] = [token]
             r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
         else:
+            if job.filter_state is not None:
+                job.filter_state.consume(token)
             ev = job.stream.feed(token)
             text, toks = ev.text, ev.tokens
             if ev.rewind:
@@ -112,6 +114,10 @@ class JobOutput:
                 reason = "stop_string"
                 r["eos_triggering_string"] = ev.stopped
                 held["text"] = job.stream.held_text
+            elif job.filter_state is not None and job.filter_state.done():
+                reason = "end_filter"
+                more_text, more = job.stream.flush()
+                text, toks = text + more_text, toks + more
             elif job.new_tokens >= job.max_new_tokens:
                 reason = "max_new_tokens"
                 more_text, more = job.stream.flush()

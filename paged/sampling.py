@@ -167,6 +167,14 @@ def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
     return logits + (bias if bias_dense is None else bias + bias_dense)
 
 
+def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """-inf where a row's packed bitmask `token_mask` i32 [S, ceil(V/32)] has a 0 bit (token t is bit t % 32 of word
+    t // 32, as llguidance packs it). [S, V] -> [S, V]."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    bits = (token_mask[:, ids >> 5] >> (ids & 31)) & 1  # [S, V]
+    return jnp.where(bits != 0, logits, -jnp.inf)
+
+
 def penalties_used(params: SamplingRows) -> jax.Array:
     """bool []: whether any row has a repetition, frequency or presence penalty (else `apply_penalties` is the
     identity and is skipped)."""
@@ -176,11 +184,22 @@ def penalties_used(params: SamplingRows) -> jax.Array:
 
 def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array, bias_ids: jax.Array,
                     bias_values: jax.Array, bias_dense: jax.Array | None = None,
-                    bias_dense_on: jax.Array | None = None) -> jax.Array:
-    """f32 [S, V]: penalties, then the bias. Each part runs under a `lax.cond` and is skipped (it would be the
-    identity) when no row uses it: penalties when every row's are neutral, the sparse bias when every id is padding,
-    the dense bias [S, V] unless `bias_dense_on` (bool []). Adding a row's bias entries once each, sparse plus dense
-    (one of them zero), gives the same floats as one scatter of all of them."""
+                    bias_dense_on: jax.Array | None = None, token_mask: jax.Array | None = None,
+                    token_mask_on: jax.Array | None = None) -> jax.Array:
+    """f32 [S, V]: penalties, then the bias, then the token mask (constrained decoding: packed allowed-token bits
+    [S, ceil(V/32)], applied where `token_mask_on`). Each part runs under a `lax.cond` and is skipped (it would be
+    the identity) when no row uses it: penalties when every row's are neutral, the sparse bias when every id is
+    padding, the dense bias [S, V] unless `bias_dense_on` (bool []), the mask unless `token_mask_on`. Adding a row's
+    bias entries once each, sparse plus dense (one of them zero), gives the same floats as one scatter of all of
+    them."""
+    x = _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)
+    if token_mask is None:
+        return x
+    on = jnp.asarray(True) if token_mask_on is None else token_mask_on
+    return jax.lax.cond(on, lambda: apply_token_mask(x, token_mask), lambda: x)
+
+
+def _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on) -> jax.Array:
     x = logits.astype(jnp.float32)
     if history.shape[-1]:
         x = jax.lax.cond(penalties_used(params), lambda: apply_penalties(x, params, history), lambda: x)
@@ -372,9 +391,11 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
     return jax.lax.cond(jnp.any(typical_on), typical, lambda: (keep, ids, inside))
 
 
-def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense=None, bias_dense_on=None):
+def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense=None, bias_dense_on=None,
+           token_mask=None, token_mask_on=None):
     """(final [S, V], ids [S, C], inside [S]): `processed_logprobs`, and the candidates of `_truncation`."""
-    x = adjusted_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)  # [S, V]
+    x = adjusted_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on, token_mask,
+                        token_mask_on)  # [S, V]
     greedy = params.greedy[:, None]  # [S, 1]
     temperature = jnp.where(greedy, 1.0, params.temperature[:, None])
     logp = jax.nn.log_softmax(x / temperature, axis=-1)  # [S, V]
@@ -471,12 +492,15 @@ def sample(
     candidates: int = CANDIDATES,
     bias_dense: jax.Array | None = None,
     bias_dense_on: jax.Array | None = None,
+    token_mask: jax.Array | None = None,
+    token_mask_on: jax.Array | None = None,
 ) -> SampleOutput:
     """Draw one token per row from `processed_logprobs` (greedy rows: its argmax).
 
     logits f32 [S, V]; positions i32 [S] (position of the token being drawn); history i32 [S, R] (-1 padding, R may
     be 0); bias_ids i32 [S, B] (-1 padding, B may be 0); bias_values f32 [S, B]; optionally bias_dense f32 [S, V],
-    added where bias_dense_on (bool []). `return_top_k` and `candidates` (see `_truncation`) must be static.
+    added where bias_dense_on (bool []), and token_mask i32 [S, ceil(V/32)] (allowed-token bits; the other tokens
+    get -inf) where token_mask_on (bool []). `return_top_k` and `candidates` (see `_truncation`) must be static.
 
     The draw is argmax(final + Gumbel noise of the row's key over all V tokens). When every sampling row's kept set
     lies within its candidates, only the candidates' noise is generated (`gumbel_at`): the same values, hence the
@@ -484,7 +508,8 @@ def sample(
     """
     final, token, logprob = sample_final(logits, params, positions=positions, history=history, bias_ids=bias_ids,
                                          bias_values=bias_values, candidates=candidates, bias_dense=bias_dense,
-                                         bias_dense_on=bias_dense_on)
+                                         bias_dense_on=bias_dense_on, token_mask=token_mask,
+                                         token_mask_on=token_mask_on)
     if return_top_k > 0:
         top_logprobs, top_ids = jax.lax.top_k(final, return_top_k)
     else:
@@ -504,11 +529,13 @@ def sample_final(
     candidates: int = CANDIDATES,
     bias_dense: jax.Array | None = None,
     bias_dense_on: jax.Array | None = None,
+    token_mask: jax.Array | None = None,
+    token_mask_on: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(final f32 [S, V], token i32 [S], logprob f32 [S]): `sample` without the top-k, returning the distribution
     it drew from (`processed_logprobs`), so a caller can take its top tokens however it likes."""
     final, ids, inside = _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense,
-                                bias_dense_on)
+                                bias_dense_on, token_mask, token_mask_on)
     v = final.shape[-1]
     greedy = params.greedy  # [S]
     best = jax.lax.cond(  # the token of greedy rows

@@ -293,7 +293,7 @@ class Scheduler:
         if k == 1 or want_logits or admission_waiting:
             return 1
         for row, job in zip(rows, owners):
-            if (len(row.tokens) != 1 or not row.sample or job.banned_strings or job.explored
+            if (len(row.tokens) != 1 or not row.sample or job.banned_strings or job.explored or job.filters
                     or job.new_tokens < job.min_new_tokens or job.kv_position + k > len(job.pages) * self.page_size
                     or (job.healing_allowed and job.new_tokens == 0)):
                 return 1

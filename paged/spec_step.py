@@ -16,11 +16,13 @@ from single steps (see the module docstring of `paged.speculative` for the call 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
+from paged.filters import compute_masks, mask_allows
 from paged.speculative import Accepted, SpecRow, Speculator
 
 
@@ -89,6 +91,10 @@ class SpeculativeStep:
         """Draft, run the step (verification rows where there are drafts), accept. Returns the engine's output
         and one `Accepted` per row, in order."""
         plan = self.speculator.plan([self.spec_row(r, j) for r, j in zip(rows, owners)])
+        for i, (job, n) in enumerate(zip(owners, plan.num_drafts)):
+            if n and job.filter_state is not None:
+                plan.rows[i] = dataclasses.replace(plan.rows[i], position_mask=_position_masks(
+                    job.filter_state, plan.rows[i].mask, list(plan.rows[i].tokens[1:])))
         kw = {} if plan.draft_logprobs is None else {"draft_logprobs": plan.draft_logprobs}
         out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
         items = self.speculator.accept(plan, out)
@@ -111,6 +117,22 @@ class SpeculativeStep:
                 "rejected_draft_tokens": s["rejected_draft_tokens"], "acceptance_rate": s["acceptance_rate"],
                 "mean_accepted_length": s["mean_accepted_length"], "verification_rows": self.speculator.rounds,
                 "accepted_at_position": s["accepted_at_position"]}
+
+
+def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
+    """The token mask of each position of a verification row: position 0's (`first`, already computed), then the
+    grammar's after each draft, computed by consuming the drafts and rolling back. After a draft the grammar
+    rejects, later positions can never be reached (acceptance stops there); they reuse the last mask."""
+    masks = [first]
+    taken = 0
+    for t in drafts:
+        if not mask_allows(masks[-1], t):
+            break
+        state.consume(t)
+        taken += 1
+        masks.append(compute_masks([state])[0])
+    state.rollback(taken)
+    return masks + [masks[-1]] * (len(drafts) + 1 - len(masks))
 
 
 def empty_metrics() -> dict:

@@ -165,6 +165,10 @@ class Batch:
     # bias_dense_on. None when the batch was built without the vocabulary size (no such rows allowed then).
     bias_dense: jnp.ndarray | None = None  # [S', V] float32
     bias_dense_on: jnp.ndarray | None = None  # bool []
+    # Constrained decoding: packed allowed-token bits (token t = bit t % 32 of word t // 32; all ones for rows
+    # without a filter), applied only where token_mask_on. None when built without the vocabulary size.
+    token_mask: jnp.ndarray | None = None  # [S', ceil(V / 32)] int32
+    token_mask_on: jnp.ndarray | None = None  # bool []
     # Verification buckets only (None otherwise). The sampler inputs above then have S' * W rows (one per sample
     # point, point j of row s at s * W + j), `sample_positions` the position each point samples.
     sample_tokens: jnp.ndarray | None = None  # [S, W] int32: token slot of each sample point (0 for padding)

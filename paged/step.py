@@ -157,7 +157,8 @@ def page_bucket_index(kv_lens: jnp.ndarray, page_size: int, page_buckets: tuple[
 def forward_inputs(batch: Batch) -> Batch:
     """The batch without its sampler inputs (which the forward does not read, and whose row count varies)."""
     return batch.replace(sampling=None, sample_positions=None, history=None, bias_ids=None, bias_values=None,
-                         bias_dense=None, bias_dense_on=None, drafts=None, num_drafts=None)
+                         bias_dense=None, bias_dense_on=None, token_mask=None, token_mask_on=None, drafts=None,
+                         num_drafts=None)
 
 
 def _forward(
@@ -223,7 +224,7 @@ def sample_inputs(batch: Batch) -> dict[str, Any]:
     """The sampler inputs of a batch (its first `S'` rows; nothing that depends on the token layout)."""
     return dict(sampling=batch.sampling, positions=batch.sample_positions, history=batch.history,
                 bias_ids=batch.bias_ids, bias_values=batch.bias_values, bias_dense=batch.bias_dense,
-                bias_dense_on=batch.bias_dense_on)
+                bias_dense_on=batch.bias_dense_on, token_mask=batch.token_mask, token_mask_on=batch.token_mask_on)
 
 
 def _sample_rows(head: Weights, cfg: ModelConfig, h: jnp.ndarray, inputs: dict[str, Any], want_top_k: jnp.ndarray,

@@ -51,8 +51,9 @@ def fake_top_k(token: int, pos: int, k: int, vocab_size: int = 258) -> tuple[lis
 class FakeEngine:
     """next token = (last input token + 1) % vocab, or a scripted continuation: `script[first prompt token] =
     (prompt_len, tokens)` makes a job whose prompt starts with that token emit `tokens` in order. Tokens with a
-    -inf bias are skipped (the next id is taken). Log-probabilities and top-k come from `fake_logprob` and
-    `fake_top_k` of the sampled token and its position; logits are one-hot at the sampled token."""
+    -inf bias, or outside the row's token mask, are skipped (the next id is taken). Log-probabilities and top-k come
+    from `fake_logprob` and `fake_top_k` of the sampled token and its position; logits are one-hot at the sampled
+    token."""
 
     def __init__(self, num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=128,
                  max_prefill_rows=1, vocab_size=258, script=None, record=True, config=None):
@@ -124,8 +125,16 @@ class FakeEngine:
         """(token, logprob, top ids, top logprobs) the fake samples after row `r`."""
         t = self.next_token(r)
         bias = r.bias or {}
-        while bias.get(t, 0.0) == -math.inf:
+
+        def allowed(t: int) -> bool:
+            return bias.get(t, 0.0) != -math.inf and (r.mask is None or (int(r.mask[t >> 5]) >> (t & 31)) & 1)
+
+        for _ in range(self.vocab_size):
+            if allowed(t):
+                break
             t = (t + 1) % self.vocab_size
+        else:
+            raise ValueError("FakeEngine: every token is banned or masked out")
         pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
         ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size)
         return t, fake_logprob(t, pos), ids, lps
@@ -164,10 +173,12 @@ class FakeEngine:
                 raise ValueError(f"a verification row of {len(r.tokens)} tokens exceeds verify_len {w}")
             drafts = list(r.tokens[1:])
             for j in range(len(r.tokens)):
-                bias = r.bias
+                bias, mask = r.bias, r.mask
                 if r.position_bias is not None and r.position_bias[j] is not None:
                     bias = r.position_bias[j]
-                sub = dataclasses.replace(r, tokens=list(r.tokens[: j + 1]), verify=False, bias=bias)
+                if r.position_mask is not None:
+                    mask = r.position_mask[j]
+                sub = dataclasses.replace(r, tokens=list(r.tokens[: j + 1]), verify=False, bias=bias, mask=mask)
                 t, lp, ids, lps = self._sample(sub, k)
                 token[i, j], logprob[i, j], top_ids[i, j], top_logprobs[i, j] = t, lp, ids, lps
                 if j < len(drafts) and drafts[j] == t:

@@ -1,0 +1,267 @@
+"""Constrained decoding: job filters on llguidance.
+
+A filter says which continuations of a job's output are allowed: `JsonSchemaFilter`, `RegexFilter`,
+`GrammarFilter` (Lark), `ChoiceFilter` (one of a few strings) and `PrefixFilter` (start with one of a few strings,
+then anything). Each is a grammar for llguidance (https://github.com/guidance-ai/llguidance), which compiles it and,
+at every step, computes the set of allowed next tokens for the model's real tokenizer: the grammar engine of
+exllamav3, vLLM and SGLang, with JSON-schema, regex and Lark front ends, millisecond masks and no heavy
+dependencies (xgrammar, the alternative, pulls in triton). The grammar is checked when the filter is built, so a
+bad schema, regex or grammar is an `InvalidJobError` before any job exists.
+
+Filter objects are descriptions and can be shared; the state (an `llguidance.LLMatcher` per filter) belongs to one
+job (`FilterState`, made when the job is enqueued). Each step the generator asks every filtered job for its mask
+(`compute_masks`, one parallel llguidance call for the whole batch): the intersection of its filters' allowed sets,
+packed 32 tokens to an int32 word, with the ids past the tokenizer's vocabulary (padded embedding rows) always
+off. The jitted step applies it before sampling (`paged.sampling.apply_token_mask`). Each sampled token is then
+consumed by the job's matchers; when they are done (`is_stopped`, or accepting with `filter_prefer_eos`) the job
+ends with `eos_reason="end_filter"`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paged.errors import InvalidJobError, JobFailure
+
+
+def _llg():
+    import llguidance
+    import llguidance.numpy  # noqa: F401 (the bitmask helpers)
+
+    return llguidance
+
+
+class Filter:
+    """A constraint on a job's output, as an llguidance grammar (`grammar`, checked at construction)."""
+
+    kind = "filter"
+
+    def __init__(self, grammar: str, what: str):
+        llg = _llg()
+        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise InvalidJobError(f"{type(self).__name__}: invalid {what}: {messages[0].strip()}")
+        self.grammar = grammar
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.describe()})"
+
+    def describe(self) -> str:
+        return ""
+
+
+class JsonSchemaFilter(Filter):
+    """Output is one JSON value valid under `schema`: a dict, a JSON string, or a pydantic model class."""
+
+    def __init__(self, schema: Any):
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # a pydantic model class
+            schema = schema.model_json_schema()
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise InvalidJobError(f"JsonSchemaFilter: the schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise InvalidJobError(f"JsonSchemaFilter: the schema must be a dict, a JSON string or a pydantic model "
+                                  f"class, got {type(schema).__name__}")
+        self.schema = schema
+        try:
+            grammar = _llg().LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as e:
+            raise InvalidJobError(f"JsonSchemaFilter: invalid JSON schema: {e}") from None
+        super().__init__(grammar, "JSON schema")
+
+    def describe(self) -> str:
+        return json.dumps(self.schema)[:60]
+
+
+class RegexFilter(Filter):
+    """Output matches `pattern` as a whole (Rust `regex` syntax: https://docs.rs/regex)."""
+
+    def __init__(self, pattern: str):
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidJobError(f"RegexFilter: the pattern must be a non-empty str, got {pattern!r}")
+        self.pattern = pattern
+        super().__init__(_llg().LLMatcher.grammar_from_regex(pattern), "regex")
+
+    def describe(self) -> str:
+        return repr(self.pattern)
+
+
+class GrammarFilter(Filter):
+    """Output is a sentence of the Lark grammar `lark_text` (start rule `start`; llguidance's Lark dialect:
+    https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)."""
+
+    def __init__(self, lark_text: str):
+        if not isinstance(lark_text, str) or not lark_text.strip():
+            raise InvalidJobError("GrammarFilter: the grammar must be a non-empty str of Lark rules")
+        self.lark = lark_text
+        super().__init__(_llg().LLMatcher.grammar_from_lark(lark_text), "Lark grammar")
+
+    def describe(self) -> str:
+        return repr(self.lark[:60])
+
+
+def _lark_literals(options: Sequence[str], who: str) -> str:
+    if isinstance(options, str) or not isinstance(options, Iterable):
+        raise InvalidJobError(f"{who}: options must be a list of strings, got {options!r}")
+    options = list(options)
+    if not options or not all(isinstance(o, str) and o for o in options):
+        raise InvalidJobError(f"{who}: options must be a non-empty list of non-empty strings, got {options!r}")
+    return " | ".join(json.dumps(o) for o in options)  # Lark string literals take JSON's escapes
+
+
+class ChoiceFilter(Filter):
+    """Output is exactly one of `options` (ExLlamaV2's select filter)."""
+
+    def __init__(self, options: Sequence[str]):
+        alternatives = _lark_literals(options, "ChoiceFilter")
+        self.options = list(options)
+        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: {alternatives}"), "choice")
+
+    def describe(self) -> str:
+        return repr(self.options)
+
+
+class PrefixFilter(Filter):
+    """Output starts with one of `prefixes`; anything may follow (ExLlamaV2's prefix filter)."""
+
+    def __init__(self, prefixes: Sequence[str]):
+        alternatives = _lark_literals(prefixes, "PrefixFilter")
+        self.prefixes = list(prefixes)
+        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: ({alternatives}) REST\nREST: /(?s:.*)/"),
+                         "prefix")
+
+    def describe(self) -> str:
+        return repr(self.prefixes)
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+class _TokenTable:
+    """What llguidance's `TokenizerWrapper` reads from a tokenizer: every token's bytes, EOS/BOS, specials and
+    an encoder."""
+
+    def __init__(self, tokenizer: Any):
+        n = tokenizer.vocab_size
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.special_token_ids = sorted(getattr(tokenizer, "special_token_ids", ()))
+        self.tokens = [tokenizer.token_bytes(i) for i in range(n)]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tokenizer.encode(text))
+
+
+def ll_tokenizer(tokenizer: Any) -> Any:
+    """The `llguidance.LLTokenizer` of a project tokenizer (anything with `vocab_size`, `eos_token_id`,
+    `token_bytes(i)` and `encode(text)`), built once per tokenizer object (it walks the whole vocabulary)."""
+    cached = getattr(tokenizer, "_llguidance_tokenizer", None)
+    if cached is not None:
+        return cached
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise InvalidJobError("filters need a tokenizer with an EOS token (the grammar ends on it)")
+    llg = _llg()
+    built = llg.LLTokenizer(llg.TokenizerWrapper(_TokenTable(tokenizer)), n_vocab=tokenizer.vocab_size)
+    try:
+        tokenizer._llguidance_tokenizer = built
+    except AttributeError:  # a tokenizer that takes no attributes: rebuilt per job
+        pass
+    return built
+
+
+# ---------------------------------------------------------------------------------------------- job state
+class FilterState:
+    """The matchers of one job's filters. `words` is the mask width of the model's vocabulary
+    (`ceil(V / 32)`, V >= the tokenizer's vocabulary)."""
+
+    def __init__(self, filters: Sequence[Filter], tokenizer: Any, words: int, prefer_eos: bool = False):
+        llg = _llg()
+        lt = ll_tokenizer(tokenizer)
+        self.matchers = []
+        for f in filters:
+            m = llg.LLMatcher(lt, f.grammar, log_level=0)
+            if m.is_error():
+                raise InvalidJobError(f"{type(f).__name__}: {m.get_error()}")
+            self.matchers.append(m)
+        self.words = words
+        self.prefer_eos = prefer_eos
+        self.tokenizer_words = min(-(-lt.vocab_size // 32), words)
+        self.consumed = 0
+
+    def consume(self, token: int) -> None:
+        """Advance every matcher by a sampled token; `JobFailure` if one rejects it (the mask allowed only what
+        the matchers accept, so this means a bug or a token that bypassed the mask)."""
+        for m in self.matchers:
+            if not m.consume_token(int(token)):
+                raise JobFailure(f"the filter rejected token {token}: {m.get_error()}")
+        self.consumed += 1
+
+    def rollback(self, n: int) -> None:
+        if n:
+            for m in self.matchers:
+                m.rollback(n)
+            self.consumed -= n
+
+    def done(self) -> bool:
+        """The output is complete: a matcher accepts nothing more (only EOS), or with `prefer_eos` all accept."""
+        if any(m.is_stopped() for m in self.matchers):
+            return True
+        return self.prefer_eos and all(m.is_accepting() for m in self.matchers)
+
+
+def compute_masks(states: Sequence[FilterState]) -> list[np.ndarray]:
+    """The packed allowed-token mask (int32 `[words]`) of each state's current position: the AND of its
+    matchers' masks, computed for the whole batch in one parallel llguidance call."""
+    if not states:
+        return []
+    llg = _llg()
+    pairs, owner = [], []
+    for i, st in enumerate(states):
+        for m in st.matchers:
+            pairs.append((m, len(pairs)))
+            owner.append(i)
+    tw = max(st.tokenizer_words for st in states)
+    scratch = np.full((len(pairs), tw), -1, np.int32)
+    llg.numpy.fill_next_token_bitmask_par(_executor(), pairs, scratch)
+    out = []
+    for i, st in enumerate(states):
+        rows = scratch[[k for k, o in enumerate(owner) if o == i], : st.tokenizer_words]
+        mask = np.zeros(st.words, np.int32)  # ids past the tokenizer's vocabulary stay off
+        mask[: st.tokenizer_words] = np.bitwise_and.reduce(rows, axis=0)
+        out.append(mask)
+    return out
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = _llg().LLExecutor()
+    return _EXECUTOR
+
+
+def mask_allows(mask: np.ndarray, token: int) -> bool:
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+__all__ = [
+    "ChoiceFilter",
+    "Filter",
+    "FilterState",
+    "GrammarFilter",
+    "JsonSchemaFilter",
+    "PrefixFilter",
+    "RegexFilter",
+    "compute_masks",
+    "ll_tokenizer",
+    "mask_allows",
+]

@@ -1,0 +1,245 @@
+"""Constrained decoding (`paged.filters`): filter construction and errors, the masks against llguidance's own, the
+device-side mask against the library's unpacking, and jobs under filters on the fake engine and on a tiny real
+model (grammar always satisfied across seeds, padded vocabulary rows never sampled, `end_filter`,
+`filter_prefer_eos`, unfiltered neighbours unchanged, speculative verification, no extra compiled variant, exact
+page accounting)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax.numpy as jnp
+import llguidance
+import llguidance.numpy
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random_weights
+from models.loader import Model
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.batch import mask_words
+from paged.errors import InvalidJobError
+from paged.filters import (
+    ChoiceFilter,
+    FilterState,
+    GrammarFilter,
+    JsonSchemaFilter,
+    PrefixFilter,
+    RegexFilter,
+    compute_masks,
+    ll_tokenizer,
+    mask_allows,
+)
+from paged.sampling import apply_token_mask
+from paged.testing import ByteTokenizer, FakeEngine, drain
+
+TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>
+GREEDY = SamplingSettings.greedy()
+HOT = SamplingSettings(temperature=1.5, top_k=0, top_p=1.0)
+
+
+def allowed(mask: np.ndarray, limit: int) -> list[int]:
+    return [t for t in range(limit) if mask_allows(mask, t)]
+
+
+def check_clean(gen):
+    assert not gen.active and not gen.pending and gen.pool.num_referenced == 0
+    gen.pool.check(expected_refs={})
+
+
+# ------------------------------------------------------------------------------------------- construction
+@pytest.mark.parametrize("make, match", [
+    (lambda: RegexFilter("a["), r"RegexFilter: invalid regex: .*unclosed character class"),
+    (lambda: GrammarFilter("start: foo"), r"GrammarFilter: invalid Lark grammar: .*unknown name"),
+    (lambda: JsonSchemaFilter({"type": "nonsense"}), r"JsonSchemaFilter: invalid JSON schema: .*nonsense"),
+    (lambda: JsonSchemaFilter("{not json"), r"JsonSchemaFilter: the schema is not valid JSON"),
+    (lambda: JsonSchemaFilter(3), r"must be a dict, a JSON string or a pydantic model class"),
+    (lambda: ChoiceFilter([]), r"ChoiceFilter: options must be a non-empty list"),
+    (lambda: ChoiceFilter("yes"), r"ChoiceFilter: options must be a list of strings"),
+    (lambda: PrefixFilter(["ok", ""]), r"PrefixFilter: options must be a non-empty list of non-empty strings"),
+    (lambda: RegexFilter(""), r"RegexFilter: the pattern must be a non-empty str"),
+])
+def test_invalid_filters_raise_invalid_job_error_with_the_librarys_message(make, match):
+    with pytest.raises(InvalidJobError, match=re.compile(match, re.S)):
+        make()
+
+
+def test_job_checks_its_filters_and_the_combinations():
+    f = RegexFilter("[a-z]+")
+    assert Job([1], 4, filters=f).filters == [f]
+    assert Job([1], 4, filters=[f, PrefixFilter(["a"])]).filters[1].prefixes == ["a"]
+    with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
+        Job([1], 4, filters="[a-z]+")
+    with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
+        Job([1], 4, filters=[f, 3])
+    with pytest.raises(InvalidJobError, match="filters and banned_strings cannot be combined"):
+        Job([1], 4, filters=f, banned_strings=["x"])
+    with pytest.raises(InvalidJobError, match="filters and token_healing cannot be combined"):
+        Job([1, 2], 4, filters=f, token_healing=True)
+    with pytest.raises(InvalidJobError, match="filter_prefer_eos must be True or False"):
+        Job([1], 4, filters=f, filter_prefer_eos="yes")
+    gen = DynamicGenerator(engine=FakeEngine())  # no tokenizer
+    with pytest.raises(InvalidJobError, match="filters need a tokenizer"):
+        gen.enqueue(Job([1], 4, filters=f))
+
+
+def test_pydantic_model_class_is_a_schema():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: int
+
+    assert JsonSchemaFilter(Point).schema["required"] == ["x", "y"]
+
+
+# ------------------------------------------------------------------------------------------------- masks
+def _library_mask(grammar: str, tokens: list[int]) -> np.ndarray:
+    m = llguidance.LLMatcher(ll_tokenizer(TOK), grammar, log_level=0)
+    assert m.consume_tokens(tokens)
+    return np.frombuffer(m.compute_bitmask(), np.int32)
+
+
+@pytest.mark.parametrize("f, prefix", [
+    (RegexFilter(r"\d{1,3}(\.\d+)?"), b"12"),
+    (JsonSchemaFilter({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}), b'{"a'),
+    (GrammarFilter('start: "(" start ")" | "x"'), b"(("),
+    (ChoiceFilter(["yes", "no", "maybe"]), b"m"),
+])
+def test_masks_equal_the_librarys_and_padded_ids_are_off(f, prefix):
+    words = mask_words(300)  # the model's vocabulary is larger than the tokenizer's 258 tokens
+    st = FilterState([f], TOK, words)
+    for t in prefix:
+        st.consume(t)
+    mask, = compute_masks([st])
+    want = _library_mask(f.grammar, list(prefix))
+    assert mask.shape == (words,) and mask.dtype == np.int32
+    assert allowed(mask, 300) == allowed(want, 258)
+    assert not any(mask_allows(mask, t) for t in range(258, 300))
+
+
+def test_several_filters_intersect():
+    st = FilterState([RegexFilter("[a-f]+"), PrefixFilter(["d", "ex"])], TOK, mask_words(258))
+    assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == ["d", "e"]
+    st.consume(ord("e"))
+    assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == ["x"] or not allowed(compute_masks([st])[0], 256)
+
+
+def test_device_mask_equals_the_librarys_unpacking():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(5, 300)).astype(np.float32)
+    mask = rng.integers(-2**31, 2**31 - 1, size=(5, mask_words(300)), dtype=np.int64).astype(np.int32)
+    want = logits.copy()
+    llguidance.numpy.apply_token_bitmask_inplace(want, mask)
+    got = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------- fake engine
+def test_filtered_jobs_follow_their_grammar_and_neighbours_are_unchanged():
+    def jobs():
+        return [Job([5, 6], 20, filters=RegexFilter(r"[a-c]{3}x"), identifier="re"),
+                Job([7, 8], 20, filters=ChoiceFilter(["hello", "help"]), identifier="choice"),
+                Job([9], 5, identifier="plain")]
+
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    gen.enqueue(jobs())
+    c = drain(gen)
+    assert c.finals["re"]["full_completion"] == "abcx" and c.finals["re"]["eos_reason"] == "end_filter"
+    assert c.finals["choice"]["full_completion"] in ("hello", "help")
+    assert c.finals["choice"]["eos_reason"] == "end_filter"
+    alone = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    alone.enqueue(jobs()[2])
+    assert drain(alone).finals["plain"]["full_completion"] == c.finals["plain"]["full_completion"]
+    check_clean(gen)
+
+
+def test_prefer_eos_ends_as_soon_as_the_filter_accepts():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    gen.enqueue([Job([47], 10, filters=RegexFilter("[0-9]+"), identifier="greedy-digits"),
+                 Job([47], 10, filters=RegexFilter("[0-9]+"), filter_prefer_eos=True, identifier="first")])
+    c = drain(gen)
+    # the fake continues 0, 1, 2, ... 9 then ':' (not a digit): the filter allows only digits or EOS
+    assert c.finals["first"]["full_completion"] == "0" and c.finals["first"]["eos_reason"] == "end_filter"
+    assert c.finals["greedy-digits"]["full_completion"].startswith("0123456789")
+    check_clean(gen)
+
+
+def test_speculative_verification_masks_every_position():
+    prompt = list(b"ab1ab2ab3")
+    # the fake would continue "ab1ab4" (the n-gram drafter proposes "1ab..." after "ab" from the prompt); the
+    # grammar's mask differs from position to position ("a", then "b", then a digit from 2), so a verification row
+    # needs each position's own mask: with the first position's everywhere, the output changes
+    script = {prompt[0]: (len(prompt), list(b"ab1ab4ab"))}
+
+    def run(**kw):
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(script=script), **kw)
+        gen.enqueue(Job(prompt, 12, filters=RegexFilter(r"ab[2-9]ab[4-9]"), identifier="j"))
+        return gen, drain(gen).finals["j"]
+
+    plain = run()[1]
+    gen, spec = run(use_ngram_draft=True, num_draft_tokens=3, max_ngram=2)
+    assert plain["full_completion"] == "ab2ab4"  # "1" masked: the fake takes the next allowed id
+    assert spec["full_completion"] == plain["full_completion"]
+    assert spec["eos_reason"] == plain["eos_reason"] == "end_filter"
+    assert gen.speculation.metrics()["drafted_tokens"] > 0
+    check_clean(gen)
+
+
+# ------------------------------------------------------------------------------------------- tiny real model
+CFG = ModelConfig(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=3), tokenizer=TOK, source="tiny")
+SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64)
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
+                                           "tag": {"enum": ["a", "b"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+
+
+def test_real_model_sampled_outputs_always_follow_the_grammar_across_seeds():
+    from paged.step import count_compiles
+
+    gen = DynamicGenerator(MODEL, **SETTINGS)
+    plain = [Job([1, 2, 3], 8, gen_settings=HOT, seed=s, identifier=f"p{s}") for s in range(2)]
+    gen.enqueue(plain)
+    drain(gen)
+    alone = {j.identifier: j.sequence[j.prompt_len:] for j in plain}
+    gen.warmup()
+    compiled = count_compiles()["step"]
+    for seed in range(6):
+        jobs = [Job([1, 2, 3], 8, gen_settings=HOT, seed=s, identifier=f"p{s}") for s in range(2)]
+        filtered = [Job([4, 5], 40, gen_settings=HOT, seed=seed, filters=RegexFilter(r"[a-z]{2,5}-[0-9]{1,3}"),
+                        identifier="regex"),
+                    Job([6], 60, gen_settings=HOT, seed=seed, filters=JsonSchemaFilter(SCHEMA), identifier="json")]
+        gen.enqueue(jobs + filtered)
+        c = drain(gen)
+        for j in jobs:  # unfiltered neighbours: the same tokens as without the filtered jobs
+            assert j.sequence[j.prompt_len:] == alone[j.identifier]
+        for j in filtered:
+            out = j.sequence[j.prompt_len:]
+            assert all(t < 258 for t in out), out  # never a padded vocabulary row
+        text = c.finals["regex"]["full_completion"]
+        if c.finals["regex"]["eos_reason"] != "max_new_tokens":
+            assert re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", text), text
+        else:
+            assert re.fullmatch(r"[a-z]{2,5}-[0-9]{0,3}|[a-z]{0,5}", text), text
+        final = c.finals["json"]
+        if final["eos_reason"] in ("end_filter", "stop_token"):
+            value = json.loads(final["full_completion"])
+            assert set(value) == {"n", "ok", "tag"} and value["tag"] in ("a", "b")
+            assert isinstance(value["n"], int) and isinstance(value["ok"], bool)
+    assert count_compiles()["step"] == compiled  # the masked steps ran on the warmed-up variants
+    check_clean(gen)
+
+
+def test_a_token_outside_the_mask_is_never_sampled():
+    gen = DynamicGenerator(MODEL, **SETTINGS)
+    jobs = [Job([7, 8, 9], 24, gen_settings=HOT, seed=s, filters=RegexFilter(r"[xyz]+"), identifier=s)
+            for s in range(4)]
+    gen.enqueue(jobs)
+    c = drain(gen)
+    for j in jobs:
+        assert set(j.sequence[j.prompt_len:]) <= set(b"xyz") | {256}, j.sequence
+        assert c.finals[j.identifier]["eos_reason"] in ("max_new_tokens", "stop_token", "end_filter")
+    check_clean(gen)

@@ -191,10 +191,6 @@ class ExLlamaV2DynamicJob(Job):
     ):
         if kwargs:
             raise InvalidJobError(f"ExLlamaV2DynamicJob: unknown argument(s) {sorted(kwargs)}")
-        if filters:
-            raise _unsupported("filters", filters, "constrained decoding is not implemented yet")
-        if filter_prefer_eos:
-            raise _unsupported("filter_prefer_eos", filter_prefer_eos, "it only applies with filters")
         if embeddings:
             raise _unsupported("embeddings", embeddings, "multimodal embeddings are not implemented yet")
         if gen_settings is None:
@@ -208,6 +204,7 @@ class ExLlamaV2DynamicJob(Job):
             stop_conditions=stop_conditions, seed=seed, identifier=identifier, max_skips=max_skips,
             return_top_tokens=return_top_tokens, return_probs=return_probs, return_logits=return_logits,
             decode_special_tokens=decode_special_tokens, banned_strings=banned_strings, token_healing=token_healing,
+            filters=filters or None, filter_prefer_eos=filter_prefer_eos,
         )
 
 
@@ -304,10 +301,6 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
         """ExLlamaV2's `generate()`: the prompt is included in the output unless `completion_only=True`."""
         if kwargs:
             raise InvalidJobError(f"generate(): unknown argument(s) {sorted(kwargs)}")
-        if filters and any(filters):
-            raise _unsupported("filters", filters, "constrained decoding is not implemented yet")
-        if filter_prefer_eos:
-            raise _unsupported("filter_prefer_eos", filter_prefer_eos, "it only applies with filters")
         if embeddings:
             raise _unsupported("embeddings", embeddings, "multimodal embeddings are not implemented yet")
         vocab = getattr(self.tokenizer, "vocab_size", None)
@@ -324,7 +317,7 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
             stop_conditions=stop_conditions, seed=seed, completion_only=completion_only, add_bos=add_bos,
             encode_special_tokens=encode_special_tokens, decode_special_tokens=decode_special_tokens,
             abort_event=abort_event, return_last_results=return_last_results, token_healing=token_healing,
-            banned_strings=banned_strings,
+            banned_strings=banned_strings, filters=filters, filter_prefer_eos=filter_prefer_eos,
         )
 
 

@@ -496,12 +496,16 @@ class DynamicGenerator:
         return_last_results: bool = False,
         token_healing: bool = False,
         banned_strings: Sequence[str] | str | None = None,
+        filters: Sequence[Any] | None = None,
+        filter_prefer_eos: bool = False,
     ):
         """Generate completions for one prompt (-> str) or a list (-> list[str]) through the job API. Jobs enqueued
         by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
-        uses seed + i. With `abort_event` set, the jobs are cancelled and None is returned. A tuple prompt is a
-        CFG pair (positive, negative) in ExLlamaV2; it raises `UnsupportedFeatureError` until CFG exists. If a job
-        fails while running (`eos_reason="error"`), `JobFailure` is raised once all the prompts are done."""
+        uses seed + i. `filters` (`paged.filters`): for one prompt, a list of filters; for a list of prompts, one
+        list per prompt (as ExLlamaV2), or None. With `abort_event` set, the jobs are cancelled and None is returned.
+        A tuple prompt is a CFG pair (positive, negative) in ExLlamaV2; it raises `UnsupportedFeatureError` until
+        CFG exists. If a job fails while running (`eos_reason="error"`), `JobFailure` is raised once all the prompts
+        are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
         single = isinstance(prompt, (str, tuple))
@@ -525,6 +529,15 @@ class DynamicGenerator:
                 raise InvalidJobError(f"generate(): {len(settings)} gen_settings for {len(prompts)} prompts")
         else:
             settings = [gen_settings] * len(prompts)
+        if not filters:
+            per_prompt = [None] * len(prompts)
+        elif single:
+            per_prompt = [filters]
+        else:
+            per_prompt = list(filters)
+            if len(per_prompt) != len(prompts):
+                raise InvalidJobError(f"generate(): {len(per_prompt)} filter lists for {len(prompts)} prompts; pass "
+                                      "one list of filters per prompt (an empty list for none)")
         jobs = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
             try:
@@ -537,7 +550,8 @@ class DynamicGenerator:
             jobs.append(Job(ids, max_new_tokens, min_new_tokens=min_new_tokens, gen_settings=s,
                             stop_conditions=stop_conditions, seed=None if seed is None else seed + i,
                             decode_special_tokens=decode_special_tokens, identifier=("generate", i),
-                            token_healing=token_healing, banned_strings=banned_strings))
+                            token_healing=token_healing, banned_strings=banned_strings,
+                            filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos))
         self.enqueue(jobs)
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)

@@ -24,6 +24,7 @@ from paged.compat import (
     ExLlamaV2Sampler,
 )
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
+from paged.filters import ChoiceFilter, RegexFilter
 from tests.paged.fakes import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -213,8 +214,10 @@ def test_dynamic_temperature_and_decay_are_unsupported():
 def test_job_and_generator_arguments():
     with pytest.raises(UnsupportedFeatureError, match="CFG"):
         ExLlamaV2DynamicJob(input_ids=[np.asarray([[1, 2]]), np.asarray([[3]])], max_new_tokens=3)
-    with pytest.raises(UnsupportedFeatureError, match="filters"):
-        ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[object()])
+    with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
+        ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[object()])  # ExLlamaV2's filter objects
+    assert ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[RegexFilter("a+")],
+                               filter_prefer_eos=True).filter_prefer_eos
     with pytest.raises(UnsupportedFeatureError, match="embeddings"):
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, embeddings=[object()])
     with pytest.raises(InvalidJobError, match="unknown"):
@@ -242,8 +245,21 @@ def test_job_and_generator_arguments():
 def test_generate_rejects_what_is_not_implemented(generator):
     with pytest.raises(UnsupportedFeatureError, match="CFG"):
         generator.generate(prompt=("positive", "negative"), max_new_tokens=4)
-    with pytest.raises(UnsupportedFeatureError, match="filters"):
+    with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
         generator.generate(prompt="a", max_new_tokens=4, filters=[[object()]])
+    with pytest.raises(InvalidJobError, match="one list of filters per prompt"):
+        generator.generate(prompt=["a", "b"], max_new_tokens=4, filters=[[ChoiceFilter(["x"])]])
+    check_clean(generator)
+
+
+def test_generate_with_filters(generator):
+    greedy = ExLlamaV2Sampler.Settings.greedy()
+    out = generator.generate(prompt=["a", "b"], max_new_tokens=8, completion_only=True,
+                             filters=[[ChoiceFilter(["yes", "no"])], []], gen_settings=greedy)
+    assert out[0] in ("yes", "no")
+    single = generator.generate(prompt="a", max_new_tokens=8, completion_only=True, filters=[RegexFilter("[0-9]{3}")],
+                                gen_settings=greedy)
+    assert single.isdigit() and len(single) == 3
     check_clean(generator)
 
 

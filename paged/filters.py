@@ -194,6 +194,29 @@ class FilterState:
         self.prefer_eos = prefer_eos
         self.tokenizer_words = min(-(-lt.vocab_size // 32), words)
         self.consumed = 0
+        self._lt = lt
+        self._tokenizer = tokenizer
+        self.first_mask: np.ndarray | None = None  # token healing: the first token's mask (`healing_mask`)
+
+    # --- token healing: the first token must start with the dropped prompt text `prefix`, and the grammar sees
+    # only what follows it (the output text has the prefix stripped too)
+    def _rest_tokens(self, token: int, prefix: bytes) -> list[int]:
+        return self._lt.tokenize_bytes(self._tokenizer.token_bytes(int(token))[len(prefix) :])
+
+    def healing_mask(self, candidates: Sequence[int], prefix: bytes) -> np.ndarray:
+        """The mask of a token-healing job's first token: the `candidates` (tokens starting with `prefix`) whose
+        text after the prefix the grammar can begin with."""
+        mask = np.zeros(self.words, np.int32)
+        for t in candidates:
+            rest = self._rest_tokens(t, prefix)
+            if all(m.validate_tokens(rest) == len(rest) for m in self.matchers):
+                mask[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        return mask
+
+    def consume_healed(self, token: int, prefix: bytes) -> None:
+        """`consume` for the first token of a token-healing job: the matchers take its text after the prefix."""
+        for t in self._rest_tokens(token, prefix):
+            self.consume(t)
 
     def consume(self, token: int) -> None:
         """Advance every matcher by a sampled token; `JobFailure` if one rejects it (the mask allowed only what

@@ -264,6 +264,12 @@ class DynamicGenerator:
                 stream.strip_prefix = prefix.decode("utf-8", errors="replace")
         except Exception as e:  # noqa: BLE001 (a tokenizer failing on this job's ids)
             raise InvalidJobError(f"{job!r}: preparing its text stream failed: {type(e).__name__}: {e}") from e
+        if filter_state is not None and healing is not None:  # the healed first token must also fit the grammar
+            filter_state.first_mask = filter_state.healing_mask(healing, prefix)
+            if not filter_state.first_mask.any():
+                raise InvalidJobError(f"{job!r}: token healing and its filters exclude each other: no token that "
+                                      f"starts with the dropped prompt text {prefix!r} continues into the filters' "
+                                      "language; pass token_healing=False")
         return stream, healing, filter_state
 
     def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None, FilterState | None]) -> int:
@@ -275,6 +281,7 @@ class DynamicGenerator:
         job.stream = stream
         if healing is not None:  # drop the last prompt token; the first sample must start with its text
             job.healing_allowed = healing
+            job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])
             job.input_ids = job.input_ids[:-1]
             job.sequence = list(job.input_ids)
         self.pending.append(job)
@@ -345,8 +352,12 @@ class DynamicGenerator:
             self.timings["schedule_s"] += time.perf_counter() - t0
             return results
         filtered = [i for i, (r, j) in enumerate(zip(rows, owners)) if r.sample and j.filter_state is not None]
+        healing = [i for i in filtered if owners[i].healing_allowed and owners[i].new_tokens == 0]
+        filtered = [i for i in filtered if i not in healing]
         for i, mask in zip(filtered, compute_masks([owners[i].filter_state for i in filtered])):
             rows[i].mask = mask
+        for i in healing:  # the first token of a healed job: starts with the dropped text, then fits the grammar
+            rows[i].mask = owners[i].filter_state.first_mask
         top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
         want_logits = any(j.return_logits for j in owners)
         waiting = bool(self.pending) and len(self.active) < self.max_batch_size

@@ -151,9 +151,6 @@ class Job:
         if self.filters and self.banned_strings:
             c.fail("filters and banned_strings cannot be combined (a banned-string rewind would move the grammar "
                    "back under the filter); express the ban in the grammar instead")
-        if self.filters and self.token_healing:
-            c.fail("filters and token_healing cannot be combined (the healed first token carries prompt text the "
-                   "grammar does not describe); pass token_healing=False")
         # --- generator-side state (set by enqueue / admission / steps)
         self.serial: int | None = None
         self.skips = 0
@@ -167,6 +164,7 @@ class Job:
         self.stream = None
         self.explored: dict[int, set[int]] = {}  # sequence index -> tokens banned there after a rewind
         self.healing_allowed: list[int] = []  # token healing: ids allowed for the first sample
+        self.healing_prefix = b""  # token healing: the dropped prompt token's bytes (the first sample starts with them)
         self.filter_state = None  # paged.filters.FilterState: this job's grammar matchers (set at enqueue)
         self.pending_extras: list[dict] = []  # per-token extras (probs, top-k, logits) not yet released with text
         self.time_enqueue = 0.0  # the generator's clock at enqueue() (`arrival`)

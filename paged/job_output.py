@@ -102,7 +102,9 @@ class JobOutput:
             held["token_ids"] = [token]
             r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
         else:
-            if job.filter_state is not None:
+            if job.filter_state is not None and job.healing_allowed and job.new_tokens == 1:
+                job.filter_state.consume_healed(token, job.healing_prefix)
+            elif job.filter_state is not None:
                 job.filter_state.consume(token)
             ev = job.stream.feed(token)
             text, toks = ev.text, ev.tokens

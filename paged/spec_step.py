@@ -72,6 +72,8 @@ class SpeculativeStep:
 
     def spec_row(self, row: RowInput, job: Any) -> SpecRow:
         m = self.max_drafts(job, row)
+        if job.filter_state is not None and job.healing_allowed and job.new_tokens == 0:
+            m = 0  # the healed first token feeds the grammar only its text after the prefix: verify it alone
         base = job.kv_position + len(row.tokens)  # sequence index the row's first position samples
         biases = []
         for j in range(1, m + 1):

@@ -75,8 +75,6 @@ def test_job_checks_its_filters_and_the_combinations():
         Job([1], 4, filters=[f, 3])
     with pytest.raises(InvalidJobError, match="filters and banned_strings cannot be combined"):
         Job([1], 4, filters=f, banned_strings=["x"])
-    with pytest.raises(InvalidJobError, match="filters and token_healing cannot be combined"):
-        Job([1, 2], 4, filters=f, token_healing=True)
     with pytest.raises(InvalidJobError, match="filter_prefer_eos must be True or False"):
         Job([1], 4, filters=f, filter_prefer_eos="yes")
     gen = DynamicGenerator(engine=FakeEngine())  # no tokenizer
@@ -163,6 +161,30 @@ def test_prefer_eos_ends_as_soon_as_the_filter_accepts():
     # the fake continues 0, 1, 2, ... 9 then ':' (not a digit): the filter allows only digits or EOS
     assert c.finals["first"]["full_completion"] == "0" and c.finals["first"]["eos_reason"] == "end_filter"
     assert c.finals["greedy-digits"]["full_completion"].startswith("0123456789")
+    check_clean(gen)
+
+
+class PieceTokenizer(ByteTokenizer):
+    """ByteTokenizer plus three multi-byte tokens, so that token healing has choices: 258 "ab", 259 "a1", 260 "a12"."""
+
+    vocab_size = 261
+    PIECES = {258: b"ab", 259: b"a1", 260: b"a12"}
+
+    def token_bytes(self, t):
+        return self.PIECES.get(t) or super().token_bytes(t)
+
+
+def test_token_healing_with_a_filter_heals_into_the_grammar():
+    tok = PieceTokenizer()
+    prompt = [ord("x"), ord("a")]  # healing drops "a": the first token is one of "a", "ab", "a1", "a12"
+    script = {prompt[0]: (1, [258])}  # the fake wants "ab" first: its rest "b" is no digit, so it takes "a1"
+    gen = DynamicGenerator(tokenizer=tok, engine=FakeEngine(vocab_size=261, script=script))
+    gen.enqueue(Job(prompt, 8, filters=RegexFilter("[0-9]{3}"), token_healing=True, identifier="h"))
+    c = drain(gen)
+    first = [t for r in c.results if r["stage"] == "streaming" for t in r["token_ids"]][0]
+    assert first == 259  # "a1": starts with the dropped "a", and "1" begins the grammar
+    # then "a12" (the fake's next wish) is no digit string: the next allowed ids are "0" and "1"
+    assert c.finals["h"]["full_completion"] == "101" and c.finals["h"]["eos_reason"] == "end_filter"
     check_clean(gen)
 
 

@@ -314,12 +314,32 @@ def test_chat_ctrl_c_at_the_prompt_exits_cleanly(model_dir, monkeypatch, capsys)
     ("--min_new_tokens=10", "--min_new_tokens must be in [0, --max_new_tokens]"),
     ("--max_batch_size=0", "--max_batch_size must be an int >= 1, got 0"),
     ("--prompt=", "--prompt is empty"),
+    ("--regex=a[", "RegexFilter: invalid regex"),
+    ("--json_schema=/nonexistent.json", "--json_schema /nonexistent.json does not exist"),
 ])
 def test_invalid_flags_give_a_clear_usage_error(model_dir, flag, message):
     with flags_set(*engine_args(model_dir, flag)):
         with pytest.raises(app.UsageError) as e:
             generate.main(["generate"])
     assert message in str(e.value)
+
+
+def test_filter_flags_constrain_every_job(model_dir, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                  "additionalProperties": False}))
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    out = tmp_path / "o.jsonl"
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", f"--output={out}", f"--json_schema={schema}",
+                          "--max_new_tokens=24", "--temperature=1.0", "--seed=3"))
+    for rec in read_jsonl(out):
+        if rec["eos_reason"] == "end_filter":
+            assert isinstance(json.loads(rec["completion"])["n"], int)
+        else:  # cut by max_new_tokens: a prefix of such an object
+            assert rec["eos_reason"] == "max_new_tokens" and rec["completion"].lstrip().startswith("{")
+    run_main(*engine_args(model_dir, "--prompt=x", f"--output={out}", "--regex=[0-9]{2}", "--max_new_tokens=8"))
+    [rec] = read_jsonl(out)
+    assert rec["eos_reason"] == "end_filter" and rec["completion"].isdigit() and len(rec["completion"]) == 2
 
 
 def test_prompt_and_prompts_file_conflict(model_dir, tmp_path):

@@ -153,6 +153,20 @@ def test_filtered_jobs_follow_their_grammar_and_neighbours_are_unchanged():
     check_clean(gen)
 
 
+def test_cancel_drops_a_filtered_job_and_its_pages():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    job = Job([5, 6], 50, filters=RegexFilter("[a-z]{40}"), identifier="c")
+    other = Job([9], 5, identifier="plain")
+    gen.enqueue([job, other])
+    for _ in range(4):
+        gen.iterate()
+    assert job.filter_state.consumed > 0
+    gen.cancel(job)
+    c = drain(gen)
+    assert "c" not in c.finals and c.finals["plain"]["eos_reason"] == "max_new_tokens"
+    check_clean(gen)
+
+
 def test_prefer_eos_ends_as_soon_as_the_filter_accepts():
     gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
     gen.enqueue([Job([47], 10, filters=RegexFilter("[0-9]+"), identifier="greedy-digits"),

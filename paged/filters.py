@@ -152,11 +152,37 @@ class _TokenTable:
         self.special_token_ids = sorted(getattr(tokenizer, "special_token_ids", ()))
         self.tokens = [tokenizer.token_bytes(i) for i in range(n)]
         self._tokenizer = tokenizer
+        self._ids: dict[bytes, int] | None = None  # bytes -> id, for `_greedy`
+        self._longest = max(map(len, self.tokens), default=1)
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._tokenizer.encode(text))
+        """Tokens whose bytes are exactly `text`: the tokenizer's encoding when it is (a SentencePiece encoder
+        adds a leading "▁" to a fragment, which is not), else a longest-match over the vocabulary."""
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = list(self._tokenizer.encode(data.decode("utf-8", errors="replace")))
+        if b"".join(self.tokens[i] for i in ids if 0 <= i < len(self.tokens)) == data:
+            return ids
+        return self._greedy(data)
+
+    def _greedy(self, data: bytes) -> list[int]:
+        if self._ids is None:
+            self._ids = {}
+            special = set(self.special_token_ids)
+            for i, b in enumerate(self.tokens):
+                if b and i not in special:
+                    self._ids.setdefault(b, i)
+        out, pos = [], 0
+        while pos < len(data):
+            for n in range(min(self._longest, len(data) - pos), 0, -1):
+                t = self._ids.get(data[pos : pos + n])
+                if t is not None:
+                    out.append(t)
+                    pos += n
+                    break
+            else:
+                raise InvalidJobError(f"the tokenizer has no token for the byte {data[pos]:#04x}: filters need a "
+                                      "tokenizer that can spell every byte")
+        return out
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:
@@ -178,12 +204,19 @@ def ll_tokenizer(tokenizer: Any) -> Any:
 
 # ---------------------------------------------------------------------------------------------- job state
 class FilterState:
-    """The matchers of one job's filters. `words` is the mask width of the model's vocabulary
-    (`ceil(V / 32)`, V >= the tokenizer's vocabulary)."""
+    """The matchers of one job's filters. `words` is the mask width of the model's vocabulary (`ceil(V / 32)`;
+    ids the tokenizer has and the model has not are never allowed). `stop_tokens` (the job's stop tokens, which
+    end it before the grammar sees them) are allowed wherever the grammar allows EOS."""
 
-    def __init__(self, filters: Sequence[Filter], tokenizer: Any, words: int, prefer_eos: bool = False):
+    def __init__(self, filters: Sequence[Filter], tokenizer: Any, words: int, prefer_eos: bool = False,
+                 stop_tokens: Iterable[int] = (), vocab_size: int | None = None):
         llg = _llg()
         lt = ll_tokenizer(tokenizer)
+        vocab_size = words * 32 if vocab_size is None else vocab_size
+        if not 0 <= lt.eos_token < vocab_size:
+            raise InvalidJobError(f"filters need the tokenizer's EOS token ({lt.eos_token}) inside the model's "
+                                  f"vocabulary ({vocab_size} ids): the grammar ends on it; use a tokenizer that "
+                                  "matches the model")
         self.matchers = []
         for f in filters:
             m = llg.LLMatcher(lt, f.grammar, log_level=0)
@@ -192,7 +225,11 @@ class FilterState:
             self.matchers.append(m)
         self.words = words
         self.prefer_eos = prefer_eos
-        self.tokenizer_words = min(-(-lt.vocab_size // 32), words)
+        self.vocab_size = vocab_size
+        self.library_words = -(-lt.vocab_size // 32)  # llguidance's mask width
+        self.tokenizer_words = min(self.library_words, words)
+        self.eos = lt.eos_token
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens if 0 <= int(t) < vocab_size)
         self.consumed = 0
         self._lt = lt
         self._tokenizer = tokenizer
@@ -210,7 +247,7 @@ class FilterState:
         for t in candidates:
             rest = self._rest_tokens(t, prefix)
             if all(m.validate_tokens(rest) == len(rest) for m in self.matchers):
-                mask[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+                mask[t >> 5] |= _bit(t)
         return mask
 
     def consume_healed(self, token: int, prefix: bytes) -> None:
@@ -250,16 +287,25 @@ def compute_masks(states: Sequence[FilterState]) -> list[np.ndarray]:
         for m in st.matchers:
             pairs.append((m, len(pairs)))
             owner.append(i)
-    tw = max(st.tokenizer_words for st in states)
-    scratch = np.full((len(pairs), tw), -1, np.int32)
+    scratch = np.full((len(pairs), max(st.library_words for st in states)), -1, np.int32)
     llg.numpy.fill_next_token_bitmask_par(_executor(), pairs, scratch)
     out = []
     for i, st in enumerate(states):
         rows = scratch[[k for k, o in enumerate(owner) if o == i], : st.tokenizer_words]
-        mask = np.zeros(st.words, np.int32)  # ids past the tokenizer's vocabulary stay off
+        mask = np.zeros(st.words, np.int32)  # ids past the tokenizer's (or the model's) vocabulary stay off
         mask[: st.tokenizer_words] = np.bitwise_and.reduce(rows, axis=0)
+        cut = st.words * 32 - st.vocab_size  # the model's own vocabulary may end inside the last word
+        if cut > 0:
+            mask[-1] &= np.int32(np.uint32((1 << (32 - cut)) - 1).view(np.int32))
+        if st.stop_tokens and mask_allows(mask, st.eos):  # the grammar may end here: so may a stop token
+            for t in st.stop_tokens:
+                mask[t >> 5] |= _bit(t)
         out.append(mask)
     return out
+
+
+def _bit(t: int) -> np.int32:
+    return np.uint32(1 << (t & 31)).view(np.int32)
 
 
 _EXECUTOR = None

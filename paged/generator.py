@@ -250,7 +250,8 @@ class DynamicGenerator:
         filter_state = None
         if job.filters:  # InvalidJobError from the grammar engine propagates as is
             filter_state = FilterState(job.filters, self.tokenizer, mask_words(self.vocab_size),
-                                       prefer_eos=job.filter_prefer_eos)
+                                       prefer_eos=job.filter_prefer_eos, stop_tokens=job.stop_tokens,
+                                       vocab_size=self.vocab_size)
         try:
             stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
             healing = None
@@ -351,13 +352,10 @@ class DynamicGenerator:
         if not rows:
             self.timings["schedule_s"] += time.perf_counter() - t0
             return results
-        filtered = [i for i, (r, j) in enumerate(zip(rows, owners)) if r.sample and j.filter_state is not None]
-        healing = [i for i in filtered if owners[i].healing_allowed and owners[i].new_tokens == 0]
-        filtered = [i for i in filtered if i not in healing]
-        for i, mask in zip(filtered, compute_masks([owners[i].filter_state for i in filtered])):
-            rows[i].mask = mask
-        for i in healing:  # the first token of a healed job: starts with the dropped text, then fits the grammar
-            rows[i].mask = owners[i].filter_state.first_mask
+        rows, owners = self._mask_rows(rows, owners, results)
+        if not rows:
+            self.timings["schedule_s"] += time.perf_counter() - t0
+            return results
         top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
         want_logits = any(j.return_logits for j in owners)
         waiting = bool(self.pending) and len(self.active) < self.max_batch_size
@@ -394,6 +392,38 @@ class DynamicGenerator:
         finally:
             self.timings["results_s"] += time.perf_counter() - t2
         return results
+
+    def _mask_rows(self, rows: list, owners: list[Job], results: list[dict]) -> tuple[list, list[Job]]:
+        """Set the token mask of every sampling row of a filtered job (one parallel grammar call for the batch).
+        A job whose grammar engine fails is ended alone (`eos_reason="error"`) and its row dropped from the step."""
+        filtered = [i for i, (r, j) in enumerate(zip(rows, owners)) if r.sample and j.filter_state is not None]
+        if not filtered:
+            return rows, owners
+        healing = [i for i in filtered if owners[i].healing_allowed and owners[i].new_tokens == 0]
+        for i in healing:  # the first token of a healed job: starts with the dropped text, then fits the grammar
+            rows[i].mask = owners[i].filter_state.first_mask
+        plain = [i for i in filtered if i not in healing]
+        try:
+            masks: list = compute_masks([owners[i].filter_state for i in plain])
+        except Exception:  # noqa: BLE001 (find the job that failed: the others go on)
+            masks = []
+            for i in plain:
+                try:
+                    masks.append(compute_masks([owners[i].filter_state])[0])
+                except Exception as e:  # noqa: BLE001
+                    masks.append(e)
+        bad = set()
+        for i, mask in zip(plain, masks):
+            if isinstance(mask, Exception):
+                bad.add(i)
+                results.append(self._fail(owners[i], JobFailure(f"its filter failed: {type(mask).__name__}: {mask}"),
+                                          self.clock()))
+            else:
+                rows[i].mask = mask
+        if not bad:
+            return rows, owners
+        keep = [i for i in range(len(rows)) if i not in bad]
+        return [rows[i] for i in keep], [owners[i] for i in keep]
 
     def _collect(self, rows: list, owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
         """Advance each row's job by the step's output and append its result dicts. A failure while handling one
@@ -546,6 +576,11 @@ class DynamicGenerator:
             per_prompt = [filters]
         else:
             per_prompt = list(filters)
+            flat = [i for i, f in enumerate(per_prompt) if f is not None and not isinstance(f, (list, tuple))]
+            if flat:
+                raise InvalidJobError(f"generate(): filters[{flat[0]}] is not a list; for a list of prompts, pass one "
+                                      "list of filters per prompt (e.g. [[f], [f]] to constrain two prompts by f, "
+                                      "[] or None for an unfiltered one)")
             if len(per_prompt) != len(prompts):
                 raise InvalidJobError(f"generate(): {len(per_prompt)} filter lists for {len(prompts)} prompts; pass "
                                       "one list of filters per prompt (an empty list for none)")

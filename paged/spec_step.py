@@ -127,13 +127,15 @@ def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
     rejects, later positions can never be reached (acceptance stops there); they reuse the last mask."""
     masks = [first]
     taken = 0
-    for t in drafts:
-        if not mask_allows(masks[-1], t):
-            break
-        state.consume(t)
-        taken += 1
-        masks.append(compute_masks([state])[0])
-    state.rollback(taken)
+    try:
+        for t in drafts:
+            if not mask_allows(masks[-1], t) or t in state.stop_tokens:  # a stop token ends the job
+                break
+            state.consume(t)
+            taken += 1
+            masks.append(compute_masks([state])[0])
+    finally:  # the grammar is back where the job is, whatever failed
+        state.rollback(taken)
     return masks + [masks[-1]] * (len(drafts) + 1 - len(masks))
 
 

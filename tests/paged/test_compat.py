@@ -249,6 +249,8 @@ def test_generate_rejects_what_is_not_implemented(generator):
         generator.generate(prompt="a", max_new_tokens=4, filters=[[object()]])
     with pytest.raises(InvalidJobError, match="one list of filters per prompt"):
         generator.generate(prompt=["a", "b"], max_new_tokens=4, filters=[[ChoiceFilter(["x"])]])
+    with pytest.raises(InvalidJobError, match=r"filters\[0\] is not a list; .*\(e\.g\. \[\[f\], \[f\]\]"):
+        generator.generate(prompt=["a", "b"], max_new_tokens=4, filters=[ChoiceFilter(["x"]), ChoiceFilter(["y"])])
     check_clean(generator)
 
 

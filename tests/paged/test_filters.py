@@ -18,6 +18,7 @@ import pytest
 from models import ModelConfig, init_random_weights
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
+from paged import generator as generator_module
 from paged.batch import mask_words
 from paged.errors import InvalidJobError
 from paged.filters import (
@@ -120,8 +121,56 @@ def test_masks_equal_the_librarys_and_padded_ids_are_off(f, prefix):
 def test_several_filters_intersect():
     st = FilterState([RegexFilter("[a-f]+"), PrefixFilter(["d", "ex"])], TOK, mask_words(258))
     assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == ["d", "e"]
-    st.consume(ord("e"))
-    assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == ["x"] or not allowed(compute_masks([st])[0], 256)
+    st.consume(ord("e"))  # "e" fits both; next the prefix filter wants "x", which [a-f] forbids: nothing is left
+    mask, = compute_masks([st])
+    assert not mask.any()
+    st.rollback(1)
+    st.consume(ord("d"))  # after "d" the prefix filter allows anything: [a-f] decides (and EOS: it accepts)
+    assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == list("abcdef")
+
+
+def test_stop_tokens_are_allowed_where_the_grammar_may_end():
+    st = FilterState([RegexFilter("[0-9]+")], TOK, mask_words(258), stop_tokens={ord(":"), 256})
+    assert not mask_allows(compute_masks([st])[0], ord(":"))  # nothing yet: the grammar cannot end
+    st.consume(ord("4"))
+    mask, = compute_masks([st])
+    assert mask_allows(mask, ord(":")) and mask_allows(mask, 256) and not mask_allows(mask, ord(";"))
+
+
+class WideTokenizer(ByteTokenizer):
+    """ByteTokenizer plus tokens 258-299 ("z0".."z9", ...): a tokenizer with more ids than the model."""
+
+    vocab_size = 300
+
+    def token_bytes(self, t):
+        return b"z%d" % (t - 258) if t >= 258 else super().token_bytes(t)
+
+
+def test_a_tokenizer_wider_than_the_model_masks_the_ids_the_model_lacks():
+    tok = WideTokenizer()
+    st = FilterState([RegexFilter("z[0-9]+")], tok, mask_words(263), vocab_size=263)
+    mask, = compute_masks([st])
+    assert allowed(mask, 288) == [ord("z"), 258, 259, 260, 261, 262]  # "z0".."z4"; 263.. are not the model's
+    gen = DynamicGenerator(tokenizer=tok, engine=FakeEngine(vocab_size=263))
+    gen.enqueue(Job([5], 6, filters=RegexFilter("z[0-9]+"), identifier="w"))
+    final = drain(gen).finals["w"]
+    assert final["eos_reason"] == "max_new_tokens" and re.fullmatch("z[0-9]+", final["full_completion"])
+    check_clean(gen)
+    with pytest.raises(InvalidJobError, match=r"EOS token \(256\) inside the model's vocabulary \(200 ids\)"):
+        FilterState([RegexFilter("z")], tok, mask_words(200), vocab_size=200)
+
+
+class PrefixingTokenizer(ByteTokenizer):
+    """A SentencePiece-like encoder: a leading space ("▁") on every text it encodes."""
+
+    def encode(self, text, *, add_bos=False, encode_special_tokens=False):
+        return super().encode(" " + text, add_bos=add_bos)
+
+
+def test_the_library_tokenizes_fragments_to_their_exact_bytes():
+    lt = ll_tokenizer(PrefixingTokenizer())
+    assert lt.tokenize_bytes(b"12") == [ord("1"), ord("2")]
+    assert ll_tokenizer(TOK).tokenize_bytes(b"12") == [ord("1"), ord("2")]
 
 
 def test_device_mask_equals_the_librarys_unpacking():
@@ -164,6 +213,36 @@ def test_cancel_drops_a_filtered_job_and_its_pages():
     gen.cancel(job)
     c = drain(gen)
     assert "c" not in c.finals and c.finals["plain"]["eos_reason"] == "max_new_tokens"
+    check_clean(gen)
+
+
+def test_a_stop_token_ends_a_filtered_job_once_its_grammar_may_end():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    # the fake continues 0, 1, ... 9 then ':': the stop token, allowed because "0123456789" is a complete match
+    gen.enqueue(Job([47], 20, filters=RegexFilter("[0-9]+"), stop_conditions=[ord(":")], identifier="s"))
+    final = drain(gen).finals["s"]
+    assert final["eos_reason"] == "stop_token" and final["full_completion"] == "0123456789"
+    check_clean(gen)
+
+
+def test_a_failing_filter_ends_its_job_alone(monkeypatch):
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    bad = Job([5, 6], 20, filters=RegexFilter("[a-z]+"), identifier="bad")
+    good = Job([7, 8], 6, filters=RegexFilter("[a-z]+"), identifier="good")
+    plain = Job([9], 5, identifier="plain")
+    gen.enqueue([bad, good, plain])
+    gen.iterate()
+
+    def broken(states):  # the grammar engine fails on the bad job's masks (and so on any batch holding it)
+        if any(st is bad.filter_state for st in states):
+            raise RuntimeError("grammar engine exploded")
+        return compute_masks(states)
+
+    monkeypatch.setattr(generator_module, "compute_masks", broken)
+    c = drain(gen)
+    assert c.finals["bad"]["eos_reason"] == "error" and "its filter failed" in c.finals["bad"]["error"]
+    assert c.finals["good"]["eos_reason"] in ("max_new_tokens", "end_filter")
+    assert c.finals["plain"]["eos_reason"] == "max_new_tokens"
     check_clean(gen)
 
 
@@ -255,6 +334,7 @@ def test_real_model_sampled_outputs_always_follow_the_grammar_across_seeds():
         for j in filtered:
             out = j.sequence[j.prompt_len:]
             assert all(t < 258 for t in out), out  # never a padded vocabulary row
+        assert c.finals["regex"]["eos_reason"] != "error" and c.finals["json"]["eos_reason"] != "error"
         text = c.finals["regex"]["full_completion"]
         if c.finals["regex"]["eos_reason"] != "max_new_tokens":
             assert re.fullmatch(r"[a-z]{2,5}-[0-9]{1,3}", text), text

@@ -72,6 +72,7 @@ def plain_jobs(tok, seed):
 @pytest.mark.parametrize("seed", [None, 1, 2, 3])  # None: greedy
 def test_filtered_jobs_in_a_batch_of_plain_ones(model, seed):
     import jsonschema
+    import lark
 
     from paged import Job, SamplingSettings
     from paged.filters import ChoiceFilter, GrammarFilter, JsonSchemaFilter, RegexFilter
@@ -102,6 +103,7 @@ def test_filtered_jobs_in_a_batch_of_plain_ones(model, seed):
     jsonschema.validate(json.loads(c.finals["json"]["full_completion"]), SCHEMA)
     assert re.fullmatch(DATE, c.finals["date"]["full_completion"])
     assert re.fullmatch(LIST_RE, c.finals["list"]["full_completion"])
+    lark.Lark(LIST_GRAMMAR).parse(c.finals["list"]["full_completion"])  # the same grammar, an independent parser
     assert c.finals["choice"]["full_completion"] in ("yes", "no", "it depends")
     assert not gen.active and gen.pool.num_referenced == 0
     gen.pool.check(expected_refs={})

@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import registry
-from pallas_kernels.quant_format import QuantizedArray, dequantize
+from pallas_kernels import native, registry
+from pallas_kernels.quant_format import LayerSlice, QuantizedArray, dequantize
 from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
 
 
@@ -315,10 +315,30 @@ def _pallas_impl(x, qa, *, tuning=None, interpret=None):
     return dequant_matmul_pallas(x, qa, tuning, interpret=interpret)
 
 
+def _native_check() -> None:
+    why = native.unavailable_reason()
+    if why is not None:
+        raise KernelError(f"matmul_impl 'native' cannot run here: {why}; use 'xla' (or 'auto', which falls back)")
+
+
+def _native_impl(x, qa, *, tuning=None):
+    _native_check()
+    return native.native_matmul(x, qa, tuning=tuning)
+
+
+_native_impl.tolerance = 0.02  # int8 activations (one scale per block): ~0.5-1% of the largest output
+
+
+def native_fits(n: int, qa: QuantizedArray) -> bool:
+    """`auto`'s rule on the CPU: the native kernel for decode-sized row counts, where it is faster, when it is
+    built and runs here; XLA otherwise."""
+    return n <= native.NATIVE_MAX_ROWS and native.activation_block(qa) % 2 == 0 and native.available()
+
+
 _pallas_impl.tuning_type = MatmulTuning
 
 # The built-in names (every registered name, plugins included, is `MATMUL.names()`).
-IMPLS = ("auto", "reference", "xla", "pallas")
+IMPLS = ("auto", "reference", "xla", "pallas", "native")
 
 
 def dequant_matmul(
@@ -337,12 +357,22 @@ def dequant_matmul(
     """
     impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
     config = tuned if config is None else config
-    if impl == "auto" and isinstance(qa, QuantizedArray) and registry.on_gpu():
-        impl = "pallas" if gpu_unsupported_reason(qa, config, x.shape[0]) is None else "xla"
+    if impl == "auto" and isinstance(qa, (QuantizedArray, LayerSlice)):
+        if registry.on_gpu():
+            impl = "xla"
+            if gpu_unsupported_reason(qa if isinstance(qa, QuantizedArray) else qa.get(), config, x.shape[0]) is None:
+                impl = "pallas"
+        else:
+            impl = "native" if native_fits(x.shape[0], qa if isinstance(qa, QuantizedArray) else qa.stacked) else "xla"
     try:
         entry = MATMUL.get(impl)
     except KernelError as e:
         raise ValueError(f"impl: {e}") from None
+    if isinstance(qa, LayerSlice):  # one layer of a stack: the native kernel reads it in place, the rest slice it
+        if entry.fn is _native_impl and x.ndim == 2 and x.shape[1] == qa.shape[0]:
+            _native_check()
+            return native.native_matmul(x, qa.stacked, layer=qa.layer)
+        qa = qa.get()
     if not isinstance(qa, QuantizedArray):
         raise TypeError(f"dequant_matmul needs a QuantizedArray; got {type(qa).__name__}")
     if qa.batch_shape:
@@ -384,5 +414,6 @@ def check_contract(impl: KernelImpl) -> None:
                                       "See docs/kernels.md")
 
 
-for _name, _fn in (("reference", _reference_impl), ("xla", _xla_impl), ("pallas", _pallas_impl)):
+for _name, _fn in (("reference", _reference_impl), ("xla", _xla_impl), ("pallas", _pallas_impl),
+                   ("native", _native_impl)):
     MATMUL.register(_name, _fn, check=False, builtin=True)

@@ -93,6 +93,27 @@ class QuantizedArray:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerSlice:
+    """Matrix `layer` (an int32 scalar, possibly traced) of a stacked `QuantizedArray` `[L, ...]`, not yet sliced:
+    a kernel that can read one matrix of a stack in place takes `stacked` and `layer` (`dequant_matmul` does that
+    for the native CPU kernel); everything else calls `get()`."""
+
+    stacked: QuantizedArray
+    layer: jnp.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.stacked.shape
+
+    @property
+    def kind(self) -> str:
+        return self.stacked.kind
+
+    def get(self) -> QuantizedArray:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, 0, keepdims=False), self.stacked)
+
+
 def check(qa: QuantizedArray) -> QuantizedArray:
     """Raise ValueError unless the leaves agree with the static metadata; return `qa`."""
     if qa.kind not in KINDS:

@@ -53,6 +53,10 @@ class KernelImpl:
     builtin: one of the project's own implementations;
     tuning_type: the frozen dataclass its `tuning=` argument takes (what `--attn_tuning block_q=16` is parsed
         into); from `register(tuning_type=...)` or the function's `tuning_type` attribute.
+    tolerance: for an implementation that is approximate by design (e.g. one that quantizes activations to int8),
+        the error relative to the output's largest magnitude that the conformance suite and the benchmark's check
+        accept, instead of the family's float tolerance; from `register(tolerance=...)` or the function's
+        `tolerance` attribute. None: exact up to float rounding.
     """
 
     name: str
@@ -61,6 +65,7 @@ class KernelImpl:
     stacked_cache: bool = False
     builtin: bool = False
     tuning_type: type | None = None
+    tolerance: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +111,8 @@ class KernelRegistry:
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, fn: Callable[..., Any], *, stacked_cache: bool = False, check: bool = True,
-                 replace: bool = False, builtin: bool = False, tuning_type: type | None = None) -> KernelImpl:
+                 replace: bool = False, builtin: bool = False, tuning_type: type | None = None,
+                 tolerance: float | None = None) -> KernelImpl:
         """Register `fn` under `name`; returns the entry. `check=True` runs the contract check (tracing only).
         Raises `KernelError` if the name is taken (unless `replace`), `KernelContractError` if `fn` breaks the
         contract."""
@@ -119,8 +125,13 @@ class KernelRegistry:
         if tuning_type is not None and not dataclasses.is_dataclass(tuning_type):
             raise KernelContractError(f"{self.family}: {name!r}: tuning_type must be a (frozen) dataclass, got "
                                       f"{tuning_type!r}")
+        tolerance = tolerance if tolerance is not None else getattr(fn, "tolerance", None)
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                      or not 0 < tolerance < 1):
+            raise KernelContractError(f"{self.family}: {name!r}: tolerance must be a number in (0, 1), got "
+                                      f"{tolerance!r}")
         impl = KernelImpl(name=name, fn=fn, family=self.family, stacked_cache=bool(stacked_cache), builtin=builtin,
-                          tuning_type=tuning_type)
+                          tuning_type=tuning_type, tolerance=None if tolerance is None else float(tolerance))
         with self._lock:
             old = self._impls.get(name)
             if old is not None and not replace and old.fn is not fn:

@@ -205,10 +205,33 @@ def test_entry_point_errors():
         dequant_matmul(x, jnp.zeros((128, 64)))
 
 
-def test_auto_is_pallas_on_gpu_and_xla_elsewhere(ran):
-    qa, x = _qa("q4_0", 32), _x(3)
-    _close(dequant_matmul(x, qa), numpy_matmul(x, qa), rtol=1e-3)
-    assert ran() == ["pallas" if jax.default_backend() == "gpu" else "xla"]
+def test_auto_picks_by_backend_and_row_count(monkeypatch, ran):
+    """auto: Pallas on the GPU; on the CPU the native kernel for decode-sized row counts (<= NATIVE_MAX_ROWS) where
+    it is built, XLA for larger ones and wherever the native kernel is not available."""
+    available = dm.native.available()  # its first call runs a smoke test (through the reference): not counted
+    skip = len(ran())
+    native_calls = spy(monkeypatch, dm.native, ["native_matmul"])
+    qa = _qa("q4_0", 32)
+    small, large = dm.native.NATIVE_MAX_ROWS, dm.native.NATIVE_MAX_ROWS + 1
+    for n in (small, large):
+        _close(dequant_matmul(_x(n), qa), numpy_matmul(_x(n), qa), rtol=2e-2)
+    if jax.default_backend() == "gpu":
+        assert ran()[skip:] == ["pallas", "pallas"] and not native_calls
+    elif available:
+        assert ran()[skip:] == ["xla"] and [args[0].shape[0] for _, args, _ in native_calls] == [small]
+    else:
+        assert ran()[skip:] == ["xla", "xla"] and not native_calls
+
+
+def test_auto_falls_back_to_xla_without_the_native_kernel(monkeypatch, ran):
+    """No compiler at install (or a CPU without AVX2): auto runs XLA, and asking for "native" says why."""
+    monkeypatch.setattr(dm.native, "unavailable_reason", lambda: "not built (no C++ compiler at install)")
+    monkeypatch.setattr(dm.native, "available", lambda: False)
+    qa, x = _qa("q4_1", 32), _x(1)
+    _close(dequant_matmul(x, qa), numpy_matmul(x, qa))
+    assert ran() == (["pallas"] if jax.default_backend() == "gpu" else ["xla"])
+    with pytest.raises(dm.KernelError, match="not built .*use 'xla'"):
+        dequant_matmul(x, qa, impl="native")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from pallas_kernels import testing
+from pallas_kernels import native, testing
 from pallas_kernels.registry import (
     KernelContractError,
     KernelError,
@@ -218,9 +218,11 @@ def test_builtin_attention_conforms(impl, case):
     testing.check_attention(impl, case)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "reference"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "reference", "native"])
 @pytest.mark.parametrize("case", testing.matmul_cases("quick"), ids=lambda c: c.name)
 def test_builtin_matmul_conforms(impl, case):
+    if impl == "native" and native.unavailable_reason() is not None:
+        pytest.skip(f"native kernel: {native.unavailable_reason()}")
     testing.check_matmul(impl, case)
 
 

@@ -1,0 +1,151 @@
+"""The native CPU matmul: `x @ dequantize(qa)` as int8 integer dot products in C++ (AVX2), through `jax.ffi`.
+
+XLA:CPU has no integer-dot kernel for 4-bit weights, so every decode step turned all the model's weights into
+float32 before the dots (docs/performance.md). `cpu/quant_matmul.cc` does what llama.cpp does instead: the
+activations are quantized to int8 per block (one scale per weight group for the q4 kinds, per 32 inputs for int8),
+each block is an AVX2 integer dot product against the stored 4- or 8-bit weights, and float32 scales (and q4_1 mins)
+are applied once per block. It reads the project's `QuantizedArray` layout as it is (no second copy of the weights),
+and spreads output tiles over the cores with OpenMP.
+
+The result is not bit-identical to the float path: quantizing x to int8 costs about 0.4% relative error per dot
+(tested against `dequant_matmul_reference` with that bound; the model-level effect is in docs/performance.md).
+
+The library is built by setuptools with the package (`setup.py`; optional: without a compiler the package installs
+without it). `unavailable_reason()` says why it cannot be used here (not built, no AVX2, the FFI call failing its
+smoke test), `None` when it can. Registered as the matmul implementation "native"; `"auto"` uses it on the CPU for
+decode-sized row counts (`NATIVE_MAX_ROWS`), where it wins, and keeps XLA's float dot for prefill.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quant_format import QuantizedArray
+
+TARGET = "jpg_quant_matmul"
+KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
+# "auto" picks the native kernel on the CPU for at most this many rows of x (decode rows; a speculative verification
+# row is k + 1 of them); above, XLA's float32 dot of the dequantized weight is faster (measured in docs/kernels.md).
+NATIVE_MAX_ROWS = 16
+
+
+def _library_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_native_quant_matmul*.so")))
+    return found[0] if found else None
+
+
+def threads() -> int:
+    """Threads per call: `JPG_NATIVE_THREADS` if set, else the cores this process may run on."""
+    env = os.environ.get("JPG_NATIVE_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    path = _library_path()
+    if path is None:
+        return None, ("the native kernel is not built (reinstall with a C++ compiler: pip install -e . ; "
+                      "the build prints why it was skipped)")
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return None, f"the native kernel {os.path.basename(path)} does not load: {e}"
+    if not lib.jpg_cpu_supported():
+        return None, "this CPU lacks AVX2/FMA/F16C, which the native kernel needs"
+    global _REGISTERED
+    if not _REGISTERED:
+        try:
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JpgQuantMatmul), platform="cpu")
+        except Exception as e:  # noqa: BLE001 (an FFI version mismatch, ...)
+            return None, f"registering the native kernel with XLA failed: {type(e).__name__}: {e}"
+        _REGISTERED = True
+    return lib, None
+
+
+_REGISTERED = False
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable_reason() -> str | None:
+    """Why the native kernel cannot run here, or None when it can (built, loadable, AVX2, and its smoke test passes
+    against the reference on the CPU)."""
+    lib, why = _load()
+    if why is not None:
+        return why
+    # In a thread of its own: the first call may come while the engine's step is being traced, and JAX's trace
+    # state is per thread, so the smoke test runs eagerly there.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_smoke_test).result()
+
+
+def _smoke_test() -> str | None:
+    try:
+        from pallas_kernels.dequant_matmul import dequant_matmul_reference
+        from pallas_kernels.quant_format import pack_q4
+
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.integers(0, 16, (64, 32)), jnp.uint8)
+        qa = QuantizedArray(pack_q4(q, 32), jnp.asarray(rng.uniform(0.01, 0.1, (2, 32)), jnp.float16),
+                            jnp.asarray(rng.uniform(-0.5, 0.0, (2, 32)), jnp.float16), "q4_1", 32, (64, 32))
+        x = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
+        with jax.default_device(jax.devices("cpu")[0]):
+            got = np.asarray(jax.jit(native_matmul)(x, qa))
+            want = np.asarray(dequant_matmul_reference(x, qa))
+        if not np.allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max()):
+            return "the native kernel's smoke test disagrees with the reference"
+    except Exception as e:  # noqa: BLE001
+        return f"the native kernel's smoke test failed: {type(e).__name__}: {e}"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def activation_block(qa: QuantizedArray) -> int:
+    """Inputs per int8 activation scale: the weight group for the q4 kinds (both nibbles of a byte share it), else
+    32 where it divides the group (per-channel int8 too), else the group."""
+    g = qa.group_size
+    if qa.kind != "int8" or g <= 32:
+        return g
+    return 32 if g % 32 == 0 else g
+
+
+def native_matmul(x: jnp.ndarray, qa: QuantizedArray, *, tuning=None, layer: jnp.ndarray | None = None) -> jnp.ndarray:
+    """`x` `[N, in]` @ the matrix `qa` stands for -> float32 `[N, out]`, by the native kernel (CPU only).
+
+    With `layer` (an int32 scalar), `qa` is a stack `[L, ...]` of matrices and matrix `layer` is read in place:
+    inside a `lax.scan` over layers, passing the stack (not the scan's slice) spares XLA a copy of the layer."""
+    del tuning
+    if layer is None and qa.batch_shape:
+        raise ValueError(f"native matmul: qa is stacked (batch_shape={qa.batch_shape}); pass layer=")
+    if layer is not None and len(qa.batch_shape) != 1:
+        raise ValueError(f"native matmul: layer= needs a stack of matrices [L, ...], got batch_shape={qa.batch_shape}")
+    if qa.kind not in KINDS:
+        raise ValueError(f"native matmul: unsupported kind {qa.kind!r}")
+    block = activation_block(qa)
+    if block % 2 or (qa.kind != "int8" and qa.group_size % 2):
+        raise ValueError(f"native matmul: group size {qa.group_size} must be even")
+    _, why = _load()
+    if why is not None:
+        raise RuntimeError(why)
+    mins = qa.mins if qa.mins is not None else jnp.zeros((1,), jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], qa.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x.astype(jnp.float32), qa.values, qa.scales, mins, index, kind=np.int32(KINDS[qa.kind]),
+                group_size=np.int64(qa.group_size), block=np.int64(block), threads=np.int64(threads()))

@@ -1,0 +1,164 @@
+"""The native CPU matmul (`pallas_kernels/cpu/quant_matmul.cc` through `pallas_kernels.native`): against a NumPy
+emulation of its integer arithmetic (tight: catches a wrong lane, nibble or scale), against the float reference
+(the int8-activation error stays small), over sampled shapes (odd sizes, tails past the 32-column tiles, group
+boundaries, every kind and scale dtype, 1-21 rows); `auto`'s choice on the CPU; and a clear error and the XLA
+fallback when the kernel is missing."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.quant import quantize
+from pallas_kernels import native
+from pallas_kernels.dequant_matmul import dequant_matmul, dequant_matmul_reference
+from pallas_kernels.quant_format import dequantize, unpack_q4
+from pallas_kernels.registry import KernelError
+
+BUILDABLE = shutil.which("g++") is not None and platform.machine() in ("x86_64", "AMD64")
+
+
+def test_the_kernel_is_built_wherever_it_can_be():
+    # The build is optional (setup.py); on a machine with a compiler, a silently skipped build is a failure.
+    if not BUILDABLE:
+        pytest.skip("no C++ compiler or not x86-64: the XLA path is the fallback")
+    assert native.unavailable_reason() is None
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+
+
+def emulate(x: np.ndarray, qa) -> np.ndarray:
+    """What the kernel computes, in NumPy float64: x quantized to int8 per block, integer dots per block, then the
+    block and group scales (and the q4 kinds' min term on the group sums of the quantized x)."""
+    k, o = qa.shape
+    g, b = qa.group_size, native.activation_block(qa)
+    if qa.kind == "int8":
+        q = np.asarray(qa.values, np.int64)  # [k, o]
+    else:
+        q = np.asarray(unpack_q4(qa.values, g), np.int64).reshape(k, o)
+    scales = np.asarray(qa.scales, np.float32).astype(np.float64)  # [k/g, o]
+    y = np.zeros((x.shape[0], o))
+    for r in range(x.shape[0]):
+        xr = x[r].astype(np.float32)
+        blocks = xr.reshape(k // b, b)
+        amax = np.abs(blocks).max(axis=1)
+        d = (amax / np.float32(127)).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        xq = np.clip(np.rint(blocks * inv[:, None]), -127, 127).astype(np.int64).reshape(k)
+        for grp in range(k // g):
+            gacc = np.zeros(o)
+            for blk in range(grp * g // b, (grp + 1) * g // b):
+                gacc += float(d[blk]) * (xq[blk * b : (blk + 1) * b] @ q[blk * b : (blk + 1) * b])
+            y[r] += scales[grp] * gacc
+            xs = sum(float(d[blk]) * float(xq[blk * b : (blk + 1) * b].sum())
+                     for blk in range(grp * g // b, (grp + 1) * g // b))  # the quantized x's sum
+            if qa.kind == "q4_1":
+                y[r] += np.asarray(qa.mins, np.float32)[grp].astype(np.float64) * xs
+            elif qa.kind == "q4_0":
+                y[r] += -8.0 * scales[grp] * xs
+    return y
+
+
+# kind, group (None: per channel), in, out, rows, scale dtype
+CASES = [
+    ("q4_1", 32, 64, 32, 1, jnp.float16),
+    ("q4_1", 32, 576, 96, 1, jnp.float16),
+    ("q4_1", 32, 96, 70, 5, jnp.float16),  # 2 tiles + a 6-column scalar tail, one 4-row pass + 1
+    ("q4_1", 64, 128, 64, 3, jnp.float32),
+    ("q4_1", 32, 64, 7, 2, jnp.float16),  # only the scalar columns
+    ("q4_0", 32, 192, 64, 4, jnp.float16),
+    ("q4_0", 128, 256, 33, 9, jnp.float32),
+    ("int8", 32, 96, 64, 1, jnp.float16),
+    ("int8", 64, 128, 40, 6, jnp.float16),
+    ("int8", None, 576, 64, 2, jnp.float32),  # per channel: activation blocks of 32 inside the one group
+    ("int8", None, 90, 32, 3, jnp.float32),  # per channel, 90 inputs: one activation block of 90
+    ("int8", 32, 64, 96, 21, jnp.float16),  # 5 passes of 4 rows + 1
+]
+
+
+def make(kind, group, k, o, n, scale_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.normal(scale=0.05, size=(k, o)), jnp.float32)
+    qa = quantize(w, kind, group, scale_dtype=scale_dtype)
+    x = jnp.asarray(rng.normal(size=(n, k)) * rng.uniform(0.1, 3.0, size=(n, 1)), jnp.float32)
+    return x, qa
+
+
+@needs_native
+@pytest.mark.parametrize("kind, group, k, o, n, scale_dtype", CASES)
+def test_native_equals_its_integer_arithmetic_and_stays_close_to_the_float_reference(kind, group, k, o, n,
+                                                                                      scale_dtype):
+    x, qa = make(kind, group, k, o, n, scale_dtype)
+    got = np.asarray(jax.jit(native.native_matmul)(x, qa))
+    assert got.shape == (n, o) and got.dtype == np.float32
+    want = emulate(np.asarray(x), qa)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    ref = np.asarray(dequant_matmul_reference(x, qa))
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert rel < 0.01, rel  # int8 activations: ~0.5% typical
+
+
+@needs_native
+def test_sampled_shapes_match_the_emulation():
+    rng = np.random.default_rng(7)
+    for i in range(12):
+        kind = ["q4_1", "q4_0", "int8"][i % 3]
+        group = int(rng.choice([32, 64]))
+        k = group * int(rng.integers(1, 6))
+        o = int(rng.integers(1, 140))
+        n = int(rng.integers(1, 12))
+        x, qa = make(kind, group, k, o, n, jnp.float16, seed=i)
+        got = np.asarray(native.native_matmul(x, qa))
+        want = emulate(np.asarray(x), qa)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(), 1e-6),
+                                   err_msg=f"{kind} g={group} k={k} o={o} n={n}")
+
+
+@needs_native
+def test_zero_rows_and_zero_inputs():
+    x, qa = make("q4_1", 32, 64, 64, 2, jnp.float16)
+    np.testing.assert_allclose(np.asarray(native.native_matmul(jnp.zeros_like(x), qa)), 0.0)
+    assert native.native_matmul(x[:0], qa).shape == (0, 64)
+
+
+@needs_native
+def test_inside_a_scan_over_stacked_layers():
+    xs, qas = zip(*[make("q4_1", 32, 64, 64, 1, jnp.float16, seed=s) for s in range(3)])
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *qas)
+
+    def body(h, qa):
+        return h, native.native_matmul(h, qa)
+
+    _, ys = jax.jit(lambda h, w: jax.lax.scan(body, h, w))(xs[0], stacked)
+    for i, qa in enumerate(qas):
+        np.testing.assert_allclose(np.asarray(ys[i]), emulate(np.asarray(xs[0]), qa), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_auto_picks_native_for_decode_rows_and_xla_for_prefill(monkeypatch):
+    calls = []
+    real = native.native_matmul
+    monkeypatch.setattr(native, "native_matmul", lambda x, qa, **kw: calls.append(x.shape[0]) or real(x, qa, **kw))
+    x, qa = make("q4_1", 32, 64, 64, native.NATIVE_MAX_ROWS + 1, jnp.float16)
+    dequant_matmul(x[:1], qa, impl="auto")
+    dequant_matmul(x[: native.NATIVE_MAX_ROWS], qa, impl="auto")
+    dequant_matmul(x, qa, impl="auto")  # one row more: XLA
+    assert calls == [1, native.NATIVE_MAX_ROWS]
+    out = dequant_matmul(x[:3], qa, impl="native")
+    np.testing.assert_allclose(np.asarray(out), emulate(np.asarray(x[:3]), qa), rtol=1e-4, atol=1e-4)
+
+
+def test_a_missing_kernel_is_a_clear_error_and_auto_falls_back(monkeypatch):
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "the native kernel is not built (test)")
+    monkeypatch.setattr(native, "available", lambda: False)
+    x, qa = make("q4_1", 32, 64, 64, 1, jnp.float16)
+    with pytest.raises(KernelError, match=r"matmul_impl 'native' cannot run here: the native kernel is not built"):
+        dequant_matmul(x, qa, impl="native")
+    want = np.asarray(x) @ np.asarray(dequantize(qa))
+    np.testing.assert_allclose(np.asarray(dequant_matmul(x, qa, impl="auto")), want, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ Layers run under `lax.scan` over the stacked weights, so compile time does not g
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ from models.linear import matmul
 from models.quant import gather_out
 from models.rope import apply_rope, rope_cos_sin
 from models.weights import LayerWeights, Weights
-from pallas_kernels.quant_format import QuantizedArray
+from pallas_kernels.quant_format import LayerSlice, QuantizedArray
 
 AttendFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], tuple[jnp.ndarray, Any]]
 
@@ -72,13 +73,26 @@ def run_layers(
     `matmul_impl` picks the dequant-matmul for quantized weights."""
     cos, sin = rope_cos_sin(cfg, positions)
 
-    def body(carry, xs):
+    def body(carry, layer):
         h, state = carry
-        lw, layer = xs
-        return _layer(cfg, lw, h, cos, sin, layer, attend, state, matmul_impl), None
+        return _layer(cfg, layer_view(params.layers, layer), h, cos, sin, layer, attend, state, matmul_impl), None
 
-    (h, state), _ = jax.lax.scan(body, (h, state), (params.layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    (h, state), _ = jax.lax.scan(body, (h, state), jnp.arange(cfg.num_layers, dtype=jnp.int32))
     return h, state
+
+
+def layer_view(layers: LayerWeights, layer: jnp.ndarray) -> LayerWeights:
+    """Layer `layer` of the stacked weights: float arrays indexed (a dynamic slice XLA fuses into its consumer),
+    quantized ones as `LayerSlice`s, which `matmul` either slices the same way or hands whole, with the index, to a
+    kernel that reads the layer in place (the native CPU kernel: XLA would copy a slice passed to a custom call)."""
+    def view(a):
+        if a is None:
+            return None
+        if isinstance(a, QuantizedArray):
+            return LayerSlice(a, layer)
+        return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
+
+    return LayerWeights(**{f.name: view(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
 
 
 def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:

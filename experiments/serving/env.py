@@ -44,7 +44,20 @@ def device_info() -> dict:
         usable = os.cpu_count()
     return {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
-            "cpus_usable": usable, "machine": platform.machine(), "platform": platform.platform()}
+            "cpus_usable": usable, "machine": platform.machine(), "platform": platform.platform(),
+            "matmul_auto": matmul_auto()}
+
+
+def matmul_auto() -> str:
+    """What `matmul_impl="auto"` runs here, for the results JSON."""
+    from pallas_kernels import native, registry
+
+    if registry.on_gpu():
+        return "pallas where the kernel fits the matrix, else xla"
+    why = native.unavailable_reason()
+    if why is not None:
+        return f"xla (native unavailable: {why})"
+    return f"native for <= {native.NATIVE_MAX_ROWS} rows ({native.threads()} threads), xla above"
 
 
 def versions() -> dict:

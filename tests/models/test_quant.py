@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from models import quant
 from models.linear import MATMUL_IMPLS, matmul
 from pallas_kernels import dequant_matmul as dm
+from pallas_kernels.registry import MATMUL
 from pallas_kernels.quant_format import QuantizedArray, check, dequantize
 from tests.pallas_kernels.helpers import names_of, numpy_dequantize, spy
 
@@ -268,17 +269,21 @@ IMPL_FUNCTIONS = ["dequant_matmul_reference", "dequant_matmul_xla", "dequant_mat
 def test_matmul_routes_quantized_weights_to_the_impl(monkeypatch, impl, dtype):
     """A `QuantizedArray` goes to the dequant-matmul implementation `impl` names (and only to it); the result is
     `x @ w + bias` in x's dtype."""
+    native_here = dm.native.available()  # before the spies: its first call runs a smoke test
     calls = spy(monkeypatch, dm, IMPL_FUNCTIONS)
+    native_calls = spy(monkeypatch, dm.native, ["native_matmul"])
     qa = quant.quantize(_w(), "q4_1")
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 128)), dtype)
     bias = jnp.asarray(np.random.default_rng(4).normal(size=48), jnp.float32)
     got = matmul(x, qa, bias, impl=impl)
     assert got.dtype == dtype and got.shape == (3, 48)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ numpy_dequantize(qa) + np.asarray(bias, np.float64)
+    auto = "pallas" if jax.default_backend() == "gpu" else ("native" if native_here else "xla")
+    ran = {"auto": auto}.get(impl, impl)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the bf16 result is rounded to bf16
+    tol = max(tol, MATMUL.get(ran).tolerance or 0.0)  # native: int8 activations
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
-    ran = {"auto": "pallas" if jax.default_backend() == "gpu" else "xla"}.get(impl, impl)
-    assert names_of(calls) == [f"dequant_matmul_{ran}"]
+    assert names_of(calls + native_calls) == [f"dequant_matmul_{ran}" if ran != "native" else "native_matmul"]
 
 
 def test_matmul_of_float_weights_is_a_plain_dot(monkeypatch):
@@ -290,3 +295,20 @@ def test_matmul_of_float_weights_is_a_plain_dot(monkeypatch):
     want = x.astype(np.float64) @ np.asarray(jnp.asarray(w, jnp.bfloat16).astype(jnp.float32), np.float64)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert calls == []
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_step_read_bytes_counts_the_head_not_a_separate_embedding(tied):
+    """A decode step reads every layer, the final norm and the head; a separate (untied) input table is only
+    gathered, so it is left out -- but a tied table is the head and is counted."""
+    import dataclasses
+
+    from models import ModelConfig, init_random_weights
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    w = init_random_weights(cfg)
+    embed = 64 * 32 * 4
+    assert w.step_read_bytes() == w.nbytes() - (0 if tied else embed)
+    if not tied:
+        assert w.step_read_bytes() == dataclasses.replace(w, embed=w.embed[:1]).nbytes() - 32 * 4

@@ -444,6 +444,15 @@ def _fmt_rate(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:.1f}"
 
 
+def weights_gb_s(gen, steps: int, seconds: float) -> float | None:
+    """The memory bandwidth the weights took: bytes a step reads (`Weights.step_read_bytes`) x steps / seconds, in
+    GB/s (as gpt-fast reports it; the KV cache and activations come on top). None without a real model."""
+    params = getattr(getattr(getattr(gen, "engine", None), "model", None), "params", None)
+    if params is None or not hasattr(params, "step_read_bytes") or seconds <= 0:
+        return None
+    return round(params.step_read_bytes() * steps / seconds / 1e9, 3)
+
+
 def timing_line(record: dict, *, compiled: bool, total_s: float | None = None) -> str:
     n, cached = record["new_tokens"], record["cached_tokens"]
     parts = [f"{n} tokens, {record['eos_reason']}",
@@ -451,6 +460,8 @@ def timing_line(record: dict, *, compiled: bool, total_s: float | None = None) -
              f"first token after {record['ttft_s']:.2f}s" + ("" if compiled else " (includes compilation)"),
              f"{_fmt_rate(record['decode_tok_s'])} tok/s decode" + ("" if compiled else " (includes compilation; "
                                                                    "--warmup compiles first)")]
+    if record.get("weights_gb_s") is not None:
+        parts.append(f"weights read at {record['weights_gb_s']:.1f} GB/s")
     if total_s is not None:
         parts.append(f"{total_s:.1f}s total")
     return "[" + "; ".join(parts) + "]"
@@ -464,6 +475,7 @@ def run_single(gen, tok, req: Request, *, sink: IO[str] | None = None, compiled:
     encode_request(tok, req)
     print(f"[prompt {len(req.ids)} tokens]", file=sys.stderr)
     t0 = time.perf_counter()
+    steps0 = gen.steps
     job = make_job(tok, req)
     try:
         gen.enqueue(job)
@@ -472,6 +484,7 @@ def run_single(gen, tok, req: Request, *, sink: IO[str] | None = None, compiled:
     final = stream_job(gen, job, _stdout_write)
     print()
     record = make_record(req, final)
+    record["weights_gb_s"] = weights_gb_s(gen, gen.steps - steps0, time.perf_counter() - t0)
     print(timing_line(record, compiled=compiled, total_s=time.perf_counter() - t0), file=sys.stderr)
     line = speculation_line(gen.metrics())
     if line:
@@ -606,8 +619,10 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
 
 
 # ---------------------------------------------------------------------------------------------------- summary
-def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int | None = None) -> dict:
-    """Aggregate figures of a bulk run (`metrics`: generator.metrics() after it)."""
+def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int | None = None,
+              weight_bytes: int = 0) -> dict:
+    """Aggregate figures of a bulk run (`metrics`: generator.metrics() after it; `weight_bytes`: what one step
+    reads of the weights, for the bandwidth row)."""
     import numpy as np
 
     ttft = np.asarray([r["ttft_s"] for r in records], dtype=float)
@@ -628,6 +643,7 @@ def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int 
         "decode_tok_s_mean": float(np.mean(rates)) if rates else nan,
         "output_tok_s": generated / wall_s if wall_s > 0 else nan,
         "wall_s": wall_s,
+        "weights_gb_s": (weight_bytes * metrics.get("steps", 0) / wall_s / 1e9) if weight_bytes and wall_s > 0 else nan,
         "drafted_tokens": metrics.get("drafted_tokens", 0),
         "acceptance_rate": metrics.get("acceptance_rate", 0.0),
         "mean_accepted_length": metrics.get("mean_accepted_length", 0.0),
@@ -646,6 +662,7 @@ def format_summary(s: dict) -> str:
         ("TTFT mean / median / p90", f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s"),
         ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}"),
         ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}"),
+        ("weights read (steps x bytes / wall)", f"{s.get('weights_gb_s', float('nan')):.2f} GB/s"),
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
     if s.get("drafted_tokens"):
@@ -697,7 +714,8 @@ def main(argv):
     try:
         if mode == "bulk":
             result = run_bulk(gen, tok, requests, sink=sink or sys.stdout, progress=FLAGS.progress)
-            summary = summarise(result.records, result.metrics, result.wall_s, result.total)
+            summary = summarise(result.records, result.metrics, result.wall_s, result.total,
+                                weight_bytes=model.params.step_read_bytes())
             print(format_summary(summary), file=sys.stderr)
             if result.interrupted:
                 raise SystemExit(130)

@@ -86,14 +86,15 @@ def test_single_prompt_streams_and_writes_a_record(model_dir, tmp_path, capsys, 
     run_main(*engine_args(model_dir, "--prompt=Tell me about octopuses.", f"--output={out}"))
     [rec] = read_jsonl(out)
     assert set(rec) == {"id", "prompt", "completion", "new_tokens", "prompt_tokens", "cached_tokens", "eos_reason",
-                        "ttft_s", "decode_tok_s", "time_generate_s"}
+                        "ttft_s", "decode_tok_s", "time_generate_s", "weights_gb_s"}
+    assert rec["weights_gb_s"] > 0  # the weights' bytes per step x steps / time
     assert rec["prompt"] == ("<|startoftext|><|im_start|>user\nTell me about octopuses.<|im_end|>\n"
                              "<|im_start|>assistant\n")
     assert rec["new_tokens"] == 6 and rec["eos_reason"] == "max_new_tokens"
     assert len(chunks) > 1 and "".join(chunks) == rec["completion"] != ""  # streamed piece by piece
     assert rec["ttft_s"] > 0 and rec["prompt_tokens"] > 0
     err = capsys.readouterr().err
-    assert "[6 tokens, max_new_tokens; prompt" in err and "tok/s decode" in err
+    assert "[6 tokens, max_new_tokens; prompt" in err and "tok/s decode" in err and "GB/s" in err
 
 
 def test_nochat_sends_the_raw_text(model_dir, tmp_path, chunks):
@@ -353,7 +354,9 @@ def test_summarise_figures():
     recs = [dict(ttft_s=t, decode_tok_s=d, prompt_tokens=p, new_tokens=n, cached_tokens=c)
             for t, d, p, n, c in [(1.0, 10.0, 40, 5, 0), (2.0, 20.0, 40, 5, 32), (3.0, None, 20, 1, 16),
                                   (10.0, 30.0, 100, 9, 0)]]
-    s = generate.summarise(recs, {"prefix_hits": 6, "prefix_queries": 12, "prefix_hit_rate": 0.5}, wall_s=4.0)
+    s = generate.summarise(recs, {"prefix_hits": 6, "prefix_queries": 12, "prefix_hit_rate": 0.5, "steps": 8},
+                           wall_s=4.0, weight_bytes=10**9)
+    assert s["weights_gb_s"] == pytest.approx(2.0)  # 8 steps x 1 GB / 4 s
     assert s["jobs"] == 4 and s["prompt_tokens"] == 200 and s["generated_tokens"] == 20
     assert s["cached_tokens"] == 48 and s["cached_fraction"] == pytest.approx(0.24)
     assert s["ttft_mean_s"] == pytest.approx(4.0) and s["ttft_median_s"] == pytest.approx(2.5)

@@ -20,6 +20,8 @@ import time
 
 from absl import app, flags
 
+from experiments.common import CHAT, COPY_TASKS, TEXTS, chat_prompt
+
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
 flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
@@ -36,33 +38,12 @@ flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmu
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
-    "All that glitters is not gold; fortune favours the bold, and practice makes perfect.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n",
-    "Photosynthesis converts light energy into chemical energy. Plants take in carbon dioxide and water and, using "
-    "sunlight, produce glucose and oxygen. The process happens in the chloroplasts.",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
-    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n",
-]
-COPY_TASKS = ["Repeat the following text exactly:\n\n{}", "Rewrite the following, fixing any typos:\n\n{}",
-              "Quote this passage and then explain it briefly:\n\n{}"]
-CHAT = ["What are three tips for learning a new language?", "Write a short poem about autumn.",
-        "Explain how a rainbow forms.", "What should I pack for a weekend hiking trip?",
-        "Tell me a fun fact about octopuses.", "How do I make a good cup of tea?",
-        "Describe the city of Paris in a few sentences.", "Why is the sky blue?"]
-
 
 def workload(name: str, n: int, seed: int) -> list[str]:
     rng = random.Random(f"{name}:{seed}")
     if name == "copy":
         return [rng.choice(COPY_TASKS).format(rng.choice(TEXTS)) for _ in range(n)]
     return [rng.choice(CHAT) for _ in range(n)]
-
-
-def chat_prompt(tok, text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def main(argv):

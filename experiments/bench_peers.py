@@ -9,6 +9,9 @@ Workloads (greedy, end-of-text ignored so every sequence decodes exactly `--deco
   prefill  one `--prefill_len`-token prompt: prompt tokens/s until its first token;
   batch B  B sequences with distinct `--prompt_len`-token prompts decoding together: aggregate decode tokens/s,
            timed from the moment every sequence has its first token (prefill excluded) to the last token.
+For this framework the decode rows also carry `weights_gb_s`: the weight bytes one forward step reads
+(`Weights.step_read_bytes`) x the steps of the decode phase / its seconds -- how close decode runs to memory speed.
+llama.cpp reads the same GGUF tensors per step, so its figure is ours x its tokens/s over ours.
 Every engine runs each workload once untimed first (our compilation, their warm-up) and gets `--threads` threads.
 Figures are only meaningful on an idle machine; the load average is recorded before and after.
 
@@ -63,6 +66,8 @@ class Ours:
     def __init__(self):
         self.model = engine_flags.load_model()
         self.gens = {}
+        self.weight_bytes = self.model.params.step_read_bytes()  # per forward step (Weights.step_read_bytes)
+        self.decode_steps = 0  # forward steps of the last run's decode phase
 
     def _gen(self, batch: int, max_len: int):
         from paged import DynamicGenerator
@@ -85,9 +90,10 @@ class Ours:
         gen.enqueue([Job(s, new_tokens, gen_settings=SamplingSettings.greedy()) for s in seqs])
         while gen.pending or any(j.new_tokens == 0 for j in gen.active):
             gen.iterate()
-        t1 = time.perf_counter()
+        t1, steps = time.perf_counter(), gen.steps
         while gen.num_remaining_jobs():
             gen.iterate()
+        self.decode_steps = gen.steps - steps
         return t1 - t0, time.perf_counter() - t1
 
 
@@ -213,7 +219,10 @@ def measure(engine, tokenizer, workload: str, batch: int = 1) -> dict:
     engine.run(seqs, n)
     t_pre, t_dec = engine.run(seqs, n)
     name = "single" if workload == "single" else f"batch {batch}"
-    return dict(workload=name, tokens_per_s=batch * (n - 1) / t_dec, seconds=t_dec, prefill_seconds=t_pre)
+    rec = dict(workload=name, tokens_per_s=batch * (n - 1) / t_dec, seconds=t_dec, prefill_seconds=t_pre)
+    if getattr(engine, "weight_bytes", None):  # gpt-fast's figure: weight bytes one step reads x steps / seconds
+        rec["weights_gb_s"] = engine.weight_bytes * engine.decode_steps / t_dec / 1e9
+    return rec
 
 
 def gguf_path() -> str:
@@ -266,7 +275,8 @@ def main(argv):
             for b in ([int(x) for x in FLAGS.batch_sizes] if w == "batch" else [1]):
                 rec = measure(engine, tokenizer, w, b)
                 rows.append(rec)
-                print(f"{name:13s} {rec['workload']:10s} {rec['tokens_per_s']:8.1f} tok/s", flush=True)
+                bw = f"  weights read at {rec['weights_gb_s']:.1f} GB/s" if "weights_gb_s" in rec else ""
+                print(f"{name:13s} {rec['workload']:10s} {rec['tokens_per_s']:8.1f} tok/s{bw}", flush=True)
         results[name] = rows
         del engine
     table = []
@@ -284,6 +294,8 @@ def main(argv):
     if FLAGS.json_out:
         import jax
 
+        from experiments.serving.env import matmul_auto
+
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
@@ -291,6 +303,7 @@ def main(argv):
                                                                "quant", "cache_dtype", "page_size",
                                                                "decode_steps")},
                            git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
+                           matmul_auto=matmul_auto(),
                            cpu=platform.processor(), jax=jax.__version__, versions=versions,
                            load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,
                            table=table), f, indent=1)

@@ -66,7 +66,11 @@ def teacher_forced_report(model, impls: list[str], seqs: list[list[int]],
     for i, s in enumerate(seqs):
         tokens[i, :len(s)] = s
         mask[i, :len(s) - 1] = True  # positions that predict a real next token
-    runs = {impl: (model, impl) for impl in impls} | dict(extra or {})
+    runs = {impl: (model, impl) for impl in impls}
+    for label, run in (extra or {}).items():
+        if label in runs:
+            raise ValueError(f"extra run {label!r} has the name of an implementation; give it another label")
+        runs[label] = run
     logp = {}
     for label, (m, impl) in runs.items():
         logits = np.asarray(forward(m.params, m.config, jnp.asarray(tokens), matmul_impl=impl), np.float64)

@@ -57,5 +57,9 @@ def test_ours_runs_every_workload_and_missing_peers_are_skipped(tmp_path, monkey
     rec = json.loads(out.read_text())
     assert [r["workload"] for r in rec["results"]["ours"]] == ["single", "prefill", "batch 2"]
     assert all(r["tokens_per_s"] > 0 for r in rec["results"]["ours"])
+    single, batch = rec["results"]["ours"][0], rec["results"]["ours"][2]
+    for r in (single, batch):  # weight bandwidth of the decode phase: at least 4 steps of the step's bytes
+        assert r["weights_gb_s"] * 1e9 * r["seconds"] >= 4 * 50e6, r
+    assert "GB/s" in text and rec["matmul_auto"]
     assert rec["flags"]["decode_tokens"] == 5 and len(rec["load_avg_before"]) == 3
     assert [row["workload"] for row in rec["table"]] == ["single", "prefill", "batch 2"]

@@ -1,8 +1,9 @@
 """Which formulation of a quantized matmul is fastest on this CPU, for every matrix of the model?
 
 For each weight matrix of the model (SmolLM2 by default: the fused QKV, O, fused gate-up, down, and the tied LM
-head) at each row count, one jitted `lax.scan` over `--layers` stacked copies (so the weights stream from memory as
-in the model, instead of sitting in the cache) of:
+head) at each row count, one jitted `lax.scan` over the index of `--layers` stacked copies (so the weights stream
+from memory as in the model, instead of sitting in the cache; each step reads layer i of the stack, as
+`models/llama.py` does) of:
 
 - `f32`: float32 weights, `x @ w`;
 - `xla_q4_1`, `xla_int8`: the project's XLA path (`dequant_matmul_xla`): dequantize the group-32 blocks, float dot;
@@ -102,6 +103,8 @@ def formulation(name: str):
 
 
 def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -> dict:
+    from pallas_kernels import native
+
     kind, fn = formulation(name)
     k, o = SHAPES[shape]
     n_layers = 1 if shape == "head" else layers
@@ -109,11 +112,15 @@ def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -
     x = jnp.asarray(rng.normal(0, 1, (rows, k)), jnp.float32)
     if n_layers == 1:
         run = jax.jit(lambda x, w: fn(x, w))
-    else:
+    else:  # as models/llama.py does: scan over the layer index, each formulation reading layer i of the stack
+        stacked = name.startswith("native")  # the native kernel reads the stack in place (`layer=`), no slice copy
+
         def run(x, w):
-            def body(acc, wl):
-                return acc + fn(x, wl).sum(), None
-            return jax.lax.scan(body, jnp.zeros((), jnp.float32), w)[0]
+            def body(acc, i):
+                y = (native.native_matmul(x, w, layer=i) if stacked
+                     else fn(x, jax.tree_util.tree_map(lambda a: a[i], w)))
+                return acc + y.sum(), None
+            return jax.lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(n_layers))[0]
         run = jax.jit(run)
     one = w if n_layers == 1 else jax.tree_util.tree_map(lambda a: a[0], w)
     got = np.asarray(jax.jit(fn)(x, one))

@@ -332,7 +332,7 @@ _native_impl.tolerance = 0.02  # int8 activations (one scale per block): ~0.5-1%
 def native_fits(n: int, qa: QuantizedArray) -> bool:
     """`auto`'s rule on the CPU: the native kernel for decode-sized row counts, where it is faster, when it is
     built and runs here; XLA otherwise."""
-    return n <= native.NATIVE_MAX_ROWS and native.activation_block(qa) % 2 == 0 and native.available()
+    return n <= native.max_rows(qa.kind) and native.activation_block(qa) % 2 == 0 and native.available()
 
 
 _pallas_impl.tuning_type = MatmulTuning

@@ -13,7 +13,7 @@ The result is not bit-identical to the float path: quantizing x to int8 costs ab
 The library is built by setuptools with the package (`setup.py`; optional: without a compiler the package installs
 without it). `unavailable_reason()` says why it cannot be used here (not built, no AVX2, the FFI call failing its
 smoke test), `None` when it can. Registered as the matmul implementation "native"; `"auto"` uses it on the CPU for
-decode-sized row counts (`NATIVE_MAX_ROWS`), where it wins, and keeps XLA's float dot for prefill.
+decode-sized row counts (`NATIVE_MAX_ROWS`, per weight kind), where it wins, and keeps XLA's float dot for prefill.
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ from pallas_kernels.quant_format import QuantizedArray
 TARGET = "jpg_quant_matmul"
 KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
 # "auto" picks the native kernel on the CPU for at most this many rows of x (decode rows; a speculative verification
-# row is k + 1 of them); above, XLA's float32 dot of the dequantized weight is faster (measured in docs/kernels.md).
-NATIVE_MAX_ROWS = 16
+# row is k + 1 of them), per weight kind; above, XLA's float32 dot of the dequantized weight is faster. The 4-bit
+# kinds win up to 16 rows; int8 (SmolLM2's tied Q8_0 head) only up to 8: its inner loop widens every weight to
+# 16 bits (measured in docs/kernels.md, "The native CPU kernel").
+NATIVE_MAX_ROWS = {"q4_1": 16, "q4_0": 16, "int8": 8}
+
+
+def max_rows(kind: str) -> int:
+    """The most rows of x `"auto"` sends to the native kernel for weights of `kind` (0: never)."""
+    return NATIVE_MAX_ROWS.get(kind, 0)
 
 
 def _library_path() -> str | None:

@@ -57,7 +57,8 @@ def matmul_auto() -> str:
     why = native.unavailable_reason()
     if why is not None:
         return f"xla (native unavailable: {why})"
-    return f"native for <= {native.NATIVE_MAX_ROWS} rows ({native.threads()} threads), xla above"
+    rows = ", ".join(f"{k} <= {v}" for k, v in native.NATIVE_MAX_ROWS.items())
+    return f"native for rows {rows} ({native.threads()} threads), xla above"
 
 
 def versions() -> dict:

@@ -79,6 +79,8 @@ CASES = [
     ("int8", None, 576, 64, 2, jnp.float32),  # per channel: activation blocks of 32 inside the one group
     ("int8", None, 90, 32, 3, jnp.float32),  # per channel, 90 inputs: one activation block of 90
     ("int8", 32, 64, 96, 21, jnp.float16),  # 5 passes of 4 rows + 1
+    ("q4_1", 32, 64, 613, 5, jnp.float16),  # 2 spans of 8 tiles + a span of 3 + a 5-column scalar tail
+    ("int8", 32, 96, 300, 2, jnp.float16),  # a span of 8 tiles, a span of 1, a 12-column tail
 ]
 
 
@@ -111,7 +113,7 @@ def test_sampled_shapes_match_the_emulation():
         kind = ["q4_1", "q4_0", "int8"][i % 3]
         group = int(rng.choice([32, 64]))
         k = group * int(rng.integers(1, 6))
-        o = int(rng.integers(1, 140))
+        o = int(rng.integers(1, 700))  # up to 2 spans of 8 tiles and a partial one
         n = int(rng.integers(1, 12))
         x, qa = make(kind, group, k, o, n, jnp.float16, seed=i)
         got = np.asarray(native.native_matmul(x, qa))
@@ -145,11 +147,16 @@ def test_auto_picks_native_for_decode_rows_and_xla_for_prefill(monkeypatch):
     calls = []
     real = native.native_matmul
     monkeypatch.setattr(native, "native_matmul", lambda x, qa, **kw: calls.append(x.shape[0]) or real(x, qa, **kw))
-    x, qa = make("q4_1", 32, 64, 64, native.NATIVE_MAX_ROWS + 1, jnp.float16)
-    dequant_matmul(x[:1], qa, impl="auto")
-    dequant_matmul(x[: native.NATIVE_MAX_ROWS], qa, impl="auto")
-    dequant_matmul(x, qa, impl="auto")  # one row more: XLA
-    assert calls == [1, native.NATIVE_MAX_ROWS]
+    for kind in ("q4_1", "int8"):  # the row limit is per weight kind
+        calls.clear()
+        limit = native.max_rows(kind)
+        x, qa = make(kind, 32, 64, 64, limit + 1, jnp.float16)
+        dequant_matmul(x[:1], qa, impl="auto")
+        dequant_matmul(x[:limit], qa, impl="auto")
+        dequant_matmul(x, qa, impl="auto")  # one row more: XLA
+        assert calls == [1, limit], kind
+    assert native.max_rows("q4_1") == 16 and native.max_rows("int8") == 8 and native.max_rows("nf4") == 0
+    x, qa = make("q4_1", 32, 64, 64, 3, jnp.float16)
     out = dequant_matmul(x[:3], qa, impl="native")
     np.testing.assert_allclose(np.asarray(out), emulate(np.asarray(x[:3]), qa), rtol=1e-4, atol=1e-4)
 

@@ -1,7 +1,7 @@
 """Which formulation of a quantized matmul is fastest on this CPU, for every matrix of the model?
 
 For each weight matrix of the model (SmolLM2 by default: the fused QKV, O, fused gate-up, down, and the tied LM
-head) at each row count, one jitted `lax.scan` over the index of `--layers` stacked copies (so the weights stream
+head) at each row count, one jitted `lax.scan` over the index of `--stack_layers` stacked copies (so the weights stream
 from memory as in the model, instead of sitting in the cache; each step reads layer i of the stack, as
 `models/llama.py` does) of:
 
@@ -13,10 +13,10 @@ from memory as in the model, instead of sitting in the cache; each step reads la
   integer dot over the groups, then scales and a sum over groups;
 - `native_q4_1`, `native_int8`: the C++ AVX2 kernel (`pallas_kernels/native.py`), when it is built.
 
-The LM head is one matrix (no scan). Min and median of `--repeats` timings; GB/s is the weight bytes of the
+The LM head is one matrix (no scan). Min and median of `--timings` timings; GB/s is the weight bytes of the
 formulation over the time.
 
-    python -m experiments.bench_int_formulations --rows 1,16 --json_out experiments/results/int_formulations_cpu.json
+    python -m experiments.bench_int_formulations --x_rows 1,16 --json_out experiments/results/int_formulations_cpu.json
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_list("rows", ["1", "16"], "rows of x (decode batch sizes)")
-flags.DEFINE_integer("layers", 30, "stacked copies scanned over (SmolLM2: 30)")
-flags.DEFINE_integer("repeats", 7, "timings per formulation and shape")
+FLAGS = flags.FLAGS
+
+flags.DEFINE_list("x_rows", ["1", "16"], "rows of x (decode batch sizes)")
+flags.DEFINE_integer("stack_layers", 30, "stacked copies scanned over (SmolLM2: 30)")
+flags.DEFINE_integer("timings", 7, "timings per formulation and shape")
 flags.DEFINE_list("formulations", ["f32", "xla_q4_1", "xla_int8", "xla_intdot_channel", "xla_intdot_group",
                                    "native_q4_1", "native_int8"], "formulations to time")
-flags.DEFINE_string("json_out", None, "write the record here")
-FLAGS = flags.FLAGS
+if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
+    flags.DEFINE_string("json_out", None, "write the record here")
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q heads + 2 x 3 kv heads of 64, vocabulary 49152
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}
@@ -150,15 +152,15 @@ def main(argv):
     if not native.available():
         print(f"native kernel unavailable ({native.unavailable_reason()}); its formulations are skipped")
         names = [n for n in names if not n.startswith("native")]
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("rows", "layers", "repeats", "formulations")},
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("x_rows", "stack_layers", "timings", "formulations")},
               "device": device_info(), "versions": versions(), "load_before": load_average("bench_int_formulations"),
               "runs": []}
     rng = np.random.default_rng(0)
-    for rows in [int(r) for r in FLAGS.rows]:
+    for rows in [int(r) for r in FLAGS.x_rows]:
         for shape in SHAPES:
             line = []
             for name in names:
-                r = time_one(name, shape, rows, FLAGS.layers, FLAGS.repeats, rng)
+                r = time_one(name, shape, rows, FLAGS.stack_layers, FLAGS.timings, rng)
                 record["runs"].append(r)
                 line.append(f"{name} {r['min_ms']:.2f}")
             print(f"rows {rows:3d} {shape:8s} (ms, min): " + "  ".join(line), flush=True)

@@ -42,7 +42,8 @@ flags.DEFINE_integer("prompt_len", 32, "prompt tokens per sequence (single, batc
 flags.DEFINE_integer("prefill_len", 512, "prompt tokens of the prefill workload")
 flags.DEFINE_integer("decode_tokens", 64, "tokens decoded per sequence")
 flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
-flags.DEFINE_string("json_out", None, "write the record here")
+if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
+    flags.DEFINE_string("json_out", None, "write the record here")
 
 
 def prompts(tokenizer, n: int, length: int, salt: int = 0) -> list[list[int]]:

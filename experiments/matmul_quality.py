@@ -22,17 +22,18 @@ import json
 import numpy as np
 from absl import app, flags
 
+from experiments import engine_flags
 from experiments.common import CHAT, TEXTS, chat_prompt
 
-flags.DEFINE_string("model", "smollm2-135m", "model name or path (models.load_model)")
-flags.DEFINE_string("quant", "keep", "load-time quantization (keep: the GGUF's blocks as stored)")
+FLAGS = flags.FLAGS
+engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), ... shared with the other scripts
 flags.DEFINE_list("impls", ["xla", "native", "auto"], "matmul implementations; the first is the baseline")
 flags.DEFINE_bool("float_reference", True, "teacher-forced check: also run the model loaded as float32 (a GGUF's "
                   "blocks dequantized at load: the exact product every matmul implementation approximates)")
-flags.DEFINE_integer("max_new_tokens", 64, "greedy check: tokens per prompt")
-flags.DEFINE_integer("num_prompts", 8, "greedy check: chat prompts (cycled from the built-in list)")
-flags.DEFINE_string("json_out", None, "write the record here")
-FLAGS = flags.FLAGS
+flags.DEFINE_integer("greedy_tokens", 64, "greedy check: tokens per prompt")
+flags.DEFINE_integer("greedy_prompts", 8, "greedy check: chat prompts (cycled from the built-in list)")
+if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
+    flags.DEFINE_string("json_out", None, "write the record here")
 
 
 def teacher_forced_sequences(tokenizer, max_len: int = 160) -> list[list[int]]:
@@ -133,20 +134,20 @@ def main(argv):
     from experiments.serving.env import device_info, git_info, load_average, versions
     from models import load_model
 
-    model = load_model(FLAGS.model, quant=None if FLAGS.quant in ("", "none") else FLAGS.quant)
+    model = engine_flags.load_model()
     tok = model.tokenizer
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "impls", "float_reference",
-                                                        "max_new_tokens", "num_prompts")},
+                                                        "greedy_tokens", "greedy_prompts")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("matmul_quality")}
     tf_impls = [i for i in FLAGS.impls if i != "auto"]
     extra = {}
-    if FLAGS.float_reference and FLAGS.quant not in ("", "none"):
+    if FLAGS.float_reference and FLAGS.quant != "none":
         extra["float32 weights"] = (load_model(FLAGS.model, load_tokenizer=False), "xla")
     record["teacher_forced"] = teacher_forced_report(model, tf_impls, teacher_forced_sequences(tok), extra)
     prompts = [tok.encode(chat_prompt(tok, CHAT[i % len(CHAT)]), encode_special_tokens=True)
-               for i in range(FLAGS.num_prompts)]
-    record["greedy"], outs = greedy_report(model, FLAGS.impls, prompts, FLAGS.max_new_tokens)
+               for i in range(FLAGS.greedy_prompts)]
+    record["greedy"], outs = greedy_report(model, FLAGS.impls, prompts, FLAGS.greedy_tokens)
     record["greedy_texts"] = {impl: [tok.decode(o) for o in outs[impl]] for impl in FLAGS.impls}
     record["load_after"] = load_average()
     base = FLAGS.impls[0]
@@ -155,7 +156,7 @@ def main(argv):
         extra = ("" if impl == base else f"  top-1 agreement {100 * e['top1_agreement']:.2f}%  KL mean "
                  f"{e['mean_kl']:.2e} max {e['max_kl']:.2e}")
         print(f"  {impl:>15}: perplexity {e['perplexity']:.3f}{extra}")
-    print(f"greedy ({FLAGS.num_prompts} prompts x {FLAGS.max_new_tokens} tokens), baseline {base}:")
+    print(f"greedy ({FLAGS.greedy_prompts} prompts x {FLAGS.greedy_tokens} tokens), baseline {base}:")
     for impl, e in record["greedy"].items():
         if impl != base:
             print(f"  {impl:>8}: {e['identical']}/{e['prompts']} identical, mean common prefix "

@@ -21,13 +21,14 @@ formulation over the time.
 
 from __future__ import annotations
 
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 
@@ -173,10 +174,7 @@ def main(argv):
     print("\nwhole model (all matrices, sum of mins):")
     for (rows, name), v in totals.items():
         print(f"  rows {rows:3d} {name:20s} {v:8.2f} ms")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as fh:
-            json.dump(record, fh, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    write_record(FLAGS.json_out, record)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ flags, git state, device and versions (`experiments.serving.env`). Needs the gen
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
 from absl import app, flags
 
-from experiments.common import CHAT, COPY_TASKS, TEXTS, chat_prompt
+from experiments.common import CHAT, COPY_TASKS, TEXTS, chat_prompt, write_record
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
@@ -115,10 +114,7 @@ def main(argv):
         b = base.get((r["workload"], r["batch_size"]))
         r["speedup_vs_none"] = r["tokens_per_s"] / b if b else None
     record["load_after"] = load_average()
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as fh:
-            json.dump(record, fh, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    write_record(FLAGS.json_out, record)
 
 
 if __name__ == "__main__":

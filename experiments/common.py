@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+
+
+def write_record(path: str | None, record: dict) -> None:
+    """Write a script's JSON record to `path` (creating its folder) and say so; nothing when `path` is None."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(record, fh, indent=2)
+    print(f"wrote {path}")
+
 
 def load_experiment_model(name: str, *, dtype: str = "float32", quant: str | None = None):
     """`"tiny"` (a random 2-layer Llama for quick runs) or anything `models.load_model` accepts, loaded with `dtype`

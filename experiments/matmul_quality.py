@@ -17,13 +17,11 @@ teacher-forced check an impl name is forced on every row (`auto` would pick XLA 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 from absl import app, flags
 
 from experiments import engine_flags
-from experiments.common import CHAT, TEXTS, chat_prompt
+from experiments.common import CHAT, TEXTS, chat_prompt, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), ... shared with the other scripts
@@ -161,10 +159,7 @@ def main(argv):
         if impl != base:
             print(f"  {impl:>8}: {e['identical']}/{e['prompts']} identical, mean common prefix "
                   f"{e['mean_common_prefix']:.1f} tokens")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as fh:
-            json.dump(record, fh, indent=2)
-        print(f"wrote {FLAGS.json_out}")
+    write_record(FLAGS.json_out, record)
 
 
 if __name__ == "__main__":

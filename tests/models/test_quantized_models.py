@@ -20,14 +20,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def _save_tiny_llama(tmp_path_factory, name: str, initializer_range: float):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
-    d = tmp_path_factory.mktemp("tiny")
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=initializer_range)
+    d = tmp_path_factory.mktemp(name)
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return _save_tiny_llama(tmp_path_factory, "tiny", 0.02)
 
 
 # measured on this model: int8 1.5%, int4 11% of the logit scale (group 32, round-to-nearest)
@@ -117,12 +121,7 @@ def test_smollm2_native_kernel_agrees_with_the_xla_path():
 @pytest.fixture(scope="module")
 def peaky_dir(tmp_path_factory):
     """A tiny Llama with larger weights than `tiny_dir`, so its predictions are not near-uniform."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
-    d = tmp_path_factory.mktemp("peaky")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+    return _save_tiny_llama(tmp_path_factory, "peaky", 0.1)
 
 
 # measured: int8 xla 97.9% / KL 1.4e-4, int8 native 96.6% / 2.1e-4, int4 (either) 64% / 0.02

@@ -83,10 +83,6 @@ def _weights(kind: str, k: int, o: int, layers: int, rng):
     return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (layers, *a.shape)).copy(), one)
 
 
-def _nbytes(tree) -> int:
-    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
-
-
 def formulation(name: str):
     """(weight kind, fn(x, w_one_layer_or_stack, layer_index_or_None) -> y)."""
     from pallas_kernels import native
@@ -106,6 +102,7 @@ def formulation(name: str):
 
 
 def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -> dict:
+    from models import quant
     from pallas_kernels import native
 
     kind, fn = formulation(name)
@@ -138,7 +135,7 @@ def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -
         t0 = time.perf_counter()
         jax.block_until_ready(run(x, w))
         times.append(time.perf_counter() - t0)
-    nbytes = _nbytes(w)
+    nbytes = quant.nbytes(w)
     return {"formulation": name, "shape": shape, "in": k, "out": o, "rows": rows, "layers": n_layers,
             "min_ms": 1e3 * min(times), "median_ms": 1e3 * float(np.median(times)),
             "weight_bytes": nbytes, "gb_s": nbytes / min(times) / 1e9, "max_rel_err": rel_err}

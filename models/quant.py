@@ -120,8 +120,8 @@ def select_out(qa: QuantizedArray, idx) -> QuantizedArray:
     return sel.replace(shape=(qa.shape[0], int(idx.size)))
 
 
-def nbytes(qa: QuantizedArray) -> int:
-    """Resident bytes of all leaves (values, scales, mins)."""
+def nbytes(qa) -> int:
+    """Resident bytes of all leaves of a `QuantizedArray` (values, scales, mins), or of any pytree of arrays."""
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(qa))
 
 

@@ -41,19 +41,15 @@ class Weights:
     lm_head: jnp.ndarray | None = None  # [H, V]; None when tied to `embed`
 
     def nbytes(self) -> int:
-        import jax
-
-        return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+        return quant_lib.nbytes(self)
 
     def step_read_bytes(self) -> int:
         """Weight bytes one decode step reads: every layer, the final norm and the LM head (the embedding table
         when tied), but of a separate embedding table only the gathered rows, counted as nothing. Times steps per
         second, this is the memory bandwidth the weights take (as gpt-fast reports it)."""
-        import jax
-
         total = self.nbytes()
         if self.lm_head is not None:  # untied: the input table is gathered, not read whole
-            total -= sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.embed))
+            total -= quant_lib.nbytes(self.embed)
         return total
 
 

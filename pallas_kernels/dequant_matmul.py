@@ -321,9 +321,9 @@ def _native_check() -> None:
         raise KernelError(f"matmul_impl 'native' cannot run here: {why}; use 'xla' (or 'auto', which falls back)")
 
 
-def _native_impl(x, qa, *, tuning=None):
+def _native_impl(x, qa, *, tuning=None, layer=None):
     _native_check()
-    return native.native_matmul(x, qa, tuning=tuning)
+    return native.native_matmul(x, qa, tuning=tuning, layer=layer)
 
 
 _native_impl.tolerance = 0.02  # int8 activations (one scale per block): ~0.5-1% of the largest output
@@ -370,8 +370,7 @@ def dequant_matmul(
         raise ValueError(f"impl: {e}") from None
     if isinstance(qa, LayerSlice):  # one layer of a stack: the native kernel reads it in place, the rest slice it
         if entry.fn is _native_impl and x.ndim == 2 and x.shape[1] == qa.shape[0]:
-            _native_check()
-            return native.native_matmul(x, qa.stacked, layer=qa.layer)
+            return _native_impl(x, qa.stacked, tuning=config, layer=qa.layer)
         qa = qa.get()
     if not isinstance(qa, QuantizedArray):
         raise TypeError(f"dequant_matmul needs a QuantizedArray; got {type(qa).__name__}")

@@ -61,7 +61,7 @@ def threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     path = _library_path()
     if path is None:
@@ -86,7 +86,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 _REGISTERED = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable_reason() -> str | None:
     """Why the native kernel cannot run here, or None when it can (built, loadable, AVX2, and its smoke test passes
     against the reference on the CPU)."""

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QT
 from models import quant
 from models.linear import MATMUL_IMPLS, matmul
 from pallas_kernels import dequant_matmul as dm
-from pallas_kernels.registry import MATMUL
 from pallas_kernels.quant_format import QuantizedArray, check, dequantize
+from pallas_kernels.registry import MATMUL
 from tests.pallas_kernels.helpers import names_of, numpy_dequantize, spy
 
 KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None), ("q4_1", 16), ("int8", 64)]

@@ -206,8 +206,8 @@ def test_entry_point_errors():
 
 
 def test_auto_picks_by_backend_and_row_count(monkeypatch, ran):
-    """auto: Pallas on the GPU; on the CPU the native kernel for decode-sized row counts (<= NATIVE_MAX_ROWS[kind]) where
-    it is built, XLA for larger ones and wherever the native kernel is not available."""
+    """auto: Pallas on the GPU; on the CPU the native kernel for decode-sized row counts (<= NATIVE_MAX_ROWS[kind])
+    where it is built, XLA for larger ones and wherever the native kernel is not available."""
     available = dm.native.available()  # its first call runs a smoke test (through the reference): not counted
     skip = len(ran())
     native_calls = spy(monkeypatch, dm.native, ["native_matmul"])

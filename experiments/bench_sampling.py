@@ -6,8 +6,9 @@ Every row of a batch uses the same setting (so the batch pays for exactly that f
 temperature 0.8 and repetition penalty 1.025 over a [rows, 256] history, as the default sampler does. Logits are
 Gaussian with a few boosted tokens, roughly like a language model's. Prints milliseconds per call (median and min
 of `--iters` timed calls after a warm-up) and the time to lower + compile `jax.jit(sample)` for `--compile_rows`.
-`--module` benchmarks another copy of the sampler with the same API (e.g. an older version on PYTHONPATH).
-Timings on a shared machine are only meaningful when it is idle (check `uptime`).
+`--module` benchmarks another copy of the sampler with the same API (e.g. an older version on PYTHONPATH); settings
+that copy does not know are skipped. The full sampler's options run with packed DRY breakers and XTC exempt sets
+(`--json_out` writes every figure). Timings on a shared machine are only meaningful when it is idle (check `uptime`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ flags.DEFINE_integer("history", 256, "penalty history length R")
 flags.DEFINE_list("only", [], "run only these settings (names as printed)")
 flags.DEFINE_list("compile_rows", ["4", "64"], "batch sizes to time the compilation for")
 flags.DEFINE_string("module", "paged.sampling", "module providing SamplingRows and sample")
+if "json_out" not in FLAGS:
+    flags.DEFINE_string("json_out", None, "write the figures here as JSON")
 
 BASE = {"temperature": 0.8, "repetition_penalty": 1.025}
 SETTINGS = {
@@ -35,6 +38,20 @@ SETTINGS = {
     "min_p=0.05": {**BASE, "min_p": 0.05},
     "typical=0.9": {**BASE, "typical": 0.9},
     "all": {**BASE, "top_k": 50, "top_p": 0.8, "min_p": 0.05, "typical": 0.9},
+    # ExLlamaV2's full sampler, each on top of the default truncation
+    "dry": {**BASE, "top_k": 50, "top_p": 0.8, "dry_multiplier": 0.8},
+    "xtc": {**BASE, "top_k": 50, "top_p": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.05},
+    "mirostat": {**BASE, "top_k": 50, "top_p": 0.8, "mirostat": 1, "mirostat_mu": 3.0},
+    "dynamic temperature": {**BASE, "top_k": 50, "top_p": 0.8, "min_temp": 0.5, "max_temp": 1.5},
+    "temperature_last": {**BASE, "top_k": 50, "top_p": 0.8, "temperature_last": 1},
+    "smoothing": {**BASE, "top_k": 50, "top_p": 0.8, "smoothing_factor": 0.3},
+    "top_a": {**BASE, "top_k": 50, "top_p": 0.8, "top_a": 0.1},
+    "tfs (with top_k)": {**BASE, "top_k": 50, "tfs": 0.95},
+    "skew": {**BASE, "top_k": 50, "top_p": 0.8, "skew": 0.5},
+    "decay": {**BASE, "top_k": 50, "top_p": 0.8, "penalty_range": 64, "penalty_decay": 64},
+    "full": {**BASE, "top_k": 50, "top_p": 0.8, "top_a": 0.05, "tfs": 0.97, "min_temp": 0.5, "max_temp": 1.5,
+             "xtc_probability": 0.5, "xtc_threshold": 0.05, "skew": 0.3, "dry_multiplier": 0.8, "mirostat": 1,
+             "mirostat_mu": 6.0},
 }
 
 
@@ -52,20 +69,32 @@ def main(argv):
     v = FLAGS.vocab
     fn = jax.jit(sample, static_argnames="return_top_k")
 
+    import inspect
+
+    full = "dry_breakers" in inspect.signature(sample).parameters
+
     def batch_args(s: int) -> dict:
         rng = np.random.default_rng(0)
-        return dict(
+        args = dict(
             positions=jnp.arange(s, dtype=jnp.int32),
             history=jnp.asarray(rng.integers(0, v, size=(s, FLAGS.history)), jnp.int32),
             bias_ids=jnp.full((s, 4), -1, jnp.int32),
             bias_values=jnp.zeros((s, 4), jnp.float32),
         )
+        if full:  # a few hundred breaker / exempt tokens per row, as a tokenizer's defaults
+            words = -(-v // 32)
+            args["dry_breakers"] = jnp.asarray(rng.integers(0, 2**31, size=(s, words)) & 0x01010101, jnp.int32)
+            args["xtc_exempt"] = jnp.asarray(rng.integers(0, 2**31, size=(s, words)) & 0x00010000, jnp.int32)
+        return args
 
+    record = {"module": FLAGS.module, "rows": FLAGS.rows, "vocab": v, "history": FLAGS.history, "compile_s": {},
+              "ms": {}}
     jax.jit(lambda x: x + 1).lower(jnp.zeros(4)).compile()  # one-time compiler start-up, not the sampler's
     for s in (int(r) for r in FLAGS.compile_rows):
         t0 = time.perf_counter()
         fn.lower(jnp.zeros((s, v), jnp.float32), SamplingRows.make(s), **batch_args(s)).compile()
-        print(f"compile S={s} V={v}: {time.perf_counter() - t0:.2f} s")
+        record["compile_s"][s] = time.perf_counter() - t0
+        print(f"compile S={s} V={v}: {record['compile_s'][s]:.2f} s")
 
     s = FLAGS.rows
     rng = np.random.default_rng(1)
@@ -79,14 +108,21 @@ def main(argv):
     for name, setting in SETTINGS.items():
         if FLAGS.only and name not in FLAGS.only:
             continue
-        params = jax.tree.map(jnp.asarray, SamplingRows.make([{**setting, "seed": i} for i in range(s)]))
+        try:
+            params = jax.tree.map(jnp.asarray, SamplingRows.make([{**setting, "seed": i} for i in range(s)]))
+        except ValueError:  # an older sampler without this option
+            continue
         jax.block_until_ready(compiled(logits, params, **args))
         times = []
         for _ in range(FLAGS.iters):
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(logits, params, **args))
             times.append(time.perf_counter() - t0)
+        record["ms"][name] = {"median": 1e3 * float(np.median(times)), "min": 1e3 * float(np.min(times))}
         print(f"{name:24s} {1e3 * np.median(times):9.2f} ms  (min {1e3 * np.min(times):.2f})")
+    from experiments.common import write_record
+
+    write_record(FLAGS.json_out, record)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,31 @@ flags.DEFINE_float("repetition_penalty", 1.0, "> 0, 1 = off")
 flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence (0 = off)")
 flags.DEFINE_float("presence_penalty", 0.0, "subtracted once per present token (0 = off)")
 flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the EOS token always stops)")
+# ExLlamaV2's full sampler (docs/api.md, "Sampling"): one flag per SamplingSettings field, with its default (off)
+FULL_SAMPLER_FLAGS = {
+    "penalty_decay": (0, "penalties fade to neutral over this many tokens beyond their range"),
+    "top_a": (0.0, "keep p >= top_a * p_max^2 (0 = off)"),
+    "tfs": (0.0, "tail-free sampling in (0, 1) (0 = off)"),
+    "smoothing_factor": (0.0, "quadratic sampling (0 = off)"),
+    "min_temp": (0.0, "dynamic temperature: the lowest (on when --max_temp > --min_temp)"),
+    "max_temp": (0.0, "dynamic temperature: the highest"),
+    "temp_exponent": (1.0, "dynamic temperature: the exponent of the normalised entropy"),
+    "temperature_last": (False, "apply the temperature after truncation"),
+    "skew": (0.0, "skew the draw towards (< 0) or away from (> 0) the likeliest tokens (0 = off)"),
+    "xtc_probability": (0.0, "XTC: how often the tokens above --xtc_threshold are excluded (0 = off)"),
+    "xtc_threshold": (0.1, "XTC: the probability above which tokens are excluded"),
+    "mirostat": (False, "mirostat v2 (per job): steer the surprise towards --mirostat_tau"),
+    "mirostat_tau": (1.5, "mirostat: the target surprise in bits"),
+    "mirostat_eta": (0.1, "mirostat: the learning rate"),
+    "dry_multiplier": (0.0, "DRY: penalise continuing a repeated sequence (0 = off)"),
+    "dry_base": (1.75, "DRY: the penalty grows as base^(match length - allowed length)"),
+    "dry_allowed_length": (2, "DRY: repeats up to this length go unpenalised"),
+    "dry_range": (0, "DRY: tokens looked back at (0 = the whole history window, --max_penalty_range)"),
+    "dry_max_ngram": (20, "DRY: the longest repeat considered"),
+}
+for _name, (_default, _help) in FULL_SAMPLER_FLAGS.items():
+    {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}[type(_default)](
+        _name, _default, _help)
 # --- speculative decoding (docs/speculative.md): one drafter at most
 flags.DEFINE_string("draft_model", None, "speculative decoding with a draft model: an HF directory or .gguf sharing "
                     "the model's tokenizer (e.g. experiments.distill_draft --out), or 'self:N' for the model's own "
@@ -180,7 +205,8 @@ def build_settings(**overrides: Any):
 
     kw = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
               typical=FLAGS.typical, repetition_penalty=FLAGS.repetition_penalty,
-              frequency_penalty=FLAGS.frequency_penalty, presence_penalty=FLAGS.presence_penalty)
+              frequency_penalty=FLAGS.frequency_penalty, presence_penalty=FLAGS.presence_penalty,
+              **{name: getattr(FLAGS, name) for name in FULL_SAMPLER_FLAGS})
     kw.update(overrides)
     try:
         return SamplingSettings(**kw)
@@ -206,8 +232,9 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
     --max_batch_size is not given. Without penalties the penalty-history buckets are left out (fewer compiles)."""
     from paged import DynamicGenerator
 
-    if uses_penalties is None:
-        uses_penalties = build_settings().uses_penalties
+    if uses_penalties is None:  # penalties and DRY read the token history
+        settings = build_settings()
+        uses_penalties = settings.uses_penalties or settings.uses_dry
     try:
         return DynamicGenerator(model, **engine_flags.generator_kwargs(max_batch_size or 1,
                                                                       max_penalty_range=1024 if uses_penalties else 0),

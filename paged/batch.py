@@ -29,6 +29,10 @@ class RowInput:
     # Constrained decoding: the allowed tokens as packed bits (int32 [ceil(V/32)], token t = bit t % 32 of word
     # t // 32); None: every token. Verification rows: `position_mask[j]` for position j (None entries: all).
     mask: np.ndarray | None = None
+    # The sampler's per-job token sets, packed the same way (None: empty): DRY's sequence breakers, XTC's exempt
+    # tokens (`paged.token_sets`).
+    dry_breakers: np.ndarray | None = None
+    xtc_exempt: np.ndarray | None = None
     # Speculative verification: `tokens` are the last accepted token and then the drafts, and the row samples at
     # every position (needs a verification bucket). Position j samples the token at `start_pos + j + 1`, with the
     # penalty history `position_history[j]` (default: `history` followed by the drafts before it, cut to the
@@ -54,10 +58,11 @@ def _zero_bias(num_rows: int, vocab_size: int) -> jax.Array:
     return jax.device_put(np.zeros((num_rows, vocab_size), np.float32))
 
 
-@functools.lru_cache(maxsize=64)
-def _open_mask(num_rows: int, vocab_size: int) -> jax.Array:
-    """A device-resident all-ones token mask [S, ceil(V/32)], shared by every batch without filtered rows."""
-    return jax.device_put(np.full((num_rows, mask_words(vocab_size)), -1, np.int32))
+@functools.lru_cache(maxsize=128)
+def _const_words(num_rows: int, vocab_size: int, fill: int) -> jax.Array:
+    """A device-resident packed token set [S, ceil(V/32)] of every token (fill -1) or none (0), shared by every
+    batch whose rows set none (no copy per step)."""
+    return jax.device_put(np.full((num_rows, mask_words(vocab_size)), fill, np.int32))
 
 
 def mask_words(vocab_size: int) -> int:
@@ -66,25 +71,49 @@ def mask_words(vocab_size: int) -> int:
 
 
 class _Masks:
-    """The token-mask rows of one batch: materialised on the first row with a mask."""
+    """Packed token-set rows of one batch (one `RowInput` attribute): materialised on the first row that has one;
+    the other rows hold `fill` (-1: every token, the open token mask; 0: none)."""
 
-    def __init__(self, num_points: int, vocab_size: int | None):
-        self.num_points, self.vocab_size, self.rows = num_points, vocab_size, None
+    def __init__(self, num_points: int, vocab_size: int | None, what: str = "a token mask", fill: int = -1):
+        self.num_points, self.vocab_size, self.rows, self.what, self.fill = num_points, vocab_size, None, what, fill
 
     def put(self, pt: int, mask: np.ndarray | None, i: int) -> None:
         if mask is None:
             return
         if self.vocab_size is None:
-            raise ValueError(f"row {i} has a token mask, and no vocab_size was given")
+            raise ValueError(f"row {i} has {self.what}, and no vocab_size was given")
         if self.rows is None:
-            self.rows = np.full((self.num_points, mask_words(self.vocab_size)), -1, np.int32)
+            self.rows = np.full((self.num_points, mask_words(self.vocab_size)), self.fill, np.int32)
         self.rows[pt] = mask
+
+    def device(self, device_rows) -> jax.Array | None:
+        if self.vocab_size is None:
+            return None
+        return _const_words(self.num_points, self.vocab_size, self.fill) if device_rows is None else device_rows
 
     def fields(self, device_rows) -> dict:
         if self.vocab_size is None:
             return dict(token_mask=None, token_mask_on=None)
-        return dict(token_mask=_open_mask(self.num_points, self.vocab_size) if device_rows is None else device_rows,
-                    token_mask_on=np.bool_(device_rows is not None))
+        return dict(token_mask=self.device(device_rows), token_mask_on=np.bool_(device_rows is not None))
+
+
+class _TokenSets:
+    """The DRY-breaker and XTC-exempt rows of one batch."""
+
+    def __init__(self, num_points: int, vocab_size: int | None):
+        self.dry = _Masks(num_points, vocab_size, "DRY sequence breakers", 0)
+        self.xtc = _Masks(num_points, vocab_size, "XTC exempt tokens", 0)
+
+    def put(self, pt: int, r: RowInput, i: int) -> None:
+        self.dry.put(pt, r.dry_breakers, i)
+        self.xtc.put(pt, r.xtc_exempt, i)
+
+    @property
+    def rows(self) -> tuple:
+        return self.dry.rows, self.xtc.rows
+
+    def fields(self, device_rows: tuple) -> dict:
+        return dict(dry_breakers=self.dry.device(device_rows[0]), xtc_exempt=self.xtc.device(device_rows[1]))
 
 
 def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
@@ -124,6 +153,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     bias_values = np.zeros((s_sample, shape.num_bias), np.float32)
     dense: np.ndarray | None = None  # [S', V], only if some row has more bias entries than num_bias
     masks = _Masks(s_sample, vocab_size)
+    sets = _TokenSets(s_sample, vocab_size)
     sampling_rows: list[Mapping] = [{} for _ in range(s_sample)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)  # token slot of each row's first token
@@ -182,14 +212,15 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
             ok = (ids >= 0) & (ids < vocab_size)  # like the sparse path, which drops out-of-range ids
             dense[s, ids[ok]] = vals[ok]
         masks.put(s, r.mask, i)
+        sets.put(s, r, i)
         if r.sampling:
             sampling_rows[s] = r.sampling
     # One device_put for every array: a copy, never a computation (jnp.asarray may compile a conversion for a new
     # shape), and one call is half the host time of one per array.
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense, mask_rows) = jax.device_put(
+     history, bias_ids, bias_values, dense, mask_rows, set_rows) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
-         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense, masks.rows))
+         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense, masks.rows, sets.rows))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -197,7 +228,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
-        **masks.fields(mask_rows),
+        **masks.fields(mask_rows), **sets.fields(set_rows),
     )
     return batch, slot_of
 
@@ -244,6 +275,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     bias_values = np.zeros((n_pts, shape.num_bias), np.float32)
     dense: np.ndarray | None = None
     masks = _Masks(n_pts, vocab_size)
+    sets = _TokenSets(n_pts, vocab_size)
     sampling_rows: list[Mapping] = [{} for _ in range(n_pts)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)
@@ -324,10 +356,12 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
             pb = r.position_bias[j] if r.verify and r.position_bias is not None else None
             put_bias(pt, r.bias if pb is None else pb, i)
             masks.put(pt, r.position_mask[j] if r.verify and r.position_mask is not None else r.mask, i)
+            sets.put(pt, r, i)
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, mask_rows) = jax.device_put(
+     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, mask_rows, set_rows) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
-         sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, masks.rows))
+         sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, masks.rows,
+         sets.rows))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -335,7 +369,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(n_pts, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
-        **masks.fields(mask_rows),
+        **masks.fields(mask_rows), **sets.fields(set_rows),
         sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts,
     )
     return batch, slot_of

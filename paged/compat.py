@@ -54,16 +54,19 @@ class ExLlamaV2Sampler:
             "temperature": 0.8, "top_k": 50, "top_p": 0.8, "min_p": 0.0, "typical": 0.0,
             "token_repetition_penalty": 1.025, "token_repetition_range": -1, "token_repetition_decay": 0,
             "token_frequency_penalty": 0.0, "token_presence_penalty": 0.0, "token_bias": None,
-        }
-        # name -> neutral default; any other value is not implemented here
-        UNSUPPORTED = {
             "smoothing_factor": 0.0, "min_temp": 0.0, "max_temp": 0.0, "temp_exponent": 1.0, "top_a": 0.0,
             "tfs": 0.0, "skew": 0.0, "temperature_last": False, "mirostat": False, "mirostat_tau": 1.5,
-            "mirostat_eta": 0.1, "mirostat_mu": None, "cfg_scale": None, "post_sampling_hooks": None,
+            "mirostat_eta": 0.1, "mirostat_mu": None,
             "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_sequence_breakers": None,
             "dry_range": 0, "dry_max_ngram": 20, "xtc_probability": 0.0, "xtc_threshold": 0.1,
             "xtc_ignore_tokens": None,
         }
+        # Same names, same meaning in SamplingSettings (mirostat's mu, DRY's and XTC's state are per job there)
+        DIRECT = ("smoothing_factor", "min_temp", "max_temp", "temp_exponent", "top_a", "temperature_last", "skew",
+                  "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
+                  "dry_range", "dry_max_ngram", "xtc_probability", "xtc_threshold")
+        # name -> neutral default; any other value is not implemented here
+        UNSUPPORTED = {"cfg_scale": None, "post_sampling_hooks": None}
 
         def __init__(self, **kwargs: Any):
             known = {**self.SUPPORTED, **self.UNSUPPORTED}
@@ -105,11 +108,8 @@ class ExLlamaV2Sampler:
                 value = getattr(self, name)
                 if name == "post_sampling_hooks" and not value:
                     continue
-                if value != neutral and not (name in ("min_temp", "max_temp") and self.max_temp <= self.min_temp):
+                if value != neutral:
                     raise _unsupported(name, value, "leave it at its default " + repr(neutral))
-            if self.token_repetition_decay:
-                raise _unsupported("token_repetition_decay", self.token_repetition_decay,
-                                   "penalties apply uniformly over token_repetition_range")
 
         def to_native(self, vocab_size: int | None = None) -> SamplingSettings:
             """The equivalent native `SamplingSettings` (raises for unsupported settings)."""
@@ -128,11 +128,26 @@ class ExLlamaV2Sampler:
                     raise InvalidSettingsError("allow_tokens() needs the vocabulary size: pass a tokenizer with "
                                                "vocab_size")
                 banned |= set(range(v)) - self.allowed_tokens
+            tfs = self.tfs
+            if isinstance(tfs, (int, float)) and not isinstance(tfs, bool) and tfs >= 1:
+                tfs = 0.0  # ExLlamaV2: active only for 0 < tfs < 1
+            mu = self.mirostat_mu
+            if isinstance(mu, (list, tuple)):  # ExLlamaV2 keeps one mu per batch row here
+                if len(mu) > 1:
+                    raise InvalidSettingsError("mirostat_mu: one value per job here (a job's mu is its own), got "
+                                               f"{len(mu)}")
+                mu = mu[0] if mu else None
+            if mu == 0:
+                mu = None  # ExLlamaV2: 0 means "not started", i.e. 2 * tau
+            ids = lambda v: None if v is None else sorted(_ids(list(v)))  # noqa: E731 (sets of ids)
             return SamplingSettings(
                 temperature=self.temperature, top_k=self.top_k, top_p=top_p, min_p=self.min_p,
                 typical=self.typical, repetition_penalty=self.token_repetition_penalty,
                 frequency_penalty=self.token_frequency_penalty, presence_penalty=self.token_presence_penalty,
-                penalty_range=rng, token_bias=bias, banned_tokens=sorted(banned),
+                penalty_range=rng, penalty_decay=self.token_repetition_decay, token_bias=bias,
+                banned_tokens=sorted(banned), tfs=tfs, mirostat_mu=mu,
+                dry_sequence_breakers=ids(self.dry_sequence_breakers), xtc_ignore_tokens=ids(self.xtc_ignore_tokens),
+                **{name: getattr(self, name) for name in self.DIRECT},
             )
 
 

@@ -38,7 +38,7 @@ class EngineConfig:
     max_chunk_size: int = _field(256, "prefill tokens per step, shared by the prefill rows")
     max_prefill_rows: int = _field(1, "jobs that prefill in the same step (1 .. max_batch_size)")
     max_penalty_range: int = _field(
-        1024, "most recent tokens the repetition/frequency/presence penalties can see (0 disables penalties)")
+        1024, "most recent tokens the repetition/frequency/presence penalties and DRY can see (0 disables both)")
     decode_steps: int = _field(
         1, "decode steps per device call once every job decodes (1 = one token per iterate(); more = fewer host "
         "round trips, tokens arrive in bursts)")

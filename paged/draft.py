@@ -121,11 +121,13 @@ class DraftModel:
             if offsets[i]:  # the token before the row's is missing too: feed it first, then the row's
                 hist = list(s.sequence[: row.start_pos])[-len(row.history) :] if len(row.history) else ()
                 drows.append(RowInput(tokens=[s.sequence[row.start_pos - 1]], start_pos=row.start_pos - 1,
-                                      pages=row.pages, sampling=sampling, history=hist, bias=row.bias))
+                                      pages=row.pages, sampling=sampling, history=hist, bias=row.bias,
+                                      dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
                 feed.append(int(row.tokens[0]))
             else:
                 drows.append(RowInput(tokens=list(row.tokens), start_pos=row.start_pos, pages=row.pages,
-                                      sampling=sampling, history=row.history, bias=row.bias))
+                                      sampling=sampling, history=row.history, bias=row.bias,
+                                      dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
                 feed.append(-1)
         tokens, q = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed)
         drafts: list[list[int]] = [[] for _ in specs]

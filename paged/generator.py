@@ -15,6 +15,7 @@ no job has advanced, and the generator stays usable.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -50,6 +51,7 @@ from paged.settings import SamplingSettings
 from paged.spec_step import SpeculativeStep, check_speculation_args
 from paged.speculative import Accepted
 from paged.streaming import TextStream
+from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
 
 # Settings that belong to the engine (they shape the cache and the compiled buckets) rather than to the host loop.
 _HOST_SETTINGS = ("decode_steps",)
@@ -147,6 +149,7 @@ class DynamicGenerator:
         _check_tokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.vocab_size = engine.vocab_size
+        self.token_sets = TokenSets(tokenizer, self.vocab_size)
         self.page_size = self.config.page_size
         self.max_seq_len = self.config.max_seq_len
         self.max_batch_size = self.config.max_batch_size
@@ -234,6 +237,15 @@ class DynamicGenerator:
         if (job.stop_strings or job.banned_strings or job.token_healing or job.filters) and self.tokenizer is None:
             raise InvalidJobError("Job: stop strings, banned strings, token healing and filters need a tokenizer; "
                                   "pass tokenizer= to the generator")
+        gs = job.gen_settings
+        if self.tokenizer is None and ((gs.uses_dry and gs.dry_sequence_breakers is None)
+                                       or (gs.uses_xtc and gs.xtc_ignore_tokens is None)):
+            raise InvalidJobError("Job: the default DRY sequence breakers and XTC exempt tokens come from the "
+                                  "tokenizer; pass tokenizer= to the generator, or give dry_sequence_breakers / "
+                                  "xtc_ignore_tokens as token ids (() for none)")
+        if gs.uses_dry and not self.config.max_penalty_range:
+            raise InvalidJobError("Job: DRY reads the token history, and this generator keeps none "
+                                  "(max_penalty_range=0); raise max_penalty_range or set dry_multiplier=0")
         if job.total_len > self.max_seq_len:
             raise JobTooLargeError(
                 f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
@@ -280,6 +292,10 @@ class DynamicGenerator:
         if job.seed is None:
             job.seed = self._rng.getrandbits(32)
         job.stream = stream
+        gs = job.gen_settings
+        job.mirostat_mu = gs.initial_mirostat_mu() if gs.uses_mirostat else None
+        job.dry_breakers = self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None
+        job.xtc_exempt = self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None
         if healing is not None:  # drop the last prompt token; the first sample must start with its text
             job.healing_allowed = healing
             job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])
@@ -448,6 +464,7 @@ class DynamicGenerator:
             self.tokens_prefilled += n
         extras = _extras(job, int(out.token[i]), float(out.logprob[i]), out.top_ids[i], out.top_logprobs[i],
                          None if out.logits is None else out.logits[i])
+        _mirostat_update(job, float(out.logprob[i]))
         r = self.output.receive(job, int(out.token[i]), extras, now)
         self.tokens_generated += 1
         results.append(r)
@@ -478,6 +495,8 @@ class DynamicGenerator:
             except JobFailure as e:
                 error = e
                 break
+        for i in range(len(extras)):
+            _mirostat_update(job, float(item.logprobs[i]))
         for r in self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now):
             self.tokens_generated += 1
             results.append(r)
@@ -672,3 +691,11 @@ def _check_tokenizer(tokenizer: Any) -> None:
     if missing:
         raise InvalidConfigTypeError(f"DynamicGenerator: tokenizer {type(tokenizer).__name__} lacks "
                                      f"{', '.join(missing)}(); pass a models.tokenizer.Tokenizer or None")
+
+
+def _mirostat_update(job: Job, logprob: float) -> None:
+    """Mirostat's feedback after each sampled token: mu += eta * (tau - surprise), the surprise -log2 of the
+    token's probability in the distribution it was drawn from (the job's own mu, as ExLlamaV2 keeps per Settings)."""
+    if job.mirostat_mu is not None:
+        s = job.gen_settings
+        job.mirostat_mu += s.mirostat_eta * (s.mirostat_tau + logprob / math.log(2.0))

@@ -173,6 +173,9 @@ class Job:
         self.accepted_draft_tokens = 0
         self.prefix_memo: tuple | None = None  # (sequence length, hashes, page tokens) of its cacheable prefix
         self.time_first_prefill: float | None = None
+        self.mirostat_mu: float | None = None  # mirostat's running mu (this job's own, set at enqueue)
+        self.dry_breakers = None  # packed token sets (np.ndarray i32 [ceil(V/32)]) for DRY and XTC, set at enqueue
+        self.xtc_exempt = None
         self.time_first_token: float | None = None
         self.time_last_token: float | None = None
 

@@ -7,26 +7,37 @@ log-distribution, which speculative decoding can reuse for verification.
 Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler.sample` + C++ `sample_basic`):
 
 1. Repetition, frequency and presence penalties, counted over `history` (the most recent R tokens of prompt +
-   output). Repetition is HF-style and multiplicative (positive logit / p, negative logit * p), frequency subtracts
-   `freq * count`, presence subtracts `pres` once per distinct token. ExLlamaV2 does the same in one pass over the
-   whole sequence; its range/decay window is replaced by "whatever the caller puts in `history`".
+   output), each occurrence weighted by `penalty_weights`: full within `penalty_range` of the end, then fading
+   linearly to neutral over `penalty_decay` more tokens (ExLlamaV2's `token_repetition_range` / `_decay`).
+   Repetition is HF-style and multiplicative (positive logit / p, negative logit * p), frequency subtracts
+   `freq * weight` per occurrence, presence subtracts `pres` once per distinct token; repetition and presence use
+   the most recent occurrence's weight, as ExLlamaV2's backwards pass does.
 2. Additive bias: sparse (`bias_ids`/`bias_values`), plus optionally a dense `[S, V]` bias for rows with many
    entries (`adjusted_logits`; both it and the penalties run under a `lax.cond`, skipped when no row uses them).
    ExLlamaV2 sets blocked tokens to -1e30 and then adds `token_bias`; both collapse into this one step here (a value
    of -inf bans a token).
-3. Greedy rows (temperature < 0.01, the same threshold as ExLlamaV2) stop here: the token is the argmax, and the
+3. DRY (`apply_dry`), then the constrained-decoding token mask.
+4. Greedy rows (temperature < 0.01, the same threshold as ExLlamaV2) stop here: the token is the argmax, and the
    reported distribution is log_softmax of these logits at temperature 1 with no truncation.
-4. Temperature, applied before the softmax (ExLlamaV2's default, `temperature_last=False`).
-5. top_k -> top_p -> min_p -> typical, each on the distribution renormalised after the previous step, as in
-   `sample_basic` (top_a, tfs, mirostat, XTC, skew, DRY, dynamic temperature are not implemented).
-   Differences from ExLlamaV2, on purpose:
+5. Temperature, applied before the softmax (unless `temperature_last`), with quadratic smoothing where
+   `smoothing_factor` > 0 (ExLlamaV2: exp(-factor * (x - max)^2 / T)).
+6. top_k -> top_p -> top_a -> min_p -> tfs -> typical -> mirostat, each on the distribution renormalised after the
+   previous step, as in `sample_basic`; then the post-softmax temperature (`temperature_last` and/or dynamic
+   temperature), XTC (`_xtc`) and skew (`_skew`). Differences from ExLlamaV2, on purpose:
    - Thresholds keep ties: top_k keeps every token whose probability equals the k-th largest, top_p keeps every
      token tied with the last one needed to reach the mass, typical keeps ties of the last score. This makes the
      result independent of token ids and of sort stability (bf16 logits tie often).
    - typical uses the correct score |-log q - H| (ExLlamaV2's C++ computes `x + log(x)`).
-6. Renormalise and draw with Gumbel-max (argmax of log q + Gumbel noise), which can never pick a token outside the
+   - XTC draws from the exact mixture of removing and not removing (ExLlamaV2's deterministic variant, without
+     its index bugs); skew reweights the distribution to what ExLlamaV2's warped draw picks, so both are part of
+     the distribution speculative decoding verifies against.
+   - Mirostat's mu is per job (the host keeps it, `paged.scheduler`), not shared by a batch.
+7. Renormalise and draw with Gumbel-max (argmax of log q + Gumbel noise), which can never pick a token outside the
    kept set. The key of row i is `fold_in(key(seed[i]), positions[i])`, so a row's draw depends only on its own
    (seed, position, logits, settings), not on the rest of the batch.
+
+Every option is a runtime value in `SamplingRows` and each step above runs under a `lax.cond` that skips it when
+no row of the batch uses it: rows that do not use an option do not pay for it, and no option compiles a variant.
 
 A row whose every token is banned has no distribution; the caller must keep at least one token allowed.
 
@@ -59,45 +70,52 @@ CANDIDATES = 64
 # Rows with temperature below this are greedy (ExLlamaV2 ext:147-151 uses the same cut).
 GREEDY_TEMPERATURE = 0.01
 
-# Neutral ("off") value of every field, and the dtype it is stored with. temperature 0 means greedy, so
-# `SamplingRows.make(n)` gives n greedy rows.
-NEUTRAL: dict[str, Any] = {
-    "temperature": 0.0,
-    "top_k": 0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "typical": 0.0,
-    "repetition_penalty": 1.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "seed": 0,
+# Every per-row field, its neutral ("off") value, and whether it is stored as an int. temperature 0 means greedy, so
+# `SamplingRows.make(n)` gives n greedy rows. Floats live in one f32 [S, F] array and ints in one i32 [S, I] array
+# (the seed as its u32 bits): two transfers per step however many options there are.
+_FIELDS: dict[str, tuple[Any, bool]] = {
+    "temperature": (0.0, False),
+    "top_k": (0, True),
+    "top_p": (1.0, False),
+    "min_p": (0.0, False),
+    "typical": (0.0, False),
+    "repetition_penalty": (1.0, False),
+    "frequency_penalty": (0.0, False),
+    "presence_penalty": (0.0, False),
+    "penalty_range": (1 << 30, True),  # penalties see the history tokens at distance < range from the end ...
+    "penalty_decay": (0, True),  # ... then fade linearly to neutral over this many more (ExLlamaV2's decay)
+    "top_a": (0.0, False),  # keep p >= top_a * p_max^2
+    "tfs": (0.0, False),  # tail-free sampling, on for 0 < tfs < 1
+    "smoothing_factor": (0.0, False),  # quadratic sampling, on for > 0
+    "min_temp": (0.0, False),  # dynamic temperature, on where max_temp > min_temp
+    "max_temp": (0.0, False),
+    "temp_exponent": (1.0, False),
+    "temperature_last": (0, True),  # 1: temperature after truncation, as p^(1/T)
+    "skew": (0.0, False),
+    "xtc_probability": (0.0, False),
+    "xtc_threshold": (0.1, False),
+    "mirostat": (0, True),  # 1: truncate to p >= 2^-mirostat_mu (the job's mu, kept on the host)
+    "mirostat_mu": (0.0, False),
+    "dry_multiplier": (0.0, False),  # DRY, on for > 0
+    "dry_base": (1.75, False),
+    "dry_allowed_length": (2, True),
+    "dry_max_ngram": (20, True),
+    "dry_range": (0, True),  # 0: the whole history window
+    "seed": (0, True),
 }
-_DTYPES: dict[str, Any] = {
-    "temperature": np.float32,
-    "top_k": np.int32,
-    "top_p": np.float32,
-    "min_p": np.float32,
-    "typical": np.float32,
-    "repetition_penalty": np.float32,
-    "frequency_penalty": np.float32,
-    "presence_penalty": np.float32,
-    "seed": np.uint32,
-}
+NEUTRAL: dict[str, Any] = {name: v for name, (v, _) in _FIELDS.items()}
+_FLOATS = tuple(n for n, (_, is_int) in _FIELDS.items() if not is_int)
+_INTS = tuple(n for n, (_, is_int) in _FIELDS.items() if is_int)
+_COLUMN = {**{n: i for i, n in enumerate(_FLOATS)}, **{n: i for i, n in enumerate(_INTS)}}
 
 
 @flax.struct.dataclass
 class SamplingRows:
-    """Per-row sampling settings; every field has shape [S]."""
+    """Per-row sampling settings, packed: `floats` f32 [S, F] and `ints` i32 [S, I]; each setting is a property of
+    shape [S] (`rows.temperature`, `rows.top_k`, ...; the names and neutral values are `NEUTRAL`)."""
 
-    temperature: jax.Array  # f32 [S]; < 0.01 (including <= 0) -> greedy
-    top_k: jax.Array  # i32 [S]; 0 = off
-    top_p: jax.Array  # f32 [S]; off unless 0 < top_p < 1
-    min_p: jax.Array  # f32 [S]; 0 = off; keep p >= min_p * p_max
-    typical: jax.Array  # f32 [S]; off unless 0 < typical < 1
-    repetition_penalty: jax.Array  # f32 [S]; 1 = off
-    frequency_penalty: jax.Array  # f32 [S]; 0 = off
-    presence_penalty: jax.Array  # f32 [S]; 0 = off
-    seed: jax.Array  # u32 [S]
+    floats: jax.Array  # f32 [S, len(_FLOATS)]
+    ints: jax.Array  # i32 [S, len(_INTS)]; the seed column holds the u32 seed's bits
 
     @staticmethod
     def make(rows: Sequence[Mapping[str, Any]] | int, **defaults: Any) -> SamplingRows:
@@ -113,13 +131,56 @@ class SamplingRows:
             if unknown:
                 raise ValueError(f"unknown sampling settings {sorted(unknown)}; known: {sorted(NEUTRAL)}")
         base = {**NEUTRAL, **defaults}
-        fields = {}
-        for name, dtype in _DTYPES.items():
-            values = [row.get(name, base[name]) for row in rows]
-            if name == "seed":
-                values = [int(v) & 0xFFFFFFFF for v in values]  # any Python int is a valid seed
-            fields[name] = np.asarray(values, dtype=dtype).reshape(len(rows))
-        return SamplingRows(**fields)
+        n = len(rows)
+        floats = np.asarray([[row.get(k, base[k]) for k in _FLOATS] for row in rows], np.float32).reshape(n, -1)
+        ints = np.zeros((n, len(_INTS)), np.int64)
+        for i, row in enumerate(rows):
+            for j, k in enumerate(_INTS):
+                v = int(row.get(k, base[k]))
+                ints[i, j] = (v & 0xFFFFFFFF) if k == "seed" else v  # any Python int is a valid seed
+        seed = _COLUMN["seed"]
+        out = ints.astype(np.int32)
+        out[:, seed] = ints[:, seed].astype(np.uint32).view(np.int32)
+        return SamplingRows(floats=floats, ints=out)
+
+    def _col(self, name: str) -> jax.Array:
+        return (self.ints if name in _INTS else self.floats)[..., _COLUMN[name]]
+
+    temperature = property(lambda self: self._col("temperature"))  # < 0.01 (including <= 0) -> greedy
+    top_k = property(lambda self: self._col("top_k"))  # 0 = off
+    top_p = property(lambda self: self._col("top_p"))  # off unless 0 < top_p < 1
+    min_p = property(lambda self: self._col("min_p"))  # 0 = off; keep p >= min_p * p_max
+    typical = property(lambda self: self._col("typical"))  # off unless 0 < typical < 1
+    repetition_penalty = property(lambda self: self._col("repetition_penalty"))  # 1 = off
+    frequency_penalty = property(lambda self: self._col("frequency_penalty"))  # 0 = off
+    presence_penalty = property(lambda self: self._col("presence_penalty"))  # 0 = off
+    penalty_range = property(lambda self: self._col("penalty_range"))
+    penalty_decay = property(lambda self: self._col("penalty_decay"))
+    top_a = property(lambda self: self._col("top_a"))
+    tfs = property(lambda self: self._col("tfs"))
+    smoothing_factor = property(lambda self: self._col("smoothing_factor"))
+    min_temp = property(lambda self: self._col("min_temp"))
+    max_temp = property(lambda self: self._col("max_temp"))
+    temp_exponent = property(lambda self: self._col("temp_exponent"))
+    temperature_last = property(lambda self: self._col("temperature_last") != 0)
+    skew = property(lambda self: self._col("skew"))
+    xtc_probability = property(lambda self: self._col("xtc_probability"))
+    xtc_threshold = property(lambda self: self._col("xtc_threshold"))
+    mirostat = property(lambda self: self._col("mirostat") != 0)
+    mirostat_mu = property(lambda self: self._col("mirostat_mu"))
+    dry_multiplier = property(lambda self: self._col("dry_multiplier"))
+    dry_base = property(lambda self: self._col("dry_base"))
+    dry_allowed_length = property(lambda self: self._col("dry_allowed_length"))
+    dry_max_ngram = property(lambda self: self._col("dry_max_ngram"))
+    dry_range = property(lambda self: self._col("dry_range"))
+
+    @property
+    def seed(self) -> jax.Array:
+        """u32 [S]."""
+        col = self._col("seed")
+        if isinstance(col, np.ndarray):  # host-built rows stay numpy
+            return col.view(np.uint32)
+        return jax.lax.bitcast_convert_type(col, jnp.uint32)
 
     @property
     def greedy(self) -> jax.Array:
@@ -148,15 +209,99 @@ def token_counts(history: jax.Array, vocab_size: int) -> jax.Array:
     return _row_scatter_add(history, jnp.ones(history.shape, jnp.float32), vocab_size)
 
 
+def penalty_weights(params: SamplingRows, history: jax.Array) -> jax.Array:
+    """f32 [S, R]: how strongly each history token is penalised. History is right-aligned (the last entry is the
+    most recent token); at distance d from the end (0: the last token) a token has weight 1 while d < penalty_range;
+    with penalty_decay > 0, 1 - (d - range) / decay beyond it, reaching 0 at d = range + decay (ExLlamaV2's
+    sustain and decay, exactly: its backwards pass starts decaying one token after the range); padding (-1) has
+    weight 0."""
+    r = history.shape[-1]
+    d = jnp.arange(r - 1, -1, -1, dtype=jnp.int32)[None, :]  # [1, R]
+    rng, decay = params.penalty_range[:, None], params.penalty_decay[:, None]  # [S, 1]
+    faded = 1.0 - (d - rng).astype(jnp.float32) / jnp.maximum(decay, 1).astype(jnp.float32)
+    w = jnp.where(d < rng, 1.0, jnp.where(decay > 0, jnp.clip(faded, 0.0, 1.0), 0.0))
+    return jnp.where(history >= 0, w, 0.0)
+
+
 def apply_penalties(logits: jax.Array, params: SamplingRows, history: jax.Array) -> jax.Array:
-    """Repetition (multiplicative, HF-style), frequency (per occurrence) and presence penalties. [S, V] -> [S, V]."""
-    counts = token_counts(history, logits.shape[-1])  # [S, V]
-    present = counts > 0  # [S, V]
-    rep = params.repetition_penalty[:, None]  # [S, 1]
+    """Repetition (multiplicative, HF-style), frequency (per occurrence) and presence penalties, each scaled by the
+    `penalty_weights` of the occurrences: frequency sums them, repetition and presence take the most recent
+    occurrence's (as ExLlamaV2's backwards pass over the context). [S, V] -> [S, V]."""
+    s, v = logits.shape
+    w = penalty_weights(params, history)  # [S, R]
+    counts = _row_scatter_add(history, w, v)  # [S, V]: weighted occurrences
+
+    def latest() -> jax.Array:  # the weight of each token's most recent occurrence (the largest: w falls with d)
+        ids = jnp.where(history >= 0, history, v)
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], history.shape)
+        return jnp.zeros((s, v), jnp.float32).at[rows, ids].max(w, mode="drop")
+
+    # Without decay every weight is 0 or 1, and the latest occurrence's weight is whether there is one.
+    recent = jax.lax.cond(jnp.any(params.penalty_decay > 0), latest, lambda: (counts > 0).astype(jnp.float32))
+    present = recent > 0  # [S, V]
+    rep = 1.0 + (params.repetition_penalty[:, None] - 1.0) * recent  # [S, V]; the full penalty where weight 1
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(present, penalised, logits)
     logits = logits - params.frequency_penalty[:, None] * counts
-    return logits - jnp.where(present, params.presence_penalty[:, None], 0.0)
+    return logits - params.presence_penalty[:, None] * recent
+
+
+def token_bits(words: jax.Array, ids: jax.Array) -> jax.Array:
+    """bool [S, N]: bit `ids[s, n]` of row s's packed token set `words` i32 [S, ceil(V/32)] (token t is bit t % 32
+    of word t // 32, as llguidance packs its masks). ids must be in [0, V)."""
+    w = jnp.take_along_axis(words, ids >> 5, axis=-1)
+    return ((w >> (ids & 31)) & 1) != 0
+
+
+def dry_used(params: SamplingRows) -> jax.Array:
+    return jnp.any(params.dry_multiplier > 0)
+
+
+def apply_dry(logits: jax.Array, params: SamplingRows, history: jax.Array,
+              breakers: jax.Array | None = None) -> jax.Array:
+    """DRY ("don't repeat yourself", ExLlamaV2's variant of p-e-w's sampler) over the history window. [S, V].
+
+    Sequence breakers (`breakers`, a packed token set per row; None: none) and tokens older than `dry_range`
+    (when > 0) cut every match. For each earlier position j of the history, L_j is the length of the longest run of
+    tokens ending just before j that equals the run ending at the last token (at most dry_max_ngram - 1 tokens,
+    none of them a breaker), and h[j] (not a breaker) is the token that followed it. With L* the largest L_j that
+    is >= dry_allowed_length, every token t loses dry_multiplier * dry_base^(L* - dry_allowed_length) for each
+    position j with L_j = L* and h[j] = t (ExLlamaV2 penalises the children of the longest suffix found in its
+    n-gram trie, times their count). A logit penalty like the repetition penalty, so greedy rows get it too; rows
+    with dry_multiplier <= 0 are untouched."""
+    s, v = logits.shape
+    r = history.shape[-1]
+    on = params.dry_multiplier > 0  # [S]
+    tok = history
+    idx = jnp.arange(r, dtype=jnp.int32)[None, :]  # [1, R]
+    blocked = tok < 0
+    if breakers is not None:
+        blocked = blocked | token_bits(breakers, jnp.clip(tok, 0, v - 1))
+    rng = params.dry_range[:, None]
+    blocked = blocked | ((rng > 0) & (r - 1 - idx >= rng))  # outside the DRY range
+    max_len = jnp.where(on, jnp.clip(params.dry_max_ngram - 1, 0, r), 0)  # [S]
+    follow = ~blocked & (idx >= 1) & on[:, None]  # [S, R]: positions whose token may be penalised
+
+    def cond(carry):
+        k, alive, _ = carry
+        return (k <= r - 1) & jnp.any(alive)
+
+    def body(carry):
+        k, alive, length = carry
+        prev = jnp.roll(tok, k, axis=1)  # prev[:, j] = tok[:, j - k] (wrapped entries are masked by idx >= k)
+        prev_blocked = jnp.roll(blocked, k, axis=1) | (idx < k)
+        suffix = jax.lax.dynamic_index_in_dim(tok, r - k, axis=1)  # [S, 1]: the k-th token from the end
+        suffix_blocked = jax.lax.dynamic_index_in_dim(blocked, r - k, axis=1)
+        ok = alive & (prev == suffix) & ~prev_blocked & ~suffix_blocked & (k <= max_len)[:, None]
+        return k + 1, ok, length + ok
+
+    _, _, length = jax.lax.while_loop(cond, body, (jnp.int32(1), follow, jnp.zeros((s, r), jnp.int32)))
+    allowed = params.dry_allowed_length[:, None]
+    eligible = follow & (length >= allowed)
+    best = jnp.max(jnp.where(eligible, length, -1), axis=-1, keepdims=True)  # [S, 1]: L*, -1 if none
+    chosen = eligible & (length == best)
+    penalty = params.dry_multiplier[:, None] * params.dry_base[:, None] ** (best - allowed).astype(jnp.float32)
+    return logits - _row_scatter_add(jnp.where(chosen, tok, -1), jnp.broadcast_to(penalty, (s, r)), v)
 
 
 def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
@@ -185,14 +330,17 @@ def penalties_used(params: SamplingRows) -> jax.Array:
 def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array, bias_ids: jax.Array,
                     bias_values: jax.Array, bias_dense: jax.Array | None = None,
                     bias_dense_on: jax.Array | None = None, token_mask: jax.Array | None = None,
-                    token_mask_on: jax.Array | None = None) -> jax.Array:
-    """f32 [S, V]: penalties, then the bias, then the token mask (constrained decoding: packed allowed-token bits
-    [S, ceil(V/32)], applied where `token_mask_on`). Each part runs under a `lax.cond` and is skipped (it would be
-    the identity) when no row uses it: penalties when every row's are neutral, the sparse bias when every id is
-    padding, the dense bias [S, V] unless `bias_dense_on` (bool []), the mask unless `token_mask_on`. Adding a row's
+                    token_mask_on: jax.Array | None = None, dry_breakers: jax.Array | None = None) -> jax.Array:
+    """f32 [S, V]: penalties, then the bias, then DRY (`apply_dry`, sequence breakers `dry_breakers`), then the
+    token mask (constrained decoding: packed allowed-token bits [S, ceil(V/32)], applied where `token_mask_on`).
+    Each part runs under a `lax.cond` and is skipped (it would be the identity) when no row uses it: penalties when
+    every row's are neutral, the sparse bias when every id is padding, the dense bias [S, V] unless `bias_dense_on`
+    (bool []), DRY unless a sampled row has dry_multiplier > 0, the mask unless `token_mask_on`. Adding a row's
     bias entries once each, sparse plus dense (one of them zero), gives the same floats as one scatter of all of
     them."""
     x = _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)
+    if history.shape[-1]:
+        x = jax.lax.cond(dry_used(params), lambda: apply_dry(x, params, history, dry_breakers), lambda: x)
     if token_mask is None:
         return x
     on = jnp.asarray(True) if token_mask_on is None else token_mask_on
@@ -328,24 +476,29 @@ def _log_softmax_kept(lp: jax.Array, keep: jax.Array, m: jax.Array, log_sum: jax
 
 
 def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(keep bool [S, V], ids i32 [S, C], inside bool [S]): the tokens kept by top_k -> top_p -> min_p -> typical,
+    """(keep bool [S, V], ids i32 [S, C], inside bool [S]): the tokens kept by top_k -> top_p -> top_a -> min_p ->
+    tfs -> typical -> mirostat (ExLlamaV2's order, each on the distribution renormalised after the previous one),
     and per row C token ids that contain the whole kept set where `inside` (never for rows that keep everything,
     unless C = V).
 
     `logp` [S, V] is the temperature-scaled log-softmax. Greedy rows and rows with every filter off keep all tokens.
     No sort of the vocabulary: each filter's cut is found among the `candidates` (static) most likely tokens
-    (`lax.top_k`), or, for rows where it lies beyond them, by an exact bracketing search over the row. Each part is
-    skipped (lax.cond) when no row in the batch needs it."""
+    (`lax.top_k`), or, for rows where it lies beyond them, by an exact bracketing search over the row (tfs alone
+    sorts such rows). Each part is skipped (lax.cond) when no row in the batch needs it."""
     s, v = logp.shape
     c = min(candidates, v)
     sampled = ~params.greedy  # [S]
     top_k_on = sampled & (params.top_k > 0) & (params.top_k < v)
     top_p_on = sampled & (params.top_p > 0) & (params.top_p < 1)
-    prefix_on = top_k_on | top_p_on | (sampled & (params.min_p > 0))
+    top_a_on = sampled & (params.top_a > 0)
+    tfs_on = sampled & (params.tfs > 0) & (params.tfs < 1)
+    prefix_on = top_k_on | top_p_on | top_a_on | tfs_on | (sampled & (params.min_p > 0))
     typical_on = sampled & (params.typical > 0) & (params.typical < 1)
+    mirostat_on = sampled & params.mirostat
 
     def prefix() -> tuple[jax.Array, jax.Array, jax.Array]:
-        # top_k -> top_p -> min_p each keep the tokens above a log-prob cut, so together they keep logp >= one cut.
+        # top_k -> top_p -> top_a -> min_p -> tfs each keep the tokens above a log-prob cut, so together they keep
+        # logp >= one cut.
         vals, ids = _top_k(logp, c)  # [S, C] descending
         cut_k = _mass_cut(logp, None, params.top_k.astype(jnp.float32), top_k_on, vals, None)
         # top_p on the distribution renormalised over the top_k set: take tokens while the mass before < top_p.
@@ -362,10 +515,19 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
             lambda: jnp.where(inside_k, mass_c, jnp.sum(p(), axis=-1)),
         )
         cut_p = _mass_cut(logp, p, params.top_p * mass, top_p_on, vals, cand_p)
+        cut_kp = jnp.maximum(cut_k, cut_p)
+        # top_a: keep p' >= a * p'_max^2 on the distribution renormalised over the top_k/top_p set (mass Z), i.e.
+        # logp >= log(a) + 2 * logp_max - log(Z).
+        mass_kp = jax.lax.cond(jnp.any(top_a_on), lambda: _kept_mass(logp, vals, cut_kp, top_a_on),
+                               lambda: jnp.ones((s,), jnp.float32))
+        cut_a = jnp.where(top_a_on, jnp.log(jnp.maximum(params.top_a, 0.0)) + 2.0 * vals[:, 0] - jnp.log(mass_kp),
+                          -jnp.inf)
         # min_p is a ratio to the max, so renormalisation does not change it; log(0) = -inf keeps everything.
         cut_m = vals[:, 0] + jnp.log(jnp.maximum(params.min_p, 0.0))
-        # The most probable token always survives (guards min_p > 1).
-        cut = jnp.minimum(jnp.maximum(jnp.maximum(cut_k, cut_p), cut_m), vals[:, 0])
+        # The most probable token always survives (guards min_p > 1, top_a > 1).
+        cut = jnp.minimum(jnp.maximum(jnp.maximum(cut_kp, cut_a), cut_m), vals[:, 0])
+        cut = jax.lax.cond(jnp.any(tfs_on), lambda: jnp.maximum(cut, _tfs_cut(logp, vals, cut, params.tfs, tfs_on)),
+                           lambda: cut)
         cut = jnp.where(prefix_on, cut, -jnp.inf)
         return cut, ids, (vals[:, -1] < cut) | (c == v)
 
@@ -388,20 +550,171 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
         inside_t = typical_on & ((cand_key[:, -1] < cut) | (c == v))  # every kept token is a typical candidate
         return keep & (key >= cut[:, None]), jnp.where(inside_t[:, None], cand_ids, ids), inside | inside_t
 
-    return jax.lax.cond(jnp.any(typical_on), typical, lambda: (keep, ids, inside))
+    keep, ids, inside = jax.lax.cond(jnp.any(typical_on), typical, lambda: (keep, ids, inside))
+
+    def mirostat() -> jax.Array:
+        # Mirostat (v2, as ExLlamaV2): keep the tokens with surprise -log2 q <= mu, q renormalised over `keep`,
+        # and always the most probable one.
+        m, log_sum = _per_row(_normaliser, (logp, keep), ids, inside)  # [S, 1] each
+        cut = jnp.minimum(m + log_sum - params.mirostat_mu[:, None] * np.float32(np.log(2.0)), m)
+        return keep & ((logp >= cut) | ~mirostat_on[:, None])
+
+    keep = jax.lax.cond(jnp.any(mirostat_on), mirostat, lambda: keep)
+    return keep, ids, inside
+
+
+def _kept_mass(logp: jax.Array, vals: jax.Array, cut: jax.Array, on: jax.Array) -> jax.Array:
+    """f32 [S]: the probability mass of logp >= cut, on the candidates `vals` where they hold the whole set."""
+    inside = (vals[:, -1] < cut) | (vals.shape[-1] == logp.shape[-1])
+    mass_c = jnp.sum(jnp.where(vals >= cut[:, None], jnp.exp(vals), 0.0), axis=-1)
+    return jax.lax.cond(
+        jnp.all(inside | ~on),
+        lambda: mass_c,
+        lambda: jnp.where(inside, mass_c, jnp.sum(jnp.where(logp >= cut[:, None], jnp.exp(logp), 0.0), axis=-1)),
+    )
+
+
+def _tfs_cut(logp: jax.Array, vals: jax.Array, cut: jax.Array, tfs: jax.Array, on: jax.Array) -> jax.Array:
+    """f32 [S]: tail-free sampling's cut on the set logp >= cut (ExLlamaV2's `tfs_cpu`): with p_0 >= p_1 >= ... the
+    kept probabilities, d_i = |p_i - 2 p_(i+1) + p_(i+2)| for i < n - 2, keep k + 1 tokens where k counts the
+    leading i whose cumulative d_i / sum(d) is <= tfs (ties with the last one kept too). Rows with fewer than 3
+    tokens, flat rows (sum(d) = 0) and rows not `on` get -inf. Sorted on the candidates where they hold the kept
+    set, else by a full sort of the row (slow on the CPU: pair tfs with top_k)."""
+    c, v = vals.shape[-1], logp.shape[-1]
+
+    def on_sorted(srt: jax.Array) -> jax.Array:  # [S, N] descending
+        n_cols = srt.shape[-1]
+        kept = srt >= cut[:, None]
+        n = jnp.sum(kept, axis=-1)
+        p = jnp.where(kept, jnp.exp(srt - srt[:, :1]), 0.0)
+        d = jnp.abs(p[:, :-2] - 2.0 * p[:, 1:-1] + p[:, 2:])  # [S, N - 2]
+        valid = jnp.arange(n_cols - 2)[None, :] < (n - 2)[:, None]
+        d = jnp.where(valid, d, 0.0)
+        total = jnp.sum(d, axis=-1, keepdims=True)
+        cum = jnp.cumsum(d, axis=-1) / jnp.where(total > 0, total, 1.0)
+        k = jnp.sum(valid & (cum <= tfs[:, None]), axis=-1)
+        t = jnp.take_along_axis(srt, k[:, None], axis=-1)[:, 0]
+        return jnp.where(on & (n >= 3) & (total[:, 0] > 0), t, -jnp.inf)
+
+    if c < 3:
+        return jnp.full(cut.shape, -jnp.inf)
+    inside = (vals[:, -1] < cut) | (c == v)
+    return jax.lax.cond(jnp.all(inside | ~on), lambda: on_sorted(vals),
+                        lambda: on_sorted(-jnp.sort(-logp, axis=-1)))
+
+
+def _post_temperature(logp: jax.Array, keep: jax.Array, ids: jax.Array, inside: jax.Array,
+                      params: SamplingRows) -> jax.Array:
+    """f32 [S]: the temperature applied after truncation, as q^(1/T) renormalised over the kept set (1 for other
+    rows): `temperature` where `temperature_last`, or dynamic temperature where max_temp > min_temp (it replaces
+    temperature_last's T when both are set, as ExLlamaV2): T = min_temp + (max_temp - min_temp) * (H / log n)^
+    temp_exponent, H the entropy of the n kept tokens."""
+    sampled = ~params.greedy
+    dynamic = sampled & (params.max_temp > params.min_temp)
+
+    def stats(lp: jax.Array, kept: jax.Array) -> tuple[jax.Array, jax.Array]:
+        m, log_sum = _normaliser(lp, kept)
+        lq = jnp.where(kept, lp - m - log_sum, -jnp.inf)
+        entropy = -jnp.sum(jnp.where(kept, jnp.exp(lq) * lq, 0.0), axis=-1, keepdims=True)
+        return entropy, jnp.sum(kept, axis=-1, keepdims=True).astype(jnp.float32)
+
+    entropy, n = (a[:, 0] for a in _per_row(stats, (logp, keep), ids, inside))
+    h_max = jnp.where(n > 1, jnp.log(jnp.maximum(n, 1.0)), 1.0)
+    ratio = jnp.clip(entropy / h_max, 0.0, 1.0)
+    t_dyn = params.min_temp + (params.max_temp - params.min_temp) * ratio ** params.temp_exponent
+    t = jnp.where(dynamic, t_dyn, jnp.where(sampled & params.temperature_last, params.temperature, 1.0))
+    return jnp.maximum(t, np.float32(1e-4))  # T -> 0 is the argmax; 1e-4 is that in float32
+
+
+def _xtc(final: jax.Array, params: SamplingRows, exempt: jax.Array | None) -> jax.Array:
+    """XTC ("exclude top choices"): with probability xtc_probability, every token with q >= xtc_threshold except
+    the least probable of them is removed. Drawn here from the exact mixture, P * q_removed + (1 - P) * q: removed
+    tokens get q (1 - P), the rest q (1 + P x / (1 - x)), x the removed mass (what ExLlamaV2's deterministic XTC
+    computes). The same draws as tossing the coin, with no second random number, and a single distribution for
+    speculative verification. Tokens in `exempt` (packed per row; None: none) are never removed nor counted; all
+    tokens tied at the least probability are spared."""
+    s, v = final.shape
+    on = ~params.greedy & (params.xtc_probability > 0)
+    q = jnp.exp(final)
+    over = (q >= params.xtc_threshold[:, None]) & (final > -jnp.inf)
+    if exempt is not None:
+        over = over & ~token_bits(exempt, jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32), (s, v)))
+    q_min = jnp.min(jnp.where(over, q, jnp.inf), axis=-1, keepdims=True)
+    removed = over & (q > q_min) & on[:, None]
+    x = jnp.minimum(jnp.sum(jnp.where(removed, q, 0.0), axis=-1, keepdims=True), np.float32(1.0 - 1e-7))
+    pr = params.xtc_probability[:, None]
+    return jnp.where(removed, final + jnp.log1p(-pr), final + jnp.log1p(pr * x / (1.0 - x)))
+
+
+def _skew(final: jax.Array, params: SamplingRows, ids: jax.Array, inside: jax.Array) -> jax.Array:
+    """ExLlamaV2's skew: its multinomial draw walks the kept tokens in descending order with r' = r^exp(-skew), so
+    token i of that order is drawn with C_i^a - C_(i-1)^a, a = exp(skew), C the cumulative probability. Tokens tied
+    in q share their group's probability equally (order-free). Computed on the candidates where they hold every
+    kept token, else on a full sort."""
+    s, v = final.shape
+    on = ~params.greedy & (params.skew != 0)
+    a = jnp.exp(params.skew)[:, None]
+
+    def reweight(q_sorted: jax.Array, q: jax.Array) -> jax.Array:  # [S, N] descending, [S, M] -> log p [S, M]
+        cum = jnp.concatenate([jnp.zeros((s, 1), jnp.float32), jnp.cumsum(q_sorted, axis=-1)], axis=-1)
+        search = jax.vmap(lambda srt, x, side: jnp.searchsorted(srt, x, side=side), (0, 0, None))
+        gt = search(-q_sorted, -q, "left")  # entries > q
+        ge = search(-q_sorted, -q, "right")  # entries >= q
+        above, upto = jnp.take_along_axis(cum, gt, -1), jnp.take_along_axis(cum, ge, -1)
+        share = (jnp.maximum(upto, 0.0) ** a - jnp.maximum(above, 0.0) ** a) / jnp.maximum(ge - gt, 1)
+        return jnp.where(q > 0, jnp.log(jnp.maximum(share, 0.0)), -jnp.inf)
+
+    def sparse() -> jax.Array:
+        qc = jnp.exp(jnp.take_along_axis(final, ids, axis=-1))  # [S, C]
+        new = reweight(-jnp.sort(-qc, axis=-1), qc)
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], ids.shape)
+        return jnp.full((s, v), -jnp.inf, jnp.float32).at[rows, ids].set(new)
+
+    def dense() -> jax.Array:
+        q = jnp.exp(final)
+        return reweight(-jnp.sort(-q, axis=-1), q)
+
+    new = jax.lax.cond(jnp.all(inside | ~on), sparse, dense)
+    return jnp.where(on[:, None], new, final)
 
 
 def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense=None, bias_dense_on=None,
-           token_mask=None, token_mask_on=None):
+           token_mask=None, token_mask_on=None, dry_breakers=None, xtc_exempt=None):
     """(final [S, V], ids [S, C], inside [S]): `processed_logprobs`, and the candidates of `_truncation`."""
     x = adjusted_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on, token_mask,
-                        token_mask_on)  # [S, V]
+                        token_mask_on, dry_breakers)  # [S, V]
     greedy = params.greedy[:, None]  # [S, 1]
-    temperature = jnp.where(greedy, 1.0, params.temperature[:, None])
-    logp = jax.nn.log_softmax(x / temperature, axis=-1)  # [S, V]
+    sampled = ~params.greedy
+    temperature = jnp.where(greedy | params.temperature_last[:, None], 1.0, params.temperature[:, None])
+    smooth = sampled & (params.smoothing_factor > 0)
+
+    def smoothed() -> jax.Array:  # quadratic sampling: exp(-factor * (x - max)^2 / T)
+        top = jnp.max(x, axis=-1, keepdims=True)
+        key = jnp.where(smooth[:, None], -params.smoothing_factor[:, None] * jnp.square(x - top), x)
+        return jax.nn.log_softmax(key / temperature, axis=-1)
+
+    # Each [S, V] cond below computes its result in both branches: a branch that passed an [S, V] operand through
+    # would cost a copy of it (~3 ms at 64 x 49152 on the CPU) in every batch that does not use the option.
+    logp = jax.lax.cond(jnp.any(smooth), smoothed, lambda: jax.nn.log_softmax(x / temperature, axis=-1))  # [S, V]
     keep, ids, inside = _truncation(logp, params, candidates)
-    m, log_sum = _per_row(_normaliser, (logp, keep), ids, inside)
-    return _log_softmax_kept(logp, keep, m, log_sum), ids, inside  # renormalise over the kept set
+    post = sampled & (params.temperature_last | (params.max_temp > params.min_temp))
+    xtc = sampled & (params.xtc_probability > 0)
+    skew = sampled & (params.skew != 0)
+
+    def normalised(lp: jax.Array) -> jax.Array:  # renormalise over the kept set
+        m, log_sum = _per_row(_normaliser, (lp, keep), ids, inside)
+        return _log_softmax_kept(lp, keep, m, log_sum)
+
+    def reshaped() -> jax.Array:
+        # temperature_last / dynamic temperature (q^(1/T) renormalised over the kept set), then XTC, then skew
+        t = jax.lax.cond(jnp.any(post), lambda: _post_temperature(logp, keep, ids, inside, params),
+                         lambda: jnp.ones(sampled.shape, jnp.float32))
+        final = normalised(logp / t[:, None])
+        final = jax.lax.cond(jnp.any(xtc), lambda: _xtc(final, params, xtc_exempt), lambda: final)
+        return jax.lax.cond(jnp.any(skew), lambda: _skew(final, params, ids, inside), lambda: final)
+
+    final = jax.lax.cond(jnp.any(post | xtc | skew), reshaped, lambda: normalised(logp))
+    return final, ids, inside
 
 
 def processed_logprobs(
@@ -412,13 +725,16 @@ def processed_logprobs(
     bias_ids: jax.Array,
     bias_values: jax.Array,
     candidates: int = CANDIDATES,
+    dry_breakers: jax.Array | None = None,
+    xtc_exempt: jax.Array | None = None,
 ) -> jax.Array:
     """f32 [S, V]: the final per-row log-distribution `sample` draws from (-inf outside the kept set).
 
     Greedy rows: log_softmax of the penalised, biased logits at temperature 1, untruncated (their token is its argmax).
     `candidates` (static) only trades speed: see `_truncation`.
     """
-    return _final(logits, params, history, bias_ids, bias_values, candidates)[0]
+    return _final(logits, params, history, bias_ids, bias_values, candidates, dry_breakers=dry_breakers,
+                  xtc_exempt=xtc_exempt)[0]
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -494,6 +810,8 @@ def sample(
     bias_dense_on: jax.Array | None = None,
     token_mask: jax.Array | None = None,
     token_mask_on: jax.Array | None = None,
+    dry_breakers: jax.Array | None = None,
+    xtc_exempt: jax.Array | None = None,
 ) -> SampleOutput:
     """Draw one token per row from `processed_logprobs` (greedy rows: its argmax).
 
@@ -509,7 +827,8 @@ def sample(
     final, token, logprob = sample_final(logits, params, positions=positions, history=history, bias_ids=bias_ids,
                                          bias_values=bias_values, candidates=candidates, bias_dense=bias_dense,
                                          bias_dense_on=bias_dense_on, token_mask=token_mask,
-                                         token_mask_on=token_mask_on)
+                                         token_mask_on=token_mask_on, dry_breakers=dry_breakers,
+                                         xtc_exempt=xtc_exempt)
     if return_top_k > 0:
         top_logprobs, top_ids = jax.lax.top_k(final, return_top_k)
     else:
@@ -531,11 +850,13 @@ def sample_final(
     bias_dense_on: jax.Array | None = None,
     token_mask: jax.Array | None = None,
     token_mask_on: jax.Array | None = None,
+    dry_breakers: jax.Array | None = None,
+    xtc_exempt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(final f32 [S, V], token i32 [S], logprob f32 [S]): `sample` without the top-k, returning the distribution
     it drew from (`processed_logprobs`), so a caller can take its top tokens however it likes."""
     final, ids, inside = _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense,
-                                bias_dense_on, token_mask, token_mask_on)
+                                bias_dense_on, token_mask, token_mask_on, dry_breakers, xtc_exempt)
     v = final.shape[-1]
     greedy = params.greedy  # [S]
     best = jax.lax.cond(  # the token of greedy rows

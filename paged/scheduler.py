@@ -182,9 +182,9 @@ class Scheduler:
                 job.cached_tokens = max(job.cached_tokens, job.kv_position)
 
     def row(self, job: Job, tokens: list[int], sample: bool) -> RowInput:
-        """The job's row for this step: `tokens` from its KV position, with its sampling settings, penalty history
-        and logit bias (settings' bias and bans, stop tokens before min_new_tokens, token healing, tokens banned at
-        this position by earlier banned-string rewinds)."""
+        """The job's row for this step: `tokens` from its KV position, with its sampling settings (and mirostat mu),
+        penalty/DRY history, DRY/XTC token sets and logit bias (settings' bias and bans, stop tokens before
+        min_new_tokens, token healing, tokens banned at this position by earlier banned-string rewinds)."""
         s = job.gen_settings
         sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
         bias = self._bias(job, sample_index, job.new_tokens)
@@ -192,10 +192,11 @@ class Scheduler:
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
         end = job.kv_position + len(tokens)
-        window = min(s.penalty_range, self.config.max_penalty_range)
-        history = job.sequence[max(0, end - window) : end] if s.uses_penalties and window else ()
+        window = s.history_window(self.config.max_penalty_range)
+        history = job.sequence[max(0, end - window) : end] if window else ()
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
-                        sampling=s.device_row(job.seed), history=history, bias=bias)
+                        sampling=s.device_row(job.seed, job.mirostat_mu), history=history, bias=bias,
+                        dry_breakers=job.dry_breakers, xtc_exempt=job.xtc_exempt)
 
     def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
         """The logit bias of the token at `job.sequence[sample_index]`, the job's output token number `out_index`."""
@@ -297,9 +298,8 @@ class Scheduler:
                     or job.new_tokens < job.min_new_tokens or job.kv_position + k > len(job.pages) * self.page_size
                     or (job.healing_allowed and job.new_tokens == 0)):
                 return 1
-            s = job.gen_settings
-            if s.uses_penalties:  # decode bursts slide the history bucket; exact when that is the job's window
-                window = min(s.penalty_range, self.config.max_penalty_range)
-                if window < self.config.max_penalty_range and job.kv_position + k > window:
-                    return 1
+            if job.mirostat_mu is not None:  # mirostat's mu changes after every token, on the host
+                return 1
+            # The history slides on the device; penalties and DRY weigh it by distance from the end (per row), so
+            # a shorter window than the bucket's stays exact.
         return k

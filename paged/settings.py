@@ -27,6 +27,29 @@ class SamplingSettings:
     penalty_range: int = 1024  # how many recent tokens (prompt + output) the penalties look at
     token_bias: tuple[tuple[int, float], ...] = ()  # additive logit bias per token id ({id: value} accepted); -inf bans
     banned_tokens: tuple[int, ...] = ()  # never sampled (an iterable of ids, or one id)
+    # --- ExLlamaV2's full sampler (docs/api.md, "Sampling"); every default is off
+    penalty_decay: int = 0  # penalties fade linearly to neutral over this many tokens beyond penalty_range
+    top_a: float = 0.0  # 0 = off; keep p >= top_a * p_max^2
+    tfs: float = 0.0  # tail-free sampling, on for 0 < tfs < 1
+    smoothing_factor: float = 0.0  # quadratic sampling, on for > 0: exp(-factor * (logit - max)^2 / temperature)
+    min_temp: float = 0.0  # dynamic temperature, on when max_temp > min_temp:
+    max_temp: float = 0.0  # T = min_temp + (max_temp - min_temp) * (entropy / max entropy)^temp_exponent
+    temp_exponent: float = 1.0
+    temperature_last: bool = False  # apply temperature after truncation (as p^(1/T)) instead of before
+    skew: float = 0.0  # 0 = off; warps the draw towards (skew < 0) or away from (> 0) the most likely tokens
+    xtc_probability: float = 0.0  # XTC, on for > 0: how often the tokens above xtc_threshold are excluded
+    xtc_threshold: float = 0.1
+    xtc_ignore_tokens: tuple[int, ...] | None = None  # never excluded; None: tokens with a newline, special tokens
+    mirostat: bool = False  # mirostat v2: truncate to surprise <= mu, steer mu towards mirostat_tau (per job)
+    mirostat_tau: float = 1.5
+    mirostat_eta: float = 0.1
+    mirostat_mu: float | None = None  # the initial mu; None: 2 * mirostat_tau
+    dry_multiplier: float = 0.0  # DRY, on for > 0: penalise continuing a repeated sequence
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[int, ...] | None = None  # ids; None: tokens with any of .,!?<>[](){} newline tab "
+    dry_range: int = 0  # 0: the whole history window (the generator's max_penalty_range)
+    dry_max_ngram: int = 20
 
     def __post_init__(self):
         c = Checker("SamplingSettings", InvalidSettingsError)
@@ -44,6 +67,40 @@ class SamplingSettings:
         put("penalty_range", c.int_("penalty_range", self.penalty_range, 0))
         put("token_bias", _token_bias(c, self.token_bias))
         put("banned_tokens", _token_ids(c, "banned_tokens", self.banned_tokens))
+        put("penalty_decay", c.int_("penalty_decay", self.penalty_decay, 0))
+        put("top_a", c.float_("top_a", self.top_a, 0.0, allowed="a finite number >= 0 (0 = off)"))
+        put("tfs", c.float_("tfs", self.tfs, 0.0, 1.0, allowed="a number in [0, 1] (0 or 1 = off)"))
+        put("smoothing_factor", c.float_("smoothing_factor", self.smoothing_factor, 0.0,
+                                         allowed="a finite number >= 0 (0 = off)"))
+        put("min_temp", c.float_("min_temp", self.min_temp, 0.0))
+        put("max_temp", c.float_("max_temp", self.max_temp, 0.0))
+        put("temp_exponent", c.float_("temp_exponent", self.temp_exponent, 0.0, lo_open=True))
+        put("temperature_last", c.bool_("temperature_last", self.temperature_last))
+        put("skew", c.float_("skew", self.skew, -20.0, 20.0, allowed="a number in [-20, 20] (0 = off)"))
+        put("xtc_probability", c.float_("xtc_probability", self.xtc_probability, 0.0, 1.0,
+                                        allowed="a number in [0, 1] (0 = off)"))
+        put("xtc_threshold", c.float_("xtc_threshold", self.xtc_threshold, 0.0, 1.0, lo_open=True,
+                                      allowed="a number in (0, 1]"))
+        if self.xtc_ignore_tokens is not None:
+            put("xtc_ignore_tokens", _token_ids(c, "xtc_ignore_tokens", self.xtc_ignore_tokens))
+        put("mirostat", c.bool_("mirostat", self.mirostat))
+        put("mirostat_tau", c.float_("mirostat_tau", self.mirostat_tau, 0.0, lo_open=True,
+                                     allowed="a finite number > 0 (target surprise in bits)"))
+        put("mirostat_eta", c.float_("mirostat_eta", self.mirostat_eta, 0.0))
+        if self.mirostat_mu is not None:
+            put("mirostat_mu", c.float_("mirostat_mu", self.mirostat_mu, 0.0,
+                                        allowed="a finite number >= 0, or None (2 * mirostat_tau)"))
+        put("dry_multiplier", c.float_("dry_multiplier", self.dry_multiplier, 0.0,
+                                       allowed="a finite number >= 0 (0 = off)"))
+        put("dry_base", c.float_("dry_base", self.dry_base, 1.0, allowed="a finite number >= 1"))
+        put("dry_allowed_length", c.int_("dry_allowed_length", self.dry_allowed_length, 1))
+        put("dry_max_ngram", c.int_("dry_max_ngram", self.dry_max_ngram, 2))
+        put("dry_range", c.int_("dry_range", self.dry_range, 0))
+        if self.dry_range and self.dry_range <= self.dry_max_ngram:
+            c.fail(f"dry_range must be 0 (the whole history) or > dry_max_ngram ({self.dry_max_ngram}), "
+                   f"got {self.dry_range}")
+        if self.dry_sequence_breakers is not None:
+            put("dry_sequence_breakers", _token_ids(c, "dry_sequence_breakers", self.dry_sequence_breakers))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in `token_bias` / `banned_tokens` must be below `vocab_size` (checked at `enqueue()`)."""
@@ -52,6 +109,9 @@ class SamplingSettings:
             c.token_id("token_bias id", t, vocab_size)
         for t in self.banned_tokens:
             c.token_id("banned_tokens id", t, vocab_size)
+        for name in ("xtc_ignore_tokens", "dry_sequence_breakers"):
+            for t in getattr(self, name) or ():
+                c.token_id(f"{name} id", t, vocab_size)
 
     @staticmethod
     def greedy(**kw) -> SamplingSettings:
@@ -68,12 +128,42 @@ class SamplingSettings:
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         )
 
-    def device_row(self, seed: int) -> dict:
-        """This job's row of `paged.sampling.SamplingRows`."""
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0  # a logit penalty: greedy jobs too
+
+    @property
+    def uses_xtc(self) -> bool:
+        return self.xtc_probability > 0 and not self.is_greedy
+
+    @property
+    def uses_mirostat(self) -> bool:
+        return self.mirostat and not self.is_greedy
+
+    def history_window(self, max_penalty_range: int) -> int:
+        """Tokens of history the device needs for this job (penalties over penalty_range + penalty_decay, DRY over
+        dry_range or the whole window), at most the generator's `max_penalty_range`."""
+        want = self.penalty_range + self.penalty_decay if self.uses_penalties else 0
+        if self.uses_dry:
+            want = max(want, self.dry_range or max_penalty_range)
+        return min(want, max_penalty_range)
+
+    def initial_mirostat_mu(self) -> float:
+        return 2.0 * self.mirostat_tau if self.mirostat_mu is None else self.mirostat_mu
+
+    def device_row(self, seed: int, mirostat_mu: float | None = None) -> dict:
+        """This job's row of `paged.sampling.SamplingRows` (`mirostat_mu`: the job's current mu)."""
         return dict(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             typical=self.typical, repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, seed=seed,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
+            penalty_range=min(self.penalty_range, 1 << 30), penalty_decay=self.penalty_decay, top_a=self.top_a,
+            tfs=self.tfs, smoothing_factor=self.smoothing_factor, min_temp=self.min_temp, max_temp=self.max_temp,
+            temp_exponent=self.temp_exponent, temperature_last=int(self.temperature_last), skew=self.skew,
+            xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold, mirostat=int(self.mirostat),
+            mirostat_mu=self.initial_mirostat_mu() if mirostat_mu is None else mirostat_mu,
+            dry_multiplier=self.dry_multiplier, dry_base=self.dry_base, dry_allowed_length=self.dry_allowed_length,
+            dry_max_ngram=self.dry_max_ngram, dry_range=self.dry_range, seed=seed,
         )
 
     def bias(self) -> dict[int, float]:

@@ -74,6 +74,8 @@ class SpeculativeStep:
         m = self.max_drafts(job, row)
         if job.filter_state is not None and job.healing_allowed and job.new_tokens == 0:
             m = 0  # the healed first token feeds the grammar only its text after the prefix: verify it alone
+        if job.mirostat_mu is not None:
+            m = 0  # mirostat's mu after a token depends on that token: positions cannot be verified in parallel
         base = job.kv_position + len(row.tokens)  # sequence index the row's first position samples
         biases = []
         for j in range(1, m + 1):
@@ -83,7 +85,7 @@ class SpeculativeStep:
                 break
             biases.append(b)
         s = job.gen_settings
-        window = min(s.penalty_range, self.max_penalty_range) if s.uses_penalties else 0
+        window = s.history_window(self.max_penalty_range)
         return SpecRow(key=job, row=row, sequence=job.sequence, max_drafts=m,
                        bias_at=lambda j, biases=biases: biases[j - 1], penalty_window=window)
 

@@ -27,7 +27,7 @@ Host side: `Speculator` (drafters: a draft model through `paged.draft.DraftModel
                                     bias_at=<lambda j: the row bias for the token at output position
                                              new_tokens + j (stop-token bans before min_new_tokens, banned-string
                                              bans at that sequence index)>,
-                                    penalty_window=<min(penalty_range, max_penalty_range) if penalties else 0>)
+                                    penalty_window=<SamplingSettings.history_window(max_penalty_range)>)
                             for row, job in zip(rows, owners)])        # runs the draft model (mirror + propose)
     out = engine.run(plan.rows, return_top_k=..., return_logits=..., draft_logprobs=plan.draft_logprobs)
     for row_result in speculator.accept(plan, out):                    # one `Accepted` per row, in order
@@ -187,7 +187,7 @@ class SpecRow:
     sequence: Sequence[int]  # the job's tokens so far, prompt + output (`row.tokens` are its last ones)
     max_drafts: int = 0  # drafts this row may verify (0: a prefill chunk, or no room left)
     bias_at: Callable[[int], Mapping[int, float] | None] | None = None  # bias at draft offset j >= 1 (None: row's)
-    penalty_window: int = 0  # the job's penalty window (0: no penalties)
+    penalty_window: int = 0  # the job's history window: penalties and DRY (0: none)
 
 
 @dataclasses.dataclass

@@ -169,6 +169,10 @@ class Batch:
     # without a filter), applied only where token_mask_on. None when built without the vocabulary size.
     token_mask: jnp.ndarray | None = None  # [S', ceil(V / 32)] int32
     token_mask_on: jnp.ndarray | None = None  # bool []
+    # Per-row token sets of the sampler, packed the same way (all zeros for rows without one; None without the
+    # vocabulary size): DRY's sequence breakers and XTC's exempt tokens.
+    dry_breakers: jnp.ndarray | None = None  # [S', ceil(V / 32)] int32
+    xtc_exempt: jnp.ndarray | None = None  # [S', ceil(V / 32)] int32
     # Verification buckets only (None otherwise). The sampler inputs above then have S' * W rows (one per sample
     # point, point j of row s at s * W + j), `sample_positions` the position each point samples.
     sample_tokens: jnp.ndarray | None = None  # [S, W] int32: token slot of each sample point (0 for padding)

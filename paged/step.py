@@ -158,7 +158,7 @@ def forward_inputs(batch: Batch) -> Batch:
     """The batch without its sampler inputs (which the forward does not read, and whose row count varies)."""
     return batch.replace(sampling=None, sample_positions=None, history=None, bias_ids=None, bias_values=None,
                          bias_dense=None, bias_dense_on=None, token_mask=None, token_mask_on=None, drafts=None,
-                         num_drafts=None)
+                         num_drafts=None, dry_breakers=None, xtc_exempt=None)
 
 
 def _forward(
@@ -224,7 +224,8 @@ def sample_inputs(batch: Batch) -> dict[str, Any]:
     """The sampler inputs of a batch (its first `S'` rows; nothing that depends on the token layout)."""
     return dict(sampling=batch.sampling, positions=batch.sample_positions, history=batch.history,
                 bias_ids=batch.bias_ids, bias_values=batch.bias_values, bias_dense=batch.bias_dense,
-                bias_dense_on=batch.bias_dense_on, token_mask=batch.token_mask, token_mask_on=batch.token_mask_on)
+                bias_dense_on=batch.bias_dense_on, token_mask=batch.token_mask, token_mask_on=batch.token_mask_on,
+                dry_breakers=batch.dry_breakers, xtc_exempt=batch.xtc_exempt)
 
 
 def _sample_rows(head: Weights, cfg: ModelConfig, h: jnp.ndarray, inputs: dict[str, Any], want_top_k: jnp.ndarray,

@@ -365,3 +365,29 @@ def test_summarise_figures():
     table = generate.format_summary(s)
     assert "48 (24.0% of prompt tokens)" in table and "6 / 12 (50.0%)" in table
     assert "4.000 / 2.500 / 7.900 s" in table
+
+
+def test_full_sampler_flags_reach_the_settings(model_dir, tmp_path, chunks):
+    import dataclasses
+
+    from paged import SamplingSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingSettings)}
+    assert {k: d for k, (d, _) in generate.FULL_SAMPLER_FLAGS.items()} == {
+        k: defaults[k] for k in generate.FULL_SAMPLER_FLAGS}  # the flags' defaults are the settings' (all off)
+    args = ["--dry_multiplier=0.8", "--dry_range=64", "--xtc_probability=0.5", "--mirostat", "--mirostat_tau=4",
+            "--tfs=0.9", "--top_a=0.1", "--min_temp=0.5", "--max_temp=1.5", "--temperature_last", "--skew=0.2",
+            "--smoothing_factor=0.3", "--penalty_decay=16", "--temperature=0.9"]
+    with flags_set(*engine_args(model_dir, *args)):
+        s = generate.build_settings()
+    assert (s.dry_multiplier, s.dry_range, s.xtc_probability, s.mirostat, s.mirostat_tau, s.tfs, s.top_a) == (
+        0.8, 64, 0.5, True, 4.0, 0.9, 0.1)
+    assert (s.min_temp, s.max_temp, s.temperature_last, s.skew, s.smoothing_factor, s.penalty_decay) == (
+        0.5, 1.5, True, 0.2, 0.3, 16)
+    out = tmp_path / "o.jsonl"
+    run_main(*engine_args(model_dir, *args, "--prompt=Say hello twice.", f"--output={out}"))
+    [rec] = read_jsonl(out)
+    assert rec["new_tokens"] > 0 and "".join(chunks) == rec["completion"]
+    with flags_set(*engine_args(model_dir, "--dry_range=5")):
+        with pytest.raises(app.UsageError, match="dry_range"):
+            generate.main(["generate"])

@@ -186,7 +186,7 @@ def test_settings_clone_and_token_sets():
     assert dict(ExLlamaV2Sampler.Settings(token_bias=dense).to_native().token_bias) == {3: 2.0, 9: -math.inf}
 
 
-@pytest.mark.parametrize("name", sorted(set(ExLlamaV2Sampler.Settings.UNSUPPORTED) - {"min_temp"}))
+@pytest.mark.parametrize("name", sorted(ExLlamaV2Sampler.Settings.UNSUPPORTED))
 def test_unsupported_settings_raise_naming_the_setting(name):
     neutral = ExLlamaV2Sampler.Settings.UNSUPPORTED[name]
     value = {bool: True, float: 0.5, int: 3, type(None): 1.0, list: [1]}[type(neutral)]
@@ -201,12 +201,28 @@ def test_unsupported_settings_raise_naming_the_setting(name):
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, gen_settings=s)
 
 
-def test_dynamic_temperature_and_decay_are_unsupported():
-    with pytest.raises(UnsupportedFeatureError, match="min_temp"):
-        ExLlamaV2Sampler.Settings(min_temp=0.5, max_temp=1.5)
-    ExLlamaV2Sampler.Settings(min_temp=0.5, max_temp=0.5)  # inactive when max <= min
-    with pytest.raises(UnsupportedFeatureError, match="token_repetition_decay"):
-        ExLlamaV2Sampler.Settings(token_repetition_decay=64)
+def test_full_sampler_settings_map_to_native():
+    s = ExLlamaV2Sampler.Settings(
+        smoothing_factor=0.3, min_temp=0.5, max_temp=1.5, temp_exponent=2.0, top_a=0.2, tfs=0.9, skew=0.5,
+        temperature_last=True, mirostat=True, mirostat_tau=3.0, mirostat_eta=0.2, mirostat_mu=[4.5],
+        token_repetition_decay=64, dry_multiplier=0.8, dry_base=2.0, dry_allowed_length=3, dry_range=128,
+        dry_max_ngram=10, dry_sequence_breakers={7, 3}, xtc_probability=0.5, xtc_threshold=0.2,
+        xtc_ignore_tokens=frozenset({9}))
+    n = s.to_native()
+    assert (n.smoothing_factor, n.min_temp, n.max_temp, n.temp_exponent, n.top_a, n.tfs, n.skew) == (
+        0.3, 0.5, 1.5, 2.0, 0.2, 0.9, 0.5)
+    assert n.temperature_last and n.mirostat and (n.mirostat_tau, n.mirostat_eta, n.mirostat_mu) == (3.0, 0.2, 4.5)
+    assert n.penalty_decay == 64
+    assert (n.dry_multiplier, n.dry_base, n.dry_allowed_length, n.dry_range, n.dry_max_ngram) == (0.8, 2.0, 3, 128, 10)
+    assert n.dry_sequence_breakers == (3, 7) and n.xtc_ignore_tokens == (9,)
+    assert (n.xtc_probability, n.xtc_threshold) == (0.5, 0.2)
+    d = ExLlamaV2Sampler.Settings().to_native()  # ExLlamaV2's neutral defaults stay off
+    assert d.tfs == 0 and d.mirostat_mu is None and d.dry_sequence_breakers is None and not d.uses_dry
+    assert ExLlamaV2Sampler.Settings(tfs=1.0, mirostat_mu=0).to_native().tfs == 0  # 1 = off, as ExLlamaV2
+    with pytest.raises(InvalidSettingsError, match="dry_range"):
+        ExLlamaV2Sampler.Settings(dry_range=10, dry_max_ngram=20).to_native()
+    with pytest.raises(InvalidSettingsError, match="mirostat_mu"):
+        ExLlamaV2Sampler.Settings(mirostat_mu=[1.0, 2.0]).to_native()
     with pytest.raises(InvalidSettingsError, match="unknown"):
         ExLlamaV2Sampler.Settings(temprature=0.5)
 

@@ -15,6 +15,7 @@ from paged.batch import RowInput
 from paged.engine import Engine
 from paged.errors import InvalidConfigError
 from paged.speculative import SpecRow, Speculator, accept_drafts
+from paged.token_sets import pack
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -30,11 +31,19 @@ def _hist(seq: list[int], end: int, r: int = 16) -> list[int]:
     return seq[max(0, end - r) : end]
 
 
-@pytest.mark.parametrize("mixed", [pytest.param(False, marks=pytest.mark.slow), True])
-def test_verification_rows_give_the_results_of_single_positions(mixed):
+# ExLlamaV2's full sampler at once: DRY and the decaying penalties read the drafts in each position's history
+FULL = {"temperature": 0.9, "top_a": 0.01, "tfs": 0.999, "min_temp": 0.6, "max_temp": 1.3, "skew": 0.4,
+        "xtc_probability": 0.5, "xtc_threshold": 0.015, "smoothing_factor": 0.2, "dry_multiplier": 2.0,
+        "dry_allowed_length": 1, "repetition_penalty": 1.4, "penalty_range": 3, "penalty_decay": 4, "seed": 9}
+SETS = dict(dry_breakers=pack([11], CFG.vocab_size), xtc_exempt=pack([5], CFG.vocab_size))
+
+
+@pytest.mark.parametrize("mixed,first", [pytest.param(False, "penalties", marks=pytest.mark.slow),
+                                         (True, "penalties"), (False, "full")])
+def test_verification_rows_give_the_results_of_single_positions(mixed, first):
     """A verification row's per-position logits, final distribution (top-k) and the target's token at each position
-    are those of feeding the positions one at a time, penalties seeing the earlier drafts; also with a prefill chunk
-    sharing the step (a mixed verification bucket)."""
+    are those of feeding the positions one at a time, penalties (and DRY, with the full sampler) seeing the earlier
+    drafts; also with a prefill chunk sharing the step (a mixed verification bucket)."""
     a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
     a.enable_verification(3, draft_probs=False)
     prompts = [[5, 7, 9, 11, 13, 2, 3], [40, 41, 42, 43, 44]]
@@ -44,10 +53,12 @@ def test_verification_rows_give_the_results_of_single_positions(mixed):
         e.run([RowInput(tokens=p[:-1], start_pos=0, pages=pg, sample=False) for p, pg in zip(prompts, pages)][:1])
         e.run([RowInput(tokens=prompts[1][:-1], start_pos=0, pages=pages[1], sample=False)])
     drafts = [[17, 19, 23], [50]]
-    settings = [SAMPLED, {"temperature": 0.0}]
+    settings = [SAMPLED if first == "penalties" else FULL, {"temperature": 0.0}]
+    sets = [SETS if first == "full" else {}, {}]
+    drafts[0] = [17, 19, 23] if first == "penalties" else [9, 11, 13]  # a repeat: DRY penalises its continuation
     seqs = [p + d for p, d in zip(prompts, drafts)]
     rows = [RowInput(tokens=[p[-1]] + d, start_pos=len(p) - 1, pages=pg, sampling=st, history=_hist(s, len(p)),
-                     verify=True) for p, d, pg, st, s in zip(prompts, drafts, pages, settings, seqs)]
+                     verify=True, **ts) for p, d, pg, st, s, ts in zip(prompts, drafts, pages, settings, seqs, sets)]
     if mixed:
         rows.insert(1, other)
     v = CFG.vocab_size
@@ -60,11 +71,11 @@ def test_verification_rows_give_the_results_of_single_positions(mixed):
     else:
         assert out.shape.step_rows_in_windows
         out_rows = [0, 1]
-    for r, p, d, pg, st, s in zip(out_rows, prompts, drafts, pages, settings, seqs):
+    for r, p, d, pg, st, s, ts in zip(out_rows, prompts, drafts, pages, settings, seqs, sets):
         for j in range(len(d) + 1):
             pos = len(p) - 1 + j
-            o = b.run([RowInput(tokens=[s[pos]], start_pos=pos, pages=pg, sampling=st, history=_hist(s, pos + 1))],
-                      return_logits=True, return_top_k=v)
+            o = b.run([RowInput(tokens=[s[pos]], start_pos=pos, pages=pg, sampling=st, history=_hist(s, pos + 1),
+                                **ts)], return_logits=True, return_top_k=v)
             np.testing.assert_allclose(out.logits[r, j], o.logits[0], rtol=1e-5, atol=1e-5)
             np.testing.assert_array_equal(out.top_ids[r, j], o.top_ids[0])
             np.testing.assert_allclose(out.top_logprobs[r, j], o.top_logprobs[0], rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from paged.async_generator import AsyncDynamicGenerator, AsyncJob
+from paged.embeddings import MMEmbedding
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
 from paged.generator import DynamicGenerator
 from paged.job import Job
@@ -206,8 +207,6 @@ class ExLlamaV2DynamicJob(Job):
     ):
         if kwargs:
             raise InvalidJobError(f"ExLlamaV2DynamicJob: unknown argument(s) {sorted(kwargs)}")
-        if embeddings:
-            raise _unsupported("embeddings", embeddings, "multimodal embeddings are not implemented yet")
         if gen_settings is None:
             gen_settings = ExLlamaV2Sampler.Settings()
         self.exl2_settings = gen_settings
@@ -219,8 +218,14 @@ class ExLlamaV2DynamicJob(Job):
             stop_conditions=stop_conditions, seed=seed, identifier=identifier, max_skips=max_skips,
             return_top_tokens=return_top_tokens, return_probs=return_probs, return_logits=return_logits,
             decode_special_tokens=decode_special_tokens, banned_strings=banned_strings, token_healing=token_healing,
-            filters=filters or None, filter_prefer_eos=filter_prefer_eos,
+            filters=filters or None, filter_prefer_eos=filter_prefer_eos, embeddings=embeddings or None,
         )
+
+
+def ExLlamaV2MMEmbedding(model: Any = None, embeddings: Any = None, text_alias: str | None = None):  # noqa: N802
+    """ExLlamaV2's `ExLlamaV2MMEmbedding(model, embeddings, text_alias)`: a `paged.embeddings.MMEmbedding` (the model
+    argument is not needed: the generator checks the width against its model)."""
+    return MMEmbedding(embeddings, text_alias)
 
 
 # ---------------------------------------------------------------------------------------------- cache and generator
@@ -316,8 +321,6 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
         """ExLlamaV2's `generate()`: the prompt is included in the output unless `completion_only=True`."""
         if kwargs:
             raise InvalidJobError(f"generate(): unknown argument(s) {sorted(kwargs)}")
-        if embeddings:
-            raise _unsupported("embeddings", embeddings, "multimodal embeddings are not implemented yet")
         vocab = getattr(self.tokenizer, "vocab_size", None)
 
         def native(s: Any) -> SamplingSettings | None:
@@ -332,12 +335,13 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
             stop_conditions=stop_conditions, seed=seed, completion_only=completion_only, add_bos=add_bos,
             encode_special_tokens=encode_special_tokens, decode_special_tokens=decode_special_tokens,
             abort_event=abort_event, return_last_results=return_last_results, token_healing=token_healing,
-            banned_strings=banned_strings, filters=filters, filter_prefer_eos=filter_prefer_eos,
+            banned_strings=banned_strings, filters=filters, filter_prefer_eos=filter_prefer_eos, embeddings=embeddings,
         )
 
 
 # Native settings the compat generator passes through (there is no ExLlamaV2 name for them).
-_NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "decode_steps", "cache_dtype",
+_NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "max_embedding_tokens",
+                  "decode_steps", "cache_dtype",
                   "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock")
 
 
@@ -372,4 +376,4 @@ class ExLlamaV2DynamicJobAsync(AsyncJob):
 
 
 __all__ = ["ExLlamaV2Cache", "ExLlamaV2DynamicGenerator", "ExLlamaV2DynamicGeneratorAsync", "ExLlamaV2DynamicJob",
-           "ExLlamaV2DynamicJobAsync", "ExLlamaV2Sampler", "WHOLE_CONTEXT"]
+           "ExLlamaV2DynamicJobAsync", "ExLlamaV2MMEmbedding", "ExLlamaV2Sampler", "WHOLE_CONTEXT"]

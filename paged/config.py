@@ -43,6 +43,8 @@ class EngineConfig:
         1, "decode steps per device call once every job decodes (1 = one token per iterate(); more = fewer host "
         "round trips, tokens arrive in bursts)")
     cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
+    max_embedding_tokens: int = _field(
+        1024, "rows of the device table for injected embeddings (Job(embeddings=...), multimodal input); 0: none")
     attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}, another registered "
                             "name, or a module:function import path (docs/kernels.md)")
     matmul_impl: str = _field("auto", f"quantized matmul implementation: one of {MATMUL_IMPLS}, another registered "
@@ -64,6 +66,7 @@ class EngineConfig:
         c.int_("max_penalty_range", self.max_penalty_range, 0)
         c.int_("decode_steps", self.decode_steps, 1)
         c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
+        c.int_("max_embedding_tokens", self.max_embedding_tokens, 0)
         for name, registry in (("attn", attention_registry()), ("matmul", matmul_registry())):
             impl = getattr(self, f"{name}_impl")
             if not isinstance(impl, str):

@@ -103,7 +103,8 @@ class Engine:
             enable_compilation_cache(compilation_cache_dir)
         self.vocab_size = self.cfg.vocab_size
         self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
-                                        CACHE_DTYPES[self.config.cache_dtype])
+                                        CACHE_DTYPES[self.config.cache_dtype], self.config.max_embedding_tokens)
+        self.embedding_rows = self.config.max_embedding_tokens  # rows of the injected-embedding table
         check_kernels_fit(model, self.config)
         self.spec = BucketSpec.from_config(self.config, head_dim=self.cfg.head_dim)
         self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
@@ -113,6 +114,13 @@ class Engine:
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
         self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
         self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
+
+    def load_embeddings(self, rows: Sequence[int], vectors: np.ndarray) -> None:
+        """Write injected embeddings `vectors` [n, H] into rows `rows` of the table (`paged.embeddings`): a host-side
+        scatter and one copy of the table, no compilation."""
+        table = np.array(self.state.extra_embed)
+        table[np.asarray(rows, np.int64)] = vectors
+        self.state = self.state.replace(extra_embed=jax.device_put(table))
 
     # ------------------------------------------------------------------ speculative decoding
     def enable_verification(self, num_draft_tokens: int, draft_probs: bool) -> None:

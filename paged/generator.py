@@ -30,6 +30,7 @@ from paged.batch import mask_words
 from paged.buckets import next_pow2
 from paged.clock import wall_clock
 from paged.config import EngineConfig
+from paged.embeddings import EmbeddingSlots, MMEmbedding, encode_with_embeddings
 from paged.engine_api import EngineProtocol
 from paged.errors import (
     InvalidConfigError,
@@ -86,6 +87,7 @@ class DynamicGenerator:
         cache_dtype: str | None = None,
         attn_impl: str | None = None,
         matmul_impl: str | None = None,
+        max_embedding_tokens: int | None = None,
         policy: str | Policy | type[Policy] = "exllamav2",
         compilation_cache_dir: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
@@ -120,6 +122,7 @@ class DynamicGenerator:
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
             decode_steps=decode_steps, cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
+            max_embedding_tokens=max_embedding_tokens,
         ).items() if v is not None}
         if config is not None and not isinstance(config, EngineConfig):
             raise InvalidConfigTypeError(f"DynamicGenerator: config must be a paged.EngineConfig, got "
@@ -150,6 +153,8 @@ class DynamicGenerator:
         self.tokenizer = tokenizer
         self.vocab_size = engine.vocab_size
         self.token_sets = TokenSets(tokenizer, self.vocab_size)
+        self.embedding_slots = EmbeddingSlots(engine, self.vocab_size)
+        self.hidden_size = getattr(getattr(getattr(engine, "model", None), "config", None), "hidden_size", None)
         self.page_size = self.config.page_size
         self.max_seq_len = self.config.max_seq_len
         self.max_batch_size = self.config.max_batch_size
@@ -205,6 +210,7 @@ class DynamicGenerator:
                 if id(j) in seen:
                     raise InvalidJobError(f"enqueue(): {j!r} appears twice in the list; create one Job per request")
                 seen.add(id(j))
+            self.embedding_slots.check(jobs, self.hidden_size)  # together: the table rows they need at once
             prepared = [self._prepare(j) for j in jobs]
             serials = [self._commit(j, p) for j, p in zip(jobs, prepared)]
         return serials[0] if single else serials
@@ -217,9 +223,15 @@ class DynamicGenerator:
         if job.serial is not None:
             raise InvalidJobError(f"{job!r} was already enqueued; create a new Job")
         v = self.vocab_size
-        bad = [t for t in job.input_ids if t >= v]
+        reserved = {t for e in job.embeddings for t in e.token_ids}
+        bad = [t for t in job.input_ids if t >= v and t not in reserved]
         if bad:
-            raise InvalidJobError(f"Job: input_ids contain ids >= the vocabulary size {v}: {bad[:5]}")
+            raise InvalidJobError(f"Job: input_ids contain ids >= the vocabulary size {v}: {bad[:5]}"
+                                  + (" (not the reserved ids of the job's embeddings)" if job.embeddings else ""))
+        self.embedding_slots.check([job], self.hidden_size)
+        if job.token_healing and job.input_ids[-1] >= v:
+            raise InvalidJobError("Job: token healing needs a text token last in the prompt, and it ends with an "
+                                  "embedding; pass token_healing=False")
         bad = [t for t in job.stop_tokens if t >= v]
         if bad:
             raise InvalidJobError(f"Job: stop token ids outside the vocabulary (size {v}): {bad[:5]}")
@@ -296,6 +308,7 @@ class DynamicGenerator:
         job.mirostat_mu = gs.initial_mirostat_mu() if gs.uses_mirostat else None
         job.dry_breakers = self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None
         job.xtc_exempt = self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None
+        self.embedding_slots.acquire(job)
         if healing is not None:  # drop the last prompt token; the first sample must start with its text
             job.healing_allowed = healing
             job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])
@@ -316,7 +329,7 @@ class DynamicGenerator:
         """Remove a pending or active job; its pages are released. No result is emitted. No-op if finished."""
         with self.lock:
             if job in self.pending:
-                self.pending.remove(job)
+                self._unqueue(job)
             elif job in self.active:
                 self._retire(job)
 
@@ -324,14 +337,20 @@ class DynamicGenerator:
         with self.lock:
             for job in list(self.active):
                 self._retire(job)
-            self.pending.clear()
+            for job in list(self.pending):
+                self._unqueue(job)
             self._stash.clear()
+
+    def _unqueue(self, job: Job) -> None:
+        self.pending.remove(job)
+        self.embedding_slots.release(job)
 
     def _retire(self, job: Job) -> None:
         self.active.remove(job)
         if self.speculation is not None:
             self.speculation.release(job)
         self.pool.release(job.pages)
+        self.embedding_slots.release(job)
         job.pages = []
 
     def _fail(self, job: Job, exc: BaseException, now: float) -> dict:
@@ -339,7 +358,7 @@ class DynamicGenerator:
         if job in self.active:
             self._retire(job)
         elif job in self.pending:
-            self.pending.remove(job)
+            self._unqueue(job)
         self.jobs_failed += 1
         return self.output.error(job, exc, now)
 
@@ -558,14 +577,16 @@ class DynamicGenerator:
         banned_strings: Sequence[str] | str | None = None,
         filters: Sequence[Any] | None = None,
         filter_prefer_eos: bool = False,
+        embeddings: Sequence[MMEmbedding] | None = None,
     ):
         """Generate completions for one prompt (-> str) or a list (-> list[str]) through the job API. Jobs enqueued
         by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
         uses seed + i. `filters` (`paged.filters`): for one prompt, a list of filters; for a list of prompts, one
         list per prompt (as ExLlamaV2), or None. With `abort_event` set, the jobs are cancelled and None is returned.
         A tuple prompt is a CFG pair (positive, negative) in ExLlamaV2; it raises `UnsupportedFeatureError` until
-        CFG exists. If a job fails while running (`eos_reason="error"`), `JobFailure` is raised once all the prompts
-        are done."""
+        CFG exists. `embeddings` (`paged.embeddings.MMEmbedding`): each one's `text_alias` in a prompt stands for
+        its vectors (as ExLlamaV2's `embeddings=`). If a job fails while running (`eos_reason="error"`),
+        `JobFailure` is raised once all the prompts are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
         single = isinstance(prompt, (str, tuple))
@@ -603,10 +624,16 @@ class DynamicGenerator:
             if len(per_prompt) != len(prompts):
                 raise InvalidJobError(f"generate(): {len(per_prompt)} filter lists for {len(prompts)} prompts; pass "
                                       "one list of filters per prompt (an empty list for none)")
+        embeddings = list(embeddings or ())
+        for e in embeddings:
+            if not isinstance(e, MMEmbedding):
+                raise InvalidJobTypeError(f"generate(): embeddings must be paged.embeddings.MMEmbedding objects, got "
+                                          f"{type(e).__name__}")
         jobs = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
             try:
-                ids = self.tokenizer.encode(p, add_bos=add_bos, encode_special_tokens=encode_special_tokens)
+                ids = encode_with_embeddings(self.tokenizer, p, embeddings, add_bos=add_bos,
+                                             encode_special_tokens=encode_special_tokens)
             except (ValueError, TypeError) as e:
                 raise InvalidJobError(f"generate(): prompt {i} cannot be encoded: {e}") from e
             if not ids:
@@ -616,7 +643,8 @@ class DynamicGenerator:
                             stop_conditions=stop_conditions, seed=None if seed is None else seed + i,
                             decode_special_tokens=decode_special_tokens, identifier=("generate", i),
                             token_healing=token_healing, banned_strings=banned_strings,
-                            filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos))
+                            filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos,
+                            embeddings=[e for e in embeddings if e.first_id in ids] or None))
         self.enqueue(jobs)
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)

@@ -91,6 +91,21 @@ def _filters(c: Checker, value: Any) -> list:
     return items
 
 
+def _embeddings(c: Checker, value: Any) -> list:
+    from paged.embeddings import MMEmbedding
+
+    if value is None:
+        return []
+    items = [value] if isinstance(value, MMEmbedding) else value
+    if isinstance(items, (str, bytes, dict)) or not isinstance(items, Iterable):
+        c.fail_type("embeddings", value, "a list of paged.embeddings.MMEmbedding")
+    items = list(items)
+    for e in items:
+        if not isinstance(e, MMEmbedding):
+            c.fail_type("embeddings", e, "a paged.embeddings.MMEmbedding")
+    return items
+
+
 class Job:
     def __init__(
         self,
@@ -114,6 +129,7 @@ class Job:
         expected_new_tokens: int | None = None,
         filters: Any = None,
         filter_prefer_eos: bool = False,
+        embeddings: Any = None,
     ):
         """Scheduling hints (read by policies, see `paged.policies`): `priority` (higher first, may be negative),
         `deadline` (an SLO: seconds after arrival by which the job should finish), `expected_new_tokens` (a
@@ -121,7 +137,10 @@ class Job:
 
         Constrained decoding (`paged.filters`): `filters`, a filter or a list of them (their allowed sets
         intersect); the job ends with `eos_reason="end_filter"` when its output is complete, or, with
-        `filter_prefer_eos`, as soon as the filters accept it."""
+        `filter_prefer_eos`, as soon as the filters accept it.
+
+        Embedding injection (`paged.embeddings`): `embeddings`, a list of `MMEmbedding` whose reserved
+        `token_ids` appear in `input_ids` where their vectors take the place of token embeddings."""
         c = Checker("Job", InvalidJobError)
         self.input_ids = _as_id_list(c, input_ids)
         self.max_new_tokens = c.int_("max_new_tokens", max_new_tokens, 1)
@@ -148,6 +167,7 @@ class Job:
         self.expected_new_tokens = c.optional_int("expected_new_tokens", expected_new_tokens, 0)
         self.filters = _filters(c, filters)
         self.filter_prefer_eos = c.bool_("filter_prefer_eos", filter_prefer_eos)
+        self.embeddings = _embeddings(c, embeddings)
         if self.filters and self.banned_strings:
             c.fail("filters and banned_strings cannot be combined (a banned-string rewind would move the grammar "
                    "back under the filter); express the ban in the grammar instead")
@@ -173,6 +193,7 @@ class Job:
         self.accepted_draft_tokens = 0
         self.prefix_memo: tuple | None = None  # (sequence length, hashes, page tokens) of its cacheable prefix
         self.time_first_prefill: float | None = None
+        self.embedding_rows: dict[int, int] = {}  # reserved id -> row of the engine's embedding table (enqueued)
         self.mirostat_mu: float | None = None  # mirostat's running mu (this job's own, set at enqueue)
         self.dry_breakers = None  # packed token sets (np.ndarray i32 [ceil(V/32)]) for DRY and XTC, set at enqueue
         self.xtc_exempt = None

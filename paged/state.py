@@ -114,6 +114,8 @@ class EngineState:
     v: jnp.ndarray  # [L, KH, num_pages, page_size, D]
     k_scale: jnp.ndarray | None = None  # [L, KH, num_pages, page_size] float32, int8 cache only
     v_scale: jnp.ndarray | None = None  # [L, KH, num_pages, page_size] float32, int8 cache only
+    # Injected embeddings (`paged.embeddings`): token id `vocab_size + r` embeds as row r. None: no table.
+    extra_embed: jnp.ndarray | None = None  # [max_embedding_tokens, H] float32
 
     @property
     def num_pages(self) -> int:
@@ -131,8 +133,16 @@ class EngineState:
         return tree_nbytes(self)
 
     @staticmethod
-    def create(cfg, num_pages: int, page_size: int, dtype=jnp.float32) -> EngineState:
-        """An empty cache. `dtype` float32/bfloat16/float16, or int8 (per-token-per-head scales alongside)."""
+    def create(cfg, num_pages: int, page_size: int, dtype=jnp.float32, embedding_rows: int = 0) -> EngineState:
+        """An empty cache. `dtype` float32/bfloat16/float16, or int8 (per-token-per-head scales alongside);
+        `embedding_rows` > 0 adds a zero table of injected embeddings."""
+        state = EngineState._create(cfg, num_pages, page_size, dtype)
+        if embedding_rows:
+            state = state.replace(extra_embed=jnp.zeros((embedding_rows, cfg.hidden_size), jnp.float32))
+        return state
+
+    @staticmethod
+    def _create(cfg, num_pages: int, page_size: int, dtype) -> EngineState:
         if page_size < 8 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 8, got {page_size}")
         if num_pages < 2:

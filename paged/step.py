@@ -204,10 +204,16 @@ def _forward(
             o = jax.lax.switch(bucket, [over(p) for p in buckets], q, kc, vc, ks, vs)
         return o, (kc, vc, ks, vs)
 
-    h = embed_tokens(params, batch.token_ids)
+    if state.extra_embed is None:
+        h = embed_tokens(params, batch.token_ids)
+    else:  # injected embeddings: id vocab_size + r is row r of the table
+        h = embed_tokens(params, jnp.minimum(batch.token_ids, cfg.vocab_size - 1))
+        extra = batch.token_ids - cfg.vocab_size
+        rows = jnp.take(state.extra_embed, jnp.clip(extra, 0, state.extra_embed.shape[0] - 1), axis=0)
+        h = jnp.where((extra >= 0)[:, None], rows.astype(h.dtype), h)
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
                                    matmul_impl)
-    new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs)
+    new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs, extra_embed=state.extra_embed)
     if shape.verify_len:  # every sample point: [S * W, H], point j of row s at s * W + j
         return new, h[batch.sample_tokens.reshape(-1)]
     if not shape.layout.num_prefill_rows:  # decode-only: row j's token is slot j

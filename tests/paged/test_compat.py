@@ -21,6 +21,7 @@ from paged.compat import (
     ExLlamaV2DynamicGeneratorAsync,
     ExLlamaV2DynamicJob,
     ExLlamaV2DynamicJobAsync,
+    ExLlamaV2MMEmbedding,
     ExLlamaV2Sampler,
 )
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
@@ -234,8 +235,11 @@ def test_job_and_generator_arguments():
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[object()])  # ExLlamaV2's filter objects
     assert ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[RegexFilter("a+")],
                                filter_prefer_eos=True).filter_prefer_eos
-    with pytest.raises(UnsupportedFeatureError, match="embeddings"):
+    with pytest.raises(InvalidJobError, match="MMEmbedding"):
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, embeddings=[object()])
+    emb = ExLlamaV2MMEmbedding(MODEL, embeddings=np.ones((2, CFG.hidden_size)), text_alias="<img>")
+    j = ExLlamaV2DynamicJob(input_ids=[[1, *emb.token_ids]], max_new_tokens=3, embeddings=[emb])
+    assert j.embeddings == [emb] and emb.text_alias == "<img>"
     with pytest.raises(InvalidJobError, match="unknown"):
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, max_tokens=5)
     j = ExLlamaV2DynamicJob(input_ids=[np.asarray([[1, 2]])], max_new_tokens=3, stop_conditions={2, "x", 1})

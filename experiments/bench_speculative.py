@@ -33,6 +33,9 @@ flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (rejection sampling)")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")
 flags.DEFINE_string("json_out", None, "write the record here")
+if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
+    flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
+                        "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
@@ -52,7 +55,7 @@ def main(argv):
     from models.draft import truncated_model
     from paged import DynamicGenerator, Job, SamplingSettings
 
-    target = load_model(FLAGS.model)
+    target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None, "self": truncated_model(target, FLAGS.self_draft_layers)}
     if FLAGS.draft_dir:

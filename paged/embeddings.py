@@ -81,15 +81,18 @@ class MMEmbedding:
 def encode_with_embeddings(tokenizer: Any, text: str, embeddings: Sequence[MMEmbedding], **encode_kw: Any) -> list[int]:
     """`tokenizer.encode(text)` with each embedding's `text_alias` replaced by its reserved ids (the text around the
     aliases is encoded piece by piece; `add_bos` applies to the first piece only)."""
-    aliases = {e.text_alias: e for e in embeddings}
+    aliases: dict[str, MMEmbedding] = {}
+    for e in embeddings:
+        if aliases.setdefault(e.text_alias, e).first_id != e.first_id:
+            raise InvalidJobError(f"embeddings: two different blocks share the text alias {e.text_alias!r}")
     add_bos = encode_kw.pop("add_bos", False)
     out: list[int] = []
     rest = text
     while rest:
-        hits = [(rest.find(a), a) for a in aliases if a in rest]
+        hits = [(rest.find(a), -len(a), a) for a in aliases if a in rest]
         if not hits:
             break
-        at, alias = min(hits)
+        at, _, alias = min(hits)  # the first alias in the text; of two starting there, the longer
         if at:
             out += tokenizer.encode(rest[:at], add_bos=add_bos and not out, **encode_kw)
         elif add_bos and not out:
@@ -136,32 +139,49 @@ class EmbeddingSlots:
         (reserved id -> table row). `check` must have passed."""
         mapping: dict[int, int] = {}
         blocks = _blocks(job)
-        for e in blocks:  # hold the resident ones first, so that making room never evicts them
-            if e.first_id in self.rows:
-                self.idle.pop(e.first_id, None)
-                self.users[e.first_id] += 1
-        for e in blocks:
-            rows = self.rows.get(e.first_id)
-            if rows is None:
-                while len(self.free) < e.num_tokens:
-                    first, _ = self.idle.popitem(last=False)
-                    self.free += self.rows.pop(first).tolist()
-                rows = np.asarray(self.free[: e.num_tokens], np.int64)
-                del self.free[: e.num_tokens]
-                self.engine.load_embeddings(rows, e.embeddings)
-                self.rows[e.first_id] = rows
-                self.users[e.first_id] += 1
-            mapping.update(zip(e.token_ids, rows.tolist()))
+        held: list[int] = []
+        try:
+            for e in blocks:  # hold the resident ones first, so that making room never evicts them
+                if e.first_id in self.rows:
+                    self._hold(e.first_id)
+                    held.append(e.first_id)
+            for e in blocks:
+                rows = self.rows.get(e.first_id)
+                if rows is None:
+                    while len(self.free) < e.num_tokens:
+                        first, _ = self.idle.popitem(last=False)
+                        self.free += self.rows.pop(first).tolist()
+                    rows = np.asarray(self.free[: e.num_tokens], np.int64)
+                    self.engine.load_embeddings(rows, e.embeddings)
+                    del self.free[: e.num_tokens]
+                    self.rows[e.first_id] = rows
+                    self._hold(e.first_id)
+                    held.append(e.first_id)
+                mapping.update(zip(e.token_ids, rows.tolist()))
+        except BaseException:
+            for first in held:  # undo: the job holds nothing
+                self._let_go(first)
+            raise
         job.embedding_rows = mapping
 
+    def _hold(self, first: int) -> None:
+        self.idle.pop(first, None)
+        self.users[first] += 1
+
+    def _let_go(self, first: int) -> None:
+        self.users[first] -= 1
+        if not self.users[first]:
+            del self.users[first]
+            self.idle[first] = None
+
     def release(self, job: Any) -> None:
-        """The job no longer needs its blocks (finished, cancelled, failed); they stay resident until reused."""
+        """The job no longer needs its blocks (finished, cancelled, failed); they stay resident until reused. A job
+        that holds none (never acquired, or already released) changes nothing."""
+        if not job.embedding_rows:
+            return
         for e in _blocks(job):
             if self.users[e.first_id] > 0:
-                self.users[e.first_id] -= 1
-                if not self.users[e.first_id]:
-                    del self.users[e.first_id]
-                    self.idle[e.first_id] = None
+                self._let_go(e.first_id)
         job.embedding_rows = {}
 
     def device_ids(self, job: Any, tokens: Iterable[int]) -> list[int]:

@@ -255,6 +255,11 @@ class DynamicGenerator:
             raise InvalidJobError("Job: the default DRY sequence breakers and XTC exempt tokens come from the "
                                   "tokenizer; pass tokenizer= to the generator, or give dry_sequence_breakers / "
                                   "xtc_ignore_tokens as token ids (() for none)")
+        if self.tokenizer is not None:  # the default sets, computed (once per generator) before anything is queued
+            if gs.uses_dry and gs.dry_sequence_breakers is None:
+                self.token_sets.get(None, DRY_BREAKER_CHARS)
+            if gs.uses_xtc and gs.xtc_ignore_tokens is None:
+                self.token_sets.get(None, XTC_EXEMPT_CHARS)
         if gs.uses_dry and not self.config.max_penalty_range:
             raise InvalidJobError("Job: DRY reads the token history, and this generator keeps none "
                                   "(max_penalty_range=0); raise max_penalty_range or set dry_multiplier=0")
@@ -298,6 +303,7 @@ class DynamicGenerator:
         return stream, healing, filter_state
 
     def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None, FilterState | None]) -> int:
+        self.embedding_slots.acquire(job)  # first: it is the one step here that can fail (and then undoes itself)
         stream, healing, job.filter_state = prepared
         self._serial += 1
         job.mark_enqueued(self._serial, self.clock())
@@ -308,7 +314,6 @@ class DynamicGenerator:
         job.mirostat_mu = gs.initial_mirostat_mu() if gs.uses_mirostat else None
         job.dry_breakers = self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None
         job.xtc_exempt = self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None
-        self.embedding_slots.acquire(job)
         if healing is not None:  # drop the last prompt token; the first sample must start with its text
             job.healing_allowed = healing
             job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])

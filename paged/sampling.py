@@ -274,7 +274,7 @@ def apply_dry(logits: jax.Array, params: SamplingRows, history: jax.Array,
     on = params.dry_multiplier > 0  # [S]
     tok = history
     idx = jnp.arange(r, dtype=jnp.int32)[None, :]  # [1, R]
-    blocked = tok < 0
+    blocked = (tok < 0) | (tok >= v)  # padding, and ids beyond the vocabulary (injected embeddings)
     if breakers is not None:
         blocked = blocked | token_bits(breakers, jnp.clip(tok, 0, v - 1))
     rng = params.dry_range[:, None]
@@ -335,7 +335,7 @@ def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array,
     token mask (constrained decoding: packed allowed-token bits [S, ceil(V/32)], applied where `token_mask_on`).
     Each part runs under a `lax.cond` and is skipped (it would be the identity) when no row uses it: penalties when
     every row's are neutral, the sparse bias when every id is padding, the dense bias [S, V] unless `bias_dense_on`
-    (bool []), DRY unless a sampled row has dry_multiplier > 0, the mask unless `token_mask_on`. Adding a row's
+    (bool []), DRY unless a row has dry_multiplier > 0, the mask unless `token_mask_on`. Adding a row's
     bias entries once each, sparse plus dense (one of them zero), gives the same floats as one scatter of all of
     them."""
     x = _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)
@@ -536,7 +536,7 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
         prefix,
         lambda: (jnp.full((s,), -jnp.inf), jnp.zeros((s, c), jnp.int32), jnp.zeros((s,), jnp.bool_)),
     )
-    keep = logp >= cut[:, None]
+    keep = (logp >= cut[:, None]) & (logp > -jnp.inf)
 
     def typical() -> tuple[jax.Array, jax.Array, jax.Array]:
         # Locally typical sampling on the distribution renormalised over `keep`: take tokens in increasing
@@ -560,7 +560,7 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
         return keep & ((logp >= cut) | ~mirostat_on[:, None])
 
     keep = jax.lax.cond(jnp.any(mirostat_on), mirostat, lambda: keep)
-    return keep, ids, inside
+    return keep & (logp > -jnp.inf), ids, inside  # banned tokens are never kept (a cut of -inf keeps "all")
 
 
 def _kept_mass(logp: jax.Array, vals: jax.Array, cut: jax.Array, on: jax.Array) -> jax.Array:
@@ -584,7 +584,7 @@ def _tfs_cut(logp: jax.Array, vals: jax.Array, cut: jax.Array, tfs: jax.Array, o
 
     def on_sorted(srt: jax.Array) -> jax.Array:  # [S, N] descending
         n_cols = srt.shape[-1]
-        kept = srt >= cut[:, None]
+        kept = (srt >= cut[:, None]) & (srt > -jnp.inf)
         n = jnp.sum(kept, axis=-1)
         p = jnp.where(kept, jnp.exp(srt - srt[:, :1]), 0.0)
         d = jnp.abs(p[:, :-2] - 2.0 * p[:, 1:-1] + p[:, 2:])  # [S, N - 2]
@@ -657,6 +657,7 @@ def _skew(final: jax.Array, params: SamplingRows, ids: jax.Array, inside: jax.Ar
 
     def reweight(q_sorted: jax.Array, q: jax.Array) -> jax.Array:  # [S, N] descending, [S, M] -> log p [S, M]
         cum = jnp.concatenate([jnp.zeros((s, 1), jnp.float32), jnp.cumsum(q_sorted, axis=-1)], axis=-1)
+        cum = cum / jnp.maximum(cum[:, -1:], np.float32(1e-30))  # exactly 1 at the end: C^a cannot underflow there
         search = jax.vmap(lambda srt, x, side: jnp.searchsorted(srt, x, side=side), (0, 0, None))
         gt = search(-q_sorted, -q, "left")  # entries > q
         ge = search(-q_sorted, -q, "right")  # entries >= q

@@ -13,6 +13,8 @@ import numpy as np
 from paged.errors import InvalidSettingsError
 from paged.validate import Checker
 
+BIG = 1 << 30  # int settings go to the device as int32: anything larger means "all" and is clamped to this
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
@@ -27,7 +29,7 @@ class SamplingSettings:
     penalty_range: int = 1024  # how many recent tokens (prompt + output) the penalties look at
     token_bias: tuple[tuple[int, float], ...] = ()  # additive logit bias per token id ({id: value} accepted); -inf bans
     banned_tokens: tuple[int, ...] = ()  # never sampled (an iterable of ids, or one id)
-    # --- ExLlamaV2's full sampler (docs/api.md, "Sampling"); every default is off
+    # --- ExLlamaV2's full sampler (docs/api.md, "The full sampler"); every default is off
     penalty_decay: int = 0  # penalties fade linearly to neutral over this many tokens beyond penalty_range
     top_a: float = 0.0  # 0 = off; keep p >= top_a * p_max^2
     tfs: float = 0.0  # tail-free sampling, on for 0 < tfs < 1
@@ -124,7 +126,7 @@ class SamplingSettings:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.penalty_range > 0 and (
+        return (self.penalty_range > 0 or self.penalty_decay > 0) and (
             self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         )
 
@@ -154,16 +156,17 @@ class SamplingSettings:
     def device_row(self, seed: int, mirostat_mu: float | None = None) -> dict:
         """This job's row of `paged.sampling.SamplingRows` (`mirostat_mu`: the job's current mu)."""
         return dict(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            temperature=self.temperature, top_k=min(self.top_k, BIG), top_p=self.top_p, min_p=self.min_p,
             typical=self.typical, repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            penalty_range=min(self.penalty_range, 1 << 30), penalty_decay=self.penalty_decay, top_a=self.top_a,
+            penalty_range=min(self.penalty_range, BIG), penalty_decay=min(self.penalty_decay, BIG), top_a=self.top_a,
             tfs=self.tfs, smoothing_factor=self.smoothing_factor, min_temp=self.min_temp, max_temp=self.max_temp,
             temp_exponent=self.temp_exponent, temperature_last=int(self.temperature_last), skew=self.skew,
             xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold, mirostat=int(self.mirostat),
             mirostat_mu=self.initial_mirostat_mu() if mirostat_mu is None else mirostat_mu,
-            dry_multiplier=self.dry_multiplier, dry_base=self.dry_base, dry_allowed_length=self.dry_allowed_length,
-            dry_max_ngram=self.dry_max_ngram, dry_range=self.dry_range, seed=seed,
+            dry_multiplier=self.dry_multiplier, dry_base=self.dry_base,
+            dry_allowed_length=min(self.dry_allowed_length, BIG), dry_max_ngram=min(self.dry_max_ngram, BIG),
+            dry_range=min(self.dry_range, BIG), seed=seed,
         )
 
     def bias(self) -> dict[int, float]:

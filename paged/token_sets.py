@@ -29,11 +29,12 @@ def unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 def tokens_with_chars(tokenizer: Any, vocab_size: int, chars: bytes) -> list[int]:
-    """Ids whose bytes contain any of `chars`, plus the tokenizer's special tokens."""
+    """Ids whose bytes contain any of `chars`, plus the tokenizer's special tokens (ids the tokenizer does not
+    have, in a model vocabulary padded beyond it, are in neither)."""
     special = set(getattr(tokenizer, "special_token_ids", ()))
     wanted = set(chars)
     out = []
-    for t in range(vocab_size):
+    for t in range(min(vocab_size, getattr(tokenizer, "vocab_size", vocab_size))):
         if t in special or not wanted.isdisjoint(tokenizer.token_bytes(t)):
             out.append(t)
     return out

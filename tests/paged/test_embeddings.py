@@ -143,6 +143,10 @@ def test_text_alias_in_generate_and_compat():
     g = DynamicGenerator(MODEL, tokenizer=TOK, **GEN)
     emb = MMEmbedding(rows_of(TOK.encode("xyz")), text_alias="<image>")
     assert encode_with_embeddings(TOK, "ab<image>cd", [emb]) == TOK.encode("ab") + emb.token_ids + TOK.encode("cd")
+    longer = MMEmbedding(rows_of(TOK.encode("Q")), text_alias="<image>2")  # starts like "<image>": longest wins
+    assert encode_with_embeddings(TOK, "<image>2<image>", [emb, longer]) == longer.token_ids + emb.token_ids
+    with pytest.raises(InvalidJobError, match="share the text alias"):
+        encode_with_embeddings(TOK, "x", [emb, MMEmbedding(np.ones((1, CFG.hidden_size)), text_alias="<image>")])
     got = g.generate("ab<image>cd<image>", 8, gen_settings=GREEDY, embeddings=[emb])
     want = g.generate("abxyzcdxyz", 8, gen_settings=GREEDY)
     assert got == want != ""

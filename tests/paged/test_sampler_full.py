@@ -256,6 +256,29 @@ def test_full_sampler_matches_the_reference(rows):
     assert_rows_match(rows, logits, hists, got)
 
 
+def test_banned_tokens_stay_out_of_every_option():
+    """Tokens at -inf (bans, filters, stop tokens before min_new_tokens) are not part of the kept set: dynamic
+    temperature's entropy and count, tail-free sampling's differences and skew's order ignore them (a NaN row or a
+    shifted cut otherwise), and a large skew does not underflow."""
+    rows = [{"temperature": 1.0, "min_temp": 0.3, "max_temp": 1.7},
+            {"temperature": 1.0, "tfs": 0.8},
+            {"temperature": 1.0, "top_k": 5, "tfs": 0.5},
+            {"temperature": 1.0, "skew": 3.0},
+            {"temperature": 1.0, "skew": -3.0, "top_k": 40},
+            {"temperature": 1.0, "temperature_last": 1, "xtc_probability": 0.5, "xtc_threshold": 0.01}]
+    logits, hists, history = make_batch(rows, seed=7)
+    banned = np.random.default_rng(7).random(logits.shape) < 0.9
+    banned[:, :4] = False
+    logits[banned] = -np.inf
+    logits[2, 5:] = -np.inf  # a constrained row: four tokens left
+    got = run(rows, logits, history)
+    assert np.all(np.isfinite(got).any(axis=-1)) and not np.isnan(got).any()
+    assert_rows_match(rows, logits, hists, got)
+    extreme = run([{"temperature": 1.0, "skew": 15.0}, {"temperature": 1.0, "skew": -15.0}], logits[:2], history[:2])
+    np.testing.assert_allclose(np.exp(extreme).sum(axis=-1), 1.0, rtol=1e-4)  # no underflow to an empty row
+    assert SamplingSettings(penalty_range=0, penalty_decay=4, repetition_penalty=1.2).history_window(64) == 4
+
+
 def test_each_option_changes_the_distribution():
     """Every row's option really acts (a broken switch would leave the plain temperature distribution)."""
     rows = ONE_AT_A_TIME

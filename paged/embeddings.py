@@ -184,10 +184,12 @@ class EmbeddingSlots:
                 self._let_go(e.first_id)
         job.embedding_rows = {}
 
-    def device_ids(self, job: Any, tokens: Iterable[int]) -> list[int]:
-        """The ids the engine sees: reserved ids become `vocab_size + table row`."""
-        m, v = job.embedding_rows, self.vocab_size
-        return [v + m[t] if t >= v else t for t in tokens]
+
+
+def device_ids(job: Any, tokens: Iterable[int], vocab_size: int) -> list[int]:
+    """The ids the engine sees for `tokens` of `job`: its reserved ids become `vocab_size + table row`."""
+    rows = job.embedding_rows
+    return [vocab_size + rows[t] if t >= vocab_size else t for t in tokens] if rows else list(tokens)
 
 
 def _blocks(job: Any) -> list[MMEmbedding]:

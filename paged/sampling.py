@@ -112,7 +112,8 @@ _COLUMN = {**{n: i for i, n in enumerate(_FLOATS)}, **{n: i for i, n in enumerat
 @flax.struct.dataclass
 class SamplingRows:
     """Per-row sampling settings, packed: `floats` f32 [S, F] and `ints` i32 [S, I]; each setting is a property of
-    shape [S] (`rows.temperature`, `rows.top_k`, ...; the names and neutral values are `NEUTRAL`)."""
+    shape [S] (`rows.temperature`, `rows.top_k`, ..., added below the class from `NEUTRAL`, which lists the names
+    and neutral values; `temperature_last` and `mirostat` read as bool)."""
 
     floats: jax.Array  # f32 [S, len(_FLOATS)]
     ints: jax.Array  # i32 [S, len(_INTS)]; the seed column holds the u32 seed's bits
@@ -146,34 +147,6 @@ class SamplingRows:
     def _col(self, name: str) -> jax.Array:
         return (self.ints if name in _INTS else self.floats)[..., _COLUMN[name]]
 
-    temperature = property(lambda self: self._col("temperature"))  # < 0.01 (including <= 0) -> greedy
-    top_k = property(lambda self: self._col("top_k"))  # 0 = off
-    top_p = property(lambda self: self._col("top_p"))  # off unless 0 < top_p < 1
-    min_p = property(lambda self: self._col("min_p"))  # 0 = off; keep p >= min_p * p_max
-    typical = property(lambda self: self._col("typical"))  # off unless 0 < typical < 1
-    repetition_penalty = property(lambda self: self._col("repetition_penalty"))  # 1 = off
-    frequency_penalty = property(lambda self: self._col("frequency_penalty"))  # 0 = off
-    presence_penalty = property(lambda self: self._col("presence_penalty"))  # 0 = off
-    penalty_range = property(lambda self: self._col("penalty_range"))
-    penalty_decay = property(lambda self: self._col("penalty_decay"))
-    top_a = property(lambda self: self._col("top_a"))
-    tfs = property(lambda self: self._col("tfs"))
-    smoothing_factor = property(lambda self: self._col("smoothing_factor"))
-    min_temp = property(lambda self: self._col("min_temp"))
-    max_temp = property(lambda self: self._col("max_temp"))
-    temp_exponent = property(lambda self: self._col("temp_exponent"))
-    temperature_last = property(lambda self: self._col("temperature_last") != 0)
-    skew = property(lambda self: self._col("skew"))
-    xtc_probability = property(lambda self: self._col("xtc_probability"))
-    xtc_threshold = property(lambda self: self._col("xtc_threshold"))
-    mirostat = property(lambda self: self._col("mirostat") != 0)
-    mirostat_mu = property(lambda self: self._col("mirostat_mu"))
-    dry_multiplier = property(lambda self: self._col("dry_multiplier"))
-    dry_base = property(lambda self: self._col("dry_base"))
-    dry_allowed_length = property(lambda self: self._col("dry_allowed_length"))
-    dry_max_ngram = property(lambda self: self._col("dry_max_ngram"))
-    dry_range = property(lambda self: self._col("dry_range"))
-
     @property
     def seed(self) -> jax.Array:
         """u32 [S]."""
@@ -186,6 +159,21 @@ class SamplingRows:
     def greedy(self) -> jax.Array:
         """bool [S]: rows that take the argmax instead of drawing."""
         return ~(self.temperature >= GREEDY_TEMPERATURE)  # written so that NaN also means greedy
+
+
+def _column(name: str) -> property:
+    flag = name in ("temperature_last", "mirostat")  # stored 0/1, read as bool
+
+    def get(self: SamplingRows) -> jax.Array:
+        col = self._col(name)
+        return col != 0 if flag else col
+
+    return property(get, doc=f"`{name}` of every row, [S] (neutral value {NEUTRAL[name]!r}: see `_FIELDS`).")
+
+
+for _name in NEUTRAL:  # rows.temperature, rows.top_k, ...; the seed has its own property
+    if _name != "seed":
+        setattr(SamplingRows, _name, _column(_name))
 
 
 @flax.struct.dataclass
@@ -202,11 +190,6 @@ def _row_scatter_add(ids: jax.Array, values: jax.Array, vocab_size: int) -> jax.
     ids = jnp.where(ids >= 0, ids, vocab_size)  # negative padding -> out of range -> dropped by mode="drop"
     rows = jnp.broadcast_to(jnp.arange(s)[:, None], (s, n))
     return jnp.zeros((s, vocab_size), jnp.float32).at[rows, ids].add(values, mode="drop")
-
-
-def token_counts(history: jax.Array, vocab_size: int) -> jax.Array:
-    """f32 [S, V]: occurrences of each token in `history` [S, R] (entries -1 are padding)."""
-    return _row_scatter_add(history, jnp.ones(history.shape, jnp.float32), vocab_size)
 
 
 def penalty_weights(params: SamplingRows, history: jax.Array) -> jax.Array:
@@ -503,17 +486,11 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
         cut_k = _mass_cut(logp, None, params.top_k.astype(jnp.float32), top_k_on, vals, None)
         # top_p on the distribution renormalised over the top_k set: take tokens while the mass before < top_p.
         cand_p = jnp.where(vals >= cut_k[:, None], jnp.exp(vals), 0.0)
-        inside_k = (vals[:, -1] < cut_k) | (c == v)  # the top_k set lies within the candidates
 
         def p() -> jax.Array:
             return jnp.where(logp >= cut_k[:, None], jnp.exp(logp), 0.0)
 
-        mass_c = jnp.sum(cand_p, axis=-1)  # the whole top_k set's mass where it lies within the candidates
-        mass = jax.lax.cond(
-            jnp.all(inside_k | ~top_p_on),
-            lambda: mass_c,
-            lambda: jnp.where(inside_k, mass_c, jnp.sum(p(), axis=-1)),
-        )
+        mass = _kept_mass(logp, vals, cut_k, top_p_on)  # the whole top_k set's mass
         cut_p = _mass_cut(logp, p, params.top_p * mass, top_p_on, vals, cand_p)
         cut_kp = jnp.maximum(cut_k, cut_p)
         # top_a: keep p' >= a * p'_max^2 on the distribution renormalised over the top_k/top_p set (mass Z), i.e.

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from paged.batch import RowInput
 from paged.config import EngineConfig
+from paged.embeddings import device_ids
 from paged.errors import InvalidConfigError, JobFailure
 from paged.job import Job
 from paged.page_pool import PagePool, chain_hashes
@@ -195,8 +196,7 @@ class Scheduler:
         window = s.history_window(self.config.max_penalty_range)
         history = job.sequence[max(0, end - window) : end] if window else ()
         if job.embedding_rows:  # injected embeddings: the engine embeds id vocab_size + r as row r of its table
-            v, rows = self.vocab_size, job.embedding_rows
-            tokens = [v + rows[t] if t >= v else t for t in tokens]
+            tokens = device_ids(job, tokens, self.vocab_size)
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
                         sampling=s.device_row(job.seed, job.mirostat_mu), history=history, bias=bias,
                         dry_breakers=job.dry_breakers, xtc_exempt=job.xtc_exempt)

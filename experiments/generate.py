@@ -100,6 +100,14 @@ FULL_SAMPLER_FLAGS = {
 for _name, (_default, _help) in FULL_SAMPLER_FLAGS.items():
     {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}[type(_default)](
         _name, _default, _help)
+# --- classifier-free guidance (docs/api.md, "Classifier-free guidance")
+flags.DEFINE_string("negative_prompt", None, "CFG: every job is guided away from this prompt (formatted like the "
+                    "prompt: chat template, --system); needs --cfg_scale")
+flags.DEFINE_float("cfg_scale", None, "CFG: sample from s * log p(prompt) + (1 - s) * log p(negative prompt); "
+                   "1 = the prompt alone, > 1 pushes away from the negative prompt")
+# --- a LoRA adapter (docs/api.md, "Per-job LoRA")
+flags.DEFINE_string("lora", None, "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
+                    "applied to every job")
 # --- speculative decoding (docs/speculative.md): one drafter at most
 flags.DEFINE_string("draft_model", None, "speculative decoding with a draft model: an HF directory or .gguf sharing "
                     "the model's tokenizer (e.g. experiments.distill_draft --out), or 'self:N' for the model's own "
@@ -114,6 +122,7 @@ flags.DEFINE_string("grammar", None, "a Lark grammar file (start rule `start`): 
 flags.DEFINE_bool("filter_prefer_eos", False, "end a filtered job as soon as its filters accept the output")
 # --- cache and engine: experiments/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
 
+LORA_NAME = "lora"  # the name --lora's adapter is loaded under
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
 BULK_BATCH_SIZE = 16
 
@@ -137,6 +146,7 @@ class Request:
     line: int | None = None  # 1-based line in the prompts file
     text: str | None = None  # the exact text given to the model
     ids: list[int] | None = None
+    negative_ids: list[int] | None = None  # CFG (--negative_prompt): the negative prompt, formatted and encoded
 
     @property
     def where(self) -> str:
@@ -168,6 +178,13 @@ def validate_flags() -> None:
             raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} does not exist")
     if FLAGS["prompt"].present and not FLAGS.prompt.strip():
         raise app.UsageError("--prompt is empty")
+    if (FLAGS.negative_prompt is None) != (FLAGS.cfg_scale is None):
+        raise app.UsageError("classifier-free guidance takes both --negative_prompt and --cfg_scale")
+    if FLAGS.negative_prompt is not None and not FLAGS.negative_prompt.strip():
+        raise app.UsageError("--negative_prompt is empty")
+    if FLAGS.lora is not None and not os.path.isdir(FLAGS.lora):
+        raise app.UsageError(f"--lora {FLAGS.lora} is not a directory (a PEFT adapter: adapter_config.json and "
+                             "adapter_model.safetensors)")
     if FLAGS.output is not None:
         parent = os.path.dirname(os.path.abspath(FLAGS.output))
         if not os.path.isdir(parent):
@@ -206,7 +223,7 @@ def build_settings(**overrides: Any):
     kw = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
               typical=FLAGS.typical, repetition_penalty=FLAGS.repetition_penalty,
               frequency_penalty=FLAGS.frequency_penalty, presence_penalty=FLAGS.presence_penalty,
-              **{name: getattr(FLAGS, name) for name in FULL_SAMPLER_FLAGS})
+              cfg_scale=FLAGS.cfg_scale, **{name: getattr(FLAGS, name) for name in FULL_SAMPLER_FLAGS})
     kw.update(overrides)
     try:
         return SamplingSettings(**kw)
@@ -230,17 +247,32 @@ def load_model_from_flags():
 def build_generator(model, *, max_batch_size: int | None = None, uses_penalties: bool | None = None):
     """A DynamicGenerator configured by the cache/engine flags. `max_batch_size` is the mode's default, used when
     --max_batch_size is not given. Without penalties the penalty-history buckets are left out (fewer compiles)."""
+    from models import ModelError
     from paged import DynamicGenerator
 
     if uses_penalties is None:  # penalties and DRY read the token history
         settings = build_settings()
         uses_penalties = settings.uses_penalties or settings.uses_dry
+    kw = engine_flags.generator_kwargs(max_batch_size or 1, max_penalty_range=1024 if uses_penalties else 0)
+    if FLAGS.lora is not None:  # one slot at least, as wide as the adapter's rank
+        from models.lora import read_adapter_config
+
+        try:
+            rank = read_adapter_config(FLAGS.lora).get("r")
+        except ModelError as e:
+            raise app.UsageError(f"--lora {FLAGS.lora}: {e}") from None
+        rank = max(kw["config"].max_lora_rank, rank if isinstance(rank, int) else 0)
+        kw["config"] = dataclasses.replace(kw["config"], max_loras=max(kw["config"].max_loras, 1), max_lora_rank=rank)
     try:
-        return DynamicGenerator(model, **engine_flags.generator_kwargs(max_batch_size or 1,
-                                                                      max_penalty_range=1024 if uses_penalties else 0),
-                                **speculation_kwargs(model))
+        gen = DynamicGenerator(model, **kw, **speculation_kwargs(model))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
+    if FLAGS.lora is not None:
+        try:
+            gen.load_lora(LORA_NAME, FLAGS.lora)
+        except ModelError as e:
+            raise app.UsageError(f"--lora {FLAGS.lora}: {e}") from None
+    return gen
 
 
 def speculation_kwargs(model) -> dict:
@@ -312,13 +344,18 @@ def encode_request(tok, req: Request) -> Request:
     req.ids = tok.encode(req.text, encode_special_tokens=use_template(tok))
     if not req.ids:
         raise PromptsFileError(f"{req.where}: the prompt encodes to no tokens")
+    if FLAGS.negative_prompt is not None:  # formatted as a prompt of its own (same system message, one turn)
+        neg = dataclasses.replace(req, prompt=FLAGS.negative_prompt, messages=None)
+        req.negative_ids = tok.encode(format_prompt(tok, neg), encode_special_tokens=use_template(tok))
     return req
 
 
 def make_job(tok, req: Request, identifier: Any = None):
     from paged import Job
 
-    return Job(req.ids, req.max_new_tokens, min_new_tokens=min(FLAGS.min_new_tokens, req.max_new_tokens),
+    ids = req.ids if req.negative_ids is None else [req.ids, req.negative_ids]
+    return Job(ids, req.max_new_tokens, lora=LORA_NAME if FLAGS.lora is not None else None,
+               min_new_tokens=min(FLAGS.min_new_tokens, req.max_new_tokens),
                gen_settings=req.settings, stop_conditions=stop_conditions(tok, req.stop), seed=req.seed,
                identifier=identifier, filters=build_filters(), filter_prefer_eos=FLAGS.filter_prefer_eos)
 
@@ -729,7 +766,9 @@ def main(argv):
     t0 = time.perf_counter()
     model = load_model_from_flags()
     tok = model.tokenizer
-    gen = build_generator(model, max_batch_size=BULK_BATCH_SIZE if mode == "bulk" else 1)
+    # (a CFG job takes two rows: its prompt and the negative prompt)
+    gen = build_generator(model, max_batch_size=BULK_BATCH_SIZE if mode == "bulk" else
+                          (2 if FLAGS.negative_prompt is not None else 1))
     note = "" if use_template(tok) or not FLAGS.chat else "; no chat template: raw text"
     print(f"[loaded {FLAGS.model} in {time.perf_counter() - t0:.1f}s{note}]", file=sys.stderr)
     if FLAGS.warmup:

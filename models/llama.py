@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.linear import matmul
+from models.lora import LoraStack, lora_delta
 from models.quant import gather_out
 from models.rope import apply_rope, rope_cos_sin
 from models.weights import LayerWeights, Weights
@@ -44,38 +45,47 @@ def embed_tokens(params: Weights, token_ids: jnp.ndarray, dtype=None) -> jnp.nda
 
 def _layer(
     cfg: ModelConfig, lw: LayerWeights, h: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray,
-    layer: jnp.ndarray, attend: AttendFn, state: Any, mm: str = "auto",
+    layer: jnp.ndarray, attend: AttendFn, state: Any, mm: str = "auto", lora: tuple | None = None,
 ) -> tuple[jnp.ndarray, Any]:
     n = h.shape[0]
     d, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+
+    def mat(x, w, bias, group):  # the weight matmul, plus the tokens' LoRA adapters (`models.lora`)
+        y = matmul(x, w, bias, impl=mm)
+        if lora is None:
+            return y
+        return (y.astype(jnp.float32) + lora_delta(x, lora[0], layer, group, lora[1])).astype(y.dtype)
+
     x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
-    qkv = matmul(x, lw.wqkv, lw.bqkv, impl=mm)  # [N, (nH + 2 nKV) D]
+    qkv = mat(x, lw.wqkv, lw.bqkv, "qkv")  # [N, (nH + 2 nKV) D]
     q = qkv[:, : nh * d].reshape(n, nh, d)
     k = qkv[:, nh * d : (nh + nkv) * d].reshape(n, nkv, d)
     v = qkv[:, (nh + nkv) * d :].reshape(n, nkv, d)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     attn, state = attend(layer, q, k, v, state)  # [N, nH, D]
-    h = h + matmul(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo, impl=mm)
+    h = h + mat(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo, "o")
     x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
-    gu = matmul(x, lw.w_gate_up, lw.b_gate_up, impl=mm)  # [N, 2F]
+    gu = mat(x, lw.w_gate_up, lw.b_gate_up, "gate_up")  # [N, 2F]
     f = cfg.intermediate_size
     act = jax.nn.silu(gu[:, :f].astype(jnp.float32)) * gu[:, f:].astype(jnp.float32)
-    h = h + matmul(act.astype(h.dtype), lw.w_down, lw.b_down, impl=mm)
+    h = h + mat(act.astype(h.dtype), lw.w_down, lw.b_down, "down")
     return h, state
 
 
 def run_layers(
     params: Weights, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray, attend: AttendFn, state: Any,
-    matmul_impl: str = "auto",
+    matmul_impl: str = "auto", lora: tuple[LoraStack, jnp.ndarray] | None = None,
 ) -> tuple[jnp.ndarray, Any]:
     """All decoder layers over hidden `[N, H]` at `positions` `[N]`; `state` is threaded through `attend`.
-    `matmul_impl` picks the dequant-matmul for quantized weights."""
+    `matmul_impl` picks the dequant-matmul for quantized weights. `lora`: (the adapter stack, each token's slot
+    index `[N]`, 0 for none) adds every token's own adapter to the weight matmuls (`models.lora`)."""
     cos, sin = rope_cos_sin(cfg, positions)
 
     def body(carry, layer):
         h, state = carry
-        return _layer(cfg, layer_view(params.layers, layer), h, cos, sin, layer, attend, state, matmul_impl), None
+        return _layer(cfg, layer_view(params.layers, layer), h, cos, sin, layer, attend, state, matmul_impl,
+                      lora), None
 
     (h, state), _ = jax.lax.scan(body, (h, state), jnp.arange(cfg.num_layers, dtype=jnp.int32))
     return h, state

@@ -38,6 +38,10 @@ class RowInput:
     # penalty history `position_history[j]` (default: `history` followed by the drafts before it, cut to the
     # bucket's width) and the bias `position_bias[j]` (default, or where None: `bias`).
     verify: bool = False
+    lora_slot: int = 0  # the LoRA adapter the row's tokens run through (0: none; i: slot i - 1 of the engine's stack)
+    # Classifier-free guidance: the row of this job's negative prompt, in the same step (it must sample too); this
+    # row samples from the guided mixture of the two (`paged.sampling.apply_cfg`, scale `sampling["cfg_scale"]`).
+    cfg_negative: RowInput | None = dataclasses.field(default=None, compare=False, repr=False)
     position_history: Sequence[Sequence[int]] | None = None
     position_bias: Sequence[Mapping[int, float] | None] | None = None
     position_mask: Sequence[np.ndarray | None] | None = None
@@ -116,6 +120,21 @@ class _TokenSets:
         return dict(dry_breakers=self.dry.device(device_rows[0]), xtc_exempt=self.xtc.device(device_rows[1]))
 
 
+def _cfg_points(rows: Sequence[RowInput], point_of: Sequence[int]) -> dict[int, int]:
+    """Input row -> the sample point of its CFG negative row (`RowInput.cfg_negative`), for the rows that have one."""
+    if not any(r.cfg_negative is not None for r in rows):
+        return {}
+    index = {id(r): i for i, r in enumerate(rows)}
+    out = {}
+    for i, r in enumerate(rows):
+        if r.cfg_negative is not None:
+            j = index.get(id(r.cfg_negative))
+            if j is None or j == i:
+                raise ValueError(f"row {i} is guided by a CFG negative row that is not in the step")
+            out[i] = point_of[j]
+    return out
+
+
 def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
                 sample_rows: int | None = None, slots: Sequence[int] | None = None) -> tuple[Batch, list[int]]:
     """Lay `rows` out in `shape`: multi-token rows in prefill windows (the longest first), single-token rows in the
@@ -144,6 +163,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     positions = np.zeros(t_count, np.int32)
     token_rows = np.full(t_count, s_count, np.int32)
     query_lens = np.zeros(s_count, np.int32)
+    lora_slots = np.zeros(s_count, np.int32)
     kv_lens = np.zeros(s_count, np.int32)
     page_table = np.full((s_count, p), NULL_PAGE, np.int32)
     decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
@@ -180,6 +200,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
             decode_tokens[j] = first + j
     if rows and max(slot_of) >= s_sample:
         raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
+    cfg = _cfg_points(rows, slot_of)
     for i, r in enumerate(rows):
         s, t0, n = slot_of[i], start[i], len(r.tokens)
         token_ids[t0 : t0 + n] = r.tokens
@@ -187,6 +208,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         token_rows[t0 : t0 + n] = s
         last_tokens[s] = t0 + n - 1
         query_lens[s] = n
+        lora_slots[s] = r.lora_slot
         kv_lens[s] = r.start_pos + n
         need = -(-kv_lens[s] // page_size)
         if len(r.pages) < need:
@@ -215,12 +237,14 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         sets.put(s, r, i)
         if r.sampling:
             sampling_rows[s] = r.sampling
+        if i in cfg:
+            sampling_rows[s] = {**sampling_rows[s], "cfg_partner": cfg[i]}
     # One device_put for every array: a copy, never a computation (jnp.asarray may compile a conversion for a new
     # shape), and one call is half the host time of one per array.
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense, mask_rows, set_rows) = jax.device_put(
+     history, bias_ids, bias_values, dense, mask_rows, set_rows, lora_slots) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
-         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense, masks.rows, sets.rows))
+         kv_lens[:s_sample].copy(), history, bias_ids, bias_values, dense, masks.rows, sets.rows, lora_slots))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -228,7 +252,7 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         bias_ids=bias_ids, bias_values=bias_values,
         bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
-        **masks.fields(mask_rows), **sets.fields(set_rows),
+        **masks.fields(mask_rows), **sets.fields(set_rows), lora_slots=lora_slots,
     )
     return batch, slot_of
 
@@ -262,6 +286,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     positions = np.zeros(t_count, np.int32)
     token_rows = np.full(t_count, s_count, np.int32)
     query_lens = np.zeros(s_count, np.int32)
+    lora_slots = np.zeros(s_count, np.int32)
     kv_lens = np.zeros(s_count, np.int32)
     page_table = np.full((s_count, p), NULL_PAGE, np.int32)
     decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
@@ -316,6 +341,11 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         ok = (ids >= 0) & (ids < vocab_size)
         dense[pt, ids[ok]] = vals[ok]
 
+    cfg = _cfg_points(rows, [x * w for x in slot_of])
+    for i in cfg:
+        if rows[i].verify:
+            raise ValueError(f"row {i}: a CFG row cannot be a verification row (CFG jobs are not drafted for)")
+
     def put_history(pt: int, hist: Sequence[int]) -> None:
         if shape.history_len and len(hist):
             h = list(hist)[-shape.history_len :]
@@ -328,6 +358,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         token_rows[t0 : t0 + n] = s
         last_tokens[s] = t0 + n - 1
         query_lens[s] = n
+        lora_slots[s] = r.lora_slot
         kv_lens[s] = r.start_pos + n
         need = -(-kv_lens[s] // page_size)
         if len(r.pages) < need:
@@ -347,6 +378,8 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
             sample_positions[pt] = kv_lens[s] - points + 1 + j
             if r.sampling:
                 sampling_rows[pt] = r.sampling
+            if i in cfg:
+                sampling_rows[pt] = {**sampling_rows[pt], "cfg_partner": cfg[i]}
             if r.verify and r.position_history is not None:
                 put_history(pt, r.position_history[j])
             elif r.verify:
@@ -358,10 +391,11 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
             masks.put(pt, r.position_mask[j] if r.verify and r.position_mask is not None else r.mask, i)
             sets.put(pt, r, i)
     (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens, sample_positions,
-     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, mask_rows, set_rows) = jax.device_put(
+     history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, mask_rows, set_rows,
+     lora_slots) = jax.device_put(
         (token_ids, positions, token_rows, query_lens, kv_lens, page_table, decode_tokens, last_tokens,
          sample_positions, history, bias_ids, bias_values, dense, sample_tokens, drafts, num_drafts, masks.rows,
-         sets.rows))
+         sets.rows, lora_slots))
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -370,6 +404,6 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         bias_dense=None if vocab_size is None else (_zero_bias(n_pts, vocab_size) if dense is None else dense),
         bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
         **masks.fields(mask_rows), **sets.fields(set_rows),
-        sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts,
+        sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts, lora_slots=lora_slots,
     )
     return batch, slot_of

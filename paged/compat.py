@@ -60,14 +60,14 @@ class ExLlamaV2Sampler:
             "mirostat_eta": 0.1, "mirostat_mu": None,
             "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_sequence_breakers": None,
             "dry_range": 0, "dry_max_ngram": 20, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-            "xtc_ignore_tokens": None,
+            "xtc_ignore_tokens": None, "cfg_scale": None,
         }
         # Same names, same meaning in SamplingSettings (mirostat's mu, DRY's and XTC's state are per job there)
         DIRECT = ("smoothing_factor", "min_temp", "max_temp", "temp_exponent", "top_a", "temperature_last", "skew",
                   "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
-                  "dry_range", "dry_max_ngram", "xtc_probability", "xtc_threshold")
+                  "dry_range", "dry_max_ngram", "xtc_probability", "xtc_threshold", "cfg_scale")
         # name -> neutral default; any other value is not implemented here
-        UNSUPPORTED = {"cfg_scale": None, "post_sampling_hooks": None}
+        UNSUPPORTED = {"post_sampling_hooks": None}
 
         def __init__(self, **kwargs: Any):
             known = {**self.SUPPORTED, **self.UNSUPPORTED}
@@ -172,13 +172,24 @@ def _bias_dict(token_bias: Any) -> dict[int, float]:
 # ---------------------------------------------------------------------------------------------- jobs
 def _input_ids(input_ids: Any) -> Any:
     if isinstance(input_ids, (list, tuple)) and input_ids and not np.isscalar(input_ids[0]):
-        if len(input_ids) == 2:
-            raise _unsupported("input_ids", "[positive, negative]", "two sequences are a CFG pair; classifier-free "
-                               "guidance is not implemented yet")
+        if len(input_ids) == 2:  # a CFG pair of (1, n) tensors
+            return [_one(x) for x in input_ids]
         if len(input_ids) == 1:
             return input_ids[0]
-        raise InvalidJobError(f"ExLlamaV2DynamicJob: input_ids is a list of {len(input_ids)} sequences; pass one")
+        raise InvalidJobError(f"ExLlamaV2DynamicJob: input_ids is a list of {len(input_ids)} sequences; pass one, or "
+                              "two (positive, negative) for CFG")
     return input_ids
+
+
+def _one(seq: Any) -> list[int]:
+    """One sequence of a CFG pair, from a (1, n) tensor or array, or a flat sequence."""
+    arr = np.asarray(seq.cpu() if hasattr(seq, "cpu") else seq)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise InvalidJobError(f"ExLlamaV2DynamicJob: each sequence of a CFG pair must have shape (n,) or (1, n), got "
+                              f"{arr.shape}")
+    return arr.tolist()
 
 
 class ExLlamaV2DynamicJob(Job):
@@ -203,6 +214,7 @@ class ExLlamaV2DynamicJob(Job):
         identifier: Any = None,
         banned_strings: list[str] | None = None,
         embeddings: list | None = None,
+        lora: str | None = None,
         **kwargs: Any,
     ):
         if kwargs:
@@ -218,7 +230,7 @@ class ExLlamaV2DynamicJob(Job):
             stop_conditions=stop_conditions, seed=seed, identifier=identifier, max_skips=max_skips,
             return_top_tokens=return_top_tokens, return_probs=return_probs, return_logits=return_logits,
             decode_special_tokens=decode_special_tokens, banned_strings=banned_strings, token_healing=token_healing,
-            filters=filters or None, filter_prefer_eos=filter_prefer_eos, embeddings=embeddings or None,
+            filters=filters or None, filter_prefer_eos=filter_prefer_eos, embeddings=embeddings or None, lora=lora,
         )
 
 
@@ -341,6 +353,7 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
 
 # Native settings the compat generator passes through (there is no ExLlamaV2 name for them).
 _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "max_embedding_tokens",
+                  "max_loras", "max_lora_rank",
                   "decode_steps", "cache_dtype",
                   "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock")
 

@@ -45,6 +45,8 @@ class EngineConfig:
     cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
     max_embedding_tokens: int = _field(
         1024, "rows of the device table for injected embeddings (Job(embeddings=...), multimodal input); 0: none")
+    max_loras: int = _field(0, "LoRA adapters the engine holds at once (generator.load_lora; Job(lora=...)); 0: none")
+    max_lora_rank: int = _field(16, "the largest LoRA rank r an adapter may have (the device stack's width)")
     attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}, another registered "
                             "name, or a module:function import path (docs/kernels.md)")
     matmul_impl: str = _field("auto", f"quantized matmul implementation: one of {MATMUL_IMPLS}, another registered "
@@ -67,6 +69,8 @@ class EngineConfig:
         c.int_("decode_steps", self.decode_steps, 1)
         c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
         c.int_("max_embedding_tokens", self.max_embedding_tokens, 0)
+        c.int_("max_loras", self.max_loras, 0)
+        c.int_("max_lora_rank", self.max_lora_rank, 1)
         for name, registry in (("attn", attention_registry()), ("matmul", matmul_registry())):
             impl = getattr(self, f"{name}_impl")
             if not isinstance(impl, str):

@@ -15,6 +15,7 @@ its tokenizer (the bytes of every token).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ class DraftModel:
 
         check_draft_model(target.model, model, tokenizer)
         self.k = num_draft_tokens
-        self.engine = Engine(model, target.config)
+        self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0))  # (drafts without adapters)
         self.engine.enable_drafting(num_draft_tokens)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
 
@@ -94,8 +95,8 @@ class DraftModel:
         offsets = [0] * len(specs)
         for i, (s, n) in enumerate(zip(specs, want)):
             row = s.row
-            if not n:
-                mirror.append((s.key, row))
+            if not n:  # (a CFG row's guidance is the target's business: the draft's samples are unused)
+                mirror.append((s.key, row if row.cfg_negative is None else dataclasses.replace(row, cfg_negative=None)))
                 continue
             have = min(self.kv.get(s.key, row.start_pos), row.start_pos)
             while row.start_pos - have > 1:  # lagging: catch up to one token before the row's (rare)

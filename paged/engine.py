@@ -8,6 +8,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,8 +104,10 @@ class Engine:
             enable_compilation_cache(compilation_cache_dir)
         self.vocab_size = self.cfg.vocab_size
         self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
-                                        CACHE_DTYPES[self.config.cache_dtype], self.config.max_embedding_tokens)
+                                        CACHE_DTYPES[self.config.cache_dtype], self.config.max_embedding_tokens,
+                                        self.config.max_loras, self.config.max_lora_rank)
         self.embedding_rows = self.config.max_embedding_tokens  # rows of the injected-embedding table
+        self.lora_slots = self.config.max_loras  # adapters the LoRA stack holds (`load_lora`)
         check_kernels_fit(model, self.config)
         self.spec = BucketSpec.from_config(self.config, head_dim=self.cfg.head_dim)
         self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
@@ -121,6 +124,25 @@ class Engine:
         table = np.array(self.state.extra_embed)
         table[np.asarray(rows, np.int64)] = vectors
         self.state = self.state.replace(extra_embed=jax.device_put(table))
+
+    def load_lora(self, slot: int, adapter: Any) -> None:
+        """Write a `models.lora.LoraAdapter` into slot `slot` (0-based) of the LoRA stack (rows whose `lora_slot` is
+        `slot + 1` then run through it): a host-side copy of the stack, no compilation. `None` clears the slot."""
+        from models.lora import LoraStack, slot_arrays
+
+        stack = self.state.lora
+        if stack is None or not 0 <= slot < stack.slots:
+            raise InvalidConfigError(f"Engine: no LoRA slot {slot} (max_loras={self.lora_slots})")
+        if adapter is not None and adapter.rank > stack.rank:
+            raise InvalidConfigError(f"LoRA adapter {adapter.source}: rank {adapter.rank} exceeds the engine's "
+                                     f"max_lora_rank={stack.rank}; raise max_lora_rank")
+        arrays = None if adapter is None else slot_arrays(adapter, self.cfg, stack.rank)
+        a, b = {}, {}
+        for g in stack.a:
+            ha, hb = np.array(stack.a[g]), np.array(stack.b[g])
+            ha[:, slot], hb[:, slot] = (0.0, 0.0) if arrays is None else arrays[g]
+            a[g], b[g] = ha, hb
+        self.state = self.state.replace(lora=jax.device_put(LoraStack(a=a, b=b)))
 
     # ------------------------------------------------------------------ speculative decoding
     def enable_verification(self, num_draft_tokens: int, draft_probs: bool) -> None:

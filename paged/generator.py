@@ -40,14 +40,13 @@ from paged.errors import (
     JobFailure,
     JobTooLargeError,
     StepError,
-    UnsupportedFeatureError,
 )
 from paged.filters import FilterState, compute_masks
 from paged.job import Job
 from paged.job_output import JobOutput
 from paged.page_pool import PagePool
 from paged.policies import Policy, make_policy
-from paged.scheduler import Scheduler
+from paged.scheduler import Scheduler, members
 from paged.settings import SamplingSettings
 from paged.spec_step import SpeculativeStep, check_speculation_args
 from paged.speculative import Accepted
@@ -88,6 +87,8 @@ class DynamicGenerator:
         attn_impl: str | None = None,
         matmul_impl: str | None = None,
         max_embedding_tokens: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
         policy: str | Policy | type[Policy] = "exllamav2",
         compilation_cache_dir: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
@@ -122,7 +123,7 @@ class DynamicGenerator:
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
             decode_steps=decode_steps, cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
-            max_embedding_tokens=max_embedding_tokens,
+            max_embedding_tokens=max_embedding_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
         ).items() if v is not None}
         if config is not None and not isinstance(config, EngineConfig):
             raise InvalidConfigTypeError(f"DynamicGenerator: config must be a paged.EngineConfig, got "
@@ -179,6 +180,7 @@ class DynamicGenerator:
                                                num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
                                                max_ngram=max_ngram, tokenizer=tokenizer)
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
+        self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
@@ -192,6 +194,53 @@ class DynamicGenerator:
         self.steps_failed = 0
         # host-loop profile (seconds, cumulative): admission + planning, the engine call, turning samples into results
         self.timings = {"schedule_s": 0.0, "engine_s": 0.0, "results_s": 0.0}
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, source: Any) -> None:
+        """Load a LoRA adapter under `name` for jobs to use (`Job(lora=name)`): `source` is a PEFT adapter directory
+        (`adapter_config.json` + `adapter_model.safetensors`) or a `models.lora.LoraAdapter`. It takes a free slot of
+        the engine's stack (`max_loras`; no recompilation). Errors: a name in use, no free slot, an engine without
+        LoRA (`InvalidConfigError`); a bad adapter or one that does not fit the model (`models.ModelLoadError`)."""
+        from models.lora import LoraAdapter, load_lora, projection_shapes
+
+        with self.lock:
+            if not isinstance(name, str) or not name:
+                raise InvalidConfigTypeError(f"load_lora: name must be a non-empty string, got {name!r}")
+            if name in self.loras:
+                raise InvalidConfigError(f"load_lora: an adapter named {name!r} is loaded already; unload_lora it "
+                                         "first or pick another name")
+            capacity = int(getattr(self.engine, "lora_slots", 0) or 0)
+            if not capacity:
+                raise InvalidConfigError("load_lora: this generator's engine holds no LoRA adapters; construct it "
+                                         "with max_loras=N (N >= 1)")
+            free = sorted(set(range(capacity)) - {slot for slot, _ in self.loras.values()})
+            if not free:
+                raise InvalidConfigError(f"load_lora: all {capacity} LoRA slots are taken ({sorted(self.loras)}); "
+                                         "unload_lora one or raise max_loras")
+            model_cfg = getattr(getattr(self.engine, "model", None), "config", None)
+            if isinstance(source, LoraAdapter):
+                adapter = source
+                shapes = projection_shapes(model_cfg)
+                for (layer, proj), (a, b) in adapter.weights.items():
+                    if layer >= model_cfg.num_layers or (a.shape[0], b.shape[1]) != shapes[proj]:
+                        raise InvalidConfigError(f"load_lora: adapter {name!r} does not fit this model (layer "
+                                                 f"{layer} {proj}: {a.shape[0]} -> {b.shape[1]})")
+            else:
+                adapter = load_lora(source, model_cfg)
+            self.engine.load_lora(free[0], adapter)
+            self.loras[name] = (free[0], adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Remove adapter `name` (its slot is free again). It must not be in use by a queued or running job."""
+        with self.lock:
+            if name not in self.loras:
+                raise InvalidConfigError(f"unload_lora: no adapter named {name!r} (loaded: {sorted(self.loras)})")
+            users = [j for j in self.pending + self.active if j.lora == name]
+            if users:
+                raise InvalidConfigError(f"unload_lora: adapter {name!r} is used by {len(users)} queued or running "
+                                         "job(s); cancel them or let them finish first")
+            slot, _ = self.loras.pop(name)
+            self.engine.load_lora(slot, None)
 
     # ------------------------------------------------------------------ queue
     def num_remaining_jobs(self) -> int:
@@ -222,9 +271,12 @@ class DynamicGenerator:
                                       f"{type(job).__name__}")
         if job.serial is not None:
             raise InvalidJobError(f"{job!r} was already enqueued; create a new Job")
+        if job.lora is not None and job.lora not in self.loras:
+            raise InvalidJobError(f"Job: lora={job.lora!r} is not loaded (loaded: {sorted(self.loras)}); call "
+                                  "generator.load_lora(name, path) first")
         v = self.vocab_size
         reserved = {t for e in job.embeddings for t in e.token_ids}
-        bad = [t for t in job.input_ids if t >= v and t not in reserved]
+        bad = [t for t in job.input_ids + (job.negative_ids or []) if t >= v and t not in reserved]
         if bad:
             raise InvalidJobError(f"Job: input_ids contain ids >= the vocabulary size {v}: {bad[:5]}"
                                   + (" (not the reserved ids of the job's embeddings)" if job.embeddings else ""))
@@ -263,11 +315,18 @@ class DynamicGenerator:
         if gs.uses_dry and not self.config.max_penalty_range:
             raise InvalidJobError("Job: DRY reads the token history, and this generator keeps none "
                                   "(max_penalty_range=0); raise max_penalty_range or set dry_multiplier=0")
-        if job.total_len > self.max_seq_len:
-            raise JobTooLargeError(
-                f"prompt ({job.prompt_len}) + max_new_tokens ({job.max_new_tokens}) = {job.total_len} tokens exceeds "
-                f"max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens or raise max_seq_len")
+        for what, n in (("prompt", job.prompt_len), ("negative prompt", len(job.negative_ids or ()))):
+            if n + job.max_new_tokens > self.max_seq_len:
+                raise JobTooLargeError(
+                    f"{what} ({n}) + max_new_tokens ({job.max_new_tokens}) = {n + job.max_new_tokens} tokens "
+                    f"exceeds max_seq_len={self.max_seq_len}; shorten the prompt, lower max_new_tokens or raise "
+                    "max_seq_len")
+        if job.negative_ids is not None and self.max_batch_size < 2:
+            raise InvalidJobError("Job: a CFG job takes two rows of the batch (positive and negative prompt) and "
+                                  "this generator has max_batch_size=1; raise max_batch_size")
         need = self.scheduler.pages_for(job)
+        if job.negative_ids is not None:
+            need += -(-(len(job.negative_ids) + job.max_new_tokens) // self.page_size)
         if need > self.pool.num_pages:
             raise JobTooLargeError(
                 f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
@@ -314,6 +373,14 @@ class DynamicGenerator:
         job.mirostat_mu = gs.initial_mirostat_mu() if gs.uses_mirostat else None
         job.dry_breakers = self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None
         job.xtc_exempt = self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None
+        if job.negative_ids is not None:  # CFG: the negative prompt's hidden job, scheduled and ended with this one
+            neg = Job(job.negative_ids, job.max_new_tokens, gen_settings=SamplingSettings.greedy(), seed=0)
+            neg.cfg_owner, neg.stream, neg.serial = job, stream, job.serial
+            job.cfg_partner = neg
+        if job.lora is not None:  # its tokens run through the adapter; its pages are keyed by it
+            slot, adapter = self.loras[job.lora]
+            for m in members(job):
+                m.lora_slot, m.hash_root = slot + 1, adapter.digest
         if healing is not None:  # drop the last prompt token; the first sample must start with its text
             job.healing_allowed = healing
             job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])
@@ -352,11 +419,12 @@ class DynamicGenerator:
 
     def _retire(self, job: Job) -> None:
         self.active.remove(job)
-        if self.speculation is not None:
-            self.speculation.release(job)
-        self.pool.release(job.pages)
+        for m in members(job):  # (a CFG job's negative prompt too)
+            if self.speculation is not None:
+                self.speculation.release(m)
+            self.pool.release(m.pages)
+            m.pages = []
         self.embedding_slots.release(job)
-        job.pages = []
 
     def _fail(self, job: Job, exc: BaseException, now: float) -> dict:
         """End `job` alone after a failure of its own; returns its final `eos_reason="error"` result."""
@@ -398,7 +466,7 @@ class DynamicGenerator:
             return results
         top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
         want_logits = any(j.return_logits for j in owners)
-        waiting = bool(self.pending) and len(self.active) < self.max_batch_size
+        waiting = bool(self.pending) and self.scheduler.rows_used() < self.max_batch_size
         items = None
         if self.speculation is None:
             k = self.scheduler.burst(rows, owners, want_logits, waiting)
@@ -462,7 +530,8 @@ class DynamicGenerator:
                 rows[i].mask = mask
         if not bad:
             return rows, owners
-        keep = [i for i in range(len(rows)) if i not in bad]
+        ended = {id(owners[i]) for i in bad}  # (and the rows of their CFG negative prompts)
+        keep = [i for i in range(len(rows)) if i not in bad and id(owners[i].cfg_owner) not in ended]
         return [rows[i] for i in keep], [owners[i] for i in keep]
 
     def _collect(self, rows: list, owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
@@ -476,6 +545,11 @@ class DynamicGenerator:
 
     def _collect_one(self, i: int, row: Any, job: Job, out: Any, now: float, results: list[dict]) -> None:
         n = len(row.tokens)
+        if job.cfg_owner is not None:  # a CFG negative prompt: its prefill chunks; its sampling row follows the job's
+            if not row.sample:
+                self.output.advance(job, n)
+                self.tokens_prefilled += n
+            return
         if job.time_first_prefill is None:
             job.time_first_prefill = now - out.seconds
         self.output.advance(job, n)
@@ -489,7 +563,11 @@ class DynamicGenerator:
         extras = _extras(job, int(out.token[i]), float(out.logprob[i]), out.top_ids[i], out.top_logprobs[i],
                          None if out.logits is None else out.logits[i])
         _mirostat_update(job, float(out.logprob[i]))
+        if job.cfg_partner is not None:
+            self.output.advance(job.cfg_partner, 1)
         r = self.output.receive(job, int(out.token[i]), extras, now)
+        if job.cfg_partner is not None:
+            self.output.follow(job)
         self.tokens_generated += 1
         results.append(r)
         if r["eos"]:
@@ -501,6 +579,11 @@ class DynamicGenerator:
         """`_collect_one` for a speculative step: the row's tokens (none, one, or accepted drafts and the target's
         next token) are fed one at a time (`JobOutput.feed`)."""
         n = len(row.tokens)
+        if job.cfg_owner is not None:  # a CFG negative prompt (never drafted): as in `_collect_one`
+            if not item.tokens:
+                self.output.advance(job, item.kv_advance)
+                self.tokens_prefilled += n
+            return
         if job.time_first_prefill is None:
             job.time_first_prefill = now - seconds
         if not item.tokens:
@@ -521,7 +604,12 @@ class DynamicGenerator:
                 break
         for i in range(len(extras)):
             _mirostat_update(job, float(item.logprobs[i]))
-        for r in self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now):
+        if job.cfg_partner is not None and extras:  # (one token: CFG jobs are not drafted for)
+            self.output.advance(job.cfg_partner, 1)
+        fed = self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now)
+        if job.cfg_partner is not None:
+            self.output.follow(job)
+        for r in fed:
             self.tokens_generated += 1
             results.append(r)
             if r["eos"]:
@@ -588,10 +676,10 @@ class DynamicGenerator:
         by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
         uses seed + i. `filters` (`paged.filters`): for one prompt, a list of filters; for a list of prompts, one
         list per prompt (as ExLlamaV2), or None. With `abort_event` set, the jobs are cancelled and None is returned.
-        A tuple prompt is a CFG pair (positive, negative) in ExLlamaV2; it raises `UnsupportedFeatureError` until
-        CFG exists. `embeddings` (`paged.embeddings.MMEmbedding`): each one's `text_alias` in a prompt stands for
-        its vectors (as ExLlamaV2's `embeddings=`). If a job fails while running (`eos_reason="error"`),
-        `JobFailure` is raised once all the prompts are done."""
+        A tuple prompt `(positive, negative)` is a CFG pair, as in ExLlamaV2: its gen_settings must set
+        `cfg_scale` (`Job` has the details). `embeddings` (`paged.embeddings.MMEmbedding`): each one's
+        `text_alias` in a prompt stands for its vectors (as ExLlamaV2's `embeddings=`). If a job fails while
+        running (`eos_reason="error"`), `JobFailure` is raised once all the prompts are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
         single = isinstance(prompt, (str, tuple))
@@ -604,11 +692,12 @@ class DynamicGenerator:
             raise InvalidJobError("generate(): prompt is an empty list; pass at least one prompt")
         for i, p in enumerate(prompts):
             if isinstance(p, tuple):
-                raise UnsupportedFeatureError(
-                    f"generate(): prompt {i} is a tuple, which ExLlamaV2 reads as a CFG pair (positive, negative); "
-                    "classifier-free guidance is not implemented yet. Pass plain strings")
-            if not isinstance(p, str):
-                raise InvalidJobTypeError(f"generate(): prompt {i} must be a string, got {type(p).__name__}")
+                if len(p) != 2 or not all(isinstance(x, str) for x in p):
+                    raise InvalidJobTypeError(f"generate(): prompt {i} is a tuple; a CFG pair is two strings "
+                                              "(positive, negative)")
+            elif not isinstance(p, str):
+                raise InvalidJobTypeError(f"generate(): prompt {i} must be a string or a (positive, negative) pair of "
+                                          f"strings, got {type(p).__name__}")
         if isinstance(gen_settings, (list, tuple)):
             settings = list(gen_settings)
             if len(settings) != len(prompts):
@@ -636,20 +725,28 @@ class DynamicGenerator:
                                           f"{type(e).__name__}")
         jobs = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
-            try:
-                ids = encode_with_embeddings(self.tokenizer, p, embeddings, add_bos=add_bos,
-                                             encode_special_tokens=encode_special_tokens)
-            except (ValueError, TypeError) as e:
-                raise InvalidJobError(f"generate(): prompt {i} cannot be encoded: {e}") from e
-            if not ids:
-                raise InvalidJobError(f"generate(): prompt {i} encodes to no tokens; pass a non-empty prompt or "
-                                      "add_bos=True")
+            encoded = []
+            for text in (p if isinstance(p, tuple) else (p,)):
+                try:
+                    ids = encode_with_embeddings(self.tokenizer, text, embeddings, add_bos=add_bos,
+                                                 encode_special_tokens=encode_special_tokens)
+                except (ValueError, TypeError) as e:
+                    raise InvalidJobError(f"generate(): prompt {i} cannot be encoded: {e}") from e
+                if not ids:
+                    raise InvalidJobError(f"generate(): prompt {i} encodes to no tokens; pass a non-empty prompt or "
+                                          "add_bos=True")
+                encoded.append(ids)
+            ids = encoded[0] if len(encoded) == 1 else encoded
+            used = {t for seq in encoded for t in seq}
+            if isinstance(p, tuple) and (s is None or s.cfg_scale is None):
+                raise InvalidJobError(f"generate(): prompt {i} is a CFG pair (positive, negative) and its gen_settings "
+                                      "have no cfg_scale; pass SamplingSettings(cfg_scale=...)")
             jobs.append(Job(ids, max_new_tokens, min_new_tokens=min_new_tokens, gen_settings=s,
                             stop_conditions=stop_conditions, seed=None if seed is None else seed + i,
                             decode_special_tokens=decode_special_tokens, identifier=("generate", i),
                             token_healing=token_healing, banned_strings=banned_strings,
                             filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos,
-                            embeddings=[e for e in embeddings if e.first_id in ids] or None))
+                            embeddings=[e for e in embeddings if e.first_id in used] or None))
         self.enqueue(jobs)
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)
@@ -678,8 +775,8 @@ class DynamicGenerator:
         errors = [(i, r["error"]) for i, r in enumerate(last) if r is not None and r["eos_reason"] == "error"]
         if errors:
             raise JobFailure("generate(): " + "; ".join(f"prompt {i} failed: {e}" for i, e in errors))
-        if not completion_only:
-            texts = [p + t for p, t in zip(prompts, texts)]
+        if not completion_only:  # (a CFG pair's positive prompt)
+            texts = [(p[0] if isinstance(p, tuple) else p) + t for p, t in zip(prompts, texts)]
         out = texts[0] if single else texts
         if return_last_results:
             return out, (last[0] if single else last)

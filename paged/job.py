@@ -54,6 +54,16 @@ def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
     return [int(x) for x in arr]
 
 
+def _cfg_pair(c: Checker, input_ids: Any) -> tuple[Any, Any] | None:
+    """(positive, negative) when `input_ids` is a CFG pair: a list/tuple of two sequences or a (2, n) array."""
+    if isinstance(input_ids, np.ndarray):
+        return (input_ids[0], input_ids[1]) if input_ids.ndim == 2 and input_ids.shape[0] == 2 else None
+    if isinstance(input_ids, (list, tuple)) and input_ids and not isinstance(input_ids[0], (int, np.integer)):
+        if len(input_ids) == 2 and all(not isinstance(x, (str, bytes)) and hasattr(x, "__len__") for x in input_ids):
+            return input_ids[0], input_ids[1]
+    return None
+
+
 def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
     """Token ids and stop strings; a bare string or a bare int is one condition (not one per character)."""
     if value is None:
@@ -130,6 +140,7 @@ class Job:
         filters: Any = None,
         filter_prefer_eos: bool = False,
         embeddings: Any = None,
+        lora: str | None = None,
     ):
         """Scheduling hints (read by policies, see `paged.policies`): `priority` (higher first, may be negative),
         `deadline` (an SLO: seconds after arrival by which the job should finish), `expected_new_tokens` (a
@@ -140,9 +151,21 @@ class Job:
         `filter_prefer_eos`, as soon as the filters accept it.
 
         Embedding injection (`paged.embeddings`): `embeddings`, a list of `MMEmbedding` whose reserved
-        `token_ids` appear in `input_ids` where their vectors take the place of token embeddings."""
+        `token_ids` appear in `input_ids` where their vectors take the place of token embeddings.
+
+        Classifier-free guidance: `input_ids=[positive_ids, negative_ids]` (or a (2, n) array) with
+        `gen_settings.cfg_scale` set. The negative prompt runs as a second row of the same steps, with its own pages
+        (prefix-shared like any prompt); each token is sampled from `cfg_scale * log_softmax(positive logits) +
+        (1 - cfg_scale) * log_softmax(negative logits)` and appended to both.
+
+        LoRA: `lora`, the name of an adapter loaded into the generator (`generator.load_lora(name, path)`): this
+        job's tokens run through the model with that adapter, in the same batched steps as jobs with other adapters
+        or none."""
         c = Checker("Job", InvalidJobError)
-        self.input_ids = _as_id_list(c, input_ids)
+        pair = _cfg_pair(c, input_ids)
+        self.input_ids = _as_id_list(c, input_ids if pair is None else pair[0])
+        # Classifier-free guidance: the negative prompt (None without CFG); see the docstring
+        self.negative_ids = None if pair is None else _as_id_list(c, pair[1])
         self.max_new_tokens = c.int_("max_new_tokens", max_new_tokens, 1)
         self.min_new_tokens = c.int_("min_new_tokens", min_new_tokens, 0, self.max_new_tokens,
                                      f"an int in [0, max_new_tokens={self.max_new_tokens}]")
@@ -151,6 +174,12 @@ class Job:
         if not isinstance(gen_settings, SamplingSettings):
             c.fail_type("gen_settings", gen_settings, "a paged.SamplingSettings (or None for the defaults)")
         self.gen_settings = gen_settings
+        if pair is not None and gen_settings.cfg_scale is None:
+            c.fail("input_ids is a pair of sequences (a CFG job: positive, negative) and gen_settings.cfg_scale is "
+                   "None; set cfg_scale, or pass one sequence")
+        if pair is None and gen_settings.cfg_scale is not None:
+            c.fail(f"gen_settings.cfg_scale={gen_settings.cfg_scale} needs a negative prompt: pass input_ids="
+                   "[positive_ids, negative_ids], or leave cfg_scale None")
         self.stop_tokens, self.stop_strings = _stop_conditions(c, stop_conditions)
         self.seed = c.optional_int("seed", seed)
         self.identifier = identifier
@@ -168,6 +197,12 @@ class Job:
         self.filters = _filters(c, filters)
         self.filter_prefer_eos = c.bool_("filter_prefer_eos", filter_prefer_eos)
         self.embeddings = _embeddings(c, embeddings)
+        if lora is not None and not isinstance(lora, str):
+            c.fail_type("lora", lora, "the name of an adapter loaded with generator.load_lora(name, path), or None")
+        self.lora = lora
+        if pair is not None and self.token_healing:
+            c.fail("token_healing cannot be combined with CFG (the healed first token would follow the positive "
+                   "prompt only); pass token_healing=False")
         if self.filters and self.banned_strings:
             c.fail("filters and banned_strings cannot be combined (a banned-string rewind would move the grammar "
                    "back under the filter); express the ban in the grammar instead")
@@ -197,6 +232,12 @@ class Job:
         self.mirostat_mu: float | None = None  # mirostat's running mu (this job's own, set at enqueue)
         self.dry_breakers = None  # packed token sets (np.ndarray i32 [ceil(V/32)]) for DRY and XTC, set at enqueue
         self.xtc_exempt = None
+        # CFG: the hidden job of the negative prompt (set at enqueue; scheduled, paged and ended with this one), and
+        # on that job, the job it belongs to
+        self.lora_slot = 0  # the engine's LoRA slot of `lora` + 1 (0: none), and its digest, hashed into every page
+        self.hash_root = b""
+        self.cfg_partner: Job | None = None
+        self.cfg_owner: Job | None = None
         self.time_first_token: float | None = None
         self.time_last_token: float | None = None
 

@@ -46,7 +46,7 @@ class JobOutput:
             p = len(job.page_hashes)
             prev = job.page_hashes[-1] if job.page_hashes else b""
             toks = tuple(job.sequence[p * ps : (p + 1) * ps])
-            h = chain_hashes(toks, ps, 1, prev)[0]
+            h = chain_hashes(toks, ps, 1, prev, job.hash_root)[0]
             self.pool.register(job.pages[p], h, prev, toks)
             job.page_hashes.append(h)
 
@@ -64,6 +64,21 @@ class JobOutput:
         assert len(job.page_hashes) * ps <= c, "a page holding rewound tokens was hashed"
         for p in range(c // ps, len(job.pages)):  # position c - 1 is re-fed with the same token: keep it
             self.pool.truncate(job.pages[p], c - p * ps)
+
+    def follow(self, job: Job) -> None:
+        """CFG: after the job received its token (and perhaps rewound), its negative prompt's job takes the same
+        output tokens. Its row fed its last token this step (`advance` before the job's `receive`); tokens taken
+        back by a rewind are taken back there too, and its pages truncated the same way."""
+        neg = job.cfg_partner
+        had = len(neg.sequence)
+        neg.sequence[neg.prompt_len :] = job.sequence[job.prompt_len :]
+        neg.new_tokens = job.new_tokens
+        c = len(neg.sequence)
+        if c <= had:  # a banned string took tokens back: re-feed token c - 1 to sample position c again
+            neg.kv_position = min(neg.kv_position, c - 1)
+            ps = self.page_size
+            for p in range(c // ps, len(neg.pages)):
+                self.pool.truncate(neg.pages[p], c - p * ps)
 
     # ------------------------------------------------------------------ results
     def feed(self, job: Job, tokens: list[int], kv_advance: int, extras: list[dict], now: float) -> list[dict]:

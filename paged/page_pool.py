@@ -37,12 +37,15 @@ class Page:
     filled: int = 0  # token slots holding valid KV, from the start of the page
 
 
-def chain_hashes(tokens: Sequence[int], page_size: int, num_pages: int, prev: bytes = b"") -> list[bytes]:
-    """Chained hashes of the first `num_pages` full pages of `tokens`."""
+def chain_hashes(tokens: Sequence[int], page_size: int, num_pages: int, prev: bytes = b"",
+                 root: bytes = b"") -> list[bytes]:
+    """Chained hashes of the first `num_pages` full pages of `tokens`. `root` is hashed into every page: what
+    besides the tokens decides the page's K/V (a LoRA adapter's digest), so pages of other roots never match."""
     out = []
     arr = np.asarray(tokens, dtype=np.int64)
     for i in range(num_pages):
-        prev = hashlib.blake2b(prev + arr[i * page_size : (i + 1) * page_size].tobytes(), digest_size=16).digest()
+        prev = hashlib.blake2b(prev + root + arr[i * page_size : (i + 1) * page_size].tobytes(),
+                               digest_size=16).digest()
         out.append(prev)
     return out
 
@@ -101,9 +104,14 @@ class PagePool:
 
     def pages_needed(self, hashes: Sequence[bytes], page_tokens: Sequence[tuple[int, ...]], total: int) -> int:
         """How many free-or-cached pages admitting a job of `total` pages would consume."""
-        hit = self.match(hashes, page_tokens)
-        revived = sum(1 for i in hit if self.pages[i].ref_count == 0)
-        return revived + total - len(hit)
+        return self.pages_needed_many([(hashes, page_tokens, total)])
+
+    def pages_needed_many(self, requests: Sequence[tuple[Sequence[bytes], Sequence[tuple[int, ...]], int]]) -> int:
+        """`pages_needed` of several page lists admitted together (`allocate_many`): a cached page several of them
+        hit is revived once."""
+        hits = [self.match(h, t) for h, t, _ in requests]
+        revived = len({i for hit in hits for i in hit if self.pages[i].ref_count == 0})
+        return revived + sum(total - len(hit) for (_, _, total), hit in zip(requests, hits))
 
     # ------------------------------------------------------------------ mutations
     def _ref(self, idx: int) -> None:
@@ -131,29 +139,40 @@ class PagePool:
     ) -> tuple[list[int], int]:
         """Pages for a job: shared/revived pages for the hashed prefix, fresh pages (registered pending) for the
         rest of it, fresh unhashed pages up to `total`. Returns (pages, number of leading pages already complete)."""
-        if self.pages_needed(hashes, page_tokens, total) > self.available:
+        return self.allocate_many([(hashes, page_tokens, total)])[0]
+
+    def allocate_many(
+        self, requests: Sequence[tuple[Sequence[bytes], Sequence[tuple[int, ...]], int]]
+    ) -> list[tuple[list[int], int]]:
+        """`allocate` for several page lists at once (a CFG job's two prompts): every prefix hit is referenced
+        before any fresh page is taken, so taking pages for one list never evicts a cached page another hits."""
+        if self.pages_needed_many(requests) > self.available:
             raise PagePoolError("not enough pages; check pages_needed() before allocate()")
-        self.prefix_queries += len(hashes)
-        hit = self.match(hashes, page_tokens)
-        for idx in hit:
-            self._ref(idx)
-        complete = 0
-        while complete < len(hit) and self.pages[hit[complete]].filled == self.page_size:
-            complete += 1
-        self.prefix_hits += complete
-        pages = list(hit)
-        prev = hashes[len(hit) - 1] if hit else b""
-        for h, toks in zip(hashes[len(hit) :], page_tokens[len(hit) :]):
-            idx = self._take()
-            if h not in self.by_hash:  # register pending so concurrent jobs share it
-                p = self.pages[idx]
-                p.hash, p.prev_hash, p.tokens = h, prev, toks
-                self.by_hash[h] = idx
-            pages.append(idx)
-            prev = h
-        while len(pages) < total:
-            pages.append(self._take())
-        return pages, complete
+        hits = [self.match(h, t) for h, t, _ in requests]
+        for hit in hits:
+            for idx in hit:
+                self._ref(idx)
+        out = []
+        for (hashes, page_tokens, total), hit in zip(requests, hits):
+            self.prefix_queries += len(hashes)
+            complete = 0
+            while complete < len(hit) and self.pages[hit[complete]].filled == self.page_size:
+                complete += 1
+            self.prefix_hits += complete
+            pages = list(hit)
+            prev = hashes[len(hit) - 1] if hit else b""
+            for h, toks in zip(hashes[len(hit) :], page_tokens[len(hit) :]):
+                idx = self._take()
+                if h not in self.by_hash:  # register pending so concurrent jobs share it
+                    p = self.pages[idx]
+                    p.hash, p.prev_hash, p.tokens = h, prev, toks
+                    self.by_hash[h] = idx
+                pages.append(idx)
+                prev = h
+            while len(pages) < total:
+                pages.append(self._take())
+            out.append((pages, complete))
+        return out
 
     def take(self, n: int) -> list[int]:
         """`n` fresh unhashed pages (evicting cached ones LRU), referenced once: a running job's next pages when they

@@ -101,6 +101,8 @@ _FIELDS: dict[str, tuple[Any, bool]] = {
     "dry_allowed_length": (2, True),
     "dry_max_ngram": (20, True),
     "dry_range": (0, True),  # 0: the whole history window
+    "cfg_scale": (1.0, False),  # classifier-free guidance (`apply_cfg`), where cfg_partner >= 0
+    "cfg_partner": (-1, True),  # the row (sample point) holding this row's negative-prompt logits; -1: no CFG
     "seed": (0, True),
 }
 NEUTRAL: dict[str, Any] = {name: v for name, (v, _) in _FIELDS.items()}
@@ -287,6 +289,25 @@ def apply_dry(logits: jax.Array, params: SamplingRows, history: jax.Array,
     return logits - _row_scatter_add(jnp.where(chosen, tok, -1), jnp.broadcast_to(penalty, (s, r)), v)
 
 
+def apply_cfg(logits: jax.Array, params: SamplingRows) -> jax.Array:
+    """Classifier-free guidance (ExLlamaV2's order: before everything else): a row with `cfg_partner` p >= 0 becomes
+    `cfg_scale * log_softmax(logits[row]) + (1 - cfg_scale) * log_softmax(logits[p])`; other rows are unchanged.
+    [S, V] -> [S, V] f32. (`adjusted_logits` runs it inside the penalties' `lax.cond`, so a batch without CFG rows
+    pays nothing for it.)"""
+    partner = params.cfg_partner  # [S]
+    on = partner >= 0
+    x = logits.astype(jnp.float32)
+    lp = jax.nn.log_softmax(x, axis=-1)
+    neg = jnp.take(lp, jnp.clip(partner, 0, x.shape[0] - 1), axis=0)
+    s = params.cfg_scale[:, None]
+    return jnp.where(on[:, None], s * lp + (1.0 - s) * neg, x)
+
+
+def cfg_used(params: SamplingRows) -> jax.Array:
+    """bool []: whether any row is guided by a CFG partner row."""
+    return jnp.any(params.cfg_partner >= 0)
+
+
 def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
                bias_dense: jax.Array | None = None) -> jax.Array:
     """Add the sparse bias (ids [S, B], -1 = padding; duplicates add up) and, if given, the dense bias [S, V] (for
@@ -314,13 +335,13 @@ def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array,
                     bias_values: jax.Array, bias_dense: jax.Array | None = None,
                     bias_dense_on: jax.Array | None = None, token_mask: jax.Array | None = None,
                     token_mask_on: jax.Array | None = None, dry_breakers: jax.Array | None = None) -> jax.Array:
-    """f32 [S, V]: penalties, then the bias, then DRY (`apply_dry`, sequence breakers `dry_breakers`), then the
-    token mask (constrained decoding: packed allowed-token bits [S, ceil(V/32)], applied where `token_mask_on`).
-    Each part runs under a `lax.cond` and is skipped (it would be the identity) when no row uses it: penalties when
-    every row's are neutral, the sparse bias when every id is padding, the dense bias [S, V] unless `bias_dense_on`
-    (bool []), DRY unless a row has dry_multiplier > 0, the mask unless `token_mask_on`. Adding a row's
-    bias entries once each, sparse plus dense (one of them zero), gives the same floats as one scatter of all of
-    them."""
+    """f32 [S, V]: classifier-free guidance (`apply_cfg`), penalties, then the bias, then DRY (`apply_dry`, sequence
+    breakers `dry_breakers`), then the token mask (constrained decoding: packed allowed-token bits [S, ceil(V/32)],
+    applied where `token_mask_on`). Each part runs under a `lax.cond` and is skipped (it would be the identity) when
+    no row uses it: CFG when no row has a partner, penalties when every row's are neutral, the sparse bias when
+    every id is padding, the dense bias [S, V] unless `bias_dense_on` (bool []), DRY unless a row has
+    dry_multiplier > 0, the mask unless `token_mask_on`. Adding a row's bias entries once each, sparse plus dense
+    (one of them zero), gives the same floats as one scatter of all of them."""
     x = _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on)
     if history.shape[-1]:
         x = jax.lax.cond(dry_used(params), lambda: apply_dry(x, params, history, dry_breakers), lambda: x)
@@ -332,8 +353,12 @@ def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array,
 
 def _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on) -> jax.Array:
     x = logits.astype(jnp.float32)
+    # CFG first, inside the penalties' cond (one [S, V] cond fewer for the batches that use neither)
     if history.shape[-1]:
-        x = jax.lax.cond(penalties_used(params), lambda: apply_penalties(x, params, history), lambda: x)
+        x = jax.lax.cond(penalties_used(params) | cfg_used(params), lambda: apply_penalties(
+            jax.lax.cond(cfg_used(params), lambda: apply_cfg(x, params), lambda: x), params, history), lambda: x)
+    else:
+        x = jax.lax.cond(cfg_used(params), lambda: apply_cfg(x, params), lambda: x)
     has_sparse = bias_ids.shape[-1] > 0
     if bias_dense is None:
         if has_sparse:

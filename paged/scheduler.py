@@ -29,6 +29,12 @@ from paged.job import Job
 from paged.page_pool import PagePool, chain_hashes
 from paged.policies import Policy
 
+
+def members(job: Job) -> tuple[Job, ...]:
+    """The job and, for a CFG job, its negative-prompt companion: what holds pages and rows for it."""
+    return (job,) if job.cfg_partner is None else (job, job.cfg_partner)
+
+
 HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
@@ -107,27 +113,32 @@ class Scheduler:
         ps = self.page_size
         n = min(len(seq) - 1, len(seq) - held) // ps
         toks = [tuple(seq[i * ps : (i + 1) * ps]) for i in range(n)]
-        hashes = chain_hashes(seq, ps, n)
+        hashes = chain_hashes(seq, ps, n, root=job.hash_root)
         job.prefix_memo = (len(seq), hashes, toks)
         return hashes, toks
 
+    def rows_used(self) -> int:
+        """Batch rows the running jobs take (a CFG job takes two)."""
+        return sum(len(members(j)) for j in self.active)
+
+    def _requests(self, job: Job) -> list:
+        return [(*self.prefix(m), self.admission_pages(m)) for m in members(job)]
+
     def fits(self, job: Job) -> bool:
-        if len(self.active) >= self.config.max_batch_size:
+        if self.rows_used() + len(members(job)) > self.config.max_batch_size:
             return False
-        hashes, toks = self.prefix(job)
-        need = self.pool.pages_needed(hashes, toks, self.admission_pages(job))
+        need = self.pool.pages_needed_many(self._requests(job))
         return need + self.watermark <= self.pool.available
 
     def start(self, job: Job) -> None:
-        hashes, toks = self.prefix(job)
-        job.pages, complete = self.pool.allocate(hashes, toks, self.admission_pages(job))
-        job.page_hashes = list(hashes)
-        job.kv_position = complete * self.page_size
+        requests = self._requests(job)
+        for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, self.pool.allocate_many(requests)):
+            m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
+            if job.preemptions:
+                self.tokens_recomputed += len(m.sequence) - m.kv_position
         self.pending.remove(job)
         self.active.append(job)
-        if job.preemptions:
-            self.tokens_recomputed += len(job.sequence) - job.kv_position
-        else:
+        if not job.preemptions:
             job.cached_tokens = job.kv_position
             self._started(job)
 
@@ -136,23 +147,25 @@ class Scheduler:
         if job not in self.active:
             raise InvalidConfigError(f"policy {self.policy.name!r} tried to preempt {job!r}, which is not running")
         self.active.remove(job)
-        self.pool.release(job.pages)
-        job.pages = []
-        job.page_hashes = []
-        job.kv_position = 0
-        job.prefix_memo = None
-        job.preemptions += 1
+        for m in members(job):
+            self.pool.release(m.pages)
+            m.pages = []
+            m.page_hashes = []
+            m.kv_position = 0
+            m.prefix_memo = None
+            m.preemptions += 1
         self.preemptions += 1
         self.pending.insert(0, job)
-        self.on_release(job)
+        for m in members(job):
+            self.on_release(m)
 
     def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
-        if len(self.active) - len(victims) >= self.config.max_batch_size:
+        rows = self.rows_used() - sum(len(members(v)) for v in victims)
+        if rows + len(members(job)) > self.config.max_batch_size:
             return False
-        refs = collections.Counter(p for v in victims for p in v.pages)
+        refs = collections.Counter(p for v in victims for m in members(v) for p in m.pages)
         freed = sum(1 for p, n in refs.items() if self.pool.pages[p].ref_count == n)
-        hashes, toks = self.prefix(job)
-        need = self.pool.pages_needed(hashes, toks, self.admission_pages(job))
+        need = self.pool.pages_needed_many(self._requests(job))
         return need + self.watermark <= self.pool.available + freed
 
     def cached_prefix_tokens(self, job: Job) -> int:
@@ -166,7 +179,7 @@ class Scheduler:
 
     def admit(self, started: Callable[[Job], None]) -> None:
         """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
-        if self.pending and (len(self.active) < self.config.max_batch_size or self.policy.preemptive):
+        if self.pending and (self.rows_used() < self.config.max_batch_size or self.policy.preemptive):
             self._started = started
             self.policy.admit(list(self.pending), self.view)
 
@@ -195,11 +208,12 @@ class Scheduler:
         end = job.kv_position + len(tokens)
         window = s.history_window(self.config.max_penalty_range)
         history = job.sequence[max(0, end - window) : end] if window else ()
-        if job.embedding_rows:  # injected embeddings: the engine embeds id vocab_size + r as row r of its table
-            tokens = device_ids(job, tokens, self.vocab_size)
+        src = job.cfg_owner or job  # (a CFG negative prompt uses its job's embedding rows)
+        if src.embedding_rows:  # injected embeddings: the engine embeds id vocab_size + r as row r of its table
+            tokens = device_ids(src, tokens, self.vocab_size)
         return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
-                        sampling=s.device_row(job.seed, job.mirostat_mu), history=history, bias=bias,
-                        dry_breakers=job.dry_breakers, xtc_exempt=job.xtc_exempt)
+                        lora_slot=job.lora_slot, sampling=s.device_row(job.seed, job.mirostat_mu), history=history,
+                        bias=bias, dry_breakers=job.dry_breakers, xtc_exempt=job.xtc_exempt)
 
     def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
         """The logit bias of the token at `job.sequence[sample_index]`, the job's output token number `out_index`."""
@@ -227,8 +241,9 @@ class Scheduler:
         ps = self.page_size
         decode_rows = 0
         for job in active:
-            self.skip_complete_pages(job)
-            decode_rows += len(job.sequence) - job.kv_position == 1
+            for m in members(job):
+                self.skip_complete_pages(m)
+                decode_rows += len(m.sequence) - m.kv_position == 1
         budget = self.policy.prefill_budget(decode_rows, self.view)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise InvalidConfigError(f"policy {self.policy.name!r}: prefill_budget() must return an int >= 0, got "
@@ -240,47 +255,85 @@ class Scheduler:
             if id(job) in preempted:
                 continue
             try:
+                if job.cfg_partner is not None:
+                    self._plan_cfg(job, rows, owners, preempted)
+                    continue
                 remaining = len(job.sequence) - job.kv_position
                 if remaining == 1:
                     if len(job.pages) * ps < len(job.sequence) and not self.grow(job, rows, owners, preempted):
                         continue  # the job itself was preempted
                     rows.append(self.row(job, [job.sequence[-1]], True))
                 else:
-                    if self._prefill_rows >= self.config.max_prefill_rows or self._budget <= 0:
+                    row = self._chunk(job, len(job.sequence))
+                    if row is None:
                         continue  # waits for a later step
-                    n = min(remaining, self._budget)
-                    # stop before a page that is complete already (being shared): it is skipped next step
-                    end = job.kv_position + n
-                    for p in range(-(-job.kv_position // ps), -(-end // ps)):
-                        if p * ps > job.kv_position and self.pool.pages[job.pages[p]].filled == ps and p * ps < end:
-                            end = p * ps
-                            break
-                    n = end - job.kv_position  # a 1-token chunk rides in a decode slot, without sampling
-                    rows.append(self.row(job, job.sequence[job.kv_position : end], end == len(job.sequence)))
-                    self._prefill_rows += n > 1
-                    self._budget -= n
+                    rows.append(row)
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
+                k = next((i for i, o in enumerate(owners) if o is job or o is job.cfg_partner), len(owners))
+                del rows[k:], owners[k:]  # (a CFG job's rows planned before the failure)
                 failed.append((job, e))
                 continue
             owners.append(job)
         return rows, owners, failed
 
-    def grow(self, job: Job, rows: list[RowInput], owners: list[Job], preempted: set[int]) -> bool:
-        """Give a decoding job the page its next token is written to (`on_demand`), preempting the policy's victims
-        while the pool is empty. Returns False when the job itself was preempted."""
-        while len(job.pages) * self.page_size < len(job.sequence):
+    def _chunk(self, job: Job, end_cap: int) -> RowInput | None:
+        """The job's next prefill chunk, up to sequence index `end_cap`, within the step's token budget and prefill
+        rows (None: none left this step)."""
+        if self._prefill_rows >= self.config.max_prefill_rows or self._budget <= 0:
+            return None
+        ps = self.page_size
+        end = job.kv_position + min(end_cap - job.kv_position, self._budget)
+        # stop before a page that is complete already (being shared): it is skipped next step
+        for p in range(-(-job.kv_position // ps), -(-end // ps)):
+            if p * ps > job.kv_position and self.pool.pages[job.pages[p]].filled == ps and p * ps < end:
+                end = p * ps
+                break
+        n = end - job.kv_position  # a 1-token chunk rides in a decode slot, without sampling
+        row = self.row(job, job.sequence[job.kv_position : end], end == len(job.sequence))
+        self._prefill_rows += n > 1
+        self._budget -= n
+        return row
+
+    def _plan_cfg(self, job: Job, rows: list[RowInput], owners: list[Job], preempted: set[int]) -> None:
+        """A CFG job's rows: each prompt is prefilled up to its last token, which both feed in the same step, the
+        job's row guided by its negative row (`RowInput.cfg_negative`); the two sample together from then on."""
+        pair = members(job)
+        if all(len(m.sequence) - m.kv_position == 1 for m in pair):
+            for m in pair:
+                if len(m.pages) * self.page_size < len(m.sequence) and not self.grow(job, rows, owners, preempted, m):
+                    return  # the job itself was preempted
+            pos, neg = (self.row(m, [m.sequence[-1]], True) for m in pair)
+            pos.cfg_negative = neg
+            rows += [pos, neg]
+            owners += list(pair)
+            return
+        for m in pair:  # the other one waits (one token left) or prefills too
+            if len(m.sequence) - m.kv_position > 1:
+                row = self._chunk(m, len(m.sequence) - 1)
+                if row is not None:
+                    rows.append(row)
+                    owners.append(m)
+
+    def grow(self, job: Job, rows: list[RowInput], owners: list[Job], preempted: set[int],
+             member: Job | None = None) -> bool:
+        """Give a decoding job (or `member`, its CFG negative prompt) the page its next token is written to
+        (`on_demand`), preempting the policy's victims while the pool is empty. Returns False when the job itself
+        was preempted."""
+        m = job if member is None else member
+        while len(m.pages) * self.page_size < len(m.sequence):
             if self.pool.available:
-                job.pages.extend(self.pool.take(1))
+                m.pages.extend(self.pool.take(1))
                 continue
             v = self.policy.victim(list(self.active), job, self.view)
             v = job if v is None else v
-            if v in owners:  # already planned this step: take its row back
-                i = owners.index(v)
-                row = rows.pop(i)
-                owners.pop(i)
-                if len(row.tokens) > 1 or not row.sample:
-                    self._budget += len(row.tokens)
-                    self._prefill_rows -= len(row.tokens) > 1
+            for x in members(v):  # already planned this step: take its rows back
+                while x in owners:
+                    i = owners.index(x)
+                    row = rows.pop(i)
+                    owners.pop(i)
+                    if len(row.tokens) > 1 or not row.sample:
+                        self._budget += len(row.tokens)
+                        self._prefill_rows -= len(row.tokens) > 1
             self.preempt(v)
             preempted.add(id(v))
             if v is job:
@@ -302,6 +355,8 @@ class Scheduler:
                     or (job.healing_allowed and job.new_tokens == 0)):
                 return 1
             if job.mirostat_mu is not None:  # mirostat's mu changes after every token, on the host
+                return 1
+            if job.cfg_partner is not None or job.cfg_owner is not None:  # both rows must take the same token
                 return 1
             # The history slides on the device; penalties and DRY weigh it by distance from the end (per row), so
             # a shorter window than the bucket's stays exact.

@@ -52,6 +52,8 @@ class SamplingSettings:
     dry_sequence_breakers: tuple[int, ...] | None = None  # ids; None: tokens with any of .,!?<>[](){} newline tab "
     dry_range: int = 0  # 0: the whole history window (the generator's max_penalty_range)
     dry_max_ngram: int = 20
+    # --- classifier-free guidance: the job's input_ids are [positive, negative]; None = no CFG
+    cfg_scale: float | None = None
 
     def __post_init__(self):
         c = Checker("SamplingSettings", InvalidSettingsError)
@@ -101,6 +103,8 @@ class SamplingSettings:
         if self.dry_range and self.dry_range <= self.dry_max_ngram:
             c.fail(f"dry_range must be 0 (the whole history) or > dry_max_ngram ({self.dry_max_ngram}), "
                    f"got {self.dry_range}")
+        if self.cfg_scale is not None:
+            put("cfg_scale", c.float_("cfg_scale", self.cfg_scale, allowed="a finite number, or None (no CFG)"))
         if self.dry_sequence_breakers is not None:
             put("dry_sequence_breakers", _token_ids(c, "dry_sequence_breakers", self.dry_sequence_breakers))
 
@@ -167,6 +171,7 @@ class SamplingSettings:
             dry_multiplier=self.dry_multiplier, dry_base=self.dry_base,
             dry_allowed_length=min(self.dry_allowed_length, BIG), dry_max_ngram=min(self.dry_max_ngram, BIG),
             dry_range=min(self.dry_range, BIG), seed=seed,
+            cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale,
         )
 
     def bias(self) -> dict[int, float]:

@@ -76,6 +76,8 @@ class SpeculativeStep:
             m = 0  # the healed first token feeds the grammar only its text after the prefix: verify it alone
         if job.mirostat_mu is not None:
             m = 0  # mirostat's mu after a token depends on that token: positions cannot be verified in parallel
+        if job.cfg_partner is not None or job.cfg_owner is not None:
+            m = 0  # CFG: both prompts' rows take one token per step, sampled from their mixture
         if job.embeddings:
             m = 0  # prompt lookup could propose reserved ids, and a draft model has no embedding table
         base = job.kv_position + len(row.tokens)  # sequence index the row's first position samples

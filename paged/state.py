@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from models.lora import LoraStack
 from paged.sampling import SamplingRows
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 
@@ -116,6 +117,8 @@ class EngineState:
     v_scale: jnp.ndarray | None = None  # [L, KH, num_pages, page_size] float32, int8 cache only
     # Injected embeddings (`paged.embeddings`): token id `vocab_size + r` embeds as row r. None: no table.
     extra_embed: jnp.ndarray | None = None  # [max_embedding_tokens, H] float32
+    # LoRA adapters (`models.lora.LoraStack`, `max_loras` slots); a row's `Batch.lora_slots` entry picks one.
+    lora: LoraStack | None = None
 
     @property
     def num_pages(self) -> int:
@@ -133,12 +136,16 @@ class EngineState:
         return tree_nbytes(self)
 
     @staticmethod
-    def create(cfg, num_pages: int, page_size: int, dtype=jnp.float32, embedding_rows: int = 0) -> EngineState:
+    def create(cfg, num_pages: int, page_size: int, dtype=jnp.float32, embedding_rows: int = 0, lora_slots: int = 0,
+               lora_rank: int = 16) -> EngineState:
         """An empty cache. `dtype` float32/bfloat16/float16, or int8 (per-token-per-head scales alongside);
-        `embedding_rows` > 0 adds a zero table of injected embeddings."""
+        `embedding_rows` > 0 adds a zero table of injected embeddings, `lora_slots` > 0 an empty LoRA stack of
+        that many adapters of rank up to `lora_rank`."""
         state = EngineState._create(cfg, num_pages, page_size, dtype)
         if embedding_rows:
             state = state.replace(extra_embed=jnp.zeros((embedding_rows, cfg.hidden_size), jnp.float32))
+        if lora_slots:
+            state = state.replace(lora=LoraStack.create(cfg, lora_slots, lora_rank))
         return state
 
     @staticmethod
@@ -188,6 +195,8 @@ class Batch:
     sample_tokens: jnp.ndarray | None = None  # [S, W] int32: token slot of each sample point (0 for padding)
     drafts: jnp.ndarray | None = None  # [S', W - 1] int32: the draft tokens of each row (-1 padded)
     num_drafts: jnp.ndarray | None = None  # [S'] int32: drafts to verify per row (0: not a verification row)
+    # A forward input: each row's LoRA adapter (0: none; i: slot i - 1 of `EngineState.lora`). None: no adapters.
+    lora_slots: jnp.ndarray | None = None  # [S] int32: each row's LoRA adapter (0: none, i: stack slot i - 1)
 
 
 @struct.dataclass

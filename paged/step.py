@@ -211,9 +211,13 @@ def _forward(
         extra = batch.token_ids - cfg.vocab_size
         rows = jnp.take(state.extra_embed, jnp.clip(extra, 0, state.extra_embed.shape[0] - 1), axis=0)
         h = jnp.where((extra >= 0)[:, None], rows.astype(h.dtype), h)
+    lora = None
+    if state.lora is not None and batch.lora_slots is not None:  # each token runs through its row's adapter
+        lora = (state.lora, jnp.where(batch.token_rows < s_count,
+                                      batch.lora_slots[jnp.minimum(batch.token_rows, s_count - 1)], 0))
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
-                                   matmul_impl)
-    new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs, extra_embed=state.extra_embed)
+                                   matmul_impl, lora)
+    new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs, extra_embed=state.extra_embed, lora=state.lora)
     if shape.verify_len:  # every sample point: [S * W, H], point j of row s at s * W + j
         return new, h[batch.sample_tokens.reshape(-1)]
     if not shape.layout.num_prefill_rows:  # decode-only: row j's token is slot j

@@ -391,3 +391,57 @@ def test_full_sampler_flags_reach_the_settings(model_dir, tmp_path, chunks):
     with flags_set(*engine_args(model_dir, "--dry_range=5")):
         with pytest.raises(app.UsageError, match="dry_range"):
             generate.main(["generate"])
+
+
+def test_negative_prompt_flags_guide_every_job(model_dir, tmp_path, chunks):
+    out = tmp_path / "o.jsonl"
+    greedy = ("--temperature=0", "--prompt=Tell me about octopuses.", f"--output={out}")
+    run_main(*engine_args(model_dir, *greedy))
+    [plain] = read_jsonl(out)
+    run_main(*engine_args(model_dir, *greedy, "--negative_prompt=Be rude.", "--cfg_scale=1"))
+    [same] = read_jsonl(out)  # scale 1: the prompt alone
+    assert same["completion"] == plain["completion"] and same["new_tokens"] == 6
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    run_main(*engine_args(model_dir, f"--prompts_file={src}", f"--output={out}", "--negative_prompt=Be rude.",
+                          "--cfg_scale=3"))
+    assert [r["new_tokens"] for r in read_jsonl(out)] == [6, 6]
+    with flags_set(*engine_args(model_dir, "--temperature=0", "--negative_prompt=Be rude.", "--cfg_scale=3")):
+        tok = generate.load_model_from_flags().tokenizer
+        req = generate.encode_request(tok, generate.single_request("hi"))
+        job = generate.make_job(tok, req)
+    assert job.negative_ids == req.negative_ids and job.gen_settings.cfg_scale == 3.0
+    assert "Be rude." in tok.decode(job.negative_ids) and "hi" in tok.decode(job.input_ids)
+    for bad in (("--negative_prompt=x",), ("--cfg_scale=2",), ("--negative_prompt= ", "--cfg_scale=2")):
+        with flags_set(*engine_args(model_dir, *bad)):
+            with pytest.raises(app.UsageError, match="negative_prompt"):
+                generate.main(["generate"])
+
+
+def test_lora_flag_applies_the_adapter_to_every_job(model_dir, tmp_path, chunks):
+    import numpy as np
+
+    from models.lora import projection_shapes, save_lora
+
+    with flags_set(*engine_args(model_dir)):
+        cfg = generate.load_model_from_flags().config
+    rng = np.random.default_rng(0)
+    shapes = projection_shapes(cfg)
+    a = {(layer, p): rng.normal(0, 0.5, (24, shapes[p][0])) for layer in range(cfg.num_layers) for p in ("q", "down")}
+    b = {k: rng.normal(0, 0.5, (shapes[k[1]][1], 24)) for k in a}
+    save_lora(tmp_path / "adapter", cfg, a, b, r=24, lora_alpha=48)  # rank 24 > the default max_lora_rank 16
+    out = tmp_path / "o.jsonl"
+    greedy = ("--temperature=0", "--prompt=Tell me about octopuses.", f"--output={out}")
+    run_main(*engine_args(model_dir, *greedy))
+    [plain] = read_jsonl(out)
+    run_main(*engine_args(model_dir, *greedy, f"--lora={tmp_path / 'adapter'}"))
+    [adapted] = read_jsonl(out)
+    assert adapted["new_tokens"] == 6 and adapted["completion"] != plain["completion"]
+    with flags_set(*engine_args(model_dir, f"--lora={tmp_path / 'adapter'}")):
+        model = generate.load_model_from_flags()
+        gen = generate.build_generator(model)
+        job = generate.make_job(model.tokenizer, generate.encode_request(model.tokenizer,
+                                                                         generate.single_request("hi")))
+    assert set(gen.loras) == {generate.LORA_NAME} and job.lora == generate.LORA_NAME
+    with flags_set(*engine_args(model_dir, f"--lora={tmp_path / 'nope'}")):
+        with pytest.raises(app.UsageError, match="is not a directory"):
+            generate.main(["generate"])

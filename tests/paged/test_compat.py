@@ -229,8 +229,15 @@ def test_full_sampler_settings_map_to_native():
 
 
 def test_job_and_generator_arguments():
-    with pytest.raises(UnsupportedFeatureError, match="CFG"):
+    with pytest.raises(InvalidJobError, match="cfg_scale is None"):  # a CFG pair needs cfg_scale, as ExLlamaV2
         ExLlamaV2DynamicJob(input_ids=[np.asarray([[1, 2]]), np.asarray([[3]])], max_new_tokens=3)
+    j = ExLlamaV2DynamicJob(input_ids=[np.asarray([[1, 2]]), np.asarray([[3]])], max_new_tokens=3,
+                            gen_settings=ExLlamaV2Sampler.Settings(cfg_scale=1.5))
+    assert (j.input_ids, j.negative_ids, j.gen_settings.cfg_scale) == ([1, 2], [3], 1.5)
+    assert ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, lora="style").lora == "style"
+    with pytest.raises(InvalidJobError, match="shape"):
+        ExLlamaV2DynamicJob(input_ids=[np.ones((2, 2), int), np.asarray([[3]])], max_new_tokens=3,
+                            gen_settings=ExLlamaV2Sampler.Settings(cfg_scale=1.5))
     with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
         ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[object()])  # ExLlamaV2's filter objects
     assert ExLlamaV2DynamicJob(input_ids=[[1, 2]], max_new_tokens=3, filters=[RegexFilter("a+")],
@@ -263,7 +270,7 @@ def test_job_and_generator_arguments():
 
 
 def test_generate_rejects_what_is_not_implemented(generator):
-    with pytest.raises(UnsupportedFeatureError, match="CFG"):
+    with pytest.raises(InvalidJobError, match="no cfg_scale"):
         generator.generate(prompt=("positive", "negative"), max_new_tokens=4)
     with pytest.raises(InvalidJobError, match="filters must be a paged.filters.Filter"):
         generator.generate(prompt="a", max_new_tokens=4, filters=[[object()]])

@@ -181,3 +181,26 @@ def test_pending_pages_are_shared_but_not_reported_complete():
     pool.release(p3)
     pool.check({})
     assert pool.num_cached == 1  # only the complete page survives as prompt cache
+
+
+def test_allocate_many_references_every_hit_before_taking_fresh_pages():
+    """Two page lists admitted together (a CFG job's prompts): the second hits the least recently used cached page
+    and the first needs fresh pages beyond the free ones; allocated one after the other, the first would evict the
+    second's hit."""
+    pool = PagePool(5, 4)  # 4 usable pages
+    hx, hy = chain_hashes([1, 2, 3, 4], 4, 1), chain_hashes([5, 6, 7, 8], 4, 1)
+    x, _ = pool.allocate(hx, [(1, 2, 3, 4)], 1)
+    y, _ = pool.allocate(hy, [(5, 6, 7, 8)], 1)
+    for p in (x, y):
+        pool.mark_filled(p[0], 4)
+        pool.release(p)  # cached, evictable; x least recently used
+    requests = [([], [], 3), (hx, [(1, 2, 3, 4)], 1)]
+    assert pool.pages_needed_many(requests) == 4 == pool.available
+    (a, _), (b, complete) = pool.allocate_many(requests)
+    assert b == x and complete == 1 and y[0] in a  # y was evicted, not x
+    pool.release(a)
+    pool.release(b)
+    pool.check({})
+    # one cached page hit by both lists is revived once
+    both = [(hx, [(1, 2, 3, 4)], 2), (hx, [(1, 2, 3, 4)], 2)]
+    assert pool.pages_needed_many(both) == 1 + 1 + 1

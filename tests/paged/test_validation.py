@@ -22,7 +22,6 @@ from paged.errors import (
     InvalidSettingsError,
     InvalidSettingsTypeError,
     JobTooLargeError,
-    UnsupportedFeatureError,
 )
 from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
 
@@ -75,7 +74,7 @@ def assert_healthy_unharmed(bad_action, error: type[Exception], match: str | Non
 
 # ---------------------------------------------------------------------------------------------- Job(...)
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(input_ids=[[1, 2], [3]]), InvalidJobTypeError, "ragged"),
+    (dict(input_ids=[[1, 2], [3], [4, 5, 6]]), InvalidJobTypeError, "ragged"),
     (dict(input_ids="hello"), InvalidJobTypeError, "encode text first"),
     (dict(input_ids=[]), InvalidJobError, "empty"),
     (dict(input_ids=[1, -2]), InvalidJobError, "negative"),
@@ -326,10 +325,10 @@ def test_generate_rejects_bad_prompts():
     gen = make()
     with pytest.raises(InvalidJobError, match="prompt 1 cannot be encoded"):
         gen.generate(["ok", "bad \ud800 surrogate"], 3)
-    with pytest.raises(UnsupportedFeatureError, match="CFG"):
+    with pytest.raises(InvalidJobError, match="CFG pair .* no cfg_scale"):
         gen.generate(("positive", "negative"), 3)
-    with pytest.raises(UnsupportedFeatureError, match="prompt 1 is a tuple"):
-        gen.generate(["a", ("b", "c")], 3)
+    with pytest.raises(InvalidJobTypeError, match="prompt 1 is a tuple; a CFG pair is two strings"):
+        gen.generate(["a", ("b", "c", "d")], 3)
     with pytest.raises(InvalidJobTypeError, match="prompt 0 must be a string"):
         gen.generate([5], 3)
     with pytest.raises(InvalidJobError, match="empty list"):

@@ -1,0 +1,286 @@
+"""LoRA adapters in PEFT's file format: `load_lora(path, config) -> LoraAdapter`.
+
+A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, `use_rslora`, ...) and
+`adapter_model.safetensors` with, per adapted projection, `...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`
+`[r, in]` and `...lora_B.weight` `[out, r]`; the adapted weight is `W + scale * B @ A` with `scale = lora_alpha / r`
+(`lora_alpha / sqrt(r)` with `use_rslora`). This model computes `x @ W` with W stored `[in, out]`, so an adapter is
+kept as `a = A.T` `[in, r]` and `b = scale * B.T` `[r, out]`, per layer and per projection among q, k, v, o, gate,
+up, down (`LoraAdapter.weights`; projections the adapter leaves out are absent).
+
+Everything is checked against the model's config before anything is used: a missing file, invalid JSON, an
+unsupported option (`bias` other than "none", `fan_in_fan_out`, per-module `rank_pattern` / `alpha_pattern`, DoRA),
+a target outside the seven projections, a tensor of the wrong shape, a missing or unexpected tensor all raise a
+`ModelLoadError` subclass naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from models.config import ModelConfig
+from models.errors import (
+    CorruptFileError,
+    MissingWeightError,
+    ModelConfigError,
+    ModelFileNotFoundError,
+    WeightShapeError,
+)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's module names -> ours, in the order of the fused matmuls (q, k, v | o | gate, up | down)
+PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+               "down_proj": "down"}
+_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of `cfg`'s layers."""
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    return {"q": (h, cfg.num_heads * d), "k": (h, cfg.num_kv_heads * d), "v": (h, cfg.num_kv_heads * d),
+            "o": (cfg.num_heads * d, h), "gate": (h, f), "up": (h, f), "down": (f, h)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraAdapter:
+    """A loaded adapter: `weights[(layer, projection)] = (a [in, r], b [r, out])`, the scale folded into b, float32.
+    `digest` is a SHA-256 of the content (the prefix cache keys pages by it: two adapters never share a page)."""
+
+    rank: int
+    scale: float
+    targets: tuple[str, ...]  # projections adapted, among PROJECTIONS' values
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    digest: bytes
+    source: str = ""
+
+    def merged_delta(self, layer: int, projection: str) -> np.ndarray | None:
+        """`scale * (B @ A).T` `[in, out]`: what the adapter adds to that weight (None: it leaves it alone)."""
+        w = self.weights.get((layer, projection))
+        return None if w is None else w[0] @ w[1]
+
+
+# ---------------------------------------------------------------------------------------------------- device side
+# The layer's matmuls and the projections each one computes (the fused q|k|v and gate|up are one matmul each).
+GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+
+
+@struct.dataclass
+class LoraStack:
+    """Adapters stacked for the batched forward: `max_loras` slots of rank up to R, per layer. For each fused matmul
+    g of `GROUPS` (k projections): `a[g]` `[L, slots, in, k R]` (each projection's a in its R columns) and `b[g]`
+    `[L, slots, k R, out]` (block-diagonal: each projection's b in its rows and output columns), zero where a slot
+    holds nothing. A token whose slot index is 0 gets no adapter; index i >= 1 reads slot i - 1 (`lora_delta`)."""
+
+    a: dict[str, jnp.ndarray]
+    b: dict[str, jnp.ndarray]
+
+    @staticmethod
+    def create(cfg: ModelConfig, slots: int, rank: int) -> LoraStack:
+        shapes = projection_shapes(cfg)
+        a, b = {}, {}
+        for g, projs in GROUPS.items():
+            fan_in = shapes[projs[0]][0]
+            out = sum(shapes[p][1] for p in projs)
+            a[g] = jnp.zeros((cfg.num_layers, slots, fan_in, len(projs) * rank), jnp.float32)
+            b[g] = jnp.zeros((cfg.num_layers, slots, len(projs) * rank, out), jnp.float32)
+        return LoraStack(a=a, b=b)
+
+    @property
+    def slots(self) -> int:
+        return self.a["qkv"].shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.a["o"].shape[3]
+
+
+def slot_arrays(adapter: LoraAdapter, cfg: ModelConfig, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The adapter laid out as one slot of a `LoraStack` of rank `rank` (>= adapter.rank): per group, (a `[L, in,
+    k R]`, b `[L, k R, out]`) as numpy arrays."""
+    shapes = projection_shapes(cfg)
+    out = {}
+    for g, projs in GROUPS.items():
+        fan_in = shapes[projs[0]][0]
+        a = np.zeros((cfg.num_layers, fan_in, len(projs) * rank), np.float32)
+        b = np.zeros((cfg.num_layers, len(projs) * rank, sum(shapes[p][1] for p in projs)), np.float32)
+        col = 0
+        for j, p in enumerate(projs):
+            width = shapes[p][1]
+            for layer in range(cfg.num_layers):
+                w = adapter.weights.get((layer, p))
+                if w is not None:
+                    a[layer, :, j * rank : j * rank + adapter.rank] = w[0]
+                    b[layer, j * rank : j * rank + adapter.rank, col : col + width] = w[1]
+            col += width
+        out[g] = (a, b)
+    return out
+
+
+def lora_delta(x: jnp.ndarray, stack: LoraStack, layer: jnp.ndarray, group: str,
+               token_slots: jnp.ndarray) -> jnp.ndarray:
+    """f32 `[N, out]`: what the adapters add to matmul `group` of layer `layer` for tokens `x` `[N, in]` whose slot
+    indices are `token_slots` `[N]` (0: none). Slot by slot, each under a `lax.cond` that skips it when no token uses
+    it: `(x @ a) @ b` with the other tokens' rows zeroed. A step reads the weights of the adapters its tokens use, and
+    a batch without adapters reads none."""
+    a_all, b_all = stack.a[group], stack.b[group]  # [L, slots, in, kR], [L, slots, kR, out]
+    xf = x.astype(jnp.float32)
+    out = jnp.zeros((x.shape[0], b_all.shape[-1]), jnp.float32)
+    for s in range(a_all.shape[1]):
+        mine = token_slots == s + 1
+
+        def add(out=out, s=s, mine=mine) -> jnp.ndarray:
+            a = jax.lax.dynamic_index_in_dim(a_all, layer, 0, keepdims=False)[s]  # [in, kR]
+            b = jax.lax.dynamic_index_in_dim(b_all, layer, 0, keepdims=False)[s]  # [kR, out]
+            return out + jnp.where(mine[:, None], xf @ a, 0.0) @ b
+
+        out = jax.lax.cond(jnp.any(mine), add, lambda out=out: out)
+    return out
+
+
+def _fail_config(path: str, msg: str) -> ModelConfigError:
+    return ModelConfigError(f"LoRA adapter {path}: {msg}")
+
+
+def _targets(path: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):  # PEFT: a regex matched against full module names
+        names = tuple(ours for peft, ours in PROJECTIONS.items() if re.search(value, f"layers.0.x.{peft}"))
+        if not names:
+            raise _fail_config(path, f"target_modules regex {value!r} matches none of {list(PROJECTIONS)}")
+        return names
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _fail_config(path, f"target_modules must be a non-empty list of module names, got {value!r}")
+    out = []
+    for name in value:
+        if name not in PROJECTIONS:
+            raise _fail_config(path, f"target_modules entry {name!r} is not supported; LoRA here adapts "
+                               f"{list(PROJECTIONS)}")
+        out.append(PROJECTIONS[name])
+    return tuple(sorted(set(out), key=list(PROJECTIONS.values()).index))
+
+
+def read_adapter_config(path: str) -> dict:
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise ModelFileNotFoundError(f"LoRA adapter {path}: {CONFIG_FILE} not found (a PEFT adapter directory holds "
+                                     f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptFileError(f"LoRA adapter {file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise _fail_config(path, f"{CONFIG_FILE} must hold a JSON object")
+    return cfg
+
+
+def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
+    """Load and check a PEFT LoRA adapter directory for a model of `config` (see the module docstring)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ModelFileNotFoundError(f"LoRA adapter {path}: not a directory (a PEFT adapter directory holds "
+                                     f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    acfg = read_adapter_config(path)
+    r, alpha = acfg.get("r"), acfg.get("lora_alpha", acfg.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise _fail_config(path, f"r must be an int >= 1, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise _fail_config(path, f"lora_alpha must be a finite number, got {alpha!r}")
+    for key, neutral in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False), ("rank_pattern", {}),
+                         ("alpha_pattern", {}), ("modules_to_save", None)):
+        value = acfg.get(key, neutral)
+        if value != neutral and not (neutral is None and not value) and not (neutral == {} and not value):
+            raise _fail_config(path, f"{key}={value!r} is not supported (only plain LoRA: {key}={neutral!r})")
+    targets = _targets(path, acfg.get("target_modules"))
+    only = acfg.get("layers_to_transform")
+    layers = set(range(config.num_layers)) if only is None else {only} if isinstance(only, int) else set(only)
+    if not layers <= set(range(config.num_layers)):
+        raise _fail_config(path, f"layers_to_transform {sorted(layers)} is outside the model's {config.num_layers} "
+                           "layers")
+    scale = alpha / (math.sqrt(r) if acfg.get("use_rslora", False) else r)
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise ModelFileNotFoundError(f"LoRA adapter {path}: {WEIGHTS_FILE} not found")
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CorruptFileError(f"LoRA adapter {file}: cannot read it ({e})") from None
+    shapes = projection_shapes(config)
+    found: dict[tuple[int, str, str], np.ndarray] = {}
+    for name, t in tensors.items():
+        m = _TENSOR.search(name)
+        if m is None or m.group(2) not in PROJECTIONS:
+            raise WeightShapeError(f"LoRA adapter {file}: unexpected tensor {name!r} (expected "
+                                   "...layers.N.{self_attn|mlp}.{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight)",
+                                   tensor=name)
+        layer, proj, which = int(m.group(1)), PROJECTIONS[m.group(2)], m.group(3)
+        if layer not in layers or proj not in targets:
+            raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} is for layer {layer} {proj}, which "
+                                   f"{CONFIG_FILE} does not adapt (targets {list(targets)}, layers "
+                                   f"{sorted(layers)[:3]}...)", tensor=name)
+        if t.dtype.kind != "f":
+            raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} has dtype {t.dtype}; expected floats",
+                                   tensor=name)
+        fan_in, fan_out = shapes[proj]
+        want = (r, fan_in) if which == "A" else (fan_out, r)
+        if t.shape != want:
+            raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} has shape {list(t.shape)}; this model "
+                                   f"needs {list(want)} (r={r}, {proj} is {fan_in} -> {fan_out})", tensor=name)
+        found[(layer, proj, which)] = t.astype(np.float32)
+    weights = {}
+    for layer in sorted(layers):
+        for proj in targets:
+            for which in "AB":
+                if (layer, proj, which) not in found:
+                    raise MissingWeightError(f"LoRA adapter {file}: no lora_{which} tensor for layer {layer} {proj} "
+                                             f"(adapted by {CONFIG_FILE})", tensor=f"layers.{layer}.{proj}")
+            a, b = found[(layer, proj, "A")], found[(layer, proj, "B")]
+            weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(scale * b.T))
+    h = hashlib.sha256(repr((r, scale, targets)).encode())
+    for key in sorted(weights):
+        h.update(repr(key).encode())
+        for arr in weights[key]:
+            h.update(arr.tobytes())
+    return LoraAdapter(rank=r, scale=float(scale), targets=targets, weights=weights, digest=h.digest(), source=path)
+
+
+def save_lora(path: str | os.PathLike, config: ModelConfig, a: dict[tuple[int, str], np.ndarray],
+              b: dict[tuple[int, str], np.ndarray], *, r: int, lora_alpha: float, use_rslora: bool = False) -> None:
+    """Write an adapter in PEFT's format (`a[(layer, proj)]` `[r, in]` = lora_A, `b[...]` `[out, r]` = lora_B;
+    projections named q, k, v, o, gate, up, down): for tests, examples and the benchmark."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    ours = {v: k for k, v in PROJECTIONS.items()}
+    targets = sorted({ours[p] for _, p in a}, key=list(PROJECTIONS).index)
+    layers = sorted({layer for layer, _ in a})
+    acfg = {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "target_modules": targets, "use_rslora": use_rslora,
+            "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    if layers != list(range(config.num_layers)):
+        acfg["layers_to_transform"] = layers
+    with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(acfg, f)
+    tensors = {}
+    for (layer, proj), arr in a.items():
+        block = "self_attn" if proj in ("q", "k", "v", "o") else "mlp"
+        prefix = f"base_model.model.model.layers.{layer}.{block}.{ours[proj]}"
+        tensors[f"{prefix}.lora_A.weight"] = np.asarray(arr, np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.asarray(b[(layer, proj)], np.float32)
+    save_file(tensors, os.path.join(path, WEIGHTS_FILE))
+
+
+__all__ = ["GROUPS", "LoraAdapter", "LoraStack", "PROJECTIONS", "load_lora", "lora_delta", "projection_shapes",
+           "save_lora", "slot_arrays"]

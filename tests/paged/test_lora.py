@@ -1,0 +1,291 @@
+"""Per-job LoRA: PEFT adapters loaded into slots of a device stack, several in one batched step, each token through
+its own job's adapter; the reference is the model with the adapter merged into its weights (W + scale * B @ A)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from models import ModelConfig, init_random_weights
+from models.errors import (
+    CorruptFileError,
+    MissingWeightError,
+    ModelConfigError,
+    ModelFileNotFoundError,
+    WeightShapeError,
+)
+from models.loader import Model
+from models.lora import PROJECTIONS, load_lora, projection_shapes, save_lora
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError
+from paged.step import count_compiles
+from paged.testing import ByteTokenizer, drain
+
+TOK = ByteTokenizer()
+CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=5), tokenizer=TOK, source="tiny")
+GEN = dict(num_pages=64, page_size=8, max_batch_size=6, max_chunk_size=16, max_seq_len=96, max_loras=3,
+           max_lora_rank=8)
+GREEDY = SamplingSettings.greedy()
+RNG = np.random.default_rng(11)
+PROMPTS = [[int(t) for t in RNG.integers(0, 256, size=n)] for n in (37, 12, 25, 20)]
+
+
+ALL = tuple(PROJECTIONS.values())
+
+
+def write_adapter(path, r=4, alpha=8.0, targets=ALL, seed=0, layers=None, **kw):
+    rng = np.random.default_rng(seed)
+    shapes = projection_shapes(CFG)
+    a, b = {}, {}
+    for layer in (range(CFG.num_layers) if layers is None else layers):
+        for p in targets:
+            fan_in, fan_out = shapes[p]
+            a[(layer, p)] = rng.normal(0, 0.3, size=(r, fan_in))
+            b[(layer, p)] = rng.normal(0, 0.3, size=(fan_out, r))
+    save_lora(path, CFG, a, b, r=r, lora_alpha=alpha, **kw)
+    return path
+
+
+def merged(adapter) -> Model:
+    """The tiny model with the adapter merged into its weights."""
+    lw = MODEL.params.layers
+    f = CFG.intermediate_size
+    qkv, wo, gu, down = (np.array(x) for x in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+    cols = {"q": (qkv, 0), "k": (qkv, CFG.num_heads * CFG.head_dim),
+            "v": (qkv, (CFG.num_heads + CFG.num_kv_heads) * CFG.head_dim), "o": (wo, 0), "gate": (gu, 0),
+            "up": (gu, f), "down": (down, 0)}
+    for layer in range(CFG.num_layers):
+        for p in PROJECTIONS.values():
+            d = adapter.merged_delta(layer, p)
+            if d is not None:
+                w, c = cols[p]
+                w[layer, :, c : c + d.shape[1]] += d
+    layers = lw.replace(wqkv=qkv, wo=wo, w_gate_up=gu, w_down=down)
+    return Model(config=CFG, params=MODEL.params.replace(layers=layers), tokenizer=TOK, source="merged")
+
+
+def run(model, jobs, **kw):
+    g = DynamicGenerator(model, **{**GEN, **kw})
+    g.enqueue(jobs)
+    return drain(g)
+
+
+def logits_of(c, ident):
+    return np.concatenate([r["logits"] for r in c.results if r["identifier"] == ident and "logits" in r])
+
+
+def tokens_of(c, ident):
+    return [t for r in c.results if r["identifier"] == ident for t in r.get("token_ids", [])]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loras")
+    return {"a": write_adapter(d / "a", r=4, seed=1),
+            "b": write_adapter(d / "b", r=8, alpha=4.0, targets=("q", "v", "down"), seed=2, use_rslora=True),
+            "c": write_adapter(d / "c", r=2, targets=("o", "gate", "up"), seed=3, layers=[1])}
+
+
+def test_loading_reads_peft_files_and_folds_the_scale(adapters):
+    a = load_lora(adapters["a"], CFG)
+    assert a.rank == 4 and a.scale == 2.0 and a.targets == tuple(PROJECTIONS.values())
+    b = load_lora(adapters["b"], CFG)
+    assert b.scale == pytest.approx(4.0 / math.sqrt(8)) and b.targets == ("q", "v", "down")  # rslora
+    c = load_lora(adapters["c"], CFG)
+    assert set(c.weights) == {(1, "o"), (1, "gate"), (1, "up")} and c.merged_delta(0, "o") is None
+    assert len({a.digest, b.digest, c.digest, load_lora(adapters["a"], CFG).digest}) == 3
+
+
+def test_an_adapter_gives_the_logits_of_the_merged_weights(adapters):
+    g = DynamicGenerator(MODEL, **GEN)
+    g.load_lora("a", adapters["a"])
+    g.enqueue(Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a", lora="a", return_logits=True))
+    got = drain(g)
+    want = run(merged(g.loras["a"][1]), [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a",
+                                             return_logits=True)], max_loras=0)
+    assert tokens_of(got, "a") == tokens_of(want, "a") and len(tokens_of(got, "a")) == 8
+    np.testing.assert_allclose(logits_of(got, "a"), logits_of(want, "a"), atol=1e-4)
+    base = run(MODEL, [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a", return_logits=True)], max_loras=0)
+    assert np.max(np.abs(logits_of(base, "a")[0] - logits_of(got, "a")[0])) > 1e-2  # the adapter matters
+
+
+def test_a_batch_mixing_adapters_gives_each_job_its_own_output(adapters):
+    """Two adapters and none, prompts of other lengths (prefill chunks and decode rows in the same steps), a job
+    arriving late, sampled as well as greedy: each job gives what its merged model gives alone."""
+    g = DynamicGenerator(MODEL, **GEN)
+    for name in "ab":
+        g.load_lora(name, adapters[name])
+    sampled = SamplingSettings(temperature=0.9, top_k=30, repetition_penalty=1.0)
+    specs = [("a", PROMPTS[0], GREEDY), ("b", PROMPTS[1], GREEDY), (None, PROMPTS[2], GREEDY),
+             ("a", PROMPTS[3], sampled), ("b", PROMPTS[0], sampled)]
+    jobs = [Job(p, 10, gen_settings=s, seed=4, identifier=i, lora=name, return_logits=s is GREEDY)
+            for i, (name, p, s) in enumerate(specs)]
+    g.enqueue(jobs[:4])
+    got = drain_with_late(g, jobs[4])
+    for i, (name, p, s) in enumerate(specs):
+        ref_model = MODEL if name is None else merged(g.loras[name][1])
+        want = run(ref_model, [Job(p, 10, gen_settings=s, seed=4, identifier=i, return_logits=s is GREEDY)],
+                   max_loras=0)
+        assert tokens_of(got, i) == tokens_of(want, i), i
+        if s is GREEDY:
+            np.testing.assert_allclose(logits_of(got, i), logits_of(want, i), atol=1e-4)
+    g.pool.check({})
+
+
+def drain_with_late(g, late):
+    results = []
+    for step in range(300):
+        if step == 3:
+            g.enqueue(late)
+        if step > 3 and not g.num_remaining_jobs():
+            break
+        results += g.iterate()
+    from paged.testing import Collected
+
+    return Collected(results, {}, {r["identifier"]: r for r in results if r["eos"]})
+
+
+def test_loading_into_a_free_slot_compiles_nothing(adapters):
+    g = DynamicGenerator(MODEL, **GEN)
+    g.load_lora("a", adapters["a"])
+    g.warmup()
+    g.enqueue(Job(PROMPTS[1], 4, gen_settings=GREEDY, lora="a"))
+    drain(g)
+    before = count_compiles()
+    g.load_lora("b", adapters["b"])
+    g.enqueue([Job(PROMPTS[1], 4, gen_settings=GREEDY, lora="b"), Job(PROMPTS[2], 4, gen_settings=GREEDY)])
+    drain(g)
+    assert count_compiles() == before
+
+
+def test_pages_are_never_shared_across_adapters(adapters):
+    g = DynamicGenerator(MODEL, **GEN)
+    g.load_lora("a", adapters["a"])
+    g.load_lora("b", adapters["b"])
+    full_pages = (len(PROMPTS[0]) - 1) // 8
+    seen = []
+    for name in ("a", "b", None, "a", "b"):
+        g.enqueue(Job(PROMPTS[0], 3, gen_settings=GREEDY, lora=name, identifier=name))
+        seen.append(drain(g).finals[name]["cached_tokens"] // 8)
+    assert seen == [0, 0, 0, full_pages, full_pages]
+    g.pool.check({})
+
+
+def test_unload_and_reuse_a_slot(adapters):
+    g = DynamicGenerator(MODEL, **{**GEN, "max_loras": 1})
+    g.load_lora("a", adapters["a"])
+    with pytest.raises(InvalidConfigError, match="all 1 LoRA slots are taken"):
+        g.load_lora("b", adapters["b"])
+    job = Job(PROMPTS[1], 20, gen_settings=GREEDY, lora="a")
+    g.enqueue(job)
+    g.iterate()
+    with pytest.raises(InvalidConfigError, match="used by 1 queued or running job"):
+        g.unload_lora("a")
+    drain(g)
+    g.unload_lora("a")
+    with pytest.raises(InvalidJobError, match="not loaded"):
+        g.enqueue(Job(PROMPTS[1], 4, lora="a"))
+    g.load_lora("c", adapters["c"])  # the same slot, every entry rewritten
+    g.enqueue(Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="c", lora="c", return_logits=True))
+    got = drain(g)
+    want = run(merged(g.loras["c"][1]), [Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="c",
+                                             return_logits=True)], max_loras=0)
+    np.testing.assert_allclose(logits_of(got, "c"), logits_of(want, "c"), atol=1e-4)
+    with pytest.raises(InvalidConfigError, match="no adapter named 'zz'"):
+        g.unload_lora("zz")
+
+
+def test_cfg_and_speculation_run_lora_jobs(adapters):
+    """A CFG job with an adapter (both prompts through it), and n-gram speculation over a LoRA job, keep the
+    output of the plain runs."""
+    rep = (PROMPTS[1][:5] * 6)[:28]
+    plain = DynamicGenerator(MODEL, **GEN)
+    plain.load_lora("a", adapters["a"])
+    mk = lambda: [Job(rep, 10, gen_settings=GREEDY, lora="a", identifier="rep"),  # noqa: E731
+                  Job([PROMPTS[0], PROMPTS[1]], 6, gen_settings=SamplingSettings.greedy(cfg_scale=1.5), lora="a",
+                      identifier="cfg")]
+    plain.enqueue(mk())
+    want = drain(plain)
+    spec = DynamicGenerator(MODEL, **GEN, use_ngram_draft=True, num_draft_tokens=3)
+    spec.load_lora("a", adapters["a"])
+    jobs = mk()
+    spec.enqueue(jobs)
+    got = drain(spec)
+    assert tokens_of(got, "rep") == tokens_of(want, "rep") and jobs[0].drafted_tokens > 0
+    assert tokens_of(got, "cfg") == tokens_of(want, "cfg") and jobs[1].cfg_partner.lora_slot == jobs[1].lora_slot
+    # the CFG job through the merged model: the same tokens
+    ref = run(merged(plain.loras["a"][1]), [Job([PROMPTS[0], PROMPTS[1]], 6,
+                                                gen_settings=SamplingSettings.greedy(cfg_scale=1.5),
+                                                identifier="cfg")], max_loras=0)
+    assert tokens_of(ref, "cfg") == tokens_of(want, "cfg")
+
+
+def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
+    with pytest.raises(ModelFileNotFoundError, match="not a directory"):
+        load_lora(tmp_path / "nope", CFG)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFileNotFoundError, match="adapter_config.json not found"):
+        load_lora(tmp_path / "empty", CFG)
+
+    def variant(name, config=None, tensors=None, **kw):
+        d = write_adapter(tmp_path / name, **kw)
+        if config is not None:
+            cfg = json.loads((d / "adapter_config.json").read_text())
+            cfg.update(config)
+            (d / "adapter_config.json").write_text(json.dumps(cfg))
+        if tensors is not None:
+            from safetensors.numpy import load_file, save_file
+
+            t = load_file(d / "adapter_model.safetensors")
+            tensors(t)
+            save_file(t, d / "adapter_model.safetensors")
+        return d
+
+    with pytest.raises(ModelConfigError, match="r must be an int >= 1"):
+        load_lora(variant("r0", {"r": 0}), CFG)
+    with pytest.raises(ModelConfigError, match="'lm_head' is not supported"):
+        load_lora(variant("lm", {"target_modules": ["q_proj", "lm_head"]}), CFG)
+    with pytest.raises(ModelConfigError, match="bias='all' is not supported"):
+        load_lora(variant("bias", {"bias": "all"}), CFG)
+    with pytest.raises(ModelConfigError, match="use_dora"):
+        load_lora(variant("dora", {"use_dora": True}), CFG)
+    assert load_lora(variant("regex", {"target_modules": r".*\.(q|v)_proj"}, targets=("q", "v")), CFG).targets == (
+        "q", "v")
+    key = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"
+    with pytest.raises(WeightShapeError, match=r"has shape \[4, 31\]; this model needs \[4, 32\]"):
+        load_lora(variant("shape", tensors=lambda t: t.update({key: np.zeros((4, 31), np.float32)})), CFG)
+    with pytest.raises(MissingWeightError, match="no lora_A tensor for layer 1 q"):
+        load_lora(variant("missing", tensors=lambda t: t.pop(key)), CFG)
+    with pytest.raises(WeightShapeError, match="unexpected tensor"):
+        load_lora(variant("extra", tensors=lambda t: t.update({"lm_head.weight": np.zeros((2, 2), np.float32)})),
+                  CFG)
+    bad_json = variant("json")
+    (bad_json / "adapter_config.json").write_text("{not json")
+    with pytest.raises(CorruptFileError, match="not valid JSON"):
+        load_lora(bad_json, CFG)
+    (tmp_path / "json" / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
+    (tmp_path / "json" / "adapter_model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CorruptFileError, match="cannot read it"):
+        load_lora(tmp_path / "json", CFG)
+    other = ModelConfig(**{**CFG.__dict__, "hidden_size": 64, "head_dim": 16})
+    with pytest.raises(WeightShapeError, match="this model needs"):
+        load_lora(adapters["a"], other)
+
+    g = DynamicGenerator(MODEL, **GEN)
+    with pytest.raises(InvalidConfigError, match="max_lora_rank=8"):
+        g.load_lora("big", write_adapter(tmp_path / "big", r=12))
+    g.load_lora("a", adapters["a"])
+    with pytest.raises(InvalidConfigError, match="loaded already"):
+        g.load_lora("a", adapters["b"])
+    with pytest.raises(InvalidConfigError, match="max_loras=N"):
+        DynamicGenerator(MODEL, **{**GEN, "max_loras": 0}).load_lora("a", adapters["a"])
+    with pytest.raises(InvalidJobTypeError, match="lora"):
+        Job(PROMPTS[0], 3, lora=3)
+    with pytest.raises(InvalidJobError, match=r"lora='x' is not loaded \(loaded: \['a'\]\)"):
+        g.enqueue(Job(PROMPTS[0], 3, lora="x"))
+    assert not g.pending and g.pool.num_referenced == 0

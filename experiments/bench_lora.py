@@ -1,15 +1,16 @@
-"""Per-token cost of per-job LoRA in the batched step: decode steps of `--rows` rows with no adapter, with every row
-on one adapter, and with the rows spread over `--adapters` adapters (round robin).
+"""Per-token cost of per-job LoRA in the batched step: decode steps of `--lora_rows` rows with no adapter, with every
+row on one adapter, and with the rows spread over `--lora_adapters` adapters (round robin).
 
-    python -m experiments.bench_lora --model smollm2 --rows 16 --rank 16 --json_out experiments/results/lora_cpu.json
+    python -m experiments.bench_lora --lora_rows 16 --lora_rank 16 --json_out experiments/results/lora_cpu.json
 
-The engine holds `max(--adapters)` slots (`max_loras`); random adapters of rank `--rank` adapt all seven
+The model is the engine flags' `--model` / `--quant` (default: the embedded SmolLM2, Q4_1 kept). The engine holds
+`max(--lora_adapters)` slots (`max_loras`); random adapters of rank `--lora_rank` adapt all seven
 projections (the worst case). "none, no stack" is an engine built without LoRA (`max_loras=0`): the difference to
 "none" is what holding a stack costs a batch that uses none (the adapters' matmuls are skipped by a `lax.cond`).
-Each configuration runs `--iters` decode steps (every row one token at a `--context` position) after a warm-up,
-the configurations interleaved step by step (so a drifting machine load hits all alike); reported: the median step
-time, per-token time and the overhead per token against "none, no stack". Timings on a
-shared machine are only meaningful when it is idle (check `uptime`).
+Each configuration runs `--lora_iters` decode steps (every row one token at a `--lora_context` position) after a
+warm-up, the configurations interleaved step by step (so a drifting machine load hits all alike); reported: the
+median step time, per-token time and the overhead per token against "none, no stack". Timings on a shared machine
+are only meaningful when it is idle (check `uptime`).
 """
 
 from __future__ import annotations
@@ -20,18 +21,17 @@ import time
 
 from absl import app, flags
 
+from experiments import engine_flags
+
 FLAGS = flags.FLAGS
-for _define, _name, _default, _help in (
-        (flags.DEFINE_string, "model", "smollm2", "'smollm2' (embedded), 'tiny', an HF directory or a .gguf"),
-        (flags.DEFINE_string, "quant", "keep", "load-time quantization (as generate.py: keep = the file's own)"),
-        (flags.DEFINE_integer, "rows", 16, "decode rows per step"),
-        (flags.DEFINE_integer, "rank", 16, "LoRA rank r of the random adapters"),
-        (flags.DEFINE_list, "adapters", ["1", "4"], "adapter counts to mix in the batch (besides none)"),
-        (flags.DEFINE_integer, "context", 128, "position of each row's token (its KV length)"),
-        (flags.DEFINE_integer, "iters", 20, "timed decode steps per configuration"),
-        (flags.DEFINE_string, "json_out", None, "write the figures here as JSON")):
-    if _name not in FLAGS:  # (other experiment modules in the same process may define the same names)
-        _define(_name, _default, _help)
+engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), shared with the other scripts
+flags.DEFINE_integer("lora_rows", 16, "decode rows per step")
+flags.DEFINE_integer("lora_rank", 16, "LoRA rank r of the random adapters")
+flags.DEFINE_list("lora_adapters", ["1", "4"], "adapter counts to mix in the batch (besides none)")
+flags.DEFINE_integer("lora_context", 128, "position of each row's token (its KV length)")
+flags.DEFINE_integer("lora_iters", 20, "timed decode steps per configuration")
+if "json_out" not in FLAGS:
+    flags.DEFINE_string("json_out", None, "write the figures here as JSON")
 
 
 def random_adapter(cfg, rank: int, seed: int):
@@ -93,28 +93,28 @@ def measure(model, *, rows: int, rank: int, counts: list[int], context: int, ite
     for r in results:
         r["overhead_per_token_ms"] = r["per_token_ms"] - base
         r["overhead_pct"] = 100.0 * (r["per_token_ms"] / base - 1.0)
-    return results, engine.matmul_impl
+    return results, str(engine.matmul_impl)
 
 
 def main(argv):
     del argv
-    from experiments.common import load_experiment_model, write_record
+    from experiments.common import write_record
 
-    model = load_experiment_model(FLAGS.model, quant=None if FLAGS.quant == "keep" else FLAGS.quant)
-    results, matmul_impl = measure(model, rows=FLAGS.rows, rank=FLAGS.rank, counts=[int(x) for x in FLAGS.adapters],
-                                   context=FLAGS.context, iters=FLAGS.iters)
+    model = engine_flags.load_model()
+    results, matmul_impl = measure(model, rows=FLAGS.lora_rows, rank=FLAGS.lora_rank,
+                                   counts=[int(x) for x in FLAGS.lora_adapters], context=FLAGS.lora_context,
+                                   iters=FLAGS.lora_iters)
     for r in results:
         print(f"{r['config']:<24} step {r['step_ms_median']:8.2f} ms (min {r['step_ms_min']:8.2f})   per token "
               f"{r['per_token_ms']:7.3f} ms   {r['overhead_pct']:+6.1f}%")
+    names = ("model", "quant", "lora_rows", "lora_rank", "lora_adapters", "lora_context", "lora_iters")
     write_record(FLAGS.json_out, {
-        "what": f"decode step of {FLAGS.rows} rows at position {FLAGS.context}, rank-{FLAGS.rank} adapters on all "
-                "seven projections; median of --iters steps, configurations interleaved",
-        "model": FLAGS.model, "quant": FLAGS.quant, "rows": FLAGS.rows, "rank": FLAGS.rank, "iters": FLAGS.iters,
-        "matmul_impl": matmul_impl, "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-        "results": results,
+        "what": f"decode step of {FLAGS.lora_rows} rows at position {FLAGS.lora_context}, rank-{FLAGS.lora_rank} "
+                "adapters on all seven projections; median of --lora_iters steps, configurations interleaved",
+        "model": FLAGS.model, "quant": FLAGS.quant, "matmul_impl": matmul_impl,
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}", "results": results,
         "command": "python -m experiments.bench_lora " + " ".join(
-            f"--{k}={FLAGS[k].value if not isinstance(FLAGS[k].value, list) else ','.join(FLAGS[k].value)}"
-            for k in ("model", "quant", "rows", "rank", "adapters", "context", "iters")),
+            f"--{k}={','.join(v) if isinstance(v := FLAGS[k].value, list) else v}" for k in names),
     })
 
 

@@ -16,12 +16,12 @@ a target outside the seven projections, a tensor of the wrong shape, a missing o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import os
 import re
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,8 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 @dataclasses.dataclass(frozen=True)
 class LoraAdapter:
     """A loaded adapter: `weights[(layer, projection)] = (a [in, r], b [r, out])`, the scale folded into b, float32.
-    `digest` is a SHA-256 of the content (the prefix cache keys pages by it: two adapters never share a page)."""
+    `digest` is a SHA-256 of the content (`content_digest`; the prefix cache keys pages by it, and the generator
+    recomputes it when it loads an adapter, so two adapters never share a page)."""
 
     rank: int
     scale: float
@@ -105,6 +106,14 @@ class LoraStack:
         return self.a["o"].shape[3]
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def write_slot(stack: LoraStack, slot: jnp.ndarray, a: dict[str, jnp.ndarray], b: dict[str, jnp.ndarray]) -> LoraStack:
+    """The stack with slot `slot` (an int32 scalar: one compiled variant for every slot) replaced by `a[g]` `[L, in,
+    k R]` / `b[g]` `[L, k R, out]`, in place (the stack is donated)."""
+    return LoraStack(a={g: x.at[:, slot].set(a[g]) for g, x in stack.a.items()},
+                     b={g: x.at[:, slot].set(b[g]) for g, x in stack.b.items()})
+
+
 def slot_arrays(adapter: LoraAdapter, cfg: ModelConfig, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The adapter laid out as one slot of a `LoraStack` of rank `rank` (>= adapter.rank): per group, (a `[L, in,
     k R]`, b `[L, k R, out]`) as numpy arrays."""
@@ -152,21 +161,73 @@ def _fail_config(path: str, msg: str) -> ModelConfigError:
     return ModelConfigError(f"LoRA adapter {path}: {msg}")
 
 
-def _targets(path: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):  # PEFT: a regex matched against full module names
-        names = tuple(ours for peft, ours in PROJECTIONS.items() if re.search(value, f"layers.0.x.{peft}"))
-        if not names:
-            raise _fail_config(path, f"target_modules regex {value!r} matches none of {list(PROJECTIONS)}")
-        return names
+def _block(projection: str) -> str:
+    return "self_attn" if projection in ("q", "k", "v", "o") else "mlp"
+
+
+def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
+    """The (layer, projection) pairs the adapter's config says it adapts. A list of module names is combined with
+    `layers_to_transform`; a string is PEFT's regex, matched in full (`re.fullmatch`) against each module's name
+    (`model.layers.{i}.{self_attn|mlp}.{name}`)."""
+    value, only = acfg.get("target_modules"), acfg.get("layers_to_transform")
+    if only is None:
+        layers = set(range(num_layers))
+    else:
+        layers = {only} if isinstance(only, int) and not isinstance(only, bool) else only
+        if not isinstance(layers, (set, list)) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                          for x in layers):
+            raise _fail_config(path, f"layers_to_transform must be an int or a list of ints, got {only!r}")
+        layers = set(layers)
+        if not layers <= set(range(num_layers)):
+            raise _fail_config(path, f"layers_to_transform {sorted(layers)} is outside the model's {num_layers} "
+                               "layers")
+    if isinstance(value, str):
+        try:
+            pattern = re.compile(value)
+        except re.error as e:
+            raise _fail_config(path, f"target_modules regex {value!r} is invalid ({e})") from None
+        pairs = {(i, ours) for i in layers for peft, ours in PROJECTIONS.items()
+                 if pattern.fullmatch(f"model.layers.{i}.{_block(ours)}.{peft}")}
+        if not pairs:
+            raise _fail_config(path, f"target_modules regex {value!r} matches none of the model's "
+                               f"{list(PROJECTIONS)} modules (names like model.layers.0.self_attn.q_proj)")
+        return pairs
     if not isinstance(value, (list, tuple)) or not value:
-        raise _fail_config(path, f"target_modules must be a non-empty list of module names, got {value!r}")
-    out = []
+        raise _fail_config(path, f"target_modules must be a non-empty list of module names or a regex, got "
+                           f"{value!r}")
     for name in value:
         if name not in PROJECTIONS:
             raise _fail_config(path, f"target_modules entry {name!r} is not supported; LoRA here adapts "
                                f"{list(PROJECTIONS)}")
-        out.append(PROJECTIONS[name])
-    return tuple(sorted(set(out), key=list(PROJECTIONS.values()).index))
+    return {(i, PROJECTIONS[name]) for i in layers for name in value}
+
+
+def content_digest(rank: int, weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]) -> bytes:
+    """SHA-256 of an adapter's content (its folded `a`, `b` arrays): what the prefix cache keys its pages by."""
+    h = hashlib.sha256(repr(rank).encode())
+    for key in sorted(weights):
+        h.update(repr(key).encode())
+        for arr in weights[key]:
+            arr = np.ascontiguousarray(arr, np.float32)
+            h.update(repr(arr.shape).encode())
+            h.update(arr.tobytes())
+    return h.digest()
+
+
+def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
+    """`WeightShapeError` unless every weight of `adapter` fits a model of `config` (for adapters built in code)."""
+    shapes = projection_shapes(config)
+    for key, pair in adapter.weights.items():
+        if (not isinstance(key, tuple) or len(key) != 2 or isinstance(key[0], bool) or not isinstance(key[0], int)
+                or not 0 <= key[0] < config.num_layers or key[1] not in shapes):
+            raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: weight key {key!r} is not a "
+                                   f"(layer in [0, {config.num_layers}), projection in {list(shapes)}) pair")
+        a, b = (np.asarray(x) for x in pair)
+        fan_in, fan_out = shapes[key[1]]
+        if a.shape != (fan_in, adapter.rank) or b.shape != (adapter.rank, fan_out):
+            raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: layer {key[0]} {key[1]} has a "
+                                   f"{list(a.shape)} and b {list(b.shape)}; rank {adapter.rank} on this model needs "
+                                   f"{[fan_in, adapter.rank]} and {[adapter.rank, fan_out]}")
 
 
 def read_adapter_config(path: str) -> dict:
@@ -204,19 +265,15 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
         value = acfg.get(key, neutral)
         if value != neutral and not (neutral is None and not value) and not (neutral == {} and not value):
             raise _fail_config(path, f"{key}={value!r} is not supported (only plain LoRA: {key}={neutral!r})")
-    targets = _targets(path, acfg.get("target_modules"))
-    only = acfg.get("layers_to_transform")
-    layers = set(range(config.num_layers)) if only is None else {only} if isinstance(only, int) else set(only)
-    if not layers <= set(range(config.num_layers)):
-        raise _fail_config(path, f"layers_to_transform {sorted(layers)} is outside the model's {config.num_layers} "
-                           "layers")
+    adapted = _adapted(path, acfg, config.num_layers)
+    targets = tuple(p for p in PROJECTIONS.values() if any(q == p for _, q in adapted))
     scale = alpha / (math.sqrt(r) if acfg.get("use_rslora", False) else r)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise ModelFileNotFoundError(f"LoRA adapter {path}: {WEIGHTS_FILE} not found")
     try:
         tensors = load_file(file)
-    except (SafetensorError, OSError, ValueError) as e:
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
         raise CorruptFileError(f"LoRA adapter {file}: cannot read it ({e})") from None
     shapes = projection_shapes(config)
     found: dict[tuple[int, str, str], np.ndarray] = {}
@@ -227,11 +284,10 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
                                    "...layers.N.{self_attn|mlp}.{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight)",
                                    tensor=name)
         layer, proj, which = int(m.group(1)), PROJECTIONS[m.group(2)], m.group(3)
-        if layer not in layers or proj not in targets:
+        if (layer, proj) not in adapted:
             raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} is for layer {layer} {proj}, which "
-                                   f"{CONFIG_FILE} does not adapt (targets {list(targets)}, layers "
-                                   f"{sorted(layers)[:3]}...)", tensor=name)
-        if t.dtype.kind != "f":
+                                   f"{CONFIG_FILE} does not adapt (target_modules, layers_to_transform)", tensor=name)
+        if not jnp.issubdtype(t.dtype, jnp.floating):  # (bf16 loads as ml_dtypes' bfloat16, dtype kind 'V')
             raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} has dtype {t.dtype}; expected floats",
                                    tensor=name)
         fan_in, fan_out = shapes[proj]
@@ -239,22 +295,17 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
         if t.shape != want:
             raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} has shape {list(t.shape)}; this model "
                                    f"needs {list(want)} (r={r}, {proj} is {fan_in} -> {fan_out})", tensor=name)
-        found[(layer, proj, which)] = t.astype(np.float32)
+        found[(layer, proj, which)] = np.asarray(t.astype(np.float32))
     weights = {}
-    for layer in sorted(layers):
-        for proj in targets:
-            for which in "AB":
-                if (layer, proj, which) not in found:
-                    raise MissingWeightError(f"LoRA adapter {file}: no lora_{which} tensor for layer {layer} {proj} "
-                                             f"(adapted by {CONFIG_FILE})", tensor=f"layers.{layer}.{proj}")
-            a, b = found[(layer, proj, "A")], found[(layer, proj, "B")]
-            weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(scale * b.T))
-    h = hashlib.sha256(repr((r, scale, targets)).encode())
-    for key in sorted(weights):
-        h.update(repr(key).encode())
-        for arr in weights[key]:
-            h.update(arr.tobytes())
-    return LoraAdapter(rank=r, scale=float(scale), targets=targets, weights=weights, digest=h.digest(), source=path)
+    for layer, proj in sorted(adapted):
+        for which in "AB":
+            if (layer, proj, which) not in found:
+                raise MissingWeightError(f"LoRA adapter {file}: no lora_{which} tensor for layer {layer} {proj} "
+                                         f"(adapted by {CONFIG_FILE})", tensor=f"layers.{layer}.{proj}")
+        a, b = found[(layer, proj, "A")], found[(layer, proj, "B")]
+        weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(np.float32(scale) * b.T))
+    return LoraAdapter(rank=r, scale=float(scale), targets=targets, weights=weights,
+                       digest=content_digest(r, weights), source=path)
 
 
 def save_lora(path: str | os.PathLike, config: ModelConfig, a: dict[tuple[int, str], np.ndarray],
@@ -275,12 +326,11 @@ def save_lora(path: str | os.PathLike, config: ModelConfig, a: dict[tuple[int, s
         json.dump(acfg, f)
     tensors = {}
     for (layer, proj), arr in a.items():
-        block = "self_attn" if proj in ("q", "k", "v", "o") else "mlp"
-        prefix = f"base_model.model.model.layers.{layer}.{block}.{ours[proj]}"
+        prefix = f"base_model.model.model.layers.{layer}.{_block(proj)}.{ours[proj]}"
         tensors[f"{prefix}.lora_A.weight"] = np.asarray(arr, np.float32)
         tensors[f"{prefix}.lora_B.weight"] = np.asarray(b[(layer, proj)], np.float32)
     save_file(tensors, os.path.join(path, WEIGHTS_FILE))
 
 
-__all__ = ["GROUPS", "LoraAdapter", "LoraStack", "PROJECTIONS", "load_lora", "lora_delta", "projection_shapes",
-           "save_lora", "slot_arrays"]
+__all__ = ["GROUPS", "LoraAdapter", "LoraStack", "PROJECTIONS", "check_adapter", "content_digest", "load_lora",
+           "lora_delta", "projection_shapes", "save_lora", "slot_arrays", "write_slot"]

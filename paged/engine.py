@@ -127,8 +127,9 @@ class Engine:
 
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Write a `models.lora.LoraAdapter` into slot `slot` (0-based) of the LoRA stack (rows whose `lora_slot` is
-        `slot + 1` then run through it): a host-side copy of the stack, no compilation. `None` clears the slot."""
-        from models.lora import LoraStack, slot_arrays
+        `slot + 1` then run through it), in place on the device (`models.lora.write_slot`: one small compiled
+        update for every slot, outside the step's variants). `None` clears the slot."""
+        from models.lora import slot_arrays, write_slot
 
         stack = self.state.lora
         if stack is None or not 0 <= slot < stack.slots:
@@ -136,13 +137,13 @@ class Engine:
         if adapter is not None and adapter.rank > stack.rank:
             raise InvalidConfigError(f"LoRA adapter {adapter.source}: rank {adapter.rank} exceeds the engine's "
                                      f"max_lora_rank={stack.rank}; raise max_lora_rank")
-        arrays = None if adapter is None else slot_arrays(adapter, self.cfg, stack.rank)
-        a, b = {}, {}
-        for g in stack.a:
-            ha, hb = np.array(stack.a[g]), np.array(stack.b[g])
-            ha[:, slot], hb[:, slot] = (0.0, 0.0) if arrays is None else arrays[g]
-            a[g], b[g] = ha, hb
-        self.state = self.state.replace(lora=jax.device_put(LoraStack(a=a, b=b)))
+        if adapter is None:
+            a = {g: np.zeros((x.shape[0], *x.shape[2:]), np.float32) for g, x in stack.a.items()}
+            b = {g: np.zeros((x.shape[0], *x.shape[2:]), np.float32) for g, x in stack.b.items()}
+        else:
+            arrays = slot_arrays(adapter, self.cfg, stack.rank)
+            a, b = {g: ab[0] for g, ab in arrays.items()}, {g: ab[1] for g, ab in arrays.items()}
+        self.state = self.state.replace(lora=write_slot(stack, np.int32(slot), a, b))
 
     # ------------------------------------------------------------------ speculative decoding
     def enable_verification(self, num_draft_tokens: int, draft_probs: bool) -> None:

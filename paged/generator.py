@@ -15,6 +15,7 @@ no job has advanced, and the generator stays usable.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -201,7 +202,7 @@ class DynamicGenerator:
         (`adapter_config.json` + `adapter_model.safetensors`) or a `models.lora.LoraAdapter`. It takes a free slot of
         the engine's stack (`max_loras`; no recompilation). Errors: a name in use, no free slot, an engine without
         LoRA (`InvalidConfigError`); a bad adapter or one that does not fit the model (`models.ModelLoadError`)."""
-        from models.lora import LoraAdapter, load_lora, projection_shapes
+        from models.lora import LoraAdapter, check_adapter, content_digest, load_lora
 
         with self.lock:
             if not isinstance(name, str) or not name:
@@ -219,12 +220,9 @@ class DynamicGenerator:
                                          "unload_lora one or raise max_loras")
             model_cfg = getattr(getattr(self.engine, "model", None), "config", None)
             if isinstance(source, LoraAdapter):
-                adapter = source
-                shapes = projection_shapes(model_cfg)
-                for (layer, proj), (a, b) in adapter.weights.items():
-                    if layer >= model_cfg.num_layers or (a.shape[0], b.shape[1]) != shapes[proj]:
-                        raise InvalidConfigError(f"load_lora: adapter {name!r} does not fit this model (layer "
-                                                 f"{layer} {proj}: {a.shape[0]} -> {b.shape[1]})")
+                check_adapter(source, model_cfg)
+                # the pages are keyed by the content, whatever digest the object carries
+                adapter = dataclasses.replace(source, digest=content_digest(source.rank, source.weights))
             else:
                 adapter = load_lora(source, model_cfg)
             self.engine.load_lora(free[0], adapter)
@@ -567,7 +565,7 @@ class DynamicGenerator:
             self.output.advance(job.cfg_partner, 1)
         r = self.output.receive(job, int(out.token[i]), extras, now)
         if job.cfg_partner is not None:
-            self.output.follow(job)
+            self.output.follow(job, final=r["eos"])
         self.tokens_generated += 1
         results.append(r)
         if r["eos"]:
@@ -608,7 +606,7 @@ class DynamicGenerator:
             self.output.advance(job.cfg_partner, 1)
         fed = self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now)
         if job.cfg_partner is not None:
-            self.output.follow(job)
+            self.output.follow(job, final=any(r["eos"] for r in fed))
         for r in fed:
             self.tokens_generated += 1
             results.append(r)
@@ -671,6 +669,7 @@ class DynamicGenerator:
         filters: Sequence[Any] | None = None,
         filter_prefer_eos: bool = False,
         embeddings: Sequence[MMEmbedding] | None = None,
+        lora: str | None = None,
     ):
         """Generate completions for one prompt (-> str) or a list (-> list[str]) through the job API. Jobs enqueued
         by other callers keep running; their results are kept for the next `iterate()`. With `seed`, prompt i
@@ -678,8 +677,9 @@ class DynamicGenerator:
         list per prompt (as ExLlamaV2), or None. With `abort_event` set, the jobs are cancelled and None is returned.
         A tuple prompt `(positive, negative)` is a CFG pair, as in ExLlamaV2: its gen_settings must set
         `cfg_scale` (`Job` has the details). `embeddings` (`paged.embeddings.MMEmbedding`): each one's
-        `text_alias` in a prompt stands for its vectors (as ExLlamaV2's `embeddings=`). If a job fails while
-        running (`eos_reason="error"`), `JobFailure` is raised once all the prompts are done."""
+        `text_alias` in a prompt stands for its vectors (as ExLlamaV2's `embeddings=`). `lora`: the name of a loaded
+        adapter every prompt runs through (`load_lora`). If a job fails while running (`eos_reason="error"`),
+        `JobFailure` is raised once all the prompts are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
         single = isinstance(prompt, (str, tuple))
@@ -746,7 +746,7 @@ class DynamicGenerator:
                             decode_special_tokens=decode_special_tokens, identifier=("generate", i),
                             token_healing=token_healing, banned_strings=banned_strings,
                             filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos,
-                            embeddings=[e for e in embeddings if e.first_id in used] or None))
+                            embeddings=[e for e in embeddings if e.first_id in used] or None, lora=lora))
         self.enqueue(jobs)
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)

@@ -56,8 +56,9 @@ def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
 
 def _cfg_pair(c: Checker, input_ids: Any) -> tuple[Any, Any] | None:
     """(positive, negative) when `input_ids` is a CFG pair: a list/tuple of two sequences or a (2, n) array."""
-    if isinstance(input_ids, np.ndarray):
-        return (input_ids[0], input_ids[1]) if input_ids.ndim == 2 and input_ids.shape[0] == 2 else None
+    if hasattr(input_ids, "shape") and hasattr(input_ids, "__array__"):  # numpy, jax, torch (on the CPU) arrays
+        arr = np.asarray(input_ids)
+        return (arr[0], arr[1]) if arr.ndim == 2 and arr.shape[0] == 2 else None
     if isinstance(input_ids, (list, tuple)) and input_ids and not isinstance(input_ids[0], (int, np.integer)):
         if len(input_ids) == 2 and all(not isinstance(x, (str, bytes)) and hasattr(x, "__len__") for x in input_ids):
             return input_ids[0], input_ids[1]

@@ -65,20 +65,24 @@ class JobOutput:
         for p in range(c // ps, len(job.pages)):  # position c - 1 is re-fed with the same token: keep it
             self.pool.truncate(job.pages[p], c - p * ps)
 
-    def follow(self, job: Job) -> None:
+    def follow(self, job: Job, final: bool = False) -> None:
         """CFG: after the job received its token (and perhaps rewound), its negative prompt's job takes the same
         output tokens. Its row fed its last token this step (`advance` before the job's `receive`); tokens taken
         back by a rewind are taken back there too, and its pages truncated the same way."""
         neg = job.cfg_partner
         had = len(neg.sequence)
-        neg.sequence[neg.prompt_len :] = job.sequence[job.prompt_len :]
+        c = neg.prompt_len + len(job.sequence) - job.prompt_len  # its length now (the kept tokens are a prefix)
+        if c > had:
+            neg.sequence.extend(job.sequence[job.prompt_len + had - neg.prompt_len :])
         neg.new_tokens = job.new_tokens
-        c = len(neg.sequence)
         if c <= had:  # a banned string took tokens back: re-feed token c - 1 to sample position c again
+            del neg.sequence[c:]
             neg.kv_position = min(neg.kv_position, c - 1)
             ps = self.page_size
             for p in range(c // ps, len(neg.pages)):
                 self.pool.truncate(neg.pages[p], c - p * ps)
+        if final:  # its output is final too: its complete pages become reusable
+            self.hash_pages(neg, neg.kv_position)
 
     # ------------------------------------------------------------------ results
     def feed(self, job: Job, tokens: list[int], kv_advance: int, extras: list[dict], now: float) -> list[dict]:

@@ -269,8 +269,8 @@ class Scheduler:
                         continue  # waits for a later step
                     rows.append(row)
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
-                k = next((i for i, o in enumerate(owners) if o is job or o is job.cfg_partner), len(owners))
-                del rows[k:], owners[k:]  # (a CFG job's rows planned before the failure)
+                while owners and owners[-1] in members(job):  # (a CFG job's rows planned before the failure)
+                    self._take_back(rows, owners, len(owners) - 1)
                 failed.append((job, e))
                 continue
             owners.append(job)
@@ -328,17 +328,20 @@ class Scheduler:
             v = job if v is None else v
             for x in members(v):  # already planned this step: take its rows back
                 while x in owners:
-                    i = owners.index(x)
-                    row = rows.pop(i)
-                    owners.pop(i)
-                    if len(row.tokens) > 1 or not row.sample:
-                        self._budget += len(row.tokens)
-                        self._prefill_rows -= len(row.tokens) > 1
+                    self._take_back(rows, owners, owners.index(x))
             self.preempt(v)
             preempted.add(id(v))
             if v is job:
                 return False
         return True
+
+    def _take_back(self, rows: list[RowInput], owners: list[Job], i: int) -> None:
+        """Remove planned row `i`, returning its prefill tokens and prefill row to the step's budget."""
+        row = rows.pop(i)
+        owners.pop(i)
+        if len(row.tokens) > 1 or not row.sample:
+            self._budget += len(row.tokens)
+            self._prefill_rows -= len(row.tokens) > 1
 
     def burst(self, rows: list[RowInput], owners: list[Job], want_logits: bool, admission_waiting: bool) -> int:
         """Decode steps for this engine call: `decode_steps` when it is safe to run them blind, else 1.

@@ -3,10 +3,11 @@ model, on a virtual clock, so policies can be compared at scales (and on hardwar
 
 - `StepShape`: what a step's cost depends on: prefill tokens, decode rows, KV tokens attended (the sum over rows of
   the context after the step's tokens) and the token slots of the shape bucket the batch is padded to.
-- `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`; `constant(s)` for hand-checkable
-  tests, `fit(samples)` (non-negative least squares) for measured step times. Saved as JSON with the device and
-  model it was measured on (`experiments/profile_step.py --fit_out` writes one; `experiments/results/` holds the
-  2-core CPU + SmolLM2 fit).
+- `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`, plus `coef["wide_step"]` once for
+  a step wider than `narrow_tokens` token slots (where the CPU engine leaves its native decode kernel for XLA's
+  dequantize-then-dot path: a cost of its own); `constant(s)` for hand-checkable tests, `fit(samples)`
+  (non-negative least squares) for measured step times. Saved as JSON with the device and model it was measured on
+  (`experiments/profile_step.py --fit_out` writes one; `experiments/results/` holds the 2-core CPU + SmolLM2 fit).
 - `SimulatedEngine`: implements `paged.engine_api.EngineProtocol`. Tokens come from the deterministic fake model of
   `paged.testing.FakeEngine` (next token = last token + 1); each `run` advances its `clock` (a `VirtualClock`) by
   the model's prediction for the step's shape. A generator built on it takes that clock (`DynamicGenerator(engine=
@@ -35,7 +36,7 @@ from paged.engine_api import StepOutput
 from paged.errors import InvalidConfigError
 from paged.testing import FakeEngine
 
-FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens")
+FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step")
 SCHEMA = "step_time_model/1"
 
 
@@ -67,13 +68,21 @@ class StepShape:
             padded = layout.num_tokens
         return cls(prefill, decode, kv, padded)
 
-    def features(self) -> list[float]:
-        return [float(getattr(self, f)) for f in FEATURES]
+    @property
+    def tokens(self) -> int:
+        """Token slots of the step: the bucket's (`padded_tokens`), or without buckets its real tokens."""
+        return self.padded_tokens or self.prefill_tokens + self.decode_rows
+
+    def features(self, narrow_tokens: int = 0) -> list[float]:
+        """The values of FEATURES; `wide_step` is 1 for a step of more than `narrow_tokens` token slots (0: never)."""
+        wide = float(bool(narrow_tokens) and self.tokens > narrow_tokens)
+        return [wide if f == "wide_step" else float(getattr(self, f)) for f in FEATURES]
 
 
 @dataclasses.dataclass
 class StepTimeModel:
-    """seconds(step) = base_s + sum over FEATURES of coef[f] * shape.f (every coefficient >= 0)."""
+    """seconds(step) = base_s + sum over FEATURES of coef[f] * shape.f (every coefficient >= 0); the `wide_step`
+    feature is 1 for steps of more than `narrow_tokens` token slots (0: no such term, as in fits without it)."""
 
     base_s: float
     coef: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -81,6 +90,7 @@ class StepTimeModel:
     model: str = "unspecified"
     notes: str = ""
     fit_stats: dict = dataclasses.field(default_factory=dict)
+    narrow_tokens: int = 0
 
     def __post_init__(self):
         unknown = sorted(set(self.coef) - set(FEATURES))
@@ -89,9 +99,14 @@ class StepTimeModel:
         for name, v in [("base_s", self.base_s), *self.coef.items()]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise InvalidConfigError(f"StepTimeModel: {name} must be a finite number >= 0 (seconds), got {v!r}")
+        n = self.narrow_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidConfigError(f"StepTimeModel: narrow_tokens must be an int >= 0 (0: no wide_step term), got "
+                                     f"{n!r}")
 
     def predict(self, shape: StepShape) -> float:
-        return self.base_s + sum(c * getattr(shape, f) for f, c in self.coef.items())
+        values = dict(zip(FEATURES, shape.features(self.narrow_tokens)))
+        return self.base_s + sum(c * values[f] for f, c in self.coef.items())
 
     @classmethod
     def constant(cls, seconds: float) -> StepTimeModel:
@@ -100,16 +115,17 @@ class StepTimeModel:
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], *, device: str = "unspecified",
-            model: str = "unspecified", notes: str = "") -> StepTimeModel:
+            model: str = "unspecified", notes: str = "", narrow_tokens: int = 0) -> StepTimeModel:
         """Non-negative least squares of `seconds` on the features (plus an intercept), minimising relative error
-        (each sample weighted by 1 / its time, so short decode steps count as much as long prefill steps)."""
+        (each sample weighted by 1 / its time, so short decode steps count as much as long prefill steps).
+        `narrow_tokens`: the widest step of the engine's narrow matmul path (0: one path, no `wide_step` term)."""
         if len(shapes) != len(seconds) or len(shapes) < len(FEATURES) + 1:
             raise InvalidConfigError(f"StepTimeModel.fit: need as many times as shapes and at least "
                                      f"{len(FEATURES) + 1} samples, got {len(shapes)} shapes, {len(seconds)} times")
         y = np.asarray(seconds, np.float64)
         if not (np.all(np.isfinite(y)) and np.all(y > 0)):
             raise InvalidConfigError("StepTimeModel.fit: step times must be finite and > 0")
-        x = np.asarray([[1.0, *s.features()] for s in shapes], np.float64)
+        x = np.asarray([[1.0, *s.features(narrow_tokens)] for s in shapes], np.float64)
         w = 1.0 / y
         coef = _nnls(x * w[:, None], y * w)
         pred = x @ coef
@@ -118,7 +134,7 @@ class StepTimeModel:
                  "max_abs_rel_error": float(rel.max()),
                  "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-30))}
         return cls(base_s=float(coef[0]), coef={f: float(c) for f, c in zip(FEATURES, coef[1:])}, device=device,
-                   model=model, notes=notes, fit_stats=stats)
+                   model=model, notes=notes, fit_stats=stats, narrow_tokens=narrow_tokens)
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, **dataclasses.asdict(self)}

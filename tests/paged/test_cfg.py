@@ -161,6 +161,8 @@ def test_each_prompt_shares_cached_prefix_pages():
     first = Job([POS, NEG + OTHER], 6, gen_settings=SamplingSettings.greedy(cfg_scale=1.5), identifier="first")
     g.enqueue(first)
     c1 = drain(g)
+    neg = first.cfg_partner  # both prompts' complete pages, output included, are in the prompt cache
+    assert len(neg.page_hashes) == (len(neg.sequence) - 1) // 8 and all(h in g.pool.by_hash for h in neg.page_hashes)
     hits = g.pool.prefix_hits
     again = Job([POS, NEG + OTHER], 6, gen_settings=SamplingSettings.greedy(cfg_scale=1.5), identifier="again")
     g.enqueue(again)

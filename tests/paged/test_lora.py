@@ -112,6 +112,10 @@ def test_an_adapter_gives_the_logits_of_the_merged_weights(adapters):
     np.testing.assert_allclose(logits_of(got, "a"), logits_of(want, "a"), atol=1e-4)
     base = run(MODEL, [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a", return_logits=True)], max_loras=0)
     assert np.max(np.abs(logits_of(base, "a")[0] - logits_of(got, "a")[0])) > 1e-2  # the adapter matters
+    prompt = "Octopuses have three hearts"  # generate(lora=...): every prompt through the adapter
+    want = DynamicGenerator(merged(g.loras["a"][1]), **{**GEN, "max_loras": 0}).generate(prompt, 5,
+                                                                                        gen_settings=GREEDY)
+    assert g.generate(prompt, 5, gen_settings=GREEDY, lora="a") == want != g.generate(prompt, 5, gen_settings=GREEDY)
 
 
 def test_a_batch_mixing_adapters_gives_each_job_its_own_output(adapters):
@@ -289,3 +293,51 @@ def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
     with pytest.raises(InvalidJobError, match=r"lora='x' is not loaded \(loaded: \['a'\]\)"):
         g.enqueue(Job(PROMPTS[0], 3, lora="x"))
     assert not g.pending and g.pool.num_referenced == 0
+
+
+def test_bf16_adapters_and_peft_regexes_load(adapters, tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    d = write_adapter(tmp_path / "bf16", r=4, seed=1)
+    t = load_file(d / "adapter_model.safetensors")
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}, d / "adapter_model.safetensors")
+    a, ref = load_lora(d, CFG), load_lora(adapters["a"], CFG)
+    np.testing.assert_allclose(a.merged_delta(1, "q"), ref.merged_delta(1, "q"), rtol=0.05, atol=0.05)
+
+    def regex(name, pattern, **kw):
+        d = write_adapter(tmp_path / name, **kw)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg["target_modules"] = pattern
+        cfg.pop("layers_to_transform", None)
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        return load_lora(d, CFG)
+
+    assert regex("qv", r".*\.self_attn\.(q_proj|v_proj)", targets=("q", "v")).targets == ("q", "v")
+    one = regex("l1", r"model\.layers\.1\.self_attn\.(q|v)_proj", targets=("q", "v"), layers=[1])
+    assert set(one.weights) == {(1, "q"), (1, "v")}
+    with pytest.raises(ModelConfigError, match="matches none"):
+        regex("none", r"q_proj", targets=("q",))  # PEFT matches the whole module name
+
+
+def test_adapters_given_as_objects_are_checked_and_keyed_by_their_content(adapters):
+    import dataclasses
+
+    g = DynamicGenerator(MODEL, **GEN)
+    a = load_lora(adapters["a"], CFG)
+    g.load_lora("a", a)
+    tripled = dataclasses.replace(a, weights={k: (x, 3 * y) for k, (x, y) in a.weights.items()})  # a's digest
+    g.load_lora("t", tripled)
+    g.enqueue(Job(PROMPTS[0], 6, gen_settings=GREEDY, lora="a", identifier="a"))
+    drain(g)
+    g.enqueue(Job(PROMPTS[0], 6, gen_settings=GREEDY, lora="t", identifier="t"))
+    c = drain(g)
+    assert c.finals["t"]["cached_tokens"] == 0  # not a's pages
+    want = run(merged(g.loras["t"][1]), [Job(PROMPTS[0], 6, gen_settings=GREEDY, identifier="t")], max_loras=0)
+    assert tokens_of(c, "t") == tokens_of(want, "t")
+    for bad, match in ((dataclasses.replace(a, weights={(0, "lm_head"): a.weights[(0, "q")]}), "weight key"),
+                       (dataclasses.replace(a, weights={(-1, "q"): a.weights[(0, "q")]}), "weight key"),
+                       (dataclasses.replace(a, rank=3), "rank 3 on this model needs")):
+        with pytest.raises(WeightShapeError, match=match):
+            g.load_lora("bad", bad)
+    assert "bad" not in g.loras

@@ -62,6 +62,9 @@ def test_step_time_model_predict_fit_save_load(tmp_path):
     assert back == fit
     with pytest.raises(InvalidConfigError, match="unknown coefficient"):
         StepTimeModel(0.0, {"flops": 1.0})
+    with pytest.raises(InvalidConfigError, match="narrow_tokens"):
+        StepTimeModel(0.0, narrow_tokens=-1)
+
     with pytest.raises(InvalidConfigError, match="base_s must be a finite number >= 0"):
         StepTimeModel(-1.0)
     with pytest.raises(InvalidConfigError, match="profile_step"):
@@ -70,6 +73,23 @@ def test_step_time_model_predict_fit_save_load(tmp_path):
     with pytest.raises(InvalidConfigError, match="schema"):
         StepTimeModel.load(path)
 
+
+def test_the_wide_step_term_is_paid_once_by_steps_wider_than_the_narrow_path():
+    """The CPU engine decodes up to 16 token slots with its native kernel and wider steps through XLA: the fit
+    finds the jump, which a model without the term spreads over the other coefficients."""
+    m = StepTimeModel(0.01, {"decode_rows": 2e-3, "padded_tokens": 1e-5, "wide_step": 0.03}, narrow_tokens=16)
+    assert m.predict(StepShape(0, 16, 100, 16)) == pytest.approx(0.01 + 0.032 + 16e-5)  # narrow: no jump
+    assert m.predict(StepShape(1, 16, 100, 32)) == pytest.approx(0.01 + 0.032 + 32e-5 + 0.03)
+    assert m.predict(StepShape(20, 0, 100, 0)) == pytest.approx(0.01 + 0.03)  # unpadded: its 20 real tokens
+    assert StepTimeModel(0.01, {"wide_step": 0.03}).predict(StepShape(64, 0, 0, 64)) == 0.01  # narrow_tokens 0
+    rng = np.random.default_rng(1)
+    pre, dec, kv = rng.choice([0, 0, 16, 64, 256], 60), rng.integers(1, 16, 60), rng.integers(0, 4096, 60)
+    shapes = [StepShape(int(p), int(d), int(k), int(p + d + (-(p + d)) % 16)) for p, d, k in zip(pre, dec, kv)]
+    fit = StepTimeModel.fit(shapes, [m.predict(s) for s in shapes], narrow_tokens=16)
+    assert fit.coef["wide_step"] == pytest.approx(0.03) and fit.fit_stats["mean_abs_rel_error"] < 1e-9
+    assert fit.narrow_tokens == 16 and StepTimeModel.from_dict(fit.to_dict()) == fit
+    plain = StepTimeModel.fit(shapes, [m.predict(s) for s in shapes])
+    assert plain.coef["wide_step"] == 0.0 and plain.fit_stats["mean_abs_rel_error"] > 0.05
 
 def test_simulated_engine_timings_are_virtual_and_exact():
     sim = SimulatedEngine(CFG, StepTimeModel.constant(0.5))

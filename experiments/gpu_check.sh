@@ -5,7 +5,7 @@
 # "auto" implementation). Each stage has its own time limit, so one hang does not eat the rest; logs and JSON go
 # to $OUT (default experiments/results/tmp).
 #
-#   bash experiments/gpu_check.sh [stage ...]      stages: facts gpu_tier bench bench_large fast_tier (default: all)
+#   bash experiments/gpu_check.sh [stage ...]      stages: facts build gpu_tier bench bench_large fast_tier (default: all)
 #
 # Needs the project's dependencies importable (pip install -e ".[cuda12,test]"); wheels placed in .whl/ are
 # installed first into /tmp/site (for a machine without a package index).
@@ -22,7 +22,7 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 PYTEST=($PY -m pytest -p pallas_kernels.pytest_plugin -q -ra)
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(facts gpu_tier bench bench_large fast_tier)
+[ ${#stages[@]} -eq 0 ] && stages=(facts build gpu_tier bench bench_large fast_tier)
 FAST_MODULES=${FAST_MODULES:-tests}
 FAST_TIMEOUT=${FAST_TIMEOUT:-330}
 
@@ -32,6 +32,9 @@ for stage in "${stages[@]}"; do
     facts)
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv
       $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
+      ;;
+    build)  # the native CPU kernel, in place (the tree runs from source here): its tests check the build
+      $PY setup.py -q build_ext --inplace 2>&1 | grep -i "not built\|error" ; ls pallas_kernels/*.so
       ;;
     gpu_tier)
       timeout 240 "${PYTEST[@]}" -n 0 -m gpu -s tests/pallas_kernels 2>&1 | tee "$OUT/gpu_tier.log" | tail -40

@@ -32,7 +32,7 @@ from paged.step import (
     step_forward,
     step_sample,
 )
-from pallas_kernels import registry
+from pallas_kernels import native, registry
 from pallas_kernels.dequant_matmul import gpu_unsupported_reason as matmul_gpu_reason
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 from pallas_kernels.paged_attention import gpu_unsupported_reason as attention_gpu_reason
@@ -46,7 +46,14 @@ MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
 def check_kernels_fit(model: Model, config: EngineConfig) -> None:
     """On a GPU, `InvalidConfigError` when an explicitly chosen built-in Pallas kernel cannot run this model natively
     (its shape rules: `gpu_unsupported_reason` of each kernel). "auto" never fails here: it falls back to "xla"
-    per shape. Off the GPU the kernels run interpreted, where every shape works."""
+    per shape. Off the GPU the kernels run interpreted, where every shape works. `matmul_impl="native"` (the CPU
+    kernel) fails here wherever it cannot run: on a GPU backend, or where it was not built."""
+    mm, mm_tuning = split_tuning(config.matmul_impl)
+    leaves = jax.tree.leaves(model.params, is_leaf=lambda a: isinstance(a, QuantizedArray))
+    quantized = [a for a in leaves if isinstance(a, QuantizedArray)]
+    if mm == "native" and quantized and (why := native.unavailable_reason()) is not None:
+        raise InvalidConfigError(f"matmul_impl='native' cannot run here: {why}. Use matmul_impl='auto' (the native "
+                                 "kernel on the CPU where it is built, the Pallas kernel on a GPU, XLA elsewhere)")
     if not registry.on_gpu():
         return
     attn, attn_tuning = split_tuning(config.attn_impl)
@@ -57,11 +64,9 @@ def check_kernels_fit(model: Model, config: EngineConfig) -> None:
         if reason:
             raise InvalidConfigError(f"attn_impl='pallas' cannot run this model on the GPU: {reason}. Use "
                                      "attn_impl='auto' (falls back to 'xla' for such shapes) or 'xla'")
-    mm, mm_tuning = split_tuning(config.matmul_impl)
     mm_tuning = mm_tuning if mm_tuning is not None else config.matmul_tuning
     if mm == "pallas":
-        leaves = jax.tree.leaves(model.params, is_leaf=lambda a: isinstance(a, QuantizedArray))
-        for qa in (a for a in leaves if isinstance(a, QuantizedArray)):
+        for qa in quantized:
             reason = matmul_gpu_reason(qa, mm_tuning)
             if reason:
                 raise InvalidConfigError(f"matmul_impl='pallas' cannot run this model's {qa.shape[0]}x{qa.shape[1]} "

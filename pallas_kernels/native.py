@@ -86,10 +86,20 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 _REGISTERED = False
 
 
-@functools.cache
 def unavailable_reason() -> str | None:
-    """Why the native kernel cannot run here, or None when it can (built, loadable, AVX2, and its smoke test passes
-    against the reference on the CPU)."""
+    """Why the native kernel cannot run here, or None when it can: JAX's default backend is the CPU (the kernel is an
+    XLA:CPU custom call; in a process whose arrays live on a GPU the Pallas kernel serves instead), and the kernel is
+    built, loadable, has AVX2 and passes its smoke test against the reference."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return (f"it is a CPU kernel and JAX's default backend here is {backend!r} (set JAX_PLATFORMS=cpu to run on "
+                "the CPU)")
+    return build_reason()
+
+
+@functools.cache
+def build_reason() -> str | None:
+    """Why the built kernel cannot run on this CPU, or None (built, loadable, AVX2, smoke test passed)."""
     lib, why = _load()
     if why is not None:
         return why

@@ -54,6 +54,28 @@ def test_keep_on_a_float_checkpoint_keeps_floats(tiny_dir):
         load_model(tiny_dir, quant="int3", load_tokenizer=False)
 
 
+def test_native_matmul_where_it_cannot_run_is_a_config_error(tiny_dir, monkeypatch):
+    """`matmul_impl="native"` is refused at construction, with the reason, where the CPU kernel cannot run: on a GPU
+    backend (its arrays live on the GPU; seen on an H200 before this check, a trace-time KernelError) and where it was
+    not built. A float model ignores the impl, so it constructs."""
+    from paged import DynamicGenerator
+    from paged.errors import InvalidConfigError
+    from pallas_kernels import native
+
+    m = load_model(tiny_dir, quant="int8", load_tokenizer=False)
+    small = dict(num_pages=6, page_size=8, max_batch_size=1, max_chunk_size=16, max_seq_len=16, matmul_impl="native")
+    monkeypatch.setattr(native.jax, "default_backend", lambda: "gpu")
+    assert "CPU kernel" in native.unavailable_reason() and not native.available()
+    with pytest.raises(InvalidConfigError, match=r"matmul_impl='native' cannot run here: it is a CPU kernel"):
+        DynamicGenerator(m, **small)
+    monkeypatch.setattr(native.jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(native, "build_reason", lambda: "the native kernel is not built (test)")
+    with pytest.raises(InvalidConfigError, match=r"cannot run here: the native kernel is not built \(test\)"):
+        DynamicGenerator(m, **small)
+    monkeypatch.undo()
+    DynamicGenerator(load_model(tiny_dir, load_tokenizer=False), **small)
+
+
 @pytest.mark.slow  # fast tier: the kernel itself in tests/pallas_kernels
 def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monkeypatch):
     from paged import DynamicGenerator, Job, SamplingSettings

@@ -27,7 +27,18 @@ def test_the_kernel_is_built_wherever_it_can_be():
     # The build is optional (setup.py); on a machine with a compiler, a silently skipped build is a failure.
     if not BUILDABLE:
         pytest.skip("no C++ compiler or not x86-64: the XLA path is the fallback")
-    assert native.unavailable_reason() is None
+    assert native.build_reason() is None
+
+
+def test_a_gpu_backend_makes_the_cpu_kernel_unavailable(monkeypatch):
+    """In a process whose default backend is a GPU the kernel (an XLA:CPU custom call) is unavailable with a reason,
+    `native` is a clear KernelError, and `auto` never picks it."""
+    monkeypatch.setattr(native.jax, "default_backend", lambda: "gpu")
+    assert native.unavailable_reason().startswith("it is a CPU kernel and JAX's default backend here is 'gpu'")
+    assert not native.available()
+    x, qa = make("q4_1", 32, 64, 64, 1, jnp.float16)
+    with pytest.raises(KernelError, match="matmul_impl 'native' cannot run here: it is a CPU kernel"):
+        dequant_matmul(x, qa, impl="native")
 
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")

@@ -4,10 +4,12 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 - `copy`: rewrite or quote a given text or code (the output repeats the prompt: n-gram territory);
 - `chat`: open questions (the draft model's territory).
 
-Each configuration warms up (compiles) first, then times `generate()` over the batch; the JSON record carries the
-flags, git state, device and versions (`experiments.serving.env`). Needs the generator wiring of issue 13 phase 2
-(`DynamicGenerator(model, draft_model=..., num_draft_tokens=..., use_ngram_draft=..., max_ngram=...)` and the
-`accepted_draft_tokens` / `rejected_draft_tokens` final-result fields).
+Drafter names: `none`, `ngram`, `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
+(`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
+`paged/draft_gate.py`). Each configuration warms up (compiles) first; then, per workload and batch size b, the same
+`--num_prompts` seeded prompts run with at most b jobs in the generator at once (a finished job's slot takes the
+next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
+record carries the flags, git state, device and versions (`experiments.serving.env`).
 
     python -m experiments.bench_speculative --draft_dir=/tmp/smollm2-draft-4l --json_out=/tmp/bench_spec.json
 """
@@ -24,8 +26,11 @@ from experiments.common import CHAT, COPY_TASKS, TEXTS, chat_prompt, write_recor
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
 flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
-flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run")
-flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs per run")
+flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run (each may take the "
+                  "suffix _adaptive: adaptive_draft=True)")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs in the generator at once")
+flags.DEFINE_integer("num_prompts", 0, "prompts per workload and batch size (0: the largest batch size)")
+flags.DEFINE_float("draft_token_cost", None, "_adaptive drafters: the step-cost model's rho (None: the backend's)")
 flags.DEFINE_list("workloads", ["copy", "chat"], "seeded workloads")
 flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
 flags.DEFINE_integer("max_ngram", 4, "n-gram drafter: longest suffix matched")
@@ -57,42 +62,56 @@ def main(argv):
 
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
-    drafts = {"none": None, "ngram": None, "self": truncated_model(target, FLAGS.self_draft_layers)}
+    drafts = {"none": None, "ngram": None}
+    if any(d.removesuffix("_adaptive") == "self" for d in FLAGS.drafters):
+        drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if FLAGS.draft_dir:
         drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False)
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "self_draft_layers", "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
-                                                        "max_new_tokens", "temperature", "seed")},
+                                                        "max_new_tokens", "temperature", "seed", "num_prompts",
+                                                        "draft_token_cost")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
+    unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
+    if unknown:
+        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, self, distilled (each may end in "
+                             "_adaptive)")
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    num_prompts = FLAGS.num_prompts or max(batch_sizes)
     for drafter in FLAGS.drafters:
-        if drafter not in drafts:
+        base, adaptive = drafter.removesuffix("_adaptive"), drafter.endswith("_adaptive")
+        if base not in drafts:
             print(f"skipping {drafter} (no --draft_dir)")
             continue
         kw = {}
-        if drafter == "ngram":
+        if base == "ngram":
             kw = dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens)
-        elif drafts[drafter] is not None:
-            kw = dict(draft_model=drafts[drafter], num_draft_tokens=FLAGS.num_draft_tokens)
-        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), max_seq_len=1024, **kw)
+        elif drafts[base] is not None:
+            kw = dict(draft_model=drafts[base], num_draft_tokens=FLAGS.num_draft_tokens)
+        if kw and adaptive:
+            kw.update(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost)
+        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes),
+                               max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
         t0 = time.perf_counter()
         if FLAGS.warmup:
             gen.warmup()
         compile_s = time.perf_counter() - t0
         for wl in FLAGS.workloads:
             for bs in batch_sizes:
-                prompts = [chat_prompt(tok, p) for p in workload(wl, bs, FLAGS.seed)]
+                prompts = [chat_prompt(tok, p) for p in workload(wl, num_prompts, FLAGS.seed)]
                 jobs = [Job(tok.encode(p, encode_special_tokens=True), FLAGS.max_new_tokens, gen_settings=settings,
                             seed=FLAGS.seed + i, stop_conditions=[tok.eos_token_id] if hasattr(tok, "eos_token_id")
                             else None) for i, p in enumerate(prompts)]
                 before = gen.metrics()
-                gen.enqueue(jobs)
                 t0 = time.perf_counter()
                 finals = []
-                while gen.num_remaining_jobs():
+                waiting = list(jobs)
+                while waiting or gen.num_remaining_jobs():
+                    while waiting and gen.num_remaining_jobs() < bs:  # at most bs jobs at once
+                        gen.enqueue(waiting.pop(0))
                     finals += [r for r in gen.iterate() if r["eos"]]
                 dt = time.perf_counter() - t0
                 new = sum(r["new_tokens"] for r in finals)
@@ -106,10 +125,11 @@ def main(argv):
                        "acceptance_rate": acc / (acc + rej) if acc + rej else None, "compile_s": compile_s,
                        "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
                        "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
+                       "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
                        "metrics": {k: v for k, v in gen.metrics().items() if not isinstance(v, (list, dict))}}
                 record["runs"].append(run)
                 rate, mal = run["acceptance_rate"], run["mean_accepted_length"]
-                print(f"{drafter:>9} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
+                print(f"{drafter:>18} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
                       f"{'-' if rate is None else f'{100 * rate:.1f}%'}  mean accepted length "
                       f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
     base = {(r["workload"], r["batch_size"]): r["tokens_per_s"] for r in record["runs"] if r["drafter"] == "none"}

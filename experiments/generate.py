@@ -115,6 +115,10 @@ flags.DEFINE_string("draft_model", None, "speculative decoding with a draft mode
 flags.DEFINE_integer("num_draft_tokens", 4, "tokens drafted per job and step (with --draft_model or --ngram_draft)")
 flags.DEFINE_bool("ngram_draft", False, "speculative decoding with n-gram prompt lookup (no draft model)")
 flags.DEFINE_integer("max_ngram", 4, "--ngram_draft: longest suffix looked up in the prompt and output")
+flags.DEFINE_bool("adaptive_draft", False, "verify drafts only in steps where they are expected to pay for the "
+                  "verification (per-job acceptance against a step-cost model; docs/speculative.md)")
+flags.DEFINE_float("draft_token_cost", None, "--adaptive_draft: the cost model's rho, one query token over a step's "
+                   "fixed cost (default: the backend's measured value)")
 # --- constrained decoding (paged/filters.py): the output of every job follows these (they intersect)
 flags.DEFINE_string("json_schema", None, "a JSON-schema file: the output is one JSON value valid under it")
 flags.DEFINE_string("regex", None, "the output matches this regular expression as a whole (Rust regex syntax)")
@@ -281,8 +285,14 @@ def speculation_kwargs(model) -> dict:
         raise app.UsageError("--draft_model and --ngram_draft: choose one drafter")
     if FLAGS.num_draft_tokens < 1 or FLAGS.max_ngram < 1:
         raise app.UsageError("--num_draft_tokens and --max_ngram must be >= 1")
+    adaptive = dict(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost) if FLAGS.adaptive_draft else {}
+    if (FLAGS.adaptive_draft or FLAGS.draft_token_cost is not None) and not (FLAGS.ngram_draft or FLAGS.draft_model):
+        raise app.UsageError("--adaptive_draft / --draft_token_cost need --ngram_draft or --draft_model")
+    if FLAGS.draft_token_cost is not None and not FLAGS.adaptive_draft:
+        raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
     if FLAGS.ngram_draft:
-        return dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens)
+        return dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens,
+                    **adaptive)
     if not FLAGS.draft_model:
         return {}
     from models import ModelError, load_model
@@ -300,7 +310,7 @@ def speculation_kwargs(model) -> dict:
             draft = load_model(src, dtype=FLAGS.dtype)  # its tokenizer, if it has one, must be the model's
     except ModelError as e:
         raise app.UsageError(f"--draft_model {src}: {e}") from e
-    return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens)
+    return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens, **adaptive)
 
 
 def speculation_line(metrics: dict) -> str | None:
@@ -309,7 +319,8 @@ def speculation_line(metrics: dict) -> str | None:
         return None
     return (f"[speculative: {metrics['accepted_draft_tokens']} / {metrics['drafted_tokens']} drafts accepted "
             f"({100 * metrics['acceptance_rate']:.1f}%), mean accepted length {metrics['mean_accepted_length']:.2f} "
-            f"tokens per verification]")
+            f"tokens per verification" + (f", {metrics['gated_steps']} steps not verified (adaptive)"
+                                         if metrics.get("gated_steps") else "") + "]")
 
 
 # ---------------------------------------------------------------------------------------------------- prompts

@@ -355,7 +355,8 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
 _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "max_embedding_tokens",
                   "max_loras", "max_lora_rank",
                   "decode_steps", "cache_dtype",
-                  "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock")
+                  "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock",
+                  "adaptive_draft", "draft_token_cost")
 
 
 # ---------------------------------------------------------------------------------------------- async

@@ -99,6 +99,8 @@ class DynamicGenerator:
         num_draft_tokens: int = 4,
         use_ngram_draft: bool = False,
         max_ngram: int = 4,
+        adaptive_draft: bool = False,
+        draft_token_cost: float | None = None,
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
@@ -117,9 +119,12 @@ class DynamicGenerator:
         last `max_ngram` tokens) drafts up to `num_draft_tokens` tokens per decoding job and step, verified in the same
         ragged step; the output is the one without speculation (greedy: token for token; sampled: in distribution,
         seeded reruns identical). Without a drafter nothing changes. Decode bursts (`decode_steps`) are off while
-        speculating.
+        speculating. `adaptive_draft=True`: a step verifies only where its drafts are expected to pay for the
+        verification (`paged.draft_gate`: per-job acceptance estimates against a step-cost model whose per-token cost
+        ratio is `draft_token_cost`; None: the backend's measured default); else every step with drafts verifies.
         """
-        speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram)
+        speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
+                                           draft_token_cost)
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
@@ -179,7 +184,8 @@ class DynamicGenerator:
         if speculate:
             self.speculation = SpeculativeStep(engine, self.scheduler, draft_model=draft_model,
                                                num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
-                                               max_ngram=max_ngram, tokenizer=tokenizer)
+                                               max_ngram=max_ngram, tokenizer=tokenizer, adaptive=adaptive_draft,
+                                               draft_token_cost=draft_token_cost)
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)

@@ -58,10 +58,14 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to `k` tokens that followed the most recent earlier occurrence of the longest matching suffix
         (empty if no suffix of length >= 1 occurred before)."""
+        return self.propose_match(k)[0]
+
+    def propose_match(self, k: int) -> tuple[list[int], int]:
+        """`propose(k)` and the length of the suffix that matched (0: none)."""
         toks = self.tokens
         for n in range(min(self.max_ngram, len(toks)), 0, -1):
             stack = self._next.get(tuple(toks[len(toks) - n :]))
             if stack:
                 start = stack[-1]
-                return toks[start : start + k]
-        return []
+                return toks[start : start + k], n
+        return [], 0

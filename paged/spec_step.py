@@ -17,6 +17,7 @@ from single steps (see the module docstring of `paged.speculative` for the call 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,8 @@ from paged.filters import compute_masks, mask_allows
 from paged.speculative import Accepted, SpecRow, Speculator
 
 
-def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any) -> bool:
+def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
+                           adaptive_draft: Any = False, draft_token_cost: Any = None) -> bool:
     """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
     given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -38,6 +40,16 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
     if draft_model is not None and use_ngram_draft:
         raise InvalidConfigError("DynamicGenerator: speculative decoding takes one drafter: pass draft_model= or "
                                  "use_ngram_draft=True, not both")
+    if not isinstance(adaptive_draft, bool):
+        raise InvalidConfigError(f"DynamicGenerator: adaptive_draft must be a bool, got {adaptive_draft!r}")
+    if draft_token_cost is not None and (isinstance(draft_token_cost, bool)
+                                         or not isinstance(draft_token_cost, (int, float))
+                                         or not math.isfinite(draft_token_cost) or draft_token_cost < 0):
+        raise InvalidConfigError(f"DynamicGenerator: draft_token_cost must be a finite number >= 0 (the cost of "
+                                 f"one query token over a step's fixed cost) or None, got {draft_token_cost!r}")
+    if (adaptive_draft or draft_token_cost is not None) and draft_model is None and not use_ngram_draft:
+        raise InvalidConfigError("DynamicGenerator: adaptive_draft / draft_token_cost need a drafter (draft_model= "
+                                 "or use_ngram_draft=True)")
     return draft_model is not None or use_ngram_draft
 
 
@@ -49,7 +61,8 @@ class SpeculativeStep:
     (`enable_verification`), and a draft model needs the JAX `paged.engine.Engine`."""
 
     def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None):
+                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
+                 draft_token_cost: float | None = None):
         if not hasattr(engine, "enable_verification"):
             raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
                                      f"(enable_verification); {type(engine).__name__} does not")
@@ -57,7 +70,8 @@ class SpeculativeStep:
             raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.engine.Engine as the "
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
         self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                                     use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer)
+                                     use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer,
+                                     adaptive=adaptive, draft_token_cost=draft_token_cost)
         self.k = num_draft_tokens
         self.scheduler = scheduler
         self.page_size = scheduler.config.page_size
@@ -124,7 +138,8 @@ class SpeculativeStep:
         return {"drafted_tokens": s["drafted_tokens"], "accepted_draft_tokens": s["accepted_draft_tokens"],
                 "rejected_draft_tokens": s["rejected_draft_tokens"], "acceptance_rate": s["acceptance_rate"],
                 "mean_accepted_length": s["mean_accepted_length"], "verification_rows": self.speculator.rounds,
-                "accepted_at_position": s["accepted_at_position"]}
+                "accepted_at_position": s["accepted_at_position"], "gated_steps": s.get("gated_steps", 0),
+                "explored_steps": s.get("explored_steps", 0)}
 
 
 def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
@@ -148,4 +163,5 @@ def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
 def empty_metrics() -> dict:
     """`SpeculativeStep.metrics()` of a generator that does not speculate."""
     return {"drafted_tokens": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0, "acceptance_rate": 0.0,
-            "mean_accepted_length": 0.0, "verification_rows": 0, "accepted_at_position": []}
+            "mean_accepted_length": 0.0, "verification_rows": 0, "accepted_at_position": [], "gated_steps": 0,
+            "explored_steps": 0}

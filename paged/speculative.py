@@ -199,6 +199,7 @@ class SpecPlan:
     inputs: list[SpecRow]
     num_drafts: list[int]  # drafts verified per row (0: an ordinary row)
     draft_offsets: list[int]  # model drafter: the catch-up (0 or 1) of each drafted row, else 0
+    classes: list[int] | None = None  # adaptive: each row's evidence class (n-gram match length; 0 for a model)
 
     @property
     def verifying(self) -> bool:
@@ -230,11 +231,15 @@ class Speculator:
     `target`: the generator's `paged.engine.Engine` (its verification buckets are enabled here: construct the
     speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
     tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
-    (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. Invalid combinations raise `InvalidConfigError`.
+    (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. `adaptive`: a step verifies only where its drafts are
+    expected to pay for the verification (`paged.draft_gate`, with `draft_token_cost` its rho; None: the backend's
+    measured default); else every step with drafts verifies (ExLlamaV2's behaviour). Invalid combinations raise
+    `InvalidConfigError`.
     """
 
     def __init__(self, target: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None):
+                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
+                 draft_token_cost: float | None = None):
         if draft_model is not None and use_ngram_draft:
             raise InvalidConfigError("speculative decoding takes one drafter: pass draft_model= or "
                                      "use_ngram_draft=True, not both")
@@ -252,6 +257,14 @@ class Speculator:
             from paged.draft import DraftModel
 
             self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer)
+        self.gate = None
+        if adaptive:
+            from paged.draft_gate import DraftGate
+
+            step_cost = 0.0
+            if draft_model is not None:  # a draft step over a target step: their weight bytes (both bandwidth-bound)
+                step_cost = draft_model.params.nbytes() / max(target.model.params.nbytes(), 1)
+            self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
         target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
         self._ngrams: dict[Hashable, Any] = {}
         self.drafted = 0
@@ -263,6 +276,8 @@ class Speculator:
     def release(self, key: Hashable) -> None:
         """Forget a job (finished, failed or cancelled)."""
         self._ngrams.pop(key, None)
+        if self.gate is not None:
+            self.gate.release(key)
         if self.draft is not None:
             self.draft.release(key)
 
@@ -275,39 +290,49 @@ class Speculator:
                 "rejected_draft_tokens": self.drafted - self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": 1 + self.accepted / self.rounds if self.rounds else 0.0,
-                "accepted_at_position": self.accepted_at.tolist()}
+                "accepted_at_position": self.accepted_at.tolist(),
+                **({} if self.gate is None else self.gate.stats())}
 
     # ------------------------------------------------------------------ per step
-    def _propose_ngram(self, spec: SpecRow, n: int) -> list[int]:
+    def _propose_ngram(self, spec: SpecRow, n: int) -> tuple[list[int], int]:
+        """Up to `n` drafts by prompt lookup, and the length of the suffix that matched."""
         from paged.ngram import NgramIndex
 
         index = self._ngrams.get(spec.key)
         if index is None:
             index = self._ngrams[spec.key] = NgramIndex(self.max_ngram)
         index.sync(spec.sequence)
-        return index.propose(n)
+        return index.propose_match(n)
+
+    def _plain(self, specs: Sequence[SpecRow], offsets: list[int]) -> SpecPlan:
+        return SpecPlan(rows=[s.row for s in specs], draft_logprobs=None, inputs=list(specs),
+                        num_drafts=[0] * len(specs), draft_offsets=offsets)
 
     def plan(self, specs: Sequence[SpecRow]) -> SpecPlan:
         """Draft for every decode row with `max_drafts > 0` and lay the step's rows out for verification (see the
         module docstring for the call sequence)."""
-        rows = [s.row for s in specs]
         want = [min(self.k, s.max_drafts) if (s.row.is_decode and s.row.sample) else 0 for s in specs]
         offsets = [0] * len(specs)
+        sampling_rows = sum(bool(s.row.sample) for s in specs)
         if self.draft is None:
-            drafts = [self._propose_ngram(s, n) if n else [] for s, n in zip(specs, want)]
-            if not any(drafts):
-                return SpecPlan(rows=list(rows), draft_logprobs=None, inputs=list(specs), num_drafts=[0] * len(rows),
-                                draft_offsets=offsets)
+            found = [self._propose_ngram(s, n) if n else ([], 0) for s, n in zip(specs, want)]
+            drafts = [d for d, _ in found]
+            classes = [length for _, length in found]
+            if not any(drafts) or (self.gate is not None and not self.gate.decide(
+                    [(s.key, c, len(d)) for s, d, c in zip(specs, drafts, classes)], sampling_rows)):
+                return self._plain(specs, offsets)
             vrows = [verification_row(s, d) if d else s.row for s, d in zip(specs, drafts)]
             return SpecPlan(rows=vrows, draft_logprobs=None, inputs=list(specs), num_drafts=[len(d) for d in drafts],
-                            draft_offsets=offsets)
+                            draft_offsets=offsets, classes=classes)
+        if self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
+                                                          sampling_rows):
+            want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
         drafts, q, offsets, want = self.draft.propose(self.target, specs, want)
         if not any(want):
-            return SpecPlan(rows=list(rows), draft_logprobs=None, inputs=list(specs), num_drafts=[0] * len(rows),
-                            draft_offsets=offsets)
+            return self._plain(specs, offsets)
         vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, want)]
         return SpecPlan(rows=vrows, draft_logprobs=q, inputs=list(specs), num_drafts=list(want),
-                        draft_offsets=offsets)
+                        draft_offsets=offsets, classes=[0] * len(specs))
 
     def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
         """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""
@@ -327,6 +352,8 @@ class Speculator:
                 self.accepted += a
                 self.rounds += 1
                 self.accepted_at[:a] += 1
+                if self.gate is not None:
+                    self.gate.record(spec.key, plan.classes[i], m, a)
             elif row.sample:
                 item = Accepted(tokens=[int(pick(out.token))], logprobs=np.asarray([pick(out.logprob)]),
                                 top_ids=pick(out.top_ids)[None], top_logprobs=pick(out.top_logprobs)[None],

@@ -445,3 +445,29 @@ def test_lora_flag_applies_the_adapter_to_every_job(model_dir, tmp_path, chunks)
     with flags_set(*engine_args(model_dir, f"--lora={tmp_path / 'nope'}")):
         with pytest.raises(app.UsageError, match="is not a directory"):
             generate.main(["generate"])
+
+
+def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chunks):
+    """--ngram_draft / --draft_model self:N with --adaptive_draft and --draft_token_cost: the greedy output is the
+    plain one, the summary reports the drafts, and misuse is a usage error."""
+    out = tmp_path / "o.jsonl"
+    greedy = ("--temperature=0", "--prompt=hello hello hello hello", f"--output={out}", "--max_new_tokens=12")
+    run_main(*engine_args(model_dir, *greedy))
+    [plain] = read_jsonl(out)
+    for extra in (("--ngram_draft",), ("--ngram_draft", "--adaptive_draft", "--draft_token_cost=0"),
+                  ("--draft_model=self:1", "--adaptive_draft")):
+        run_main(*engine_args(model_dir, *greedy, *extra))
+        [spec] = read_jsonl(out)
+        assert spec["completion"] == plain["completion"], extra
+    with flags_set(*engine_args(model_dir, "--ngram_draft", "--adaptive_draft", "--draft_token_cost=0.3")):
+        kw = generate.speculation_kwargs(generate.load_model_from_flags())
+    assert kw == dict(use_ngram_draft=True, max_ngram=4, num_draft_tokens=4, adaptive_draft=True,
+                      draft_token_cost=0.3)
+    assert "steps not verified (adaptive)" in generate.speculation_line(
+        dict(drafted_tokens=8, accepted_draft_tokens=2, acceptance_rate=0.25, mean_accepted_length=1.5,
+             gated_steps=3))
+    for bad, message in ((("--adaptive_draft",), "need --ngram_draft or --draft_model"),
+                         (("--ngram_draft", "--draft_token_cost=0.2"), "applies to --adaptive_draft only")):
+        with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):
+            with pytest.raises(app.UsageError, match=message):
+                generate.main(["generate"])

@@ -1,0 +1,41 @@
+"""experiments/bench_speculative.py end to end on a tiny random Llama (subprocess: its absl flags would clash with
+the other experiment scripts'): every configuration runs every prompt at the batch sizes' concurrency, the adaptive
+drafter reports its gated steps, and an unknown drafter is a usage error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
+
+pytest.importorskip("torch")
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "experiments.bench_speculative", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "spec.json"
+    p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=none,ngram,ngram_adaptive",
+                  "--batch_sizes=1,2", "--num_prompts=3", "--workloads=copy", "--max_new_tokens=6", "--nowarmup",
+                  "--draft_token_cost=0.2", f"--json_out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["flags"]["num_prompts"] == 3 and rec["flags"]["draft_token_cost"] == 0.2
+    runs = {(r["drafter"], r["batch_size"]): r for r in rec["runs"]}
+    assert set(runs) == {(d, b) for d in ("none", "ngram", "ngram_adaptive") for b in (1, 2)}
+    for r in runs.values():
+        assert r["jobs"] == 3 and r["new_tokens"] > 0 and r["speedup_vs_none"] > 0
+    assert runs[("none", 1)]["gated_steps"] == runs[("ngram", 1)]["gated_steps"] == 0
+    assert runs[("none", 1)]["verification_rows"] == 0
+    assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
+    bad = run_bench(f"--model={model_dir}", "--drafters=none,bogus")
+    assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr

@@ -17,10 +17,14 @@ The right side prices the verification step in tokens of a plain step, from a li
 `rho = b / a`: a plain step of R rows takes a + bR for R tokens; the verification step adds b R k, which is
 `k * rho * R^2 / (1 + rho * R)` tokens' worth; a draft model adds its k draft steps, `k * draft_step_cost * R`
 tokens' worth (draft_step_cost: a draft step in target steps, its weight bytes over the target's). rho is a
-constant of the device, never a timing taken during the run, so a seeded sampled job makes the same choices, and the
-same output, on every rerun. The defaults (`TOKEN_COST`) were measured for SmolLM2-135M (Q4_1) with
-`experiments.bench_speculative`: on the 2-core CPU a 5-token verification row took 1.67x a decode step at batch 1
-(24 -> 40 ms), rho ~= 0.2; on an H200 1.09x (5.6 -> 6.1 ms), rho ~= 0.02. `draft_token_cost=` overrides it.
+constant of the device, never a timing taken during the run, so the decisions depend only on what the generator has
+run: the same jobs in the same order on a fresh generator verify in the same steps and give the same output. Which
+steps verify never changes a greedy output, nor a sampled output's distribution; but a seeded sampled token drawn in
+a verification step uses other random draws than a plain step's, so a seeded sampled job's output can depend on the
+other jobs the generator ran before or beside it (through the shared acceptance statistics and the step's rows).
+The defaults (`TOKEN_COST`) were measured for SmolLM2-135M (Q4_1) with `experiments.bench_speculative`: on the
+2-core CPU a 5-token verification row took 1.67x a decode step at batch 1 (24 -> 40 ms), rho ~= 0.2; on an H200
+1.09x (5.6 -> 6.1 ms), rho ~= 0.02. `draft_token_cost=` overrides it.
 
 After `explore_every` gated steps in a row, one step verifies anyway, so that alpha keeps learning after a bad start.
 """
@@ -64,7 +68,7 @@ class DraftGate:
     # ------------------------------------------------------------------ the model
     def alpha(self, key: Hashable, cls: int) -> float:
         """The probability that one draft of this job and evidence class is accepted."""
-        acc, n = self._global[cls]
+        acc, n = self._global.get(cls, (0, 0))
         prior = (acc + 1) / (n + 2)  # Laplace: 0.5 before any evidence
         jacc, jn = self._jobs.get(key, {}).get(cls, (0, 0))
         return (jacc + self.prior_weight * prior) / (jn + self.prior_weight)

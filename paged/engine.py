@@ -5,6 +5,7 @@ step, and returns host results. The scheduler and generator sit on top of it; it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from paged.buckets import BucketSpec
 from paged.config import EngineConfig
 from paged.engine_api import StepOutput
 from paged.errors import InvalidConfigError
+from paged.sharding import make_mesh, shard_params, shard_state
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
@@ -74,6 +76,20 @@ def check_kernels_fit(model: Model, config: EngineConfig) -> None:
                                          "back to 'xla' per matrix) or 'xla'")
 
 
+def _under_mesh(method):
+    """Run an `Engine` method with its mesh in context (`jax.set_mesh`, thread-local), so that the step's sharding
+    constraints see it; a plain call on one device."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self.mesh is None:
+            return method(self, *args, **kwargs)
+        with jax.set_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 def enable_compilation_cache(path: str | os.PathLike) -> None:
     """Persist compiled steps under `path`, so a second start skips compilation."""
     os.makedirs(path, exist_ok=True)
@@ -111,6 +127,15 @@ class Engine:
         self.state = EngineState.create(self.cfg, self.config.num_pages, self.config.page_size,
                                         CACHE_DTYPES[self.config.cache_dtype], self.config.max_embedding_tokens,
                                         self.config.max_loras, self.config.max_lora_rank)
+        self.mesh = make_mesh(self.config.mesh, self.cfg)  # None: one device
+        if self.mesh is not None:  # tensor parallel: weights and cache placed by their logical axes
+            attn = split_tuning(self.config.attn_impl)[0]
+            if attn not in ("auto", "xla"):
+                raise InvalidConfigError(f"attn_impl={attn!r} under mesh={self.config.mesh!r}: only the XLA attention "
+                                         "is partitioned (the kernels' custom calls are not); use 'auto' or 'xla'")
+            self.config = dataclasses.replace(self.config, attn_impl="xla", attn_tuning=None)
+            self.model = model = dataclasses.replace(model, params=shard_params(model.params, self.mesh))
+            self.state = shard_state(self.state, self.mesh)
         self.embedding_rows = self.config.max_embedding_tokens  # rows of the injected-embedding table
         self.lora_slots = self.config.max_loras  # adapters the LoRA stack holds (`load_lora`)
         check_kernels_fit(model, self.config)
@@ -123,13 +148,15 @@ class Engine:
         self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
         self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
 
+    @_under_mesh
     def load_embeddings(self, rows: Sequence[int], vectors: np.ndarray) -> None:
         """Write injected embeddings `vectors` [n, H] into rows `rows` of the table (`paged.embeddings`): a host-side
         scatter and one copy of the table, no compilation."""
         table = np.array(self.state.extra_embed)
         table[np.asarray(rows, np.int64)] = vectors
-        self.state = self.state.replace(extra_embed=jax.device_put(table))
+        self.state = self.state.replace(extra_embed=jax.device_put(table, self.state.extra_embed.sharding))
 
+    @_under_mesh
     def load_lora(self, slot: int, adapter: Any) -> None:
         """Write a `models.lora.LoraAdapter` into slot `slot` (0-based) of the LoRA stack (rows whose `lora_slot` is
         `slot + 1` then run through it), in place on the device (`models.lora.write_slot`: one small compiled
@@ -186,6 +213,7 @@ class Engine:
         return self.spec.verify_shape_for([len(r.tokens) for r in rows if not r.is_step_row],
                                           sum(r.is_step_row for r in rows), pages)
 
+    @_under_mesh
     def draft(self, rows: Sequence[RowInput], slots: Sequence[int], num_rows: int,
               then_feed: Sequence[int]) -> tuple[np.ndarray, jax.Array]:
         """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
@@ -257,6 +285,7 @@ class Engine:
         return step_sample(self._head, h, sample_inputs(batch), want, cfg=self.cfg, matmul_impl=self.matmul_impl,
                            top_k_width=TOP_K_WIDTH)
 
+    @_under_mesh
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1,
         draft_logprobs: jax.Array | None = None,
@@ -385,6 +414,7 @@ class Engine:
             out += [("draft_burst", s, self.draft_len) for s in plain_decode]
         return out
 
+    @_under_mesh
     def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:
         """Compile every variant `run` can hit (`variants`; default: for the buckets of `spec.all_shapes()`): the
         forward of each bucket, the sampler of each row count, with `decode_steps` > 1 the burst of each

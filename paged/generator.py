@@ -90,6 +90,7 @@ class DynamicGenerator:
         max_embedding_tokens: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        mesh: str | None = None,
         policy: str | Policy | type[Policy] = "exllamav2",
         compilation_cache_dir: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
@@ -122,6 +123,8 @@ class DynamicGenerator:
         speculating. `adaptive_draft=True`: a step verifies only where its drafts are expected to pay for the
         verification (`paged.draft_gate`: per-job acceptance estimates against a step-cost model whose per-token cost
         ratio is `draft_token_cost`; None: the backend's measured default); else every step with drafts verifies.
+        Adaptive gating never changes greedy output or a sampled output's distribution, but a seeded sampled job's
+        tokens may then depend on the other jobs the generator ran (they share the acceptance statistics).
         """
         speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
                                            draft_token_cost)
@@ -129,7 +132,7 @@ class DynamicGenerator:
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
             decode_steps=decode_steps, cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
-            max_embedding_tokens=max_embedding_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_embedding_tokens=max_embedding_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank, mesh=mesh,
         ).items() if v is not None}
         if config is not None and not isinstance(config, EngineConfig):
             raise InvalidConfigTypeError(f"DynamicGenerator: config must be a paged.EngineConfig, got "

@@ -388,7 +388,8 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` of an f32 [S, V] along V, kept as XLA:CPU's fast TopK: without the barrier, slicing the result
     (e.g. `vals[:, -1]`) lets XLA fold the slices into the sort+slice that TopK is matched from, and it falls back
     to a full sort of every row (~100x slower). Integer top_k is always a full sort on CPU, so keys here are f32."""
-    return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+    vals, idx = jax.lax.top_k(x, k)
+    return jax.lax.optimization_barrier(vals), jax.lax.optimization_barrier(idx)
 
 
 def _exclusive_cumsum(x: jax.Array) -> jax.Array:

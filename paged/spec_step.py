@@ -47,6 +47,8 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
                                          or not math.isfinite(draft_token_cost) or draft_token_cost < 0):
         raise InvalidConfigError(f"DynamicGenerator: draft_token_cost must be a finite number >= 0 (the cost of "
                                  f"one query token over a step's fixed cost) or None, got {draft_token_cost!r}")
+    if draft_token_cost is not None and not adaptive_draft:
+        raise InvalidConfigError("DynamicGenerator: draft_token_cost applies to adaptive_draft=True only")
     if (adaptive_draft or draft_token_cost is not None) and draft_model is None and not use_ngram_draft:
         raise InvalidConfigError("DynamicGenerator: adaptive_draft / draft_token_cost need a drafter (draft_model= "
                                  "or use_ngram_draft=True)")

@@ -36,6 +36,7 @@ from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
 from paged.sampling import sample_final
+from paged.sharding import constrain_cache
 from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
 from pallas_kernels.paged_attention import (
     IMPLS,
@@ -217,6 +218,7 @@ def _forward(
                                       batch.lora_slots[jnp.minimum(batch.token_rows, s_count - 1)], 0))
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
                                    matmul_impl, lora)
+    k, v, ks, vs = constrain_cache(k, v, ks, vs)  # under a mesh: the cache stays split by KV head
     new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs, extra_embed=state.extra_embed, lora=state.lora)
     if shape.verify_len:  # every sample point: [S * W, H], point j of row s at s * W + j
         return new, h[batch.sample_tokens.reshape(-1)]

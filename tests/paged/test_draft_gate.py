@@ -109,7 +109,7 @@ def test_adaptive_greedy_identity_on_a_tiny_model(drafter):
         assert m["gated_steps"] > 0 and m["verification_rows"] < fixed["verification_rows"]
 
 
-def test_adaptive_seeded_sampling_is_reproducible():
+def test_adaptive_seeded_sampling_is_reproducible_on_a_fresh_generator():
     from paged import SamplingSettings
 
     sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
@@ -127,6 +127,8 @@ def test_invalid_adaptive_arguments():
             DynamicGenerator(MODEL, use_ngram_draft=True, adaptive_draft=True, draft_token_cost=bad, **SETTINGS)
     with pytest.raises(InvalidConfigError, match="need a drafter"):
         DynamicGenerator(MODEL, adaptive_draft=True, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="applies to adaptive_draft=True only"):
+        DynamicGenerator(MODEL, use_ngram_draft=True, draft_token_cost=0.2, **SETTINGS)
     g = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), use_ngram_draft=True, adaptive_draft=True,
                          draft_token_cost=0.5)
     assert g.speculation.speculator.gate.rho == 0.5

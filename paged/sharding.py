@@ -1,0 +1,139 @@
+"""Tensor parallelism with `jax.sharding`: a device mesh, logical sharding rules, and where the engine's arrays live.
+
+`EngineConfig.mesh = "tp=N"` runs the engine's jitted step on N devices of one process (GPUs, or virtual CPU devices
+from `XLA_FLAGS=--xla_force_host_platform_device_count=N`). Nothing is hand-partitioned: the arrays are placed with
+`NamedSharding`s and XLA's SPMD partitioner (GSPMD) splits the unchanged step, inserting the collectives its
+shardings need; the cache's sharding is pinned inside the step (`constrain_cache`), so a step never gathers the
+cache onto one device and the donated state comes back sharded as it went in.
+
+Kept apart, as in jax-llm-examples: each array declares its *logical* axes once (`LOGICAL_AXES`: heads, kv_heads,
+mlp, vocab, embed, layers, pages, ...), and `RULES` maps logical axes to mesh axes. With the default rules:
+- the paged KV cache `[L, KH, pages, page_size, D]` (and an int8 cache's scales) is split over KV heads on `tp`;
+- the attention output projection `wo` `[L, nH*D, H]` by query heads and the MLP down projection `w_down`
+  `[L, F, H]` by intermediate features on `tp`; their partial products are summed across `tp` by XLA;
+- the fused projections `wqkv` `[L, H, (nH + 2 KH) D]` and `w_gate_up` `[L, H, 2F]`, the norms, the embedding and
+  the LM head, quantized weights (`QuantizedArray`: their group scales follow the in-feature axis, so v1 keeps them
+  whole), the page table, the sampling state and every batch input are replicated;
+- a model whose KV-head (or query-head) count `tp` does not divide is an `InvalidConfigError`.
+
+Data parallelism (`dp`, replicas serving their own rows) and several processes are not supported yet: a mesh names
+`tp` only (see docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paged.errors import InvalidConfigError
+from pallas_kernels.quant_format import QuantizedArray
+
+MESH_AXES = ("tp",)
+# logical axis -> mesh axis (None: replicated)
+RULES: dict[str, str | None] = {"kv_heads": "tp", "heads": "tp", "mlp": "tp", "vocab": None, "embed": None,
+                                "layers": None, "pages": None, "page_slots": None, "head_dim": None, "qkv": None,
+                                "gate_up": None, "rows": None}
+# array (a field of Weights / LayerWeights / EngineState) -> its logical axes
+LOGICAL_AXES: dict[str, tuple[str, ...]] = {
+    "cache.k": ("layers", "kv_heads", "pages", "page_slots", "head_dim"),
+    "cache.v": ("layers", "kv_heads", "pages", "page_slots", "head_dim"),
+    "cache.k_scale": ("layers", "kv_heads", "pages", "page_slots"),
+    "cache.v_scale": ("layers", "kv_heads", "pages", "page_slots"),
+    "layers.wqkv": ("layers", "embed", "qkv"),
+    "layers.wo": ("layers", "heads", "embed"),
+    "layers.w_gate_up": ("layers", "embed", "gate_up"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+}
+_SPEC = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """`"tp=4"` -> `{"tp": 4}`; `""` -> `{}`. `InvalidConfigError` on anything else."""
+    if not isinstance(spec, str):
+        raise InvalidConfigError(f"EngineConfig: mesh must be a string like 'tp=2', got {spec!r}")
+    axes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = _SPEC.match(part)
+        if not m:
+            raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: {part!r} is not 'axis=size' (e.g. 'tp=2')")
+        name, size = m.group(1), int(m.group(2))
+        if name not in MESH_AXES:
+            raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: axis {name!r} is not supported; the mesh axes are "
+                                     f"{MESH_AXES} (data parallelism is not supported yet)")
+        if name in axes or size < 1:
+            raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: each axis once, with a size >= 1")
+        axes[name] = size
+    return axes
+
+
+def make_mesh(spec: str, cfg: Any) -> Mesh | None:
+    """The device mesh of `EngineConfig.mesh` for a model of config `cfg`, or None for one device (`tp` 1 or unset).
+    Checks the device count and that `tp` divides the model's query and KV heads."""
+    axes = parse_mesh(spec)
+    tp = axes.get("tp", 1)
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if tp > len(devices):
+        hint = (" (on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
+                if devices[0].platform == "cpu" else "")
+        raise InvalidConfigError(f"EngineConfig: mesh={spec!r} needs {tp} devices; {len(devices)} available{hint}")
+    for name, n, what in (("num_kv_heads", cfg.num_kv_heads, "the KV cache and the attention are split by head"),
+                          ("num_heads", cfg.num_heads, "the attention output projection is split by head"),
+                          ("intermediate_size", cfg.intermediate_size, "the MLP down projection is split by row")):
+        if n % tp:
+            raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: tp={tp} must divide the model's {name}={n} "
+                                     f"({what}); use a tp that divides it")
+    return jax.make_mesh((tp,), ("tp",), devices=devices[:tp], axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def spec_of(name: str) -> P:
+    """The PartitionSpec of the array `name` (a key of `LOGICAL_AXES`) under `RULES`; unknown names: replicated."""
+    axes = LOGICAL_AXES.get(name)
+    return P() if axes is None else P(*(RULES[a] for a in axes))
+
+
+def _place(x: Any, mesh: Mesh, spec: P) -> Any:
+    return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """`Weights` with every leaf placed by its logical axes (replicated where the rules say so, and for quantized
+    weights)."""
+    layers = params.layers
+    placed = {}
+    for field in ("wqkv", "wo", "w_gate_up", "w_down"):
+        w = getattr(layers, field)
+        spec = P() if isinstance(w, QuantizedArray) else spec_of(f"layers.{field}")
+        placed[field] = _place(w, mesh, spec)
+    rest = {f: _place(getattr(layers, f), mesh, P()) for f in ("attn_norm", "mlp_norm", "bqkv", "bo", "b_gate_up",
+                                                              "b_down")}
+    new_layers = layers.replace(**placed, **rest)
+    return params.replace(layers=new_layers, embed=_place(params.embed, mesh, P()),
+                          final_norm=_place(params.final_norm, mesh, P()), lm_head=_place(params.lm_head, mesh, P()))
+
+
+def shard_state(state: Any, mesh: Mesh) -> Any:
+    """`EngineState` with the cache split by KV heads and everything else replicated."""
+    return state.replace(
+        k=_place(state.k, mesh, spec_of("cache.k")), v=_place(state.v, mesh, spec_of("cache.v")),
+        k_scale=_place(state.k_scale, mesh, spec_of("cache.k_scale")),
+        v_scale=_place(state.v_scale, mesh, spec_of("cache.v_scale")),
+        extra_embed=_place(state.extra_embed, mesh, P()),
+        lora=None if state.lora is None else jax.device_put(state.lora, NamedSharding(mesh, P())))
+
+
+def constrain_cache(k: jax.Array, v: jax.Array, ks: Any, vs: Any) -> tuple:
+    """Inside the step: pin the updated cache to its sharding when the step runs under a mesh (`jax.set_mesh`, as
+    `Engine` does), so XLA neither gathers it nor returns it laid out differently; a no-op on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "tp" not in mesh.axis_names:
+        return k, v, ks, vs
+    c = jax.lax.with_sharding_constraint
+    return (c(k, spec_of("cache.k")), c(v, spec_of("cache.v")),
+            None if ks is None else c(ks, spec_of("cache.k_scale")),
+            None if vs is None else c(vs, spec_of("cache.v_scale")))

@@ -1,0 +1,111 @@
+"""Run by tests/paged/test_sharding.py in a fresh process (the virtual CPU devices must exist before JAX starts):
+the generator on one device and with `mesh="tp=2"` / `"tp=4"` over 4 virtual CPU devices (`chex.set_n_cpu_devices`),
+on a tiny random Llama (8 query heads, 4 KV heads). Prints one JSON object of findings; the test asserts on it."""
+
+from __future__ import annotations
+
+import json
+
+import chex
+
+chex.set_n_cpu_devices(4)
+
+import jax  # noqa: E402
+
+from models import ModelConfig, init_random_weights  # noqa: E402
+from models.loader import Model  # noqa: E402
+from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
+from paged.batch import RowInput, build_batch  # noqa: E402
+from paged.engine import forward_shape  # noqa: E402
+from paged.errors import InvalidConfigError  # noqa: E402
+from paged.step import forward_inputs, step_forward  # noqa: E402
+from paged.testing import ByteTokenizer, drain  # noqa: E402
+
+TOK = ByteTokenizer()
+CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
+                  num_kv_heads=4, head_dim=16)
+MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0, scale=0.08), tokenizer=TOK, source="tiny")
+SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96, max_penalty_range=0)
+SHARED = "the cat sat on the mat and then it sat again on the "  # 52 tokens: prefix pages shared between jobs
+
+
+def jobs(settings, seed=None):
+    prompts = [SHARED + "hat", SHARED + "dog", "hello world hello world", SHARED + "hat", "zq"]
+    return [Job(TOK.encode(p), 14 + i, gen_settings=settings, identifier=i, seed=None if seed is None else seed + i)
+            for i, p in enumerate(prompts)]
+
+
+def run(mesh: str, settings, seed=None, **extra):
+    g = DynamicGenerator(MODEL, mesh=mesh, **{**SETTINGS, **extra})
+    js = jobs(settings, seed)
+    g.enqueue(js)
+    results = g.iterate() + g.iterate()  # a few steps in, cancel one job (its pages go back)
+    g.cancel(js[2])
+    c = drain(g)
+    g.pool.check({})
+    finals = {str(i): f["full_completion"] for i, f in c.finals.items() if f.get("eos_reason") != "cancelled"}
+    ids = {str(i): [t for r in results + c.results if r["identifier"] == i and r["stage"] == "streaming"
+                    for t in r["token_ids"]] for i in range(5)}
+    return g, finals, ids, sum(f.get("cached_tokens", 0) for f in c.finals.values())
+
+
+def hlo_of(engine) -> str:
+    rows = [RowInput(tokens=[5, 6, 7], start_pos=0, pages=[1], sample=True),
+            RowInput(tokens=[9], start_pos=3, pages=[2], sample=True)]
+    shape = engine.shape_for(rows)
+    batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, sample_rows=shape.sample_rows_for(2))
+    with jax.set_mesh(engine.mesh):
+        return step_forward.lower(engine.model.params, engine.state, forward_inputs(batch), cfg=engine.cfg,
+                                  shape=forward_shape(shape), attn_impl=engine.attn_impl,
+                                  matmul_impl=engine.matmul_impl).compile().as_text()
+
+
+def main():
+    out = {"devices": len(jax.devices())}
+    greedy = SamplingSettings.greedy()
+    sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    _, ref, ref_ids, ref_cached = run("", greedy)
+    _, ref_s, _, _ = run("", sampled, seed=3)
+    out["reference"] = ref
+    out["reference_cached_tokens"] = ref_cached
+    for mesh in ("tp=2", "tp=4"):
+        g, fin, ids, cached = run(mesh, greedy)
+        _, fin_s, _, _ = run(mesh, sampled, seed=3)
+        st = g.engine.state
+        layers = g.engine.model.params.layers
+        hlo = hlo_of(g.engine)
+        cache_shape = ",".join(map(str, st.k.shape))
+        gathers = [line for line in hlo.splitlines() if "all-gather" in line and "=" in line]
+        out[mesh] = {
+            "greedy_equal": fin == ref and ids == ref_ids, "sampled_equal": fin_s == ref_s, "cached_tokens": cached,
+            "k_spec": str(st.k.sharding.spec), "v_spec": str(st.v.sharding.spec),
+            "k_shard_shape": list(st.k.addressable_shards[0].data.shape), "k_shape": list(st.k.shape),
+            "wo_spec": str(layers.wo.sharding.spec), "w_down_spec": str(layers.w_down.sharding.spec),
+            "wqkv_spec": str(layers.wqkv.sharding.spec),
+            "cache_gathers": [line.strip()[:160] for line in gathers if f"[{cache_shape}]" in line],
+            "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
+        }
+    g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")
+    _, ref8, _, _ = run("", greedy, cache_dtype="int8")
+    out["int8"] = {"greedy_equal": fin == ref8, "k_scale_spec": str(g.engine.state.k_scale.sharding.spec)}
+    g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
+    out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
+    errors = {}
+    for mesh in ("tp=8", "tp=3", "dp=2", "tp=two"):
+        try:
+            DynamicGenerator(MODEL, mesh=mesh, **SETTINGS)
+            errors[mesh] = None
+        except InvalidConfigError as e:
+            errors[mesh] = str(e)
+    try:
+        DynamicGenerator(MODEL, mesh="tp=2", attn_impl="pallas", **SETTINGS)
+        errors["pallas"] = None
+    except InvalidConfigError as e:
+        errors["pallas"] = str(e)
+    out["errors"] = errors
+    out["attn_impl_under_mesh"] = DynamicGenerator(MODEL, mesh="tp=2", **SETTINGS).engine.config.attn_impl
+    print("SHARDING_CHECK " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Tensor parallelism (`EngineConfig.mesh="tp=N"`, `paged/sharding.py`). The multi-device checks run in a fresh
+process with 4 virtual CPU devices (`tests/paged/sharding_check.py`): greedy and seeded sampled outputs with tp=2 and
+tp=4 identical to one device (mixed prefill/decode steps, a shared prefix served from the cache, a cancelled job, an
+int8 cache), the cache really split by KV head, and no all-gather of the cache in the compiled step. The rest runs
+here, on this process's one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from models import ModelConfig, init_random_weights
+from models.loader import Model
+from paged import DynamicGenerator
+from paged import sharding as sh
+from paged.config import EngineConfig
+from paged.errors import InvalidConfigError
+from paged.testing import ByteTokenizer
+
+
+@pytest.fixture(scope="module")
+def check():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "tests.paged.sharding_check"], capture_output=True, text=True,
+                       env={**env, "JAX_PLATFORMS": "cpu"}, timeout=600, cwd=os.path.dirname(os.path.dirname(
+                           os.path.dirname(os.path.abspath(__file__)))))
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SHARDING_CHECK ")), None)
+    assert line is not None, p.stderr[-3000:]
+    return json.loads(line.removeprefix("SHARDING_CHECK "))
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])
+def test_tensor_parallel_outputs_equal_one_device(check, mesh):
+    assert check["devices"] == 4
+    got = check[mesh]
+    assert got["greedy_equal"] and got["sampled_equal"]
+    assert got["cached_tokens"] == check["reference_cached_tokens"] > 0  # the shared prefix came from the cache
+    assert len(check["reference"]) == 4  # the cancelled job is not among the finished ones
+
+
+@pytest.mark.parametrize("mesh, tp", [("tp=2", 2), ("tp=4", 4)])
+def test_the_cache_is_split_by_kv_head_and_never_gathered(check, mesh, tp):
+    got = check[mesh]
+    assert got["k_spec"] == got["v_spec"] == "P(None, 'tp')"
+    assert got["k_shard_shape"][1] * tp == got["k_shape"][1] and got["k_shard_shape"][2:] == got["k_shape"][2:]
+    assert got["wo_spec"] == got["w_down_spec"] == "P(None, 'tp', None)" and got["wqkv_spec"] == "P(None, None, None)"
+    assert got["cache_gathers"] == []
+    assert got["all_reduces"] > 0  # the row-split projections' partial sums: the step really is partitioned
+
+
+def test_int8_cache_and_its_scales_shard_too(check):
+    assert check["int8"] == {"greedy_equal": True, "k_scale_spec": "P(None, 'tp')"}
+
+
+def test_speculative_verification_steps_run_under_the_mesh(check):
+    assert check["ngram"]["greedy_equal"] and check["ngram"]["verification_rows"] > 0
+
+
+def test_meshes_that_cannot_work_are_config_errors(check):
+    e = check["errors"]
+    assert "needs 8 devices; 4 available" in e["tp=8"]
+    assert "tp=3 must divide the model's num_kv_heads=4" in e["tp=3"]
+    assert "axis 'dp' is not supported" in e["dp=2"]
+    assert "'tp=two' is not 'axis=size'" in e["tp=two"]
+    assert "attn_impl='pallas' under mesh='tp=2'" in e["pallas"] and check["attn_impl_under_mesh"] == "xla"
+
+
+def test_mesh_settings_here():
+    assert sh.parse_mesh("") == {} and sh.parse_mesh(" tp = 2 ") == {"tp": 2}
+    for bad in ("tp", "tp=2,tp=2", "tp=0", "x=2"):
+        with pytest.raises(InvalidConfigError, match="mesh"):
+            EngineConfig(mesh=bad)
+    with pytest.raises(InvalidConfigError, match="mesh must be a string"):
+        EngineConfig(mesh=2)
+    assert sh.spec_of("cache.k") == sh.P(None, "tp", None, None, None) and sh.spec_of("layers.wqkv") == sh.P(
+        None, None, None) and sh.spec_of("unknown") == sh.P()
+    cfg = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    assert sh.make_mesh("tp=1", cfg) is None and sh.make_mesh("", cfg) is None
+    model = Model(config=cfg, params=init_random_weights(cfg), tokenizer=ByteTokenizer(), source="tiny")
+    settings = dict(num_pages=8, page_size=8, max_batch_size=1, max_chunk_size=8, max_seq_len=16)
+    with pytest.raises(InvalidConfigError, match=r"needs 2 devices; 1 available \(on the CPU, set XLA_FLAGS"):
+        DynamicGenerator(model, mesh="tp=2", **settings)
+    assert DynamicGenerator(model, mesh="tp=1", **settings).engine.mesh is None

@@ -1,8 +1,9 @@
-"""Tensor parallelism (`mesh="tp=N"`, paged/sharding.py): tokens/s of the same greedy jobs at each tp, and whether
-their outputs equal tp=1's.
+"""Tensor and data parallelism (`mesh="dp=M,tp=N"`, paged/sharding.py): tokens/s of the same greedy jobs on each
+mesh, and whether their outputs equal the first mesh's.
 
-    python -m experiments.bench_sharding --tp 1,2,4 --json_out experiments/results/sharding_cpu.json
+    python -m experiments.bench_sharding --dp 1,2,4 --tp 1,2,4 --json_out experiments/results/sharding_cpu.json
 
+Every (dp, tp) pair whose product fits the devices runs.
 On a machine without enough accelerators the devices are virtual CPU devices (`--cpu_devices`, set before JAX
 starts): they share the machine's cores, so on the 2-core CPU the figures show correctness and the partitioning's
 overhead, not scaling. On a multi-GPU machine the same command measures real scaling. The model: `--model tiny` (a
@@ -39,7 +40,8 @@ from experiments.common import write_record  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 4, "virtual CPU devices (read before JAX starts)")
-flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel sizes to run")
+flags.DEFINE_list("tp", ["1", "2", "4"], "tensor-parallel sizes")
+flags.DEFINE_list("dp", ["1"], "data-parallel sizes (each pair with dp * tp <= the devices runs)")
 if "model" not in FLAGS:
     flags.DEFINE_string("model", "tiny", "'tiny' (random Llama, 8 q / 4 KV heads) or a model source")
 flags.DEFINE_integer("jobs", 8, "concurrent greedy jobs")
@@ -98,17 +100,19 @@ def main(argv):
     rng = random.Random(FLAGS.seed)
     words = "the cat sat on a mat while dogs ran far away from home".split()
     prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))) for _ in range(FLAGS.jobs)]
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("tp", "model", "jobs", "max_new_tokens", "seed",
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("dp", "tp", "model", "jobs", "max_new_tokens", "seed",
                                                         "cpu_devices")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "devices": [str(d) for d in jax.devices()], "load_before": load_average("bench_sharding"), "runs": []}
     ref = None
-    for tp in (int(t) for t in FLAGS.tp):
-        out, dt, n = run_once(model, f"tp={tp}", prompts)
+    pairs = [(int(d), int(t)) for d in FLAGS.dp for t in FLAGS.tp if int(d) * int(t) <= len(jax.devices())]
+    for dp, tp in pairs:
+        out, dt, n = run_once(model, f"dp={dp},tp={tp}", prompts)
         ref = out if ref is None else ref
-        run = {"tp": tp, "seconds": dt, "new_tokens": n, "tokens_per_s": n / dt, "outputs_equal_first": out == ref}
+        run = {"dp": dp, "tp": tp, "seconds": dt, "new_tokens": n, "tokens_per_s": n / dt,
+               "outputs_equal_first": out == ref}
         record["runs"].append(run)
-        print(f"tp={tp}: {n / dt:8.1f} tok/s ({n} tokens in {dt:.2f}s), outputs equal to tp={FLAGS.tp[0]}: "
+        print(f"dp={dp} tp={tp}: {n / dt:8.1f} tok/s ({n} tokens in {dt:.2f}s), outputs equal to the first: "
               f"{run['outputs_equal_first']}", flush=True)
     record["load_after"] = load_average()
     write_record(FLAGS.json_out, record)

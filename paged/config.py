@@ -46,8 +46,9 @@ class EngineConfig:
     max_embedding_tokens: int = _field(
         1024, "rows of the device table for injected embeddings (Job(embeddings=...), multimodal input); 0: none")
     max_loras: int = _field(0, "LoRA adapters the engine holds at once (generator.load_lora; Job(lora=...)); 0: none")
-    mesh: str = _field("", "device mesh for tensor parallelism, e.g. 'tp=2': the KV cache and attention split by KV "
-                       "head over 2 devices (docs/sharding.md); '' or 'tp=1': one device")
+    mesh: str = _field("", "device mesh, e.g. 'tp=2' (tensor parallel: the KV cache and attention split by KV head), "
+                       "'dp=2' (data parallel: the step's tokens split over model replicas) or 'dp=2,tp=2' "
+                       "(docs/sharding.md); '': one device")
     max_lora_rank: int = _field(16, "the largest LoRA rank r an adapter may have (the device stack's width)")
     attn_impl: str = _field("auto", f"paged attention implementation: one of {ATTN_IMPLS}, another registered "
                             "name, or a module:function import path (docs/kernels.md)")

@@ -1,7 +1,9 @@
-"""Tensor parallelism with `jax.sharding`: a device mesh, logical sharding rules, and where the engine's arrays live.
+"""Tensor and data parallelism with `jax.sharding`: a device mesh, logical sharding rules, where the engine's arrays
+live.
 
-`EngineConfig.mesh = "tp=N"` runs the engine's jitted step on N devices of one process (GPUs, or virtual CPU devices
-from `XLA_FLAGS=--xla_force_host_platform_device_count=N`). Nothing is hand-partitioned: the arrays are placed with
+`EngineConfig.mesh = "tp=N"` (tensor parallel), `"dp=M"` (data parallel) or `"dp=M,tp=N"` runs the engine's jitted
+step on M x N devices of one process (GPUs, or virtual CPU devices from
+`XLA_FLAGS=--xla_force_host_platform_device_count=N`). Nothing is hand-partitioned: the arrays are placed with
 `NamedSharding`s and XLA's SPMD partitioner (GSPMD) splits the unchanged step, inserting the collectives its
 shardings need; the cache's sharding is pinned inside the step (`constrain_cache`), so a step never gathers the
 cache onto one device and the donated state comes back sharded as it went in.
@@ -16,8 +18,12 @@ mlp, vocab, embed, layers, pages, ...), and `RULES` maps logical axes to mesh ax
   whole), the page table, the sampling state and every batch input are replicated;
 - a model whose KV-head (or query-head) count `tp` does not divide is an `InvalidConfigError`.
 
-Data parallelism (`dp`, replicas serving their own rows) and several processes are not supported yet: a mesh names
-`tp` only (see docs/sharding.md).
+Data parallelism: the step's tokens (and with them its rows, which are laid out contiguously) are split over `dp`
+(`constrain_tokens` pins the hidden states `[T, H]` to `P("dp")` at the start of the step), so each of the `dp`
+replicas of the weights computes its own rows; the cache is replicated over `dp` (each replica holds every page, and
+the new tokens' K/V reach every replica), so any row may use any page and the one scheduler and page pool stay as
+they are. The price is memory: the cache is held `dp` times (split over `tp` within each replica). Several processes
+(multi-host) are not supported (see docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ from jax.sharding import PartitionSpec as P
 from paged.errors import InvalidConfigError
 from pallas_kernels.quant_format import QuantizedArray
 
-MESH_AXES = ("tp",)
+MESH_AXES = ("dp", "tp")
 # logical axis -> mesh axis (None: replicated)
 RULES: dict[str, str | None] = {"kv_heads": "tp", "heads": "tp", "mlp": "tp", "vocab": None, "embed": None,
                                 "layers": None, "pages": None, "page_slots": None, "head_dim": None, "qkv": None,
-                                "gate_up": None, "rows": None}
+                                "gate_up": None, "tokens": "dp"}
 # array (a field of Weights / LayerWeights / EngineState) -> its logical axes
 LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "cache.k": ("layers", "kv_heads", "pages", "page_slots", "head_dim"),
@@ -47,6 +53,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "layers.wo": ("layers", "heads", "embed"),
     "layers.w_gate_up": ("layers", "embed", "gate_up"),
     "layers.w_down": ("layers", "mlp", "embed"),
+    "hidden": ("tokens", "embed"),
 }
 _SPEC = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
 
@@ -63,7 +70,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         name, size = m.group(1), int(m.group(2))
         if name not in MESH_AXES:
             raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: axis {name!r} is not supported; the mesh axes are "
-                                     f"{MESH_AXES} (data parallelism is not supported yet)")
+                                     f"{MESH_AXES}")
         if name in axes or size < 1:
             raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: each axis once, with a size >= 1")
         axes[name] = size
@@ -71,24 +78,26 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def make_mesh(spec: str, cfg: Any) -> Mesh | None:
-    """The device mesh of `EngineConfig.mesh` for a model of config `cfg`, or None for one device (`tp` 1 or unset).
-    Checks the device count and that `tp` divides the model's query and KV heads."""
+    """The device mesh `("dp", "tp")` of `EngineConfig.mesh` for a model of config `cfg`, or None for one device.
+    Checks the device count and that `tp` divides the model's heads and intermediate size."""
     axes = parse_mesh(spec)
-    tp = axes.get("tp", 1)
-    if tp == 1:
+    dp, tp = axes.get("dp", 1), axes.get("tp", 1)
+    if dp * tp == 1:
         return None
     devices = jax.devices()
-    if tp > len(devices):
+    if dp * tp > len(devices):
         hint = (" (on the CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
                 if devices[0].platform == "cpu" else "")
-        raise InvalidConfigError(f"EngineConfig: mesh={spec!r} needs {tp} devices; {len(devices)} available{hint}")
+        raise InvalidConfigError(f"EngineConfig: mesh={spec!r} needs {dp * tp} devices; {len(devices)} "
+                                 f"available{hint}")
     for name, n, what in (("num_kv_heads", cfg.num_kv_heads, "the KV cache and the attention are split by head"),
                           ("num_heads", cfg.num_heads, "the attention output projection is split by head"),
                           ("intermediate_size", cfg.intermediate_size, "the MLP down projection is split by row")):
         if n % tp:
             raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: tp={tp} must divide the model's {name}={n} "
                                      f"({what}); use a tp that divides it")
-    return jax.make_mesh((tp,), ("tp",), devices=devices[:tp], axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh((dp, tp), MESH_AXES, devices=devices[: dp * tp],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def spec_of(name: str) -> P:
@@ -127,11 +136,22 @@ def shard_state(state: Any, mesh: Mesh) -> Any:
         lora=None if state.lora is None else jax.device_put(state.lora, NamedSharding(mesh, P())))
 
 
+def _mesh_axes() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return () if mesh.empty else tuple(mesh.axis_names)
+
+
+def constrain_tokens(h: jax.Array) -> jax.Array:
+    """Inside the step: split the hidden states `[T, H]` by token over `dp` (data parallel); a no-op otherwise."""
+    if "dp" not in _mesh_axes():
+        return h
+    return jax.lax.with_sharding_constraint(h, spec_of("hidden"))
+
+
 def constrain_cache(k: jax.Array, v: jax.Array, ks: Any, vs: Any) -> tuple:
     """Inside the step: pin the updated cache to its sharding when the step runs under a mesh (`jax.set_mesh`, as
     `Engine` does), so XLA neither gathers it nor returns it laid out differently; a no-op on one device."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "tp" not in mesh.axis_names:
+    if "tp" not in _mesh_axes():
         return k, v, ks, vs
     c = jax.lax.with_sharding_constraint
     return (c(k, spec_of("cache.k")), c(v, spec_of("cache.v")),

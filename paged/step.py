@@ -36,7 +36,7 @@ from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
 from paged.sampling import sample_final
-from paged.sharding import constrain_cache
+from paged.sharding import constrain_cache, constrain_tokens
 from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
 from pallas_kernels.paged_attention import (
     IMPLS,
@@ -216,6 +216,7 @@ def _forward(
     if state.lora is not None and batch.lora_slots is not None:  # each token runs through its row's adapter
         lora = (state.lora, jnp.where(batch.token_rows < s_count,
                                       batch.lora_slots[jnp.minimum(batch.token_rows, s_count - 1)], 0))
+    h = constrain_tokens(h)  # data parallel: each replica computes its share of the tokens (rows)
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
                                    matmul_impl, lora)
     k, v, ks, vs = constrain_cache(k, v, ks, vs)  # under a mesh: the cache stays split by KV head

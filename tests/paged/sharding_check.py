@@ -4,7 +4,9 @@ on a tiny random Llama (8 query heads, 4 KV heads). Prints one JSON object of fi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 
 import chex
 
@@ -49,15 +51,19 @@ def run(mesh: str, settings, seed=None, **extra):
     return g, finals, ids, sum(f.get("cached_tokens", 0) for f in c.finals.values())
 
 
-def hlo_of(engine) -> str:
+def hlo_of(engine) -> tuple[str, float]:
+    """The compiled step's HLO text (per device, after partitioning) and its FLOPs per device."""
     rows = [RowInput(tokens=[5, 6, 7], start_pos=0, pages=[1], sample=True),
             RowInput(tokens=[9], start_pos=3, pages=[2], sample=True)]
     shape = engine.shape_for(rows)
     batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, sample_rows=shape.sample_rows_for(2))
-    with jax.set_mesh(engine.mesh):
-        return step_forward.lower(engine.model.params, engine.state, forward_inputs(batch), cfg=engine.cfg,
-                                  shape=forward_shape(shape), attn_impl=engine.attn_impl,
-                                  matmul_impl=engine.matmul_impl).compile().as_text()
+    kw = dict(cfg=engine.cfg, shape=forward_shape(shape), attn_impl=engine.attn_impl, matmul_impl=engine.matmul_impl)
+    ctx = jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext()
+    with ctx:
+        compiled = step_forward.lower(engine.model.params, engine.state, forward_inputs(batch), **kw).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return compiled.as_text(), float(cost["flops"])
 
 
 def main():
@@ -68,22 +74,27 @@ def main():
     _, ref_s, _, _ = run("", sampled, seed=3)
     out["reference"] = ref
     out["reference_cached_tokens"] = ref_cached
-    for mesh in ("tp=2", "tp=4"):
+    ref_flops = hlo_of(run("", greedy)[0].engine)[1]
+    for mesh in ("tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"):
         g, fin, ids, cached = run(mesh, greedy)
         _, fin_s, _, _ = run(mesh, sampled, seed=3)
+        hlo, flops = hlo_of(g.engine)
         st = g.engine.state
         layers = g.engine.model.params.layers
-        hlo = hlo_of(g.engine)
         cache_shape = ",".join(map(str, st.k.shape))
-        gathers = [line for line in hlo.splitlines() if "all-gather" in line and "=" in line]
+        gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")  # an all-gather *of* the cache
+        gathers = [line for line in hlo.splitlines() if gathered.search(line)]
         out[mesh] = {
             "greedy_equal": fin == ref and ids == ref_ids, "sampled_equal": fin_s == ref_s, "cached_tokens": cached,
             "k_spec": str(st.k.sharding.spec), "v_spec": str(st.v.sharding.spec),
             "k_shard_shape": list(st.k.addressable_shards[0].data.shape), "k_shape": list(st.k.shape),
             "wo_spec": str(layers.wo.sharding.spec), "w_down_spec": str(layers.w_down.sharding.spec),
             "wqkv_spec": str(layers.wqkv.sharding.spec),
-            "cache_gathers": [line.strip()[:160] for line in gathers if f"[{cache_shape}]" in line],
+            "cache_gathers": [line.strip()[:160] for line in gathers],
+            "all_gathers": sum(" all-gather" in line for line in hlo.splitlines()),
             "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
+            "flops_per_device_vs_one": flops / ref_flops,
+            "mesh_shape": dict(g.engine.mesh.shape),
         }
     g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")
     _, ref8, _, _ = run("", greedy, cache_dtype="int8")
@@ -91,7 +102,7 @@ def main():
     g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
     out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
     errors = {}
-    for mesh in ("tp=8", "tp=3", "dp=2", "tp=two"):
+    for mesh in ("tp=8", "dp=4,tp=2", "tp=3", "pp=2", "tp=two"):
         try:
             DynamicGenerator(MODEL, mesh=mesh, **SETTINGS)
             errors[mesh] = None

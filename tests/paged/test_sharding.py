@@ -33,8 +33,8 @@ def check():
     return json.loads(line.removeprefix("SHARDING_CHECK "))
 
 
-@pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])
-def test_tensor_parallel_outputs_equal_one_device(check, mesh):
+@pytest.mark.parametrize("mesh", ["tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"])
+def test_parallel_outputs_equal_one_device(check, mesh):
     assert check["devices"] == 4
     got = check[mesh]
     assert got["greedy_equal"] and got["sampled_equal"]
@@ -42,14 +42,22 @@ def test_tensor_parallel_outputs_equal_one_device(check, mesh):
     assert len(check["reference"]) == 4  # the cancelled job is not among the finished ones
 
 
-@pytest.mark.parametrize("mesh, tp", [("tp=2", 2), ("tp=4", 4)])
-def test_the_cache_is_split_by_kv_head_and_never_gathered(check, mesh, tp):
+@pytest.mark.parametrize("mesh, dp, tp", [("tp=2", 1, 2), ("tp=4", 1, 4), ("dp=2", 2, 1), ("dp=2,tp=2", 2, 2),
+                                          ("dp=4", 4, 1)])
+def test_the_cache_is_split_by_kv_head_and_never_gathered(check, mesh, dp, tp):
     got = check[mesh]
-    assert got["k_spec"] == got["v_spec"] == "P(None, 'tp')"
+    assert got["mesh_shape"] == {"dp": dp, "tp": tp}
+    # over dp the cache is replicated (every replica holds every page); with tp=1 the spec reads P()
+    assert got["k_spec"] == got["v_spec"] == ("P(None, 'tp')" if tp > 1 else "P()")
     assert got["k_shard_shape"][1] * tp == got["k_shape"][1] and got["k_shard_shape"][2:] == got["k_shape"][2:]
     assert got["wo_spec"] == got["w_down_spec"] == "P(None, 'tp', None)" and got["wqkv_spec"] == "P(None, None, None)"
     assert got["cache_gathers"] == []
-    assert got["all_reduces"] > 0  # the row-split projections' partial sums: the step really is partitioned
+    if tp > 1:
+        assert got["all_reduces"] > 0  # the row-split projections' partial sums: the step really is partitioned
+    # each device computes its share: tp splits the attention and two projections, dp the tokens
+    assert got["flops_per_device_vs_one"] < (0.8 if dp * tp > 1 else 1.01)
+    if dp > 1:
+        assert got["all_gathers"] > 0  # the new tokens' K/V reach every replica's copy of the cache
 
 
 def test_int8_cache_and_its_scales_shard_too(check):
@@ -62,9 +70,9 @@ def test_speculative_verification_steps_run_under_the_mesh(check):
 
 def test_meshes_that_cannot_work_are_config_errors(check):
     e = check["errors"]
-    assert "needs 8 devices; 4 available" in e["tp=8"]
+    assert "needs 8 devices; 4 available" in e["tp=8"] and "needs 8 devices" in e["dp=4,tp=2"]
     assert "tp=3 must divide the model's num_kv_heads=4" in e["tp=3"]
-    assert "axis 'dp' is not supported" in e["dp=2"]
+    assert "axis 'pp' is not supported" in e["pp=2"]
     assert "'tp=two' is not 'axis=size'" in e["tp=two"]
     assert "attn_impl='pallas' under mesh='tp=2'" in e["pallas"] and check["attn_impl_under_mesh"] == "xla"
 

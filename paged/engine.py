@@ -129,11 +129,6 @@ class Engine:
                                         self.config.max_loras, self.config.max_lora_rank)
         self.mesh = make_mesh(self.config.mesh, self.cfg)  # None: one device
         if self.mesh is not None:  # tensor parallel: weights and cache placed by their logical axes
-            attn = split_tuning(self.config.attn_impl)[0]
-            if attn not in ("auto", "xla"):
-                raise InvalidConfigError(f"attn_impl={attn!r} under mesh={self.config.mesh!r}: only the XLA attention "
-                                         "is partitioned (the kernels' custom calls are not); use 'auto' or 'xla'")
-            self.config = dataclasses.replace(self.config, attn_impl="xla", attn_tuning=None)
             self.model = model = dataclasses.replace(model, params=shard_params(model.params, self.mesh))
             self.state = shard_state(self.state, self.mesh)
         self.embedding_rows = self.config.max_embedding_tokens  # rows of the injected-embedding table

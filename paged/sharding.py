@@ -13,6 +13,8 @@ mlp, vocab, embed, layers, pages, ...), and `RULES` maps logical axes to mesh ax
 - the paged KV cache `[L, KH, pages, page_size, D]` (and an int8 cache's scales) is split over KV heads on `tp`;
 - the attention output projection `wo` `[L, nH*D, H]` by query heads and the MLP down projection `w_down`
   `[L, F, H]` by intermediate features on `tp`; their partial products are summed across `tp` by XLA;
+- the attention kernels (Pallas; any non-XLA implementation) run per device through `per_kv_head` (a `shard_map`
+  over the KV-head split), since their custom calls cannot be partitioned by XLA;
 - the fused projections `wqkv` `[L, H, (nH + 2 KH) D]` and `w_gate_up` `[L, H, 2F]`, the norms, the embedding and
   the LM head, quantized weights (`QuantizedArray`: their group scales follow the in-feature axis, so v1 keeps them
   whole), the page table, the sampling state and every batch input are replicated;
@@ -146,6 +148,28 @@ def constrain_tokens(h: jax.Array) -> jax.Array:
     if "dp" not in _mesh_axes():
         return h
     return jax.lax.with_sharding_constraint(h, spec_of("hidden"))
+
+
+def per_kv_head(fn: Any, q: jax.Array, kc: jax.Array, vc: jax.Array, ks: Any, vs: Any, *rest: Any) -> jax.Array:
+    """`fn(q, kc, vc, ks, vs, *rest)` (a paged attention implementation: q `[T, nH, D]`, the stacked cache
+    `[L, KH, ...]`; `rest` the replicated batch metadata) run per device under a mesh with `tp > 1`: a `shard_map`
+    hands each device its `nH / tp` query heads and its `KH / tp` KV heads of the cache (query heads are grouped by KV
+    head, so the two splits line up), and the outputs are its heads. Kernels are custom calls that XLA's partitioner
+    cannot split; this is how they run on the head-split cache. Without a mesh: `fn` itself."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "tp" not in mesh.axis_names or mesh.shape["tp"] == 1:
+        return fn(q, kc, vc, ks, vs, *rest)
+    head, cache = P(None, "tp", None), spec_of("cache.k")
+    scales = [x for x in (ks, vs) if x is not None]
+
+    def local(q, kc, vc, *more):
+        s = list(more[: len(scales)])
+        return fn(q, kc, vc, s.pop(0) if ks is not None else None, s.pop(0) if vs is not None else None,
+                  *more[len(scales):])
+
+    specs = (head, cache, cache, *[spec_of("cache.k_scale")] * len(scales), *[P()] * len(rest))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=head, check_vma=False)(
+        q, kc, vc, *scales, *rest)
 
 
 def constrain_cache(k: jax.Array, v: jax.Array, ks: Any, vs: Any) -> tuple:

@@ -36,7 +36,7 @@ from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
 from paged.sampling import sample_final
-from paged.sharding import constrain_cache, constrain_tokens
+from paged.sharding import constrain_cache, constrain_tokens, per_kv_head
 from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
 from pallas_kernels.paged_attention import (
     IMPLS,
@@ -127,8 +127,12 @@ def _attention(shape: BatchShape, impl: str, q, kc, vc, ks, vs, layer, batch: Ba
             qstart = jnp.arange(sp, dtype=jnp.int32) * qm
         else:
             qstart = jnp.concatenate([jnp.arange(sp, dtype=jnp.int32) * qm, batch.decode_tokens])
-        return paged_attention(q, kc, vc, qstart, batch.query_lens, batch.kv_lens, page_table, impl=impl,
-                               layout=lay, k_scales=ks, v_scales=vs, layer=layer, **common)
+        def kernel(q, kc, vc, ks, vs, qstart, query_lens, kv_lens, page_table, layer):
+            return paged_attention(q, kc, vc, qstart, query_lens, kv_lens, page_table, impl=impl, layout=lay,
+                                   k_scales=ks, v_scales=vs, layer=layer, **common)
+
+        # under a mesh: per device, on its KV heads (the kernels are custom calls XLA cannot partition)
+        return per_kv_head(kernel, q, kc, vc, ks, vs, qstart, batch.query_lens, batch.kv_lens, page_table, layer)
     dec_args = (batch.query_lens[sp:], batch.kv_lens[sp:], page_table[sp:], common)
     if not sp:  # decode-only: row j's token is slot j
         return _decode_rows_attention(q, kc, vc, ks, vs, layer, *dec_args)

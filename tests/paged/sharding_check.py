@@ -108,13 +108,20 @@ def main():
             errors[mesh] = None
         except InvalidConfigError as e:
             errors[mesh] = str(e)
-    try:
-        DynamicGenerator(MODEL, mesh="tp=2", attn_impl="pallas", **SETTINGS)
-        errors["pallas"] = None
-    except InvalidConfigError as e:
-        errors["pallas"] = str(e)
     out["errors"] = errors
-    out["attn_impl_under_mesh"] = DynamicGenerator(MODEL, mesh="tp=2", **SETTINGS).engine.config.attn_impl
+    # the Pallas kernel (interpreted on the CPU) per device through shard_map, against the kernel on one device
+    _, ref_p, _, _ = run("", greedy, attn_impl="pallas")
+    real_shard_map, traced = jax.shard_map, []
+    jax.shard_map = lambda f, **kw: traced.append(kw["in_specs"][1]) or real_shard_map(f, **kw)  # count the kernels'
+    for mesh in ("tp=2", "dp=2,tp=2"):
+        traced.clear()
+        g, fin, _, _ = run(mesh, greedy, attn_impl="pallas")
+        out[f"shard_maps {mesh}"] = [str(s) for s in traced[:1]] + [len(traced)]
+        hlo, _ = hlo_of(g.engine)
+        cache_shape = ",".join(map(str, g.engine.state.k.shape))
+        gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")
+        out[f"pallas {mesh}"] = {"greedy_equal": fin == ref_p, "equal_to_xla": fin == ref,
+                                 "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
     print("SHARDING_CHECK " + json.dumps(out))
 
 

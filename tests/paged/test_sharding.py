@@ -74,7 +74,14 @@ def test_meshes_that_cannot_work_are_config_errors(check):
     assert "tp=3 must divide the model's num_kv_heads=4" in e["tp=3"]
     assert "axis 'pp' is not supported" in e["pp=2"]
     assert "'tp=two' is not 'axis=size'" in e["tp=two"]
-    assert "attn_impl='pallas' under mesh='tp=2'" in e["pallas"] and check["attn_impl_under_mesh"] == "xla"
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_the_pallas_kernel_runs_per_device_on_its_kv_heads(check, mesh):
+    got = check[f"pallas {mesh}"]
+    assert got["greedy_equal"] and got["cache_gathers"] == 0
+    spec, count = check[f"shard_maps {mesh}"]
+    assert spec == "P(None, 'tp', None, None, None)" and count > 0  # the kernel went through shard_map, cache split
 
 
 def test_mesh_settings_here():

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from paged.errors import InvalidConfigError
+from paged.sharding import parse_mesh
 from paged.validate import Checker
 from pallas_kernels.registry import KernelError, attention_registry, matmul_registry
 
@@ -74,8 +75,6 @@ class EngineConfig:
         c.int_("max_embedding_tokens", self.max_embedding_tokens, 0)
         c.int_("max_loras", self.max_loras, 0)
         c.int_("max_lora_rank", self.max_lora_rank, 1)
-        from paged.sharding import parse_mesh
-
         parse_mesh(self.mesh)
         for name, registry in (("attn", attention_registry()), ("matmul", matmul_registry())):
             impl = getattr(self, f"{name}_impl")

@@ -30,6 +30,7 @@ they are. The price is memory: the cache is held `dp` times (split over `tp` wit
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -112,30 +113,25 @@ def _place(x: Any, mesh: Mesh, spec: P) -> Any:
     return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
 
 
+def _place_fields(obj: Any, prefix: str, mesh: Mesh, **placed: Any) -> Any:
+    """`obj` (a flax struct dataclass) with every field not in `placed` put on the mesh by its logical axes
+    (`spec_of(prefix.field)`; replicated when the field has none, and for quantized weights)."""
+    for f in dataclasses.fields(obj):
+        if f.name not in placed:
+            x = getattr(obj, f.name)
+            placed[f.name] = _place(x, mesh, P() if isinstance(x, QuantizedArray) else spec_of(f"{prefix}.{f.name}"))
+    return obj.replace(**placed)
+
+
 def shard_params(params: Any, mesh: Mesh) -> Any:
     """`Weights` with every leaf placed by its logical axes (replicated where the rules say so, and for quantized
     weights)."""
-    layers = params.layers
-    placed = {}
-    for field in ("wqkv", "wo", "w_gate_up", "w_down"):
-        w = getattr(layers, field)
-        spec = P() if isinstance(w, QuantizedArray) else spec_of(f"layers.{field}")
-        placed[field] = _place(w, mesh, spec)
-    rest = {f: _place(getattr(layers, f), mesh, P()) for f in ("attn_norm", "mlp_norm", "bqkv", "bo", "b_gate_up",
-                                                              "b_down")}
-    new_layers = layers.replace(**placed, **rest)
-    return params.replace(layers=new_layers, embed=_place(params.embed, mesh, P()),
-                          final_norm=_place(params.final_norm, mesh, P()), lm_head=_place(params.lm_head, mesh, P()))
+    return _place_fields(params, "params", mesh, layers=_place_fields(params.layers, "layers", mesh))
 
 
 def shard_state(state: Any, mesh: Mesh) -> Any:
     """`EngineState` with the cache split by KV heads and everything else replicated."""
-    return state.replace(
-        k=_place(state.k, mesh, spec_of("cache.k")), v=_place(state.v, mesh, spec_of("cache.v")),
-        k_scale=_place(state.k_scale, mesh, spec_of("cache.k_scale")),
-        v_scale=_place(state.v_scale, mesh, spec_of("cache.v_scale")),
-        extra_embed=_place(state.extra_embed, mesh, P()),
-        lora=None if state.lora is None else jax.device_put(state.lora, NamedSharding(mesh, P())))
+    return _place_fields(state, "cache", mesh)
 
 
 def _mesh_axes() -> tuple[str, ...]:

@@ -64,6 +64,13 @@ flags.DEFINE_string("output", None, "write one JSONL record per finished job (or
 flags.DEFINE_string("system", None, "optional system message (chat template only)")
 flags.DEFINE_bool("chat", True, "wrap prompts in the model's chat template (--nochat: raw text)")
 flags.DEFINE_bool("warmup", False, "compile every step bucket before the first job (generator.warmup)")
+# --- several processes (hosts): each runs this same command with its own --process_id (docs/sharding.md)
+flags.DEFINE_integer("num_processes", 1, "processes in a multi-process (multi-host) run; > 1 needs --mesh over all "
+                     "their devices, --coordinator_address and --prompt or --prompts_file")
+flags.DEFINE_integer("process_id", 0, "this process's index in [0, --num_processes); process 0 prints and saves")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (the same in every process)")
+flags.DEFINE_integer("cpu_devices_per_process", None, "CPU only: virtual devices each process gets (for trying a "
+                     "multi-process mesh on one machine)")
 # --- sampling (a JSONL line may override max_new_tokens, temperature, top_k, top_p, seed and stop)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
 flags.DEFINE_integer("min_new_tokens", 0, "stop tokens are banned until this many tokens are out")
@@ -193,8 +200,45 @@ def validate_flags() -> None:
         parent = os.path.dirname(os.path.abspath(FLAGS.output))
         if not os.path.isdir(parent):
             raise app.UsageError(f"--output {FLAGS.output}: directory {parent} does not exist")
+    check_process_flags()
     build_settings()  # sampling flags
     build_filters()  # a bad schema, regex or grammar is reported here, before the model loads
+
+
+def check_process_flags() -> None:
+    """The multi-process flags (checked before JAX starts: joining must come first)."""
+    if FLAGS.num_processes < 1 or not 0 <= FLAGS.process_id < FLAGS.num_processes:
+        raise app.UsageError(f"--process_id must be in [0, --num_processes={FLAGS.num_processes}), got "
+                             f"{FLAGS.process_id}")
+    if FLAGS.num_processes > 1:
+        if not FLAGS.coordinator_address:
+            raise app.UsageError("--num_processes > 1 needs --coordinator_address=HOST:PORT (process 0's)")
+        if not FLAGS.mesh:
+            raise app.UsageError("--num_processes > 1 needs --mesh over every process's devices (e.g. dp=2,tp=2)")
+        if _mode() not in ("single", "bulk"):
+            raise app.UsageError("--num_processes > 1 runs the same jobs in every process: give --prompt or "
+                                 "--prompts_file (not chat or stdin)")
+
+
+def join_processes() -> None:
+    """With --num_processes > 1: join the run (`paged.sharding.initialize_distributed`) before JAX is used. Every
+    process then runs the same jobs; all but process 0 stay silent (no stdout, progress or --output)."""
+    if FLAGS.num_processes == 1:
+        return
+    from paged.sharding import initialize_distributed, is_main_process
+
+    initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                           FLAGS.cpu_devices_per_process)
+    sys.stdout.flush()
+    if not is_main_process():
+        FLAGS.output, FLAGS.progress = None, False
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):  # what the libraries print from C++ too
+            os.dup2(quiet, fd)
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
+    else:  # the collectives' C++ notices go to stderr; stdout keeps only the records and the streamed text
+        sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
 
 
 def build_filters() -> list:
@@ -765,6 +809,8 @@ def main(argv):
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" notices are noise here
+    check_process_flags()
+    join_processes()  # before anything starts JAX
     validate_flags()
     mode = _mode()
     requests = read_prompts_file(FLAGS.prompts_file) if mode == "bulk" else None

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.fused import TP_SPLIT, gate_up_parts, grouped_order, qkv_parts, split_columns
 from models.linear import matmul
 from models.lora import LoraStack, lora_delta
 from models.quant import gather_out
@@ -50,26 +51,31 @@ def _layer(
     n = h.shape[0]
     d, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
-    def mat(x, w, bias, group):  # the weight matmul, plus the tokens' LoRA adapters (`models.lora`)
-        y = matmul(x, w, bias, impl=mm)
+    groups = lw.fused_groups  # > 1: the fused projections' columns are grouped for tensor parallelism
+    fused = {"qkv": qkv_parts(cfg), "gate_up": gate_up_parts(cfg)}
+
+    def mat(x, w, bias, group, split):  # the weight matmul, plus the tokens' LoRA adapters (`models.lora`)
+        y = matmul(x, w, bias, impl=mm, split=split)
         if lora is None:
             return y
-        return (y.astype(jnp.float32) + lora_delta(x, lora[0], layer, group, lora[1])).astype(y.dtype)
+        delta = lora_delta(x, lora[0], layer, group, lora[1])  # plain column order
+        if groups > 1 and group in fused:
+            delta = jnp.take(delta, jnp.asarray(grouped_order(fused[group], groups)), axis=-1)
+        return (y.astype(jnp.float32) + delta).astype(y.dtype)
 
     x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
-    qkv = mat(x, lw.wqkv, lw.bqkv, "qkv")  # [N, (nH + 2 nKV) D]
-    q = qkv[:, : nh * d].reshape(n, nh, d)
-    k = qkv[:, nh * d : (nh + nkv) * d].reshape(n, nkv, d)
-    v = qkv[:, (nh + nkv) * d :].reshape(n, nkv, d)
+    qkv = mat(x, lw.wqkv, lw.bqkv, "qkv", TP_SPLIT["wqkv"])  # [N, (nH + 2 nKV) D]
+    q, k, v = split_columns(qkv, fused["qkv"], groups)
+    q, k, v = q.reshape(n, nh, d), k.reshape(n, nkv, d), v.reshape(n, nkv, d)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     attn, state = attend(layer, q, k, v, state)  # [N, nH, D]
-    h = h + mat(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo, "o")
+    h = h + mat(attn.reshape(n, nh * d).astype(h.dtype), lw.wo, lw.bo, "o", TP_SPLIT["wo"])
     x = rms_norm(h, lw.mlp_norm, cfg.rms_norm_eps)
-    gu = mat(x, lw.w_gate_up, lw.b_gate_up, "gate_up")  # [N, 2F]
-    f = cfg.intermediate_size
-    act = jax.nn.silu(gu[:, :f].astype(jnp.float32)) * gu[:, f:].astype(jnp.float32)
-    h = h + mat(act.astype(h.dtype), lw.w_down, lw.b_down, "down")
+    gu = mat(x, lw.w_gate_up, lw.b_gate_up, "gate_up", TP_SPLIT["w_gate_up"])  # [N, 2F]
+    gate, up = split_columns(gu, fused["gate_up"], groups)
+    act = jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)
+    h = h + mat(act.astype(h.dtype), lw.w_down, lw.b_down, "down", TP_SPLIT["w_down"])
     return h, state
 
 
@@ -102,7 +108,8 @@ def layer_view(layers: LayerWeights, layer: jnp.ndarray) -> LayerWeights:
             return LayerSlice(a, layer)
         return jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False)
 
-    return LayerWeights(**{f.name: view(getattr(layers, f.name)) for f in dataclasses.fields(layers)})
+    return layers.replace(**{f.name: view(getattr(layers, f.name)) for f in dataclasses.fields(layers)
+                             if f.metadata.get("pytree_node", True)})
 
 
 def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:

@@ -31,6 +31,9 @@ class LayerWeights:
     bo: jnp.ndarray | None = None  # [L, H]
     b_gate_up: jnp.ndarray | None = None  # [L, 2F]
     b_down: jnp.ndarray | None = None  # [L, H]
+    # static: the column layout of wqkv / w_gate_up (and their biases): 1 plain, g grouped for tensor parallelism
+    # over g devices (`models.fused`)
+    fused_groups: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass

@@ -21,7 +21,7 @@ from paged.buckets import BucketSpec
 from paged.config import EngineConfig
 from paged.engine_api import StepOutput
 from paged.errors import InvalidConfigError
-from paged.sharding import make_mesh, shard_params, shard_state
+from paged.sharding import make_mesh, shard_params, shard_state, to_host
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
@@ -129,7 +129,7 @@ class Engine:
                                         self.config.max_loras, self.config.max_lora_rank)
         self.mesh = make_mesh(self.config.mesh, self.cfg)  # None: one device
         if self.mesh is not None:  # tensor parallel: weights and cache placed by their logical axes
-            self.model = model = dataclasses.replace(model, params=shard_params(model.params, self.mesh))
+            self.model = model = dataclasses.replace(model, params=shard_params(model.params, self.mesh, self.cfg))
             self.state = shard_state(self.state, self.mesh)
         self.embedding_rows = self.config.max_embedding_tokens  # rows of the injected-embedding table
         self.lora_slots = self.config.max_loras  # adapters the LoRA stack holds (`load_lora`)
@@ -229,7 +229,7 @@ class Engine:
                                                 cfg=self.cfg, shape=forward_shape(shape), num_drafts=self.draft_len,
                                                 attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
         t2 = time.perf_counter()
-        host = np.asarray(jax.device_get(tokens))[np.asarray(got_slots, np.int64)]
+        host = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)]
         self.timings["build_s"] += t1 - t0
         self.timings["dispatch_s"] += t2 - t1
         self.timings["wait_s"] += time.perf_counter() - t2
@@ -481,7 +481,7 @@ def _to_host(res, k: int, return_logits: bool, wide: bool, **extra) -> dict:
         want["logits"] = res.logits
     if wide:
         want["final"] = res.final
-    return jax.device_get(want)
+    return to_host(want)
 
 
 def _verify_inputs(batch: Batch) -> dict:

@@ -49,6 +49,7 @@ from paged.page_pool import PagePool
 from paged.policies import Policy, make_policy
 from paged.scheduler import Scheduler, members
 from paged.settings import SamplingSettings
+from paged.sharding import shared_seed
 from paged.spec_step import SpeculativeStep, check_speculation_args
 from paged.speculative import Accepted
 from paged.streaming import TextStream
@@ -193,7 +194,7 @@ class DynamicGenerator:
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
-        self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self._rng = random.Random(shared_seed())  # the same in every process of a multi-process run
         self._vocab_bytes: list[bytes] | None = None
         self.lock = threading.RLock()
         self.steps = 0

@@ -14,7 +14,7 @@ chex.set_n_cpu_devices(4)
 
 import jax  # noqa: E402
 
-from models import ModelConfig, init_random_weights  # noqa: E402
+from models import ModelConfig, init_random_weights, quant  # noqa: E402
 from models.loader import Model  # noqa: E402
 from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
 from paged.batch import RowInput, build_batch  # noqa: E402
@@ -22,6 +22,7 @@ from paged.engine import forward_shape  # noqa: E402
 from paged.errors import InvalidConfigError  # noqa: E402
 from paged.step import forward_inputs, step_forward  # noqa: E402
 from paged.testing import ByteTokenizer, drain  # noqa: E402
+from pallas_kernels import native  # noqa: E402
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
@@ -37,8 +38,8 @@ def jobs(settings, seed=None):
             for i, p in enumerate(prompts)]
 
 
-def run(mesh: str, settings, seed=None, **extra):
-    g = DynamicGenerator(MODEL, mesh=mesh, **{**SETTINGS, **extra})
+def run(mesh: str, settings, seed=None, model=None, **extra):
+    g = DynamicGenerator(model or MODEL, mesh=mesh, **{**SETTINGS, **extra})
     js = jobs(settings, seed)
     g.enqueue(js)
     results = g.iterate() + g.iterate()  # a few steps in, cancel one job (its pages go back)
@@ -89,7 +90,8 @@ def main():
             "k_spec": str(st.k.sharding.spec), "v_spec": str(st.v.sharding.spec),
             "k_shard_shape": list(st.k.addressable_shards[0].data.shape), "k_shape": list(st.k.shape),
             "wo_spec": str(layers.wo.sharding.spec), "w_down_spec": str(layers.w_down.sharding.spec),
-            "wqkv_spec": str(layers.wqkv.sharding.spec),
+            "wqkv_spec": str(layers.wqkv.sharding.spec), "w_gate_up_spec": str(layers.w_gate_up.sharding.spec),
+            "fused_groups": layers.fused_groups,
             "cache_gathers": [line.strip()[:160] for line in gathers],
             "all_gathers": sum(" all-gather" in line for line in hlo.splitlines()),
             "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
@@ -122,7 +124,51 @@ def main():
         gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")
         out[f"pallas {mesh}"] = {"greedy_equal": fin == ref_p, "equal_to_xla": fin == ref,
                                  "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
+    out["quantized"] = quantized_checks(greedy, real_shard_map)
     print("SHARDING_CHECK " + json.dumps(out))
+
+
+def quantized(kind: str, group: int | None) -> Model:
+    """MODEL with its four projections quantized (`kind`, groups of `group` rows; None: per channel)."""
+    layers = MODEL.params.layers
+
+    def q(w):
+        return quant.stack([quant.quantize(w[i], kind, group) for i in range(w.shape[0])])
+
+    layers = layers.replace(wqkv=q(layers.wqkv), wo=q(layers.wo), w_gate_up=q(layers.w_gate_up),
+                            w_down=q(layers.w_down))
+    return Model(config=CFG, params=MODEL.params.replace(layers=layers), tokenizer=TOK, source=f"tiny {kind}")
+
+
+def quantized_checks(greedy, real_shard_map) -> dict:
+    """Quantized weights under tp: q4_1 in groups of 32 (wo's 4 groups split over tp=2, w_down's 3 do not) and
+    per-channel int8 (every projection splits; the row-split ones keep their one row of scales whole), with the XLA
+    matmul and the native kernel (a custom call, run per device through shard_map)."""
+    res, traced = {}, []
+    jax.shard_map = lambda f, **kw: traced.append(kw["in_specs"]) or real_shard_map(f, **kw)
+    impls = ["xla"] + (["native"] if native.available() else [])
+    for name, model in (("q4_1", quantized("q4_1", 32)), ("int8pc", quantized("int8", None))):
+        for impl in impls:
+            _, ref, _, _ = run("", greedy, model=model, matmul_impl=impl)
+            for mesh in ("tp=2", "dp=2,tp=2"):
+                traced.clear()
+                g, fin, _, _ = run(mesh, greedy, model=model, matmul_impl=impl)
+                layers = g.engine.model.params.layers
+                hlo, _ = hlo_of(g.engine)
+                full = {",".join(map(str, leaf.shape)) for w in (layers.wqkv, layers.wo, layers.w_gate_up,
+                                                                  layers.w_down) for leaf in jax.tree.leaves(w)}
+                gathers = [ln for ln in hlo.splitlines() if "all-gather" in ln
+                           and any(re.search(rf"=\s*\S+\[{s}\]\S*\s+all-gather", ln) for s in full)]
+                res[f"{name} {impl} {mesh}"] = {
+                    "greedy_equal": fin == ref,
+                    "specs": {f: [str(x.sharding.spec) for x in (w.values, w.scales)] for f in
+                              ("wqkv", "wo", "w_gate_up", "w_down") for w in [getattr(layers, f)]},
+                    "matmul_shard_maps": sum(not isinstance(s[1], jax.sharding.PartitionSpec) for s in traced),
+                    "weight_gathers": len(gathers),
+                }
+    jax.shard_map = real_shard_map
+    res["impls"] = impls
+    return res
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ flags.DEFINE_string("fit_out", None, "fit the simulator's StepTimeModel over the
 flags.DEFINE_list("grid_prefill", ["0", "16", "64", "128", "256"], "fit: prefill chunk tokens (0 = none)")
 flags.DEFINE_list("grid_decode", ["0", "1", "2", "4", "8", "15"], "fit: decode rows")
 flags.DEFINE_list("grid_context", ["32", "256", "768"], "fit: context tokens per row before the step")
+flags.DEFINE_bool("grid_mixed", True, "fit: also decode steps with one row at each context and the others at "
+                  "the shortest (attention reads every row to the longest row's context bucket)")
 flags.DEFINE_integer("fit_narrow_tokens", -1, "fit: the widest step (token slots) of the narrow matmul path, priced "
                      "apart by the wide_step term; -1: detect (the native CPU kernel's rows for the model's weights, "
                      "else 0: no such term)")
@@ -206,29 +208,37 @@ def fit_step_time(model) -> dict:
     print(f"compiled every bucket in {time.perf_counter() - t0:.1f} s")
     per_row = eng.config.max_pages_per_row
     shapes, seconds, points = [], [], []
-    for c in (int(x) for x in FLAGS.grid_context):
-        for p in (int(x) for x in FLAGS.grid_prefill):
-            for d in (int(x) for x in FLAGS.grid_decode):
-                if (p == 0 and d == 0) or d + (p > 0) > batch or c + max(p, 1) > seq:
-                    continue
-                rows = []
-                for r in range(d + (p > 0)):
-                    n = p if (p and r == 0) else 1
-                    pages = list(range(1 + r * per_row, 1 + (r + 1) * per_row))[: -(-(c + n) // ps)]
-                    rows.append(RowInput(tokens=[7] * n, start_pos=c, pages=pages))
-                if 1 + len(rows) * per_row > eng.config.num_pages:
-                    continue
-                eng.run(rows)  # untimed: first touch
-                times = []
-                for _ in range(FLAGS.iters):
-                    t = time.perf_counter()
-                    eng.run(rows)
-                    times.append(time.perf_counter() - t)
-                shape = StepShape.from_rows(rows, eng.spec)
-                shapes.append(shape)
-                seconds.append(float(np.median(times)))
-                points.append(dict(prefill=p, decode=d, context=c, seconds=seconds[-1], **shape.__dict__))
-                print(f"prefill {p:4d} decode {d:3d} context {c:5d}: {1e3 * seconds[-1]:8.2f} ms")
+    contexts = [int(x) for x in FLAGS.grid_context]
+    # every row at context c; then (--grid_mixed) decode steps whose first row is at c and the others at the
+    # shortest context, as in serving, where attention reads every row up to the longest one's context bucket
+    grid = [(c, p, d, c) for c in contexts for p in (int(x) for x in FLAGS.grid_prefill)
+            for d in (int(x) for x in FLAGS.grid_decode)]
+    if FLAGS.grid_mixed:
+        grid += [(c, 0, d, min(contexts)) for c in contexts if c > min(contexts)
+                 for d in (int(x) for x in FLAGS.grid_decode) if d >= 2]
+    for c, p, d, c_rest in grid:
+        if (p == 0 and d == 0) or d + (p > 0) > batch or c + max(p, 1) > seq:
+            continue
+        rows = []
+        for r in range(d + (p > 0)):
+            n = p if (p and r == 0) else 1
+            ctx = c if r == 0 else c_rest
+            pages = list(range(1 + r * per_row, 1 + (r + 1) * per_row))[: -(-(ctx + n) // ps)]
+            rows.append(RowInput(tokens=[7] * n, start_pos=ctx, pages=pages))
+        if 1 + len(rows) * per_row > eng.config.num_pages:
+            continue
+        eng.run(rows)  # untimed: first touch
+        times = []
+        for _ in range(FLAGS.iters):
+            t = time.perf_counter()
+            eng.run(rows)
+            times.append(time.perf_counter() - t)
+        shape = StepShape.from_rows(rows, eng.spec)
+        shapes.append(shape)
+        seconds.append(float(np.median(times)))
+        points.append(dict(prefill=p, decode=d, context=c, other_context=c_rest, seconds=seconds[-1],
+                           **shape.__dict__))
+        print(f"prefill {p:4d} decode {d:3d} context {c:5d}/{c_rest:5d}: {1e3 * seconds[-1]:8.2f} ms")
     # the host loop around the engine call (admission, planning, results) on a short decode-heavy run
     gen = DynamicGenerator(engine=eng)
     rng = np.random.default_rng(0)

@@ -2,7 +2,9 @@
 model, on a virtual clock, so policies can be compared at scales (and on hardware) this machine cannot serve.
 
 - `StepShape`: what a step's cost depends on: prefill tokens, decode rows, KV tokens attended (the sum over rows of
-  the context after the step's tokens) and the token slots of the shape bucket the batch is padded to.
+  the context after the step's tokens), the token slots of the shape bucket the batch is padded to, and the KV slots
+  attention reads (`kv_read`: every padded token slot against the context bucket of the longest row, as the XLA
+  attention reads them; larger than `kv_tokens` when the rows' contexts differ).
 - `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`, plus `coef["wide_step"]` once for
   a step wider than `narrow_tokens` token slots (where the CPU engine leaves its native decode kernel for XLA's
   dequantize-then-dot path: a cost of its own); `constant(s)` for hand-checkable tests, `fit(samples)`
@@ -36,7 +38,7 @@ from paged.engine_api import StepOutput
 from paged.errors import InvalidConfigError
 from paged.testing import FakeEngine
 
-FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step")
+FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step", "kv_read")
 SCHEMA = "step_time_model/1"
 
 
@@ -46,6 +48,7 @@ class StepShape:
     decode_rows: int  # single-token sampling rows
     kv_tokens: int  # sum over rows of start_pos + row tokens: the KV positions attention reads
     padded_tokens: int  # token slots of the bucket the batch is padded to (0 without buckets)
+    kv_read: int = 0  # padded token slots x the KV slots of the longest row's context bucket (0: not counted)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Any], spec: BucketSpec | None = None) -> StepShape:
@@ -62,11 +65,15 @@ class StepShape:
                 prefill += n
                 lens.append(n)
             max_pages = max(max_pages, -(-end // ps))
-        padded = 0
+        padded, read = 0, 0
         if spec is not None and rows:
-            layout = spec.shape_for(lens, len(rows) - len(lens), min(max_pages, spec.max_pages_per_row)).layout
+            pages = min(max_pages, spec.max_pages_per_row)
+            layout = spec.shape_for(lens, len(rows) - len(lens), pages).layout
             padded = layout.num_tokens
-        return cls(prefill, decode, kv, padded)
+            bucket = min((p for p in spec.pages if p >= pages), default=spec.max_pages_per_row) if spec.page_switch \
+                else spec.max_pages_per_row
+            read = padded * bucket * ps
+        return cls(prefill, decode, kv, padded, read)
 
     @property
     def tokens(self) -> int:

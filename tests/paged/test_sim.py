@@ -47,6 +47,23 @@ def test_step_shape_from_rows_counts_prefill_decode_kv_and_padding():
     assert StepShape.from_rows(rows).padded_tokens == 0
 
 
+def test_kv_read_counts_every_padded_slot_against_the_longest_rows_context_bucket():
+    """Decode attention reads each padded row up to the context bucket of the batch's longest row: three rows of 1,
+    1 and 20 pages read like four rows of the 20-page row's bucket, far more than the rows' own KV."""
+    spec = BucketSpec.from_config(EngineConfig(page_size=16, max_batch_size=8, max_seq_len=1024), attn_impl="xla")
+    assert spec.page_switch and 32 in spec.pages and 16 in spec.pages
+    long = RowInput(tokens=[5], start_pos=310, pages=list(range(1, 21)))  # 311 tokens: 20 pages -> bucket 32
+    short = [RowInput(tokens=[5], start_pos=4, pages=[30 + i]) for i in range(2)]
+    mixed = StepShape.from_rows([long, *short], spec)
+    assert mixed.padded_tokens == 4 and mixed.kv_read == 4 * 32 * 16 and mixed.kv_tokens == 311 + 5 + 5
+    assert StepShape.from_rows(short, spec).kv_read == 2 * min(spec.pages) * 16
+    nobucket = BucketSpec.from_config(EngineConfig(page_size=16, max_batch_size=8, max_seq_len=1024),
+                                      attn_impl="pallas")  # the kernel visits real pages: no context buckets
+    assert not nobucket.page_switch and StepShape.from_rows([long], nobucket).kv_read == 1 * 64 * 16
+    m = StepTimeModel(0.01, {"kv_read": 1e-6})
+    assert m.predict(mixed) == pytest.approx(0.01 + 4 * 32 * 16 * 1e-6)
+
+
 def test_step_time_model_predict_fit_save_load(tmp_path):
     m = StepTimeModel(0.01, {"prefill_tokens": 1e-3, "decode_rows": 2e-3, "kv_tokens": 1e-6})
     assert m.predict(StepShape(100, 4, 1000, 128)) == pytest.approx(0.01 + 0.1 + 0.008 + 0.001)

@@ -1,0 +1,31 @@
+"""experiments/profile_step.py --fit_out on the tiny random model with a small grid: every grid shape is timed
+(uniform contexts, then decode steps with one long row and short others), the fit is written and loads, and the
+mixed steps read more KV slots (`kv_read`) than their rows' own contexts add up to."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from paged.sim import FEATURES, StepTimeModel
+
+
+def test_profile_step_fits_over_uniform_and_mixed_context_steps(tmp_path):
+    out = tmp_path / "fit.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-m", "experiments.profile_step", "--model=tiny", "--page_size=16",
+                        "--grid_prefill=0,16", "--grid_decode=1,2,4", "--grid_context=16,96", "--iters=1",
+                        "--fit_max_batch_size=4", "--fit_max_seq_len=128", "--fit_narrow_tokens=0",
+                        f"--fit_out={out}"], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fit = StepTimeModel.load(out)
+    grid = fit.fit_stats["grid"]
+    uniform = [g for g in grid if g["other_context"] == g["context"]]
+    mixed = [g for g in grid if g["other_context"] != g["context"]]
+    # 2 contexts x 2 prefill x 3 decode, less a chunk with 4 decode rows (5 rows > the batch of 4) at each context
+    assert len(uniform) == 2 * 2 * 3 - 2 and [(g["decode"], g["context"]) for g in mixed] == [(2, 96), (4, 96)]
+    assert all(g["other_context"] == 16 and g["kv_read"] > g["kv_tokens"] for g in mixed)
+    assert set(fit.coef) == set(FEATURES) and fit.fit_stats["samples"] == len(grid)
+    assert "fit: base" in p.stdout and "context    96/   16" in p.stdout

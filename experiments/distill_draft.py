@@ -78,6 +78,8 @@ def save_hf(params, cfg, target_cfg_dict: dict, out: str) -> None:
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": np.asarray(params.embed, np.float32),
                                 "model.norm.weight": np.asarray(params.final_norm, np.float32)}
     lw = params.layers
+    if lw.fused_groups != 1:  # regrouped for tensor parallelism (models.fused): the columns are not [q | k | v]
+        raise ValueError("save the model's own weights, not an engine's tensor-parallel copy (fused_groups > 1)")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         qkv = np.asarray(lw.wqkv[i], np.float32).T  # [out, in]

@@ -218,11 +218,19 @@ def check_process_flags() -> None:
         if _mode() not in ("single", "bulk"):
             raise app.UsageError("--num_processes > 1 runs the same jobs in every process: give --prompt or "
                                  "--prompts_file (not chat or stdin)")
+        if FLAGS.policy == "lpm":  # its aging reads the wall clock: the processes would schedule differently
+            raise app.UsageError("--num_processes > 1 needs a policy that does not read the wall clock; lpm ages "
+                                 "waiting jobs by time: use another --policy")
+
+
+_ERRORS = None  # a non-main process's own stderr, kept for its errors while the rest of its output is silenced
 
 
 def join_processes() -> None:
     """With --num_processes > 1: join the run (`paged.sharding.initialize_distributed`) before JAX is used. Every
-    process then runs the same jobs; all but process 0 stay silent (no stdout, progress or --output)."""
+    process then runs the same jobs; all but process 0 stay silent (no stdout, progress or --output; their errors
+    still reach their own stderr, see `cli_main`)."""
+    global _ERRORS
     if FLAGS.num_processes == 1:
         return
     from paged.sharding import initialize_distributed, is_main_process
@@ -230,15 +238,23 @@ def join_processes() -> None:
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.cpu_devices_per_process)
     sys.stdout.flush()
+    sys.stderr.flush()
     if not is_main_process():
-        FLAGS.output, FLAGS.progress = None, False
+        _ERRORS = os.fdopen(os.dup(2), "w", encoding=sys.stderr.encoding, errors="backslashreplace")
         quiet = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):  # what the libraries print from C++ too
             os.dup2(quiet, fd)
         sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     else:  # the collectives' C++ notices go to stderr; stdout keeps only the records and the streamed text
-        sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
+        sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, encoding=sys.stdout.encoding, errors=sys.stdout.errors)
         os.dup2(2, 1)
+
+
+def silence_other_processes() -> None:
+    """After validation (which every process runs, so that a bad flag stops them all): only process 0 saves and
+    shows progress."""
+    if _ERRORS is not None:
+        FLAGS.output, FLAGS.progress = None, False
 
 
 def build_filters() -> list:
@@ -812,6 +828,7 @@ def main(argv):
     check_process_flags()
     join_processes()  # before anything starts JAX
     validate_flags()
+    silence_other_processes()
     mode = _mode()
     requests = read_prompts_file(FLAGS.prompts_file) if mode == "bulk" else None
     prompt = FLAGS.prompt
@@ -861,8 +878,16 @@ def cli_main(argv):
     try:
         main(argv)
     except app.UsageError as e:
-        print(f"error: {e}\n(python -m experiments.generate --helpshort lists the flags)", file=sys.stderr)
+        print(f"error: {e}\n(python -m experiments.generate --helpshort lists the flags)", file=_ERRORS or sys.stderr,
+              flush=True)
         raise SystemExit(1) from None
+    except Exception:
+        if _ERRORS is not None:  # a silenced process: its traceback still reaches its own stderr
+            import traceback
+
+            traceback.print_exc(file=_ERRORS)
+            _ERRORS.flush()
+        raise
 
 
 if __name__ == "__main__":

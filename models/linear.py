@@ -24,13 +24,14 @@ def matmul(
     """`x @ w (+ bias)` with float32 accumulation. x: `[N, in]`; w: `[in, out]` float, or a `QuantizedArray`
     standing for one (then `impl` picks the dequant-matmul: "auto", "xla", "pallas", "reference").
 
-    split: how a tensor-parallel mesh splits `w` ("col", "row"; `models.fused.TP_SPLIT`). A quantized matmul under
-    such a mesh runs per device on its shard (`per_tp_shard`), since a kernel's custom call cannot be partitioned
-    by XLA; float matmuls are left to XLA's partitioner."""
+    split: how a tensor-parallel mesh splits `w` ("col", "row"; `models.fused.TP_SPLIT`). A quantized layer matmul
+    under a mesh runs per device on its shard of `w` and of the tokens (`per_device`), since a kernel's custom call
+    cannot be partitioned by XLA; float matmuls are left to XLA's partitioner."""
     if isinstance(w, (QuantizedArray, LayerSlice)):
-        tp = _tp()
-        if split is not None and tp > 1 and (split == "col" or rows_split(w, tp)):
-            y = per_tp_shard(x, w, split, impl)
+        tp, dp = _mesh_sizes()
+        how = split if split is not None and tp > 1 and (split == "col" or rows_split(w, tp)) else None
+        if how is not None or (split is not None and dp > 1 and x.shape[0] % dp == 0):
+            y = per_device(x, w, how, impl)
         else:
             y = dequant_matmul(x, w, impl=impl)
     else:
@@ -40,17 +41,21 @@ def matmul(
     return y.astype(x.dtype)
 
 
-def _tp() -> int:
+def _mesh_sizes() -> tuple[int, int]:
+    """(tp, dp) of the mesh in context; (1, 1) without one."""
     mesh = jax.sharding.get_abstract_mesh()
-    return 1 if mesh.empty or "tp" not in mesh.axis_names else mesh.shape["tp"]
+    if mesh.empty:
+        return 1, 1
+    return tuple(mesh.shape[a] if a in mesh.axis_names else 1 for a in ("tp", "dp"))
 
 
-def per_tp_shard(x: jnp.ndarray, w: QuantizedArray | LayerSlice, split: str, impl: str) -> jnp.ndarray:
-    """The quantized matmul `x @ w` -> float32 `[N, out]` run by each device of the mesh's `tp` axis on its shard of
-    `w` (a `shard_map`): split "col", each device computes its output columns (the result stays split by column);
-    "row", each device multiplies its slice of `x`'s features by its rows and the partial products are summed over
-    `tp`. Rows are split over `dp` too when the mesh has it and they divide evenly. The shards are whole quantization
-    groups (`models.fused.rows_split`), so each is a `QuantizedArray` of its own, with its own shape."""
+def per_device(x: jnp.ndarray, w: QuantizedArray | LayerSlice, split: str | None, impl: str) -> jnp.ndarray:
+    """The quantized matmul `x @ w` -> float32 `[N, out]` run by each device of the mesh on its share (a
+    `shard_map`): split "col", each device of `tp` computes its output columns (the result stays split by column);
+    "row", each multiplies its slice of `x`'s features by its rows and the partial products are summed over `tp`;
+    None, `w` is whole on every device. The tokens are split over `dp` too when the mesh has it and they divide
+    evenly. The shards are whole quantization groups (`models.fused.rows_split`), so each is a `QuantizedArray` of
+    its own, with its own shape."""
     mesh = jax.sharding.get_abstract_mesh()
     tp = mesh.shape["tp"]
     dp = mesh.shape["dp"] if "dp" in mesh.axis_names else 1
@@ -58,7 +63,11 @@ def per_tp_shard(x: jnp.ndarray, w: QuantizedArray | LayerSlice, split: str, imp
     stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerSlice) else (w, None)
     k, n = stacked.shape
     lead = (None,) * len(stacked.batch_shape)
-    if split == "col":
+    if split is None:
+        leaf = scale_spec = P()
+        x_spec = out_spec = P(tokens, None)
+        local = stacked
+    elif split == "col":
         leaf, x_spec, out_spec = P(*lead, None, "tp"), P(tokens, None), P(tokens, "tp")
         local = stacked.replace(shape=(k, n // tp))
         scale_spec = leaf
@@ -72,7 +81,7 @@ def per_tp_shard(x: jnp.ndarray, w: QuantizedArray | LayerSlice, split: str, imp
     def run(x, qa, *layer):
         qa = local.replace(values=qa.values, scales=qa.scales, mins=qa.mins)
         y = dequant_matmul(x, LayerSlice(qa, layer[0]) if layer else qa, impl=impl)
-        return y if split == "col" else jax.lax.psum(y, "tp")
+        return jax.lax.psum(y, "tp") if split == "row" else y
 
     args = (x, stacked) if layer is None else (x, stacked, layer)
     in_specs = (x_spec, specs) if layer is None else (x_spec, specs, P())

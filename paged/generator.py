@@ -194,7 +194,8 @@ class DynamicGenerator:
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
         self._serial = 0
-        self._rng = random.Random(shared_seed())  # the same in every process of a multi-process run
+        # the same in every process of a multi-process run (the engine's mesh spans them)
+        self._rng = random.Random(shared_seed(getattr(self.engine, "mesh", None)))
         self._vocab_bytes: list[bytes] | None = None
         self.lock = threading.RLock()
         self.steps = 0

@@ -18,7 +18,8 @@ mlp, vocab, embed, layers, pages, ...), and `RULES` maps logical axes to mesh ax
   `[L, F, H]` by intermediate features (rows); their partial products are summed across `tp` by XLA;
 - quantized weights (`QuantizedArray`) the same way, values with their group scales: by columns always, by rows
   along whole quantization groups only (`models.fused.rows_split`; otherwise that matrix stays whole), and their
-  matmuls (kernels: custom calls XLA cannot split) run per device on the shard (`models.linear.per_tp_shard`);
+  matmuls (kernels: custom calls XLA cannot split) run per device on the shard and on its tokens
+  (`models.linear.per_device`);
 - the attention kernels (Pallas; any non-XLA implementation) run per device through `per_kv_head` (a `shard_map`
   over the KV-head split);
 - the norms, the embedding and the LM head, the page table, the sampling state and every batch input are replicated;
@@ -268,11 +269,15 @@ def is_main_process() -> bool:
     return jax.process_index() == 0
 
 
-def shared_seed() -> int:
-    """A fresh random 32-bit seed, the same in every process of a multi-process run (process 0's, broadcast)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    if jax.process_count() == 1:
+def shared_seed(mesh: Mesh | None = None) -> int:
+    """A fresh random 64-bit seed; for a generator on a `mesh` spanning several processes, the same in every process
+    (process 0's, broadcast: a collective, so every process builds that generator). Without a mesh, or in one
+    process, no collective and no JAX call (a generator on a fake or simulated engine does not start JAX)."""
+    seed = int.from_bytes(os.urandom(8), "little")
+    if mesh is None or jax.process_count() == 1:
         return seed
     from jax.experimental import multihost_utils
 
-    return int(multihost_utils.broadcast_one_to_all(np.uint32(seed)))
+    halves = np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+    hi, lo = (int(x) for x in multihost_utils.broadcast_one_to_all(halves))
+    return (hi << 32) | lo

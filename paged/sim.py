@@ -4,7 +4,8 @@ model, on a virtual clock, so policies can be compared at scales (and on hardwar
 - `StepShape`: what a step's cost depends on: prefill tokens, decode rows, KV tokens attended (the sum over rows of
   the context after the step's tokens), the token slots of the shape bucket the batch is padded to, and the KV slots
   attention reads (`kv_read`: every padded token slot against the context bucket of the longest row, as the XLA
-  attention reads them; larger than `kv_tokens` when the rows' contexts differ).
+  attention reads them, larger than `kv_tokens` when the rows' contexts differ; with the Pallas kernel, which has
+  no context buckets, each row's own pages).
 - `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`, plus `coef["wide_step"]` once for
   a step wider than `narrow_tokens` token slots (where the CPU engine leaves its native decode kernel for XLA's
   dequantize-then-dot path: a cost of its own); `constant(s)` for hand-checkable tests, `fit(samples)`
@@ -48,7 +49,8 @@ class StepShape:
     decode_rows: int  # single-token sampling rows
     kv_tokens: int  # sum over rows of start_pos + row tokens: the KV positions attention reads
     padded_tokens: int  # token slots of the bucket the batch is padded to (0 without buckets)
-    kv_read: int = 0  # padded token slots x the KV slots of the longest row's context bucket (0: not counted)
+    kv_read: int = 0  # KV slots attention reads: XLA, padded slots x the longest row's context bucket; the Pallas
+    # kernel, each row's own pages (0: not counted)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Any], spec: BucketSpec | None = None) -> StepShape:
@@ -70,9 +72,10 @@ class StepShape:
             pages = min(max_pages, spec.max_pages_per_row)
             layout = spec.shape_for(lens, len(rows) - len(lens), pages).layout
             padded = layout.num_tokens
-            bucket = min((p for p in spec.pages if p >= pages), default=spec.max_pages_per_row) if spec.page_switch \
-                else spec.max_pages_per_row
-            read = padded * bucket * ps
+            if spec.page_switch:  # XLA attention: every padded slot reads the longest row's context bucket
+                read = padded * min((p for p in spec.pages if p >= pages), default=spec.max_pages_per_row) * ps
+            else:  # the Pallas kernel visits each row's own pages
+                read = sum(-(-(r.start_pos + len(r.tokens)) // ps) for r in rows) * ps
         return cls(prefill, decode, kv, padded, read)
 
     @property

@@ -479,28 +479,44 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
 def test_several_processes_run_the_same_jobs_and_process_0_alone_writes(model_dir, tmp_path):
     """`--num_processes 2` on localhost (2 virtual CPU devices each, one `dp=2,tp=2` mesh over both): process 0 writes
     the records a single process writes; process 1 prints nothing."""
-    import socket
-    import subprocess
-
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Tell me about octopuses."}, {"prompt": "Hi there"}])
     single = tmp_path / "single.jsonl"
     run_main(*engine_args(model_dir, f"--prompts_file={prompts}", f"--output={single}", "--temperature=0"))
+    out = tmp_path / "multi.jsonl"
+    outs = _two_processes(model_dir, f"--prompts_file={prompts}", f"--output={out}")
+    assert [rc for rc, _, _ in outs] == [0, 0], outs[0][2][-2000:] + outs[1][2][-2000:]
+    assert [r["completion"] for r in read_jsonl(out)] == [r["completion"] for r in read_jsonl(single)]
+    assert "[wrote" in outs[0][2] and "tok/s" in outs[0][2]
+    assert outs[1][1] == "" and "[wrote" not in outs[1][2] and "tok/s" not in outs[1][2]  # process 1 is silent
+    assert "[Gloo]" not in outs[0][1]  # the collectives' notices do not mix with what process 0 prints
+
+
+def _two_processes(model_dir, *extra: str) -> list[tuple[int, str, str]]:
+    import socket
+    import subprocess
+
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = tmp_path / "multi.jsonl"
     procs = [subprocess.Popen([sys.executable, "-m", "experiments.generate", *engine_args(
-        model_dir, f"--prompts_file={prompts}", f"--output={out}", "--temperature=0", "--mesh=dp=2,tp=2",
-        "--num_processes=2", f"--process_id={i}", f"--coordinator_address=localhost:{port}",
-        "--cpu_devices_per_process=2", "--noprogress")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT) for i in range(2)]
-    outs = [p.communicate(timeout=400) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert [r["completion"] for r in read_jsonl(out)] == [r["completion"] for r in read_jsonl(single)]
-    assert "[wrote" in outs[0][1] and "tok/s" in outs[0][1]
-    assert outs[1][0] == "" and "[wrote" not in outs[1][1] and "tok/s" not in outs[1][1]  # process 1 is silent
-    assert "[Gloo]" not in outs[0][0]  # the collectives' notices do not mix with what process 0 prints
+        model_dir, "--temperature=0", "--mesh=dp=2,tp=2", "--num_processes=2", f"--process_id={i}",
+        f"--coordinator_address=localhost:{port}", "--cpu_devices_per_process=2", "--noprogress", *extra)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
+        for i in range(2)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=400)
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+def test_a_bad_flag_stops_every_process_and_each_says_why(model_dir, tmp_path):
+    """Every process validates the flags (so none waits for the others in a collective), and a silenced process's
+    error still reaches its own stderr."""
+    outs = _two_processes(model_dir, "--prompt=Hi", f"--output={tmp_path}/missing/out.jsonl")
+    for rc, _, err in outs:
+        assert rc == 1 and "error: --output" in err and "does not exist" in err
 
 
 def test_multi_process_flags_are_checked(model_dir):
@@ -508,6 +524,8 @@ def test_multi_process_flags_are_checked(model_dir):
                            (["--num_processes=2", "--mesh=tp=2"], "--coordinator_address"),
                            (["--num_processes=2", "--coordinator_address=localhost:1"], "needs --mesh"),
                            (["--num_processes=2", "--coordinator_address=localhost:1", "--mesh=tp=2"],
-                            "give --prompt or --prompts_file")):
+                            "give --prompt or --prompts_file"),
+                           (["--num_processes=2", "--coordinator_address=localhost:1", "--mesh=tp=2", "--prompt=Hi",
+                             "--policy=lpm"], "does not read the wall clock")):
         with flags_set(*engine_args(model_dir, *extra)), pytest.raises(app.UsageError, match=message):
             generate.validate_flags()

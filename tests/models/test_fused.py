@@ -45,9 +45,14 @@ def test_quantized_weights_group_like_their_float_matrix():
 
 def test_a_model_in_the_grouped_layout_computes_the_same_logits():
     params = init_random_weights(CFG, seed=3, scale=0.1)
+    rng = np.random.default_rng(4)  # biases too (as Qwen2 has on q/k/v): they are regrouped with their matrices
+    bias = lambda n: jnp.asarray(rng.normal(0, 0.1, size=(CFG.num_layers, n)), jnp.float32)  # noqa: E731
+    params = params.replace(layers=params.layers.replace(bqkv=bias(sum(qkv_parts(CFG))),
+                                                         b_gate_up=bias(2 * CFG.intermediate_size)))
     lw = params.layers
     grouped = params.replace(layers=lw.replace(
         wqkv=group_columns(lw.wqkv, qkv_parts(CFG), 2), w_gate_up=group_columns(lw.w_gate_up, gate_up_parts(CFG), 2),
+        bqkv=group_columns(lw.bqkv, qkv_parts(CFG), 2), b_gate_up=group_columns(lw.b_gate_up, gate_up_parts(CFG), 2),
         fused_groups=2))
     tokens = jnp.asarray([[5, 9, 2, 33, 7, 1]], jnp.int32)
     want, got = forward(params, CFG, tokens), forward(grouped, CFG, tokens)

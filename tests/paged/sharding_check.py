@@ -150,7 +150,7 @@ def quantized_checks(greedy, real_shard_map) -> dict:
     for name, model in (("q4_1", quantized("q4_1", 32)), ("int8pc", quantized("int8", None))):
         for impl in impls:
             _, ref, _, _ = run("", greedy, model=model, matmul_impl=impl)
-            for mesh in ("tp=2", "dp=2,tp=2"):
+            for mesh in ("tp=2", "dp=2,tp=2", "dp=2"):
                 traced.clear()
                 g, fin, _, _ = run(mesh, greedy, model=model, matmul_impl=impl)
                 layers = g.engine.model.params.layers
@@ -164,6 +164,8 @@ def quantized_checks(greedy, real_shard_map) -> dict:
                     "specs": {f: [str(x.sharding.spec) for x in (w.values, w.scales)] for f in
                               ("wqkv", "wo", "w_gate_up", "w_down") for w in [getattr(layers, f)]},
                     "matmul_shard_maps": sum(not isinstance(s[1], jax.sharding.PartitionSpec) for s in traced),
+                    "token_split": sum(not isinstance(s[1], jax.sharding.PartitionSpec) and s[0][0] == "dp"
+                                       for s in traced),
                     "weight_gathers": len(gathers),
                 }
     jax.shard_map = real_shard_map

@@ -73,20 +73,23 @@ QUANT_SPECS = {  # [values, scales] of each projection
 }
 
 
-@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2", "dp=2"])
 @pytest.mark.parametrize("impl", ["xla", "native"])
 @pytest.mark.parametrize("kind", ["q4_1", "int8pc"])
 def test_quantized_weights_shard_with_their_scales(check, kind, impl, mesh):
     """Quantized projections split like float ones, values and group scales together, and the matmul (the native
-    kernel is a custom call XLA cannot partition) runs per device on its shard: same tokens as one device, the
-    weights never gathered."""
+    kernel is a custom call XLA cannot partition) runs per device on its shard and its tokens: same tokens as one
+    device, the weights never gathered, the tokens split over dp."""
     q = check["quantized"]
     if impl not in q["impls"]:
         pytest.skip("the native kernel is not built here")
     got = q[f"{kind} {impl} {mesh}"]
     assert got["greedy_equal"]
-    assert got["specs"] == QUANT_SPECS[kind]
+    # with dp alone the weights are whole on each replica (a tp axis of size 1 splits nothing)
+    assert got["specs"] == (QUANT_SPECS[kind] if "tp" in mesh else {
+        "wqkv": [COL, COL], "wo": ["P()", "P()"], "w_gate_up": [COL, COL], "w_down": ["P()", "P()"]})
     assert got["matmul_shard_maps"] > 0 and got["weight_gathers"] == 0
+    assert (got["token_split"] > 0) == ("dp" in mesh)
 
 
 def test_int8_cache_and_its_scales_shard_too(check):

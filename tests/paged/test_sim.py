@@ -59,7 +59,7 @@ def test_kv_read_counts_every_padded_slot_against_the_longest_rows_context_bucke
     assert StepShape.from_rows(short, spec).kv_read == 2 * min(spec.pages) * 16
     nobucket = BucketSpec.from_config(EngineConfig(page_size=16, max_batch_size=8, max_seq_len=1024),
                                       attn_impl="pallas")  # the kernel visits real pages: no context buckets
-    assert not nobucket.page_switch and StepShape.from_rows([long], nobucket).kv_read == 1 * 64 * 16
+    assert not nobucket.page_switch and StepShape.from_rows([long, *short], nobucket).kv_read == (20 + 1 + 1) * 16
     m = StepTimeModel(0.01, {"kv_read": 1e-6})
     assert m.predict(mixed) == pytest.approx(0.01 + 4 * 32 * 16 * 1e-6)
 

@@ -208,14 +208,13 @@ def fit_step_time(model) -> dict:
     print(f"compiled every bucket in {time.perf_counter() - t0:.1f} s")
     per_row = eng.config.max_pages_per_row
     shapes, seconds, points = [], [], []
-    contexts = [int(x) for x in FLAGS.grid_context]
+    contexts, prefills, decodes = ([int(x) for x in v] for v in (FLAGS.grid_context, FLAGS.grid_prefill,
+                                                                   FLAGS.grid_decode))
     # every row at context c; then (--grid_mixed) decode steps whose first row is at c and the others at the
     # shortest context, as in serving, where attention reads every row up to the longest one's context bucket
-    grid = [(c, p, d, c) for c in contexts for p in (int(x) for x in FLAGS.grid_prefill)
-            for d in (int(x) for x in FLAGS.grid_decode)]
+    grid = [(c, p, d, c) for c in contexts for p in prefills for d in decodes]
     if FLAGS.grid_mixed:
-        grid += [(c, 0, d, min(contexts)) for c in contexts if c > min(contexts)
-                 for d in (int(x) for x in FLAGS.grid_decode) if d >= 2]
+        grid += [(c, 0, d, min(contexts)) for c in contexts if c > min(contexts) for d in decodes if d >= 2]
     for c, p, d, c_rest in grid:
         if (p == 0 and d == 0) or d + (p > 0) > batch or c + max(p, 1) > seq:
             continue

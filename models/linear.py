@@ -57,8 +57,7 @@ def per_device(x: jnp.ndarray, w: QuantizedArray | LayerSlice, split: str | None
     evenly. The shards are whole quantization groups (`models.fused.rows_split`), so each is a `QuantizedArray` of
     its own, with its own shape."""
     mesh = jax.sharding.get_abstract_mesh()
-    tp = mesh.shape["tp"]
-    dp = mesh.shape["dp"] if "dp" in mesh.axis_names else 1
+    tp, dp = _mesh_sizes()
     tokens = "dp" if dp > 1 and x.shape[0] % dp == 0 else None
     stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerSlice) else (w, None)
     k, n = stacked.shape

@@ -2,8 +2,8 @@
 live.
 
 `EngineConfig.mesh = "tp=N"` (tensor parallel), `"dp=M"` (data parallel) or `"dp=M,tp=N"` runs the engine's jitted
-step on M x N devices of one process (GPUs, or virtual CPU devices from
-`XLA_FLAGS=--xla_force_host_platform_device_count=N`). Nothing is hand-partitioned: the arrays are placed with
+step on M x N devices (GPUs, or virtual CPU devices from `XLA_FLAGS=--xla_force_host_platform_device_count=N`), of
+this process or of several (below). Nothing is hand-partitioned: the arrays are placed with
 `NamedSharding`s and XLA's SPMD partitioner (GSPMD) splits the unchanged step, inserting the collectives its
 shardings need; the cache's sharding is pinned inside the step (`constrain_cache`), so a step never gathers the
 cache onto one device and the donated state comes back sharded as it went in.

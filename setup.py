@@ -1,6 +1,6 @@
 """The native CPU kernel (`pallas_kernels/cpu/quant_matmul.cc`), built by setuptools with the package.
 
-Everything else about the package is in pyproject.toml. The kernel is optional: without a C++ compiler, OpenMP or
+Everything else about the package is in pyproject.toml. The kernel is optional: without a C++ compiler or
 jaxlib's XLA FFI headers the build prints why and the package installs without it; `pallas_kernels.native` then
 reports the reason and the matmul falls back to the XLA path (docs/kernels.md, "Native CPU kernel").
 """
@@ -35,7 +35,7 @@ class OptionalBuildExt(build_ext):
             ext.include_dirs.append(include)
         try:
             super().build_extensions()
-        except Exception as e:  # noqa: BLE001 (no compiler, no OpenMP, ...: the XLA path stays)
+        except Exception as e:  # noqa: BLE001 (no compiler, ...: the XLA path stays)
             self._skip(f"{type(e).__name__}: {e}")
 
     def _skip(self, why: str) -> None:
@@ -46,9 +46,9 @@ class OptionalBuildExt(build_ext):
 native = Extension(
     "pallas_kernels._native_quant_matmul",
     sources=["pallas_kernels/cpu/quant_matmul.cc"],
+    depends=["pallas_kernels/cpu/quant_matmul_body.inc"],
     language="c++",
-    extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
-    extra_link_args=["-fopenmp"],
+    extra_compile_args=["-O3", "-std=c++17"],
     optional=True,
 )
 

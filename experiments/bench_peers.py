@@ -12,11 +12,14 @@ Workloads (greedy, end-of-text ignored so every sequence decodes exactly `--deco
 For this framework the decode rows also carry `weights_gb_s`: the weight bytes one forward step reads
 (`Weights.step_read_bytes`) x the steps of the decode phase / its seconds -- how close decode runs to memory speed.
 llama.cpp reads the same GGUF tensors per step, so its figure is ours x its tokens/s over ours.
-Every engine runs each workload once untimed first (our compilation, their warm-up) and gets `--threads` threads.
+Every engine runs each workload once untimed first (our compilation, their warm-up) and gets `--threads` threads,
+each engine in a process of its own (`--isolate`, the default): in one process the engines' thread pools (XLA's,
+OpenMP's) shared two cores, and llama.cpp's single-stream decode measured 37 instead of 123 tok/s after ours.
 Figures are only meaningful on an idle machine; the load average is recorded before and after.
 
 llama-cpp-python builds llama.cpp from source on install (~10 minutes on 2 cores):
-`CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python`.
+`CMAKE_BUILD_PARALLEL_LEVEL=2 pip install llama-cpp-python`. On a CPU with AMX whose kernel or hypervisor does not
+grant the tile state (the 2026-11-26 host), its AMX matmul crashes; build it without AMX (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import json
 import os
 import platform
 import subprocess
+import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -42,6 +47,7 @@ flags.DEFINE_integer("prompt_len", 32, "prompt tokens per sequence (single, batc
 flags.DEFINE_integer("prefill_len", 512, "prompt tokens of the prefill workload")
 flags.DEFINE_integer("decode_tokens", 64, "tokens decoded per sequence")
 flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
+flags.DEFINE_bool("isolate", True, "run each engine in a fresh process (no thread pool of one engine near another's)")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
 
@@ -235,6 +241,27 @@ def gguf_path() -> str:
     return embedded_gguf_path()
 
 
+def _run_isolated(name: str) -> tuple[str, list[dict]]:
+    """One engine's workloads in a fresh process (these flags, `--engines name`); its printed lines pass through."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "engine.json")
+        given = [FLAGS[f].serialize() for f in sorted(set(FLAGS)) if FLAGS[f].present
+                 and f not in ("engines", "isolate", "json_out")]
+        cmd = [sys.executable, "-m", "experiments.bench_peers", *given, f"--engines={name}", "--noisolate",
+               f"--json_out={out}"]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        for line in proc.stdout.splitlines():
+            if line.startswith(name):
+                print(line, flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}'s process failed (exit {proc.returncode}); run it alone: "
+                               f"python -m experiments.bench_peers --engines {name}")
+        with open(out) as f:
+            rec = json.load(f)
+    return rec["versions"][name], rec["results"][name]
+
+
 def _git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -269,6 +296,9 @@ def main(argv):
         if importlib.util.find_spec(module) is None:
             print(f"[{name}: not installed ({module}), skipped]")
             continue
+        if FLAGS.isolate and len(FLAGS.engines) > 1:
+            versions[name], results[name] = _run_isolated(name)
+            continue
         engine = cls()
         versions[name] = getattr(__import__(module), "__version__", "?")
         rows = []
@@ -300,7 +330,8 @@ def main(argv):
         os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
             json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
-                                                               "prefill_len", "decode_tokens", "threads", "model",
+                                                               "prefill_len", "decode_tokens", "threads", "isolate",
+                                                               "model",
                                                                "quant", "cache_dtype", "page_size",
                                                                "decode_steps")},
                            git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),

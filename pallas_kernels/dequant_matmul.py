@@ -330,9 +330,12 @@ _native_impl.tolerance = 0.02  # int8 activations (one scale per block): ~0.5-1%
 
 
 def native_fits(n: int, qa: QuantizedArray) -> bool:
-    """`auto`'s rule on the CPU: the native kernel for decode-sized row counts, where it is faster, when it is
-    built and runs here; XLA otherwise."""
-    return n <= native.max_rows(qa.kind) and native.activation_block(qa) % 2 == 0 and native.available()
+    """`auto`'s rule on the CPU: the native kernel for the row counts where it is faster on this CPU's instruction
+    set (`native.max_rows`), when it is built and runs here; XLA otherwise."""
+    if not native.available() or native.activation_block(qa) % 2:
+        return False
+    limit = native.max_rows(qa.kind)
+    return limit is None or n <= limit
 
 
 _pallas_impl.tuning_type = MatmulTuning

@@ -1,11 +1,12 @@
-"""The native CPU matmul: `x @ dequantize(qa)` as int8 integer dot products in C++ (AVX2), through `jax.ffi`.
+"""The native CPU matmul: `x @ dequantize(qa)` as int8 integer dot products in C++ (AVX2 / VNNI), through `jax.ffi`.
 
 XLA:CPU has no integer-dot kernel for 4-bit weights, so every decode step turned all the model's weights into
 float32 before the dots (docs/performance.md). `cpu/quant_matmul.cc` does what llama.cpp does instead: the
 activations are quantized to int8 per block (one scale per weight group for the q4 kinds, per 32 inputs for int8),
-each block is an AVX2 integer dot product against the stored 4- or 8-bit weights, and float32 scales (and q4_1 mins)
-are applied once per block. It reads the project's `QuantizedArray` layout as it is (no second copy of the weights),
-and spreads output tiles over the cores with OpenMP.
+each block is an integer dot product against the stored 4- or 8-bit weights (AVX2, or `vpdpbusd` where the CPU has
+AVX-VNNI or AVX512-VNNI: `ISAS`, `JPG_NATIVE_ISA`), and float32 scales (and q4_1 mins) are applied once per block.
+It reads the project's `QuantizedArray` layout as it is (no second copy of the weights), and spreads output tiles
+over XLA:CPU's own intra-op threads (the FFI's thread pool; no second pool competing for the cores).
 
 The result is not bit-identical to the float path: quantizing x to int8 costs about 0.4% relative error per dot
 (tested against `dequant_matmul_reference` with that bound; the model-level effect is in docs/performance.md).
@@ -13,7 +14,7 @@ The result is not bit-identical to the float path: quantizing x to int8 costs ab
 The library is built by setuptools with the package (`setup.py`; optional: without a compiler the package installs
 without it). `unavailable_reason()` says why it cannot be used here (not built, no AVX2, the FFI call failing its
 smoke test), `None` when it can. Registered as the matmul implementation "native"; `"auto"` uses it on the CPU for
-decode-sized row counts (`NATIVE_MAX_ROWS`, per weight kind), where it wins, and keeps XLA's float dot for prefill.
+the row counts where it wins (`NATIVE_MAX_ROWS`, per instruction set and weight kind) and XLA's float dot above.
 """
 
 from __future__ import annotations
@@ -32,16 +33,57 @@ from pallas_kernels.quant_format import QuantizedArray
 
 TARGET = "jpg_quant_matmul"
 KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
-# "auto" picks the native kernel on the CPU for at most this many rows of x (decode rows; a speculative verification
-# row is k + 1 of them), per weight kind; above, XLA's float32 dot of the dequantized weight is faster. The 4-bit
-# kinds win up to 16 rows; int8 (SmolLM2's tied Q8_0 head) only up to 8: its inner loop widens every weight to
-# 16 bits (measured in docs/kernels.md, "The native CPU kernel").
-NATIVE_MAX_ROWS = {"q4_1": 16, "q4_0": 16, "int8": 8}
+# The instruction sets the kernel is compiled for (quant_matmul.cc's `Isa`); "auto" runs the best this CPU has.
+# AVX-VNNI and AVX512-VNNI add `vpdpbusd` (four u8 x s8 products summed into int32 in one instruction); the
+# AVX512 build also has 32 registers, so it takes 4 rows of x per pass over the weights instead of 2.
+ISAS = {"auto": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+# "auto" picks the native kernel on the CPU for at most this many rows of x per weight kind (None: any number), by
+# the instruction set it runs; above, XLA's float32 dot of the dequantized weight is faster. Measured by timing the
+# model's matrices at 1-512 rows (docs/kernels.md, "The native CPU kernel"): with VNNI the kernel is faster than
+# XLA at every row count, prefill chunks included; on AVX2 alone the 4-bit kinds win up to 64 rows and int8
+# (SmolLM2's tied Q8_0 head), whose products must be widened, up to 32.
+NATIVE_MAX_ROWS = {
+    "avx2": {"q4_1": 64, "q4_0": 64, "int8": 32},
+    "avxvnni": {"q4_1": None, "q4_0": None, "int8": None},
+    "avx512vnni": {"q4_1": None, "q4_0": None, "int8": None},
+}
 
 
-def max_rows(kind: str) -> int:
-    """The most rows of x `"auto"` sends to the native kernel for weights of `kind` (0: never)."""
-    return NATIVE_MAX_ROWS.get(kind, 0)
+def max_rows(kind: str) -> int | None:
+    """The most rows of x `"auto"` sends to the native kernel for weights of `kind` on this CPU: None for any
+    number, 0 for never (an unsupported kind, or the kernel cannot run)."""
+    which = resolved_isa()
+    if which is None or kind not in KINDS:
+        return 0
+    return NATIVE_MAX_ROWS[which][kind]
+
+
+def isa() -> str:
+    """The instruction set the kernel runs: `JPG_NATIVE_ISA` (one of ISAS) if set, else "auto" (the best this CPU
+    has). A name this CPU cannot run is a ValueError naming the ones it can. It is read when a call is traced: set
+    it before the first step (a function jitted already keeps the one it was traced with)."""
+    name = os.environ.get("JPG_NATIVE_ISA", "auto").strip().lower() or "auto"
+    if name not in ISAS:
+        raise ValueError(f"JPG_NATIVE_ISA={name!r}: expected one of {sorted(ISAS)}")
+    if name != "auto" and name not in supported_isas():
+        raise ValueError(f"JPG_NATIVE_ISA={name!r}: this CPU (or this build) can run {supported_isas()}")
+    return name
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets of the built kernel that this CPU can run, best last ([] when it is not built)."""
+    lib, why = _load()
+    if why is not None:
+        return []
+    return [name for name, code in ISAS.items() if code and lib.jpg_isa_supported(code)]
+
+
+def resolved_isa() -> str | None:
+    """The instruction set calls run here (what "auto" resolves to), or None when the kernel cannot run."""
+    if not supported_isas():
+        return None
+    name = isa()
+    return supported_isas()[-1] if name == "auto" else name
 
 
 def _library_path() -> str | None:
@@ -51,7 +93,8 @@ def _library_path() -> str | None:
 
 
 def threads() -> int:
-    """Threads per call: `JPG_NATIVE_THREADS` if set, else the cores this process may run on."""
+    """Threads per call: `JPG_NATIVE_THREADS` if set, else the cores this process may run on (the kernel also uses at
+    most XLA's intra-op threads plus the calling one)."""
     env = os.environ.get("JPG_NATIVE_THREADS")
     if env:
         return max(1, int(env))
@@ -165,4 +208,5 @@ def native_matmul(x: jnp.ndarray, qa: QuantizedArray, *, tuning=None, layer: jnp
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], qa.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), qa.values, qa.scales, mins, index, kind=np.int32(KINDS[qa.kind]),
-                group_size=np.int64(qa.group_size), block=np.int64(block), threads=np.int64(threads()))
+                group_size=np.int64(qa.group_size), block=np.int64(block), threads=np.int64(threads()),
+                isa=np.int32(ISAS[isa()]))

@@ -57,8 +57,10 @@ def matmul_auto() -> str:
     why = native.unavailable_reason()
     if why is not None:
         return f"xla (native unavailable: {why})"
-    rows = ", ".join(f"{k} <= {v}" for k, v in native.NATIVE_MAX_ROWS.items())
-    return f"native for rows {rows} ({native.threads()} threads), xla above"
+    isa = native.resolved_isa()
+    rows = ", ".join(f"{k} {'any' if v is None else f'<= {v}'}" for k, v in native.NATIVE_MAX_ROWS[isa].items())
+    above = "" if all(v is None for v in native.NATIVE_MAX_ROWS[isa].values()) else "; xla above"
+    return f"native ({isa}, {native.threads()} threads) for rows {rows}{above}"
 
 
 def versions() -> dict:

@@ -1,15 +1,13 @@
 // Integer-dot quantized matmul for the CPU, called from JAX through the XLA FFI (jax.ffi).
 //
 // y[N, O] = x[N, K] @ W[K, O], where W is a `pallas_kernels.quant_format.QuantizedArray` in the project's own layout
-// (no repacking): "q4_1" / "q4_0" values are uint8 [K/2, O] (two 4-bit quants per byte; in group g, packed row j
-// holds element j in its low nibble and element j + G/2 in its high nibble), "int8" values are int8 [K, O]; scales
-// (and q4_1 mins) are [K/G, O], float16 or float32.
+// (no repacked copy): "q4_1" / "q4_0" values are uint8 [K/2, O] (two 4-bit quants per byte; in group g, packed row
+// j holds element j in its low nibble and element j + G/2 in its high nibble), "int8" values are int8 [K, O];
+// scales (and q4_1 mins) are [K/G, O], float16 or float32.
 //
 // As llama.cpp does on the CPU, the activations are quantized to int8 (one scale per block of `B` inputs, B = G for
-// the q4 kinds) and every block is an integer dot product: AVX2 `maddubs` (u8 x s8 pairs) for 4-bit weights, `madd`
-// (s16 x s16 pairs) for 8-bit ones, accumulated in int32 and scaled in float32 once per block. The output axis is
-// the SIMD axis (32 columns per tile, the layout's minor axis), so each weight byte is read once per call whatever N
-// is, and tiles are spread over threads with OpenMP.
+// the q4 kinds) and every block is an integer dot product accumulated in int32 and scaled in float32 once per
+// block:
 //
 //   q4_1: sum_k x_k (q_k d + m) = d * sum_k x_k q_k + m * sum_k x_k      (per group)
 //   q4_0: sum_k x_k (q_k - 8) d = d * sum_k x_k q_k - 8 d * sum_k x_k
@@ -18,16 +16,25 @@
 // in the min term too (as llama.cpp's q8_1 `s`) matters: q_k d + m is a small difference of large terms, and with
 // the exact sum of x there the activation error of the first term would not cancel (2-3% instead of ~0.5%).
 //
-// Columns past the last whole tile of 32 run a scalar loop with the same arithmetic. Everything AVX2 sits in
-// functions compiled for that target; `jpg_cpu_supported()` says whether this CPU can run them.
+// The column kernel (quant_matmul_body.inc) is compiled for three instruction sets and picked at run time (or by
+// the `isa` attribute): AVX2, AVX-VNNI and AVX512-VNNI (the last two add `vpdpbusd`, four u8 x s8 products summed
+// into int32 in one instruction). The output axis is the SIMD axis (32 columns per tile, the layout's minor axis);
+// each thread takes an equal run of tiles; rows of x are quantized in parallel first (on the calling thread alone
+// when x is small). The threads are XLA's own intra-op pool (the FFI's ThreadPool context), not a second pool: on
+// a small machine two pools' spinning threads took the cores from each other between calls (single-stream decode
+// ran 20-30% slower with OpenMP's). Columns past the last whole tile of 32 run a scalar loop with the same
+// arithmetic. `jpg_isa_supported()` says what this CPU can run.
 
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -37,10 +44,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kTile = 32;  // output columns per SIMD tile
-constexpr int kMaxRows = 4;  // activation rows per pass over a tile's weights
-constexpr int kSpan = 8;     // adjacent tiles a thread takes together (see tile_rows)
+constexpr int kSpan = 8;   // adjacent tiles taken together, so each weight row is read 256 contiguous bytes
+
+struct alignas(32) Reg {  // storage for one __m256i
+  unsigned char bytes[32];
+};
 
 enum Kind : int32_t { kQ4_1 = 0, kQ4_0 = 1, kInt8 = 2 };
+enum Isa : int32_t { kAuto = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
@@ -79,47 +90,99 @@ struct Table {
 struct Problem {
   int32_t kind;
   int64_t n, k, o, g;  // rows of x, inputs, outputs, weight group size
-  int64_t b;           // activation block (divides g)
+  int64_t b;           // activation block (divides g; b == g for the q4 kinds)
+  int64_t nb;          // k / b activation blocks per row
+  int64_t steps;       // steps (4 inputs each, see quant_matmul_body.inc) per block: ceil(g / 4) or ceil(b / 4)
+  int64_t nsteps;      // nb * steps
   const uint8_t* values;
   Table scales, mins;
   // quantized activations
-  const int8_t* xq;    // [n, k]
-  const int16_t* xp16; // q4 kinds: [n, k / 2] the byte pairs (xq[j], xq[j + g/2]) of each group, as maddubs reads them
-  const int32_t* xp32; // int8: [n, k / 2] the int16 pairs (xq[i], xq[i + 1]), as madd reads them
-  const float* xd;     // [n, k / b]  block scales
-  const float* xs;     // [n, k / g]  exact group sums of x (the q4 kinds' min term)
+  int8_t* xq;          // [n, k]
+  int32_t* xw;         // [n, nsteps]  4 int8 per step, in the order the weight steps hold their inputs
+  float* xd;           // [n, nb]  block scales
+  int32_t* xqs;        // [n, nb]  sums of xq per block (VNNI's int8 weights run as w + 128)
+  float* xs;           // [n, k / g]  group sums of the quantized x (the q4 kinds' min term)
   float* y;            // [n, o]
 };
 
-// Quantize row `r` of x into xq/xd and the per-group sums xs.
-void quantize_rows(const float* x, int64_t n, int64_t k, int64_t b, int64_t g, int8_t* xq, float* xd, float* xs) {
-  for (int64_t r = 0; r < n; ++r) {
-    const float* xr = x + r * k;
-    for (int64_t blk = 0; blk < k / b; ++blk) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < b; ++i) amax = std::max(amax, std::fabs(xr[blk * b + i]));
-      float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      xd[r * (k / b) + blk] = d;
-      for (int64_t i = 0; i < b; ++i) {
-        float v = std::nearbyint(xr[blk * b + i] * inv);
-        xq[r * k + blk * b + i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+// ------------------------------------------------------------------------------------------- activation quantizing
+// Row r of x -> xq, xd, xqs, xs and the step words xw (every instruction set has AVX2, which this uses).
+__attribute__((target("avx2,fma,f16c"))) void quantize_row(const Problem& p, const float* x, int64_t r) {
+  const float* xr = x + r * p.k;
+  int8_t* q = p.xq + r * p.k;
+  for (int64_t blk = 0; blk < p.nb; ++blk) {
+    const float* xb = xr + blk * p.b;
+    float amax = 0.f;
+    int64_t i = 0;
+    if (p.b % 8 == 0) {
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 m = _mm256_setzero_ps();
+      for (; i < p.b; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      amax = _mm_cvtss_f32(h);
+    } else {
+      for (; i < p.b; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    }
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    p.xd[r * p.nb + blk] = d;
+    int32_t sum = 0;
+    i = 0;
+    if (p.b % 8 == 0) {  // round half to even (the default mode), like nearbyint
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (; i < p.b; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vinv));
+        v = _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        alignas(32) int32_t tmp[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), v);
+        for (int u = 0; u < 8; ++u) {
+          q[blk * p.b + i + u] = static_cast<int8_t>(tmp[u]);
+          sum += tmp[u];
+        }
+      }
+    } else {
+      for (; i < p.b; ++i) {
+        const float v = std::nearbyint(xb[i] * inv);
+        const int8_t c = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+        q[blk * p.b + i] = c;
+        sum += c;
       }
     }
-    for (int64_t grp = 0; grp < k / g; ++grp) {  // sum of the quantized x: the min term then cancels exactly
-      float s = 0.f;
-      for (int64_t blk = grp * g / b; blk < (grp + 1) * g / b; ++blk) {
-        int32_t q = 0;
-        for (int64_t i = 0; i < b; ++i) q += xq[r * k + blk * b + i];
-        s += xd[r * (k / b) + blk] * static_cast<float>(q);
+    p.xqs[r * p.nb + blk] = sum;
+  }
+  const int64_t ng = p.k / p.g, bpg = p.g / p.b;
+  for (int64_t grp = 0; grp < ng; ++grp) {  // sum of the quantized x: the min term then cancels exactly
+    float s = 0.f;
+    for (int64_t blk = grp * bpg; blk < (grp + 1) * bpg; ++blk)
+      s += p.xd[r * p.nb + blk] * static_cast<float>(p.xqs[r * p.nb + blk]);
+    p.xs[r * ng + grp] = s;
+  }
+  int32_t* w = p.xw + r * p.nsteps;
+  auto word = [](int8_t a, int8_t b, int8_t c, int8_t d) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint8_t>(a)) |
+                                (static_cast<uint32_t>(static_cast<uint8_t>(b)) << 8) |
+                                (static_cast<uint32_t>(static_cast<uint8_t>(c)) << 16) |
+                                (static_cast<uint32_t>(static_cast<uint8_t>(d)) << 24));
+  };
+  for (int64_t blk = 0; blk < p.nb; ++blk) {
+    const int8_t* qb = q + blk * p.b;
+    for (int64_t t = 0; t < p.steps; ++t) {
+      if (p.kind == kInt8) {
+        auto at = [&](int64_t i) -> int8_t { return i < p.b ? qb[i] : 0; };
+        w[blk * p.steps + t] = word(at(4 * t), at(4 * t + 1), at(4 * t + 2), at(4 * t + 3));
+      } else {
+        const int64_t half = p.g / 2, j = 2 * t;
+        const bool second = j + 1 < half;
+        w[blk * p.steps + t] = word(qb[j], qb[j + half], second ? qb[j + 1] : 0, second ? qb[j + 1 + half] : 0);
       }
-      xs[r * (k / g) + grp] = s;
     }
   }
 }
 
 // ------------------------------------------------------------------------------------------------ scalar columns
 void scalar_columns(const Problem& p, int64_t o_begin, int64_t o_end) {
-  const int64_t nb = p.k / p.b, ng = p.k / p.g;
+  const int64_t ng = p.k / p.g;
   for (int64_t r = 0; r < p.n; ++r) {
     for (int64_t o = o_begin; o < o_end; ++o) {
       float acc = 0.f;
@@ -138,7 +201,7 @@ void scalar_columns(const Problem& p, int64_t o_begin, int64_t o_end) {
             }
             dot += q * p.xq[r * p.k + i];
           }
-          gacc += p.xd[r * nb + blk] * static_cast<float>(dot);
+          gacc += p.xd[r * p.nb + blk] * static_cast<float>(dot);
         }
         float d = p.scales.at(grp, o);
         float m = p.kind == kQ4_1 ? p.mins.at(grp, o) : (p.kind == kQ4_0 ? -8.f * d : 0.f);
@@ -149,142 +212,83 @@ void scalar_columns(const Problem& p, int64_t o_begin, int64_t o_end) {
   }
 }
 
-// --------------------------------------------------------------------------------------------------- AVX2 tiles
-__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const Table& t, int64_t g, int64_t o) {
-  if (t.f16) {
-    const uint16_t* p = static_cast<const uint16_t*>(t.data) + g * t.cols + o;
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+// ----------------------------------------------------------------------------------- the column kernel, per ISA
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define JPG_VNNI 0
+#define JPG_ROWS 2
+#include "quant_matmul_body.inc"
+#undef JPG_VNNI
+#undef JPG_ROWS
+}  // namespace avx2
+#pragma GCC pop_options
+
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define JPG_HAVE_AVXVNNI 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace avxvnni {
+#define JPG_VNNI 1
+#define JPG_ROWS 2
+#define JPG_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
+#include "quant_matmul_body.inc"
+#undef JPG_VNNI
+#undef JPG_ROWS
+#undef JPG_DPBUSD
+}  // namespace avxvnni
+#pragma GCC pop_options
+#else
+#define JPG_HAVE_AVXVNNI 0
+#endif
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace avx512 {
+#define JPG_VNNI 1
+#define JPG_ROWS 4
+#define JPG_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
+#include "quant_matmul_body.inc"
+#undef JPG_VNNI
+#undef JPG_ROWS
+#undef JPG_DPBUSD
+}  // namespace avx512
+#pragma GCC pop_options
+
+bool isa_supported(int32_t isa) {
+  __builtin_cpu_init();
+  const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case kAvx2:
+      return base;
+    case kAvxVnni:
+      return base && JPG_HAVE_AVXVNNI && __builtin_cpu_supports("avxvnni");
+    case kAvx512Vnni:
+      return base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    default:
+      return false;
   }
-  return _mm256_loadu_ps(static_cast<const float*>(t.data) + g * t.cols + o);
 }
 
-// gacc[r][0..31] (float, columns in order) of one group, for R activation rows, 4-bit weights.
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q4_group(const Problem& p, int64_t r0, int64_t grp, int64_t o0,
-                                                       float gacc[][kTile]) {
-  const int64_t half = p.g / 2;
-  const __m256i low = _mm256_set1_epi8(15);
-  __m256i acc32[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc32[r][v] = _mm256_setzero_si256();
-  const int16_t* xp[R];
-  for (int r = 0; r < R; ++r) xp[r] = p.xp16 + (r0 + r) * (p.k / 2) + grp * half;
-  for (int64_t j0 = 0; j0 < half; j0 += 8) {  // int16 sums of <= 8 pairs (<= 8 * 2 * 15 * 127) cannot overflow
-    __m256i acc16[R][2];
-    for (int r = 0; r < R; ++r) acc16[r][0] = acc16[r][1] = _mm256_setzero_si256();
-    const int64_t j1 = std::min<int64_t>(j0 + 8, half);
-    for (int64_t j = j0; j < j1; ++j) {
-      __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.values + (grp * half + j) * p.o + o0));
-      __m256i lo = _mm256_and_si256(bytes, low);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      __m256i a0 = _mm256_unpacklo_epi8(lo, hi);  // (lo, hi) pairs: columns 0-7 | 16-23
-      __m256i a1 = _mm256_unpackhi_epi8(lo, hi);  // columns 8-15 | 24-31
-      for (int r = 0; r < R; ++r) {
-        __m256i bx = _mm256_set1_epi16(xp[r][j]);
-        acc16[r][0] = _mm256_add_epi16(acc16[r][0], _mm256_maddubs_epi16(a0, bx));
-        acc16[r][1] = _mm256_add_epi16(acc16[r][1], _mm256_maddubs_epi16(a1, bx));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      acc32[r][0] = _mm256_add_epi32(acc32[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[r][0])));  // 0-7
-      acc32[r][1] = _mm256_add_epi32(acc32[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[r][1])));  // 8-15
-      acc32[r][2] = _mm256_add_epi32(acc32[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[r][0], 1)));  // 16-23
-      acc32[r][3] = _mm256_add_epi32(acc32[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[r][1], 1)));  // 24-31
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m256 dx = _mm256_set1_ps(p.xd[(r0 + r) * (p.k / p.b) + grp]);  // b == g for the q4 kinds
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(gacc[r] + 8 * v, _mm256_mul_ps(dx, _mm256_cvtepi32_ps(acc32[r][v])));
-  }
+int32_t best_isa() {
+  for (int32_t isa : {kAvx512Vnni, kAvxVnni, kAvx2})
+    if (isa_supported(isa)) return isa;
+  return kAuto;  // none: jpg_cpu_supported() says so before any call
 }
 
-// gacc for 8-bit weights: blocks of b inputs inside the group, each scaled by its activation scale.
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void int8_group(const Problem& p, int64_t r0, int64_t grp, int64_t o0,
-                                                         float gacc[][kTile]) {
-  const int8_t* w = reinterpret_cast<const int8_t*>(p.values);
-  __m256 facc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) facc[r][v] = _mm256_setzero_ps();
-  for (int64_t blk = grp * p.g / p.b; blk < (grp + 1) * p.g / p.b; ++blk) {
-    __m256i acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
-    for (int64_t i = blk * p.b; i < (blk + 1) * p.b; i += 2) {
-      __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * p.o + o0));
-      __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (i + 1) * p.o + o0));
-      __m256i w0a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w0)), w1a = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w1));
-      __m256i w0b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w0, 1)), w1b = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w1, 1));
-      __m256i pa0 = _mm256_unpacklo_epi16(w0a, w1a), pa1 = _mm256_unpackhi_epi16(w0a, w1a);  // 0-3|8-11, 4-7|12-15
-      __m256i pb0 = _mm256_unpacklo_epi16(w0b, w1b), pb1 = _mm256_unpackhi_epi16(w0b, w1b);  // 16-19|24-27, 20-23|28-31
-      for (int r = 0; r < R; ++r) {
-        __m256i bx = _mm256_set1_epi32(p.xp32[(r0 + r) * (p.k / 2) + i / 2]);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(pa0, bx));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(pa1, bx));
-        acc[r][2] = _mm256_add_epi32(acc[r][2], _mm256_madd_epi16(pb0, bx));
-        acc[r][3] = _mm256_add_epi32(acc[r][3], _mm256_madd_epi16(pb1, bx));
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      __m256 dx = _mm256_set1_ps(p.xd[(r0 + r) * (p.k / p.b) + blk]);
-      __m256i c0 = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x20);  // 0-7
-      __m256i c1 = _mm256_permute2x128_si256(acc[r][0], acc[r][1], 0x31);  // 8-15
-      __m256i c2 = _mm256_permute2x128_si256(acc[r][2], acc[r][3], 0x20);  // 16-23
-      __m256i c3 = _mm256_permute2x128_si256(acc[r][2], acc[r][3], 0x31);  // 24-31
-      facc[r][0] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(c0), facc[r][0]);
-      facc[r][1] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(c1), facc[r][1]);
-      facc[r][2] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(c2), facc[r][2]);
-      facc[r][3] = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(c3), facc[r][3]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(gacc[r] + 8 * v, facc[r][v]);
-}
+using ColumnsFn = void (*)(const Problem&, int64_t, int64_t);
 
-// `span` adjacent tiles (starting at column o0) for R activation rows. Groups are the outer loop and the tiles the
-// inner one, so the rows of a group are read `span * 32` contiguous bytes at a time (whole cache lines, used while
-// they are in L1) instead of 32 bytes per row `O` bytes apart -- the strided pattern ran at a fraction of memory
-// speed on wide matrices (the LM head).
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void tile_rows(const Problem& p, int64_t r0, int64_t o0, int span) {
-  alignas(32) float gacc[R][kTile];
-  alignas(32) float out[kSpan][R][kTile];
-  std::memset(out, 0, sizeof(out));
-  const int64_t ng = p.k / p.g;
-  for (int64_t grp = 0; grp < ng; ++grp) {
-    for (int s = 0; s < span; ++s) {
-      const int64_t oc = o0 + s * kTile;
-      if (p.kind == kInt8) {
-        int8_group<R>(p, r0, grp, oc, gacc);
-      } else {
-        q4_group<R>(p, r0, grp, oc, gacc);
-      }
-      for (int v = 0; v < 4; ++v) {
-        __m256 d = load8(p.scales, grp, oc + 8 * v);
-        __m256 m = _mm256_setzero_ps();
-        if (p.kind == kQ4_1) m = load8(p.mins, grp, oc + 8 * v);
-        if (p.kind == kQ4_0) m = _mm256_mul_ps(_mm256_set1_ps(-8.f), d);
-        for (int r = 0; r < R; ++r) {
-          __m256 acc = _mm256_load_ps(out[s][r] + 8 * v);
-          acc = _mm256_fmadd_ps(d, _mm256_load_ps(gacc[r] + 8 * v), acc);
-          if (p.kind != kInt8) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(p.xs[(r0 + r) * ng + grp]), acc);
-          _mm256_store_ps(out[s][r] + 8 * v, acc);
-        }
-      }
-    }
-  }
-  for (int s = 0; s < span; ++s)
-    for (int r = 0; r < R; ++r) std::memcpy(p.y + (r0 + r) * p.o + o0 + s * kTile, out[s][r], sizeof(float) * kTile);
-}
-
-__attribute__((target("avx2,fma,f16c"))) void tile(const Problem& p, int64_t o0, int span) {
-  int64_t r0 = 0;
-  for (; r0 + 4 <= p.n; r0 += 4) tile_rows<4>(p, r0, o0, span);
-  switch (p.n - r0) {
-    case 3: tile_rows<3>(p, r0, o0, span); break;
-    case 2: tile_rows<2>(p, r0, o0, span); break;
-    case 1: tile_rows<1>(p, r0, o0, span); break;
-    default: break;
+ColumnsFn columns_for(int32_t isa) {
+  switch (isa) {
+    case kAvx512Vnni:
+      return avx512::columns;
+#if JPG_HAVE_AVXVNNI
+    case kAvxVnni:
+      return avxvnni::columns;
+#endif
+    default:
+      return avx2::columns;
   }
 }
 
@@ -293,9 +297,43 @@ __attribute__((target("avx2,fma,f16c"))) void tile(const Problem& p, int64_t o0,
 // then `layer` (an int32 scalar operand) picks the matrix, read in place. Inside a `lax.scan` over layers this is
 // what keeps XLA from copying each layer's slice into a fresh buffer for the call (a copy of every weight byte,
 // which cost as much as the matmul itself).
-ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+// Runs f(c, count) for c in [0, count) on the calling thread and the pool, returning when all are done. Chunks are
+// claimed from a counter, so a pool thread that starts late (or never: a busy or one-thread pool) finds nothing
+// left and the caller has run its chunk; the shared state outlives the call for such late starters, and `f` is
+// only called for claimed chunks, all finished before this returns.
+void fork_join(ffi::ThreadPool& pool, int count, const std::function<void(int, int)>& f) {
+  if (count <= 1) {
+    f(0, 1);
+    return;
+  }
+  struct State {
+    std::atomic<int> next{0}, done{0};
+    const std::function<void(int, int)>* f = nullptr;
+    int count = 0;
+  };
+  auto state = std::make_shared<State>();
+  state->f = &f;
+  state->count = count;
+  auto run = [](State& st) {
+    for (int c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.count;) {
+      (*st.f)(c, st.count);
+      st.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int t = 1; t < count; ++t) pool.Schedule([state, run] { run(*state); });
+  run(*state);
+  for (int spins = 0; state->done.load(std::memory_order_acquire) < count; ++spins) {
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t kind,
-                           int64_t group_size, int64_t block, int64_t threads) {
+                           int64_t group_size, int64_t block, int64_t threads, int32_t isa) {
   auto xd = x.dimensions();
   auto sd = scales.dimensions();
   const size_t rank = sd.size();
@@ -304,6 +342,8 @@ ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::
   const int64_t stack = rank == 3 ? sd[0] : 1;
   const int64_t li = rank == 3 ? static_cast<int64_t>(layer.typed_data()[0]) : 0;
   if (li < 0 || li >= stack) return ffi::Error::InvalidArgument("quant_matmul: layer index out of range");
+  if (isa == kAuto) isa = best_isa();
+  if (!isa_supported(isa)) return ffi::Error::InvalidArgument("quant_matmul: this CPU cannot run the requested isa");
   Problem p{};
   p.kind = kind;
   p.n = xd[0];
@@ -314,6 +354,9 @@ ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::
   if (p.g <= 0 || p.k % p.g || p.b <= 0 || p.g % p.b || (kind != kInt8 && p.b != p.g) || p.b % 2 ||
       sd[rank - 2] != p.k / p.g || (kind != kInt8 && p.g % 2))
     return ffi::Error::InvalidArgument("quant_matmul: group_size/block do not fit the shapes");
+  p.nb = p.k / p.b;
+  p.steps = (p.b + 3) / 4;
+  p.nsteps = p.nb * p.steps;
   const int64_t table_elems = (p.k / p.g) * p.o;  // one matrix's scales (or mins)
   const int64_t value_bytes = (kind == kInt8 ? p.k : p.k / 2) * p.o;
   auto vk = values.element_type();
@@ -333,40 +376,34 @@ ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::
     return ffi::Error::InvalidArgument("quant_matmul: scales and mins must be float16 or float32");
   p.values = static_cast<const uint8_t*>(values.untyped_data()) + li * value_bytes;
   std::vector<int8_t> xq(p.n * p.k);
-  std::vector<float> xdv(p.n * (p.k / p.b)), xs(p.n * (p.k / p.g));
-  quantize_rows(x.typed_data(), p.n, p.k, p.b, p.g, xq.data(), xdv.data(), xs.data());
+  std::vector<int32_t> xw(p.n * p.nsteps), xqs(p.n * p.nb);
+  std::vector<float> xdv(p.n * p.nb), xs(p.n * (p.k / p.g));
   p.xq = xq.data();
-  std::vector<int16_t> xp16;
-  std::vector<int32_t> xp32;
-  if (kind == kInt8) {
-    xp32.resize(p.n * (p.k / 2));
-    for (int64_t r = 0; r < p.n; ++r)
-      for (int64_t i = 0; i < p.k; i += 2)
-        xp32[r * (p.k / 2) + i / 2] = static_cast<int32_t>(
-            static_cast<uint16_t>(static_cast<int16_t>(xq[r * p.k + i])) |
-            (static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[r * p.k + i + 1]))) << 16));
-    p.xp32 = xp32.data();
-  } else {
-    const int64_t half = p.g / 2;
-    xp16.resize(p.n * (p.k / 2));
-    for (int64_t r = 0; r < p.n; ++r)
-      for (int64_t grp = 0; grp < p.k / p.g; ++grp)
-        for (int64_t j = 0; j < half; ++j) {
-          const int8_t* g0 = xq.data() + r * p.k + grp * p.g;
-          xp16[r * (p.k / 2) + grp * half + j] = static_cast<int16_t>(
-              static_cast<uint8_t>(g0[j]) | (static_cast<uint16_t>(static_cast<uint8_t>(g0[j + half])) << 8));
-        }
-    p.xp16 = xp16.data();
-  }
+  p.xw = xw.data();
   p.xd = xdv.data();
+  p.xqs = xqs.data();
   p.xs = xs.data();
   p.y = y->typed_data();
+  const float* xdata = x.typed_data();
   const int64_t tiles = p.o / kTile;
-  const int64_t spans = (tiles + kSpan - 1) / kSpan;  // units of work: kSpan adjacent tiles (the last may be fewer)
-  const int nt = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, spans)));
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t u = 0; u < spans; ++u)
-    tile(p, u * kSpan * kTile, static_cast<int>(std::min<int64_t>(kSpan, tiles - u * kSpan)));
+  const ColumnsFn columns = columns_for(isa);
+  // Threads: the `threads` attribute, at most the pool's workers plus the calling thread.
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
+  const int nt = static_cast<int>(std::max<int64_t>(1, std::min({threads, workers, std::max(tiles, p.n)})));
+  if (p.n * p.k <= (int64_t{1} << 16) || nt == 1) {  // decode-sized x: not worth a fork
+    for (int64_t r = 0; r < p.n; ++r) quantize_row(p, xdata, r);
+  } else {
+    fork_join(pool, nt, [&](int c, int count) {
+      for (int64_t r = p.n * c / count; r < p.n * (c + 1) / count; ++r) quantize_row(p, xdata, r);
+    });
+  }
+  if (tiles > 0) {
+    const int ct = static_cast<int>(std::min<int64_t>(nt, tiles));
+    fork_join(pool, ct, [&](int c, int count) {  // an equal run of tiles each
+      const int64_t begin = tiles * c / count, end = tiles * (c + 1) / count;
+      if (begin < end) columns(p, begin, end);
+    });
+  }
   if (tiles * kTile < p.o) scalar_columns(p, tiles * kTile, p.o);
   return ffi::Error::Success();
 }
@@ -375,6 +412,7 @@ ffi::Error QuantMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JpgQuantMatmul, QuantMatmulImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()        // XLA:CPU's intra-op threads
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [N, K]
                                   .Arg<ffi::AnyBuffer>()         // values
                                   .Arg<ffi::AnyBuffer>()         // scales [K/G, O]
@@ -384,11 +422,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpgQuantMatmul, QuantMatmulImpl,
                                   .Attr<int32_t>("kind")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("block")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int32_t>("isa"));  // 0: the best this CPU has, else an Isa
 
-extern "C" int jpg_cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
+extern "C" int jpg_cpu_supported() { return isa_supported(kAvx2); }
 
-extern "C" int jpg_max_threads() { return omp_get_max_threads(); }
+extern "C" int jpg_isa_supported(int isa) { return isa_supported(isa); }
+
+extern "C" int jpg_best_isa() { return best_isa(); }

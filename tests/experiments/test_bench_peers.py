@@ -63,3 +63,37 @@ def test_ours_runs_every_workload_and_missing_peers_are_skipped(tmp_path, monkey
     assert "GB/s" in text and rec["matmul_auto"]
     assert rec["flags"]["decode_tokens"] == 5 and len(rec["load_avg_before"]) == 3
     assert [row["workload"] for row in rec["table"]] == ["single", "prefill", "batch 2"]
+
+
+def test_each_engine_runs_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
+    """--isolate (the default): every engine runs in a fresh `python -m experiments.bench_peers` with the flags
+    given here, `--engines` that one engine and no isolation; its printed rows and its JSON come back."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    calls = []
+    real_run = bench_peers.subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if "experiments.bench_peers" not in cmd:  # git rev-parse for the record
+            return real_run(cmd, **kwargs)
+        calls.append(cmd)
+        name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--engines="))
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("--json_out="))
+        rows = [dict(workload="single", tokens_per_s=10.0 if name == "ours" else 20.0, seconds=1.0)]
+        with open(out, "w") as f:
+            json.dump(dict(versions={name: "v"}, results={name: rows}), f)
+        return type("Done", (), dict(returncode=0, stdout=f"{name:13s} single 1 tok/s\nnoise\n"))()
+
+    monkeypatch.setattr(bench_peers.subprocess, "run", fake_run)
+    out = tmp_path / "peers.json"
+    run("--engines=ours,llama.cpp", "--workloads=single", "--decode_tokens=7", f"--json_out={out}")
+    assert len(calls) == 2
+    for cmd, name in zip(calls, ("ours", "llama.cpp")):
+        assert cmd[1:3] == ["-m", "experiments.bench_peers"] and f"--engines={name}" in cmd and "--noisolate" in cmd
+        assert "--decode_tokens=7" in cmd and "--workloads=single" in cmd
+        assert not any(a.startswith("--engines=ours,") for a in cmd)
+    rec = json.loads(out.read_text())
+    assert rec["table"] == [{"workload": "single", "ours": 10.0, "llama.cpp": 20.0, "ours/llama.cpp": 0.5}]
+    text = capsys.readouterr().out
+    assert "ours          single 1 tok/s" in text and "noise" not in text

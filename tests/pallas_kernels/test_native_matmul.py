@@ -1,8 +1,9 @@
 """The native CPU matmul (`pallas_kernels/cpu/quant_matmul.cc` through `pallas_kernels.native`): against a NumPy
 emulation of its integer arithmetic (tight: catches a wrong lane, nibble or scale), against the float reference
 (the int8-activation error stays small), over sampled shapes (odd sizes, tails past the 32-column tiles, group
-boundaries, every kind and scale dtype, 1-21 rows); `auto`'s choice on the CPU; and a clear error and the XLA
-fallback when the kernel is missing."""
+boundaries, every kind and scale dtype, 1-41 rows), on every instruction set this CPU runs (AVX2, AVX-VNNI,
+AVX512-VNNI: `JPG_NATIVE_ISA`); extreme values that overflow a wrong int16 accumulation; `auto`'s choice on the CPU;
+and a clear error and the XLA fallback when the kernel is missing."""
 
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def test_a_gpu_backend_makes_the_cpu_kernel_unavailable(monkeypatch):
 
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+ISAS = native.supported_isas() or ["avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    """Each instruction set this CPU can run, forced through JPG_NATIVE_ISA. It is read when a call is traced, so
+    the caches of traced functions are cleared around it (a `jax.jit(native_matmul)` traced under another one would
+    be reused as it is)."""
+    monkeypatch.setenv("JPG_NATIVE_ISA", request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
 
 
 def emulate(x: np.ndarray, qa) -> np.ndarray:
@@ -92,6 +105,12 @@ CASES = [
     ("int8", 32, 64, 96, 21, jnp.float16),  # 5 passes of 4 rows + 1
     ("q4_1", 32, 64, 613, 5, jnp.float16),  # 2 spans of 8 tiles + a span of 3 + a 5-column scalar tail
     ("int8", 32, 96, 300, 2, jnp.float16),  # a span of 8 tiles, a span of 1, a 12-column tail
+    ("q4_1", 32, 1536, 96, 41, jnp.float16),  # prepared-weight passes over 48 groups, a 1-row tail pass
+    ("q4_0", 64, 192, 320, 7, jnp.float32),  # 16 steps per group: the int16 sums of AVX2 flushed twice
+    ("int8", None, 1536, 64, 11, jnp.float16),  # per channel, 48 activation blocks; 2- and 4-row passes + tails
+    ("q4_1", 12, 48, 64, 3, jnp.float16),  # G/2 = 6 packed rows: 3 steps per group
+    ("q4_1", 6, 24, 40, 5, jnp.float16),  # G/2 = 3 (odd): the last step of a group is half empty
+    ("int8", 6, 24, 64, 6, jnp.float32),  # activation blocks of 6: steps of 4 inputs, the second half empty
 ]
 
 
@@ -106,7 +125,7 @@ def make(kind, group, k, o, n, scale_dtype, seed=0):
 @needs_native
 @pytest.mark.parametrize("kind, group, k, o, n, scale_dtype", CASES)
 def test_native_equals_its_integer_arithmetic_and_stays_close_to_the_float_reference(kind, group, k, o, n,
-                                                                                      scale_dtype):
+                                                                                      scale_dtype, isa):
     x, qa = make(kind, group, k, o, n, scale_dtype)
     got = np.asarray(jax.jit(native.native_matmul)(x, qa))
     assert got.shape == (n, o) and got.dtype == np.float32
@@ -118,19 +137,67 @@ def test_native_equals_its_integer_arithmetic_and_stays_close_to_the_float_refer
 
 
 @needs_native
-def test_sampled_shapes_match_the_emulation():
+def test_sampled_shapes_match_the_emulation(isa):
     rng = np.random.default_rng(7)
     for i in range(12):
         kind = ["q4_1", "q4_0", "int8"][i % 3]
         group = int(rng.choice([32, 64]))
         k = group * int(rng.integers(1, 6))
         o = int(rng.integers(1, 700))  # up to 2 spans of 8 tiles and a partial one
-        n = int(rng.integers(1, 12))
+        n = int(rng.integers(1, 24))  # the 1-3 row passes and the prepared-weight passes with their tails
         x, qa = make(kind, group, k, o, n, jnp.float16, seed=i)
         got = np.asarray(native.native_matmul(x, qa))
         want = emulate(np.asarray(x), qa)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(np.abs(want).max(), 1e-6),
-                                   err_msg=f"{kind} g={group} k={k} o={o} n={n}")
+                                   err_msg=f"{isa}: {kind} g={group} k={k} o={o} n={n}")
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "int8"])
+def test_extreme_values_stay_exact(kind, isa):
+    """The largest products everywhere: every activation quantizes to +-127 and every weight is at its extreme
+    (nibble 15; int8 -128 and 127, which a GGUF file may hold). A group of 128 inputs is 32 steps, so AVX2's int16
+    sums of 4-bit products must be widened every 8 steps (16 would overflow), its int8 path must keep each pair of
+    |w| x products within int16 (-128 * -127 twice fits; w + 128 against x would not), and VNNI's int8 path must
+    take its +128 offset back out exactly."""
+    from pallas_kernels.quant_format import QuantizedArray, pack_q4
+
+    k, o, n, g = 256, 64, 3, 128
+    rng = np.random.default_rng(3)
+    sign = np.where(rng.random((n, k)) < 0.5, -1.0, 1.0)
+    x = jnp.asarray(sign * 2.5, jnp.float32)
+    x = x.at[0].set(2.5)  # one row all positive: the int16 sums at their largest
+    scales = jnp.asarray(rng.uniform(0.5, 1.0, (k // g, o)), jnp.float32)
+    if kind == "int8":
+        w = np.where(rng.random((k, o)) < 0.5, -128, 127)
+        w[:, 0] = -128  # a column of -128 against the all-positive row
+        qa = QuantizedArray(jnp.asarray(w, jnp.int8), scales, None, "int8", g, (k, o))
+    else:
+        q = jnp.full((k, o), 15, jnp.int32)
+        mins = jnp.asarray(rng.uniform(-1, 0, (k // g, o)), jnp.float32) if kind == "q4_1" else None
+        qa = QuantizedArray(pack_q4(q, g), scales, mins, kind, g, (k, o))
+    got = np.asarray(jax.jit(native.native_matmul)(x, qa))
+    want = emulate(np.asarray(x), qa)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=isa)
+
+
+def test_the_instruction_set_switch(monkeypatch):
+    """JPG_NATIVE_ISA picks what the kernel runs; a misspelt or unsupported name is a ValueError that names the
+    choices; "auto" resolves to the best this CPU has (the last of supported_isas)."""
+    monkeypatch.setenv("JPG_NATIVE_ISA", "sse2")
+    with pytest.raises(ValueError, match=r"JPG_NATIVE_ISA='sse2': expected one of \['auto', 'avx2', "):
+        native.isa()
+    monkeypatch.setenv("JPG_NATIVE_ISA", "AVX2")
+    assert native.isa() == ("avx2" if "avx2" in native.supported_isas() else None) or not native.supported_isas()
+    monkeypatch.delenv("JPG_NATIVE_ISA")
+    assert native.isa() == "auto"
+    if native.supported_isas():
+        assert native.resolved_isa() == native.supported_isas()[-1]
+        missing = [i for i in ("avxvnni", "avx512vnni") if i not in native.supported_isas()]
+        if missing:
+            monkeypatch.setenv("JPG_NATIVE_ISA", missing[0])
+            with pytest.raises(ValueError, match="this CPU .or this build. can run"):
+                native.isa()
 
 
 @needs_native
@@ -154,10 +221,15 @@ def test_inside_a_scan_over_stacked_layers():
 
 
 @needs_native
-def test_auto_picks_native_for_decode_rows_and_xla_for_prefill(monkeypatch):
+def test_auto_follows_the_row_limits_of_the_instruction_set(monkeypatch):
+    """auto sends x to the native kernel up to the row limit of the instruction set it runs and of the weight kind
+    (AVX2: 64 rows of 4-bit weights, 32 of int8; with VNNI any number, prefill chunks included), XLA above."""
     calls = []
     real = native.native_matmul
     monkeypatch.setattr(native, "native_matmul", lambda x, qa, **kw: calls.append(x.shape[0]) or real(x, qa, **kw))
+    monkeypatch.setattr(native, "resolved_isa", lambda: "avx2")
+    assert (native.max_rows("q4_1"), native.max_rows("q4_0"), native.max_rows("int8")) == (64, 64, 32)
+    assert native.max_rows("nf4") == 0
     for kind in ("q4_1", "int8"):  # the row limit is per weight kind
         calls.clear()
         limit = native.max_rows(kind)
@@ -166,7 +238,15 @@ def test_auto_picks_native_for_decode_rows_and_xla_for_prefill(monkeypatch):
         dequant_matmul(x[:limit], qa, impl="auto")
         dequant_matmul(x, qa, impl="auto")  # one row more: XLA
         assert calls == [1, limit], kind
-    assert native.max_rows("q4_1") == 16 and native.max_rows("int8") == 8 and native.max_rows("nf4") == 0
+    for vnni in ("avxvnni", "avx512vnni"):
+        monkeypatch.setattr(native, "resolved_isa", lambda v=vnni: v)
+        assert native.max_rows("q4_1") is None and native.max_rows("int8") is None
+        calls.clear()
+        x, qa = make("int8", 32, 64, 64, 300, jnp.float16)
+        dequant_matmul(x, qa, impl="auto")
+        assert calls == [300], vnni
+    monkeypatch.setattr(native, "resolved_isa", lambda: None)  # the kernel cannot run: never
+    assert native.max_rows("q4_1") == 0
     x, qa = make("q4_1", 32, 64, 64, 3, jnp.float16)
     out = dequant_matmul(x[:3], qa, impl="native")
     np.testing.assert_allclose(np.asarray(out), emulate(np.asarray(x[:3]), qa), rtol=1e-4, atol=1e-4)

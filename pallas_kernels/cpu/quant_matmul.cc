@@ -43,11 +43,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kTile = 32;  // output columns per SIMD tile
-constexpr int kSpan = 8;   // adjacent tiles taken together, so each weight row is read 256 contiguous bytes
+constexpr int kSpan = 8;  // adjacent tiles taken together, so each weight row is read 256-512 contiguous bytes
 
-struct alignas(32) Reg {  // storage for one __m256i
-  unsigned char bytes[32];
+struct alignas(64) Reg {  // storage for one __m512i, or two __m256i
+  unsigned char bytes[64];
 };
 
 enum Kind : int32_t { kQ4_1 = 0, kQ4_0 = 1, kInt8 = 2 };
@@ -217,10 +216,14 @@ void scalar_columns(const Problem& p, int64_t o_begin, int64_t o_end) {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define JPG_VNNI 0
+#define JPG_ZMM 0
 #define JPG_ROWS 2
+#define JPG_DIRECT_ROWS 2
 #include "quant_matmul_body.inc"
+#undef JPG_ZMM
 #undef JPG_VNNI
 #undef JPG_ROWS
+#undef JPG_DIRECT_ROWS
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -230,11 +233,15 @@ namespace avx2 {
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace avxvnni {
 #define JPG_VNNI 1
+#define JPG_ZMM 0
 #define JPG_ROWS 2
+#define JPG_DIRECT_ROWS 2
 #define JPG_DPBUSD(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #include "quant_matmul_body.inc"
+#undef JPG_ZMM
 #undef JPG_VNNI
 #undef JPG_ROWS
+#undef JPG_DIRECT_ROWS
 #undef JPG_DPBUSD
 }  // namespace avxvnni
 #pragma GCC pop_options
@@ -244,15 +251,32 @@ namespace avxvnni {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
-namespace avx512 {
+namespace avx512 {  // 256-bit registers (32 of them): the 32-column tile left over by avx512z's tiles of 64
 #define JPG_VNNI 1
+#define JPG_ZMM 0
 #define JPG_ROWS 4
+#define JPG_DIRECT_ROWS 5
 #define JPG_DPBUSD(acc, w, x) _mm256_dpbusd_epi32(acc, w, x)
 #include "quant_matmul_body.inc"
 #undef JPG_VNNI
+#undef JPG_ZMM
 #undef JPG_ROWS
+#undef JPG_DIRECT_ROWS
 #undef JPG_DPBUSD
 }  // namespace avx512
+namespace avx512z {  // 512-bit registers, tiles of 64 columns
+#define JPG_VNNI 1
+#define JPG_ZMM 1
+#define JPG_ROWS 4
+#define JPG_DIRECT_ROWS 5
+#define JPG_DPBUSD(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#include "quant_matmul_body.inc"
+#undef JPG_VNNI
+#undef JPG_ZMM
+#undef JPG_ROWS
+#undef JPG_DIRECT_ROWS
+#undef JPG_DPBUSD
+}  // namespace avx512z
 #pragma GCC pop_options
 
 bool isa_supported(int32_t isa) {
@@ -279,16 +303,22 @@ int32_t best_isa() {
 
 using ColumnsFn = void (*)(const Problem&, int64_t, int64_t);
 
-ColumnsFn columns_for(int32_t isa) {
+struct IsaImpl {
+  int64_t tile;        // columns per tile of `columns`
+  ColumnsFn columns;   // tiles [begin, end) for every row
+  ColumnsFn columns32; // a leftover tile of 32 columns (tiles of 64 only), or null
+};
+
+IsaImpl impl_for(int32_t isa) {
   switch (isa) {
     case kAvx512Vnni:
-      return avx512::columns;
+      return {64, avx512z::columns, avx512::columns};
 #if JPG_HAVE_AVXVNNI
     case kAvxVnni:
-      return avxvnni::columns;
+      return {32, avxvnni::columns, nullptr};
 #endif
     default:
-      return avx2::columns;
+      return {32, avx2::columns, nullptr};
   }
 }
 
@@ -385,8 +415,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.xs = xs.data();
   p.y = y->typed_data();
   const float* xdata = x.typed_data();
-  const int64_t tiles = p.o / kTile;
-  const ColumnsFn columns = columns_for(isa);
+  const IsaImpl impl = impl_for(isa);
+  const int64_t tiles = p.o / impl.tile;
   // Threads: the `threads` attribute, at most the pool's workers plus the calling thread.
   const int64_t workers = std::max<int64_t>(1, pool.num_threads() + 1);
   const int nt = static_cast<int>(std::max<int64_t>(1, std::min({threads, workers, std::max(tiles, p.n)})));
@@ -401,10 +431,15 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     const int ct = static_cast<int>(std::min<int64_t>(nt, tiles));
     fork_join(pool, ct, [&](int c, int count) {  // an equal run of tiles each
       const int64_t begin = tiles * c / count, end = tiles * (c + 1) / count;
-      if (begin < end) columns(p, begin, end);
+      if (begin < end) impl.columns(p, begin, end);
     });
   }
-  if (tiles * kTile < p.o) scalar_columns(p, tiles * kTile, p.o);
+  int64_t done = tiles * impl.tile;
+  if (impl.columns32 && p.o - done >= 32) {  // the 32-column tile after the last whole tile of 64
+    impl.columns32(p, done / 32, done / 32 + 1);
+    done += 32;
+  }
+  if (done < p.o) scalar_columns(p, done, p.o);
   return ffi::Error::Success();
 }
 

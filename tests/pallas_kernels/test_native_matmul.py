@@ -223,14 +223,14 @@ def test_inside_a_scan_over_stacked_layers():
 @needs_native
 def test_auto_follows_the_row_limits_of_the_instruction_set(monkeypatch):
     """auto sends x to the native kernel up to the row limit of the instruction set it runs and of the weight kind
-    (AVX2: 64 rows of 4-bit weights, 32 of int8; with VNNI any number, prefill chunks included), XLA above."""
+    (AVX2: 128 rows; with VNNI any number, prefill chunks included), XLA above."""
     calls = []
     real = native.native_matmul
     monkeypatch.setattr(native, "native_matmul", lambda x, qa, **kw: calls.append(x.shape[0]) or real(x, qa, **kw))
     monkeypatch.setattr(native, "resolved_isa", lambda: "avx2")
-    assert (native.max_rows("q4_1"), native.max_rows("q4_0"), native.max_rows("int8")) == (64, 64, 32)
+    assert (native.max_rows("q4_1"), native.max_rows("q4_0"), native.max_rows("int8")) == (128, 128, 128)
     assert native.max_rows("nf4") == 0
-    for kind in ("q4_1", "int8"):  # the row limit is per weight kind
+    for kind in ("q4_1", "int8"):
         calls.clear()
         limit = native.max_rows(kind)
         x, qa = make(kind, 32, 64, 64, limit + 1, jnp.float16)

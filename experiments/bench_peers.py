@@ -242,18 +242,23 @@ def gguf_path() -> str:
 
 
 def _run_isolated(name: str) -> tuple[str, list[dict]]:
-    """One engine's workloads in a fresh process (these flags, `--engines name`); its printed lines pass through."""
+    """One engine's workloads in a fresh process: the flags given here (relative paths in them resolve as here: the
+    child runs in this directory, the repository on its PYTHONPATH), `--engines name`; its result lines and
+    warnings pass through."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "engine.json")
-        given = [FLAGS[f].serialize() for f in sorted(set(FLAGS)) if FLAGS[f].present
-                 and f not in ("engines", "isolate", "json_out")]
+        flags_given = {id(FLAGS[f]): FLAGS[f] for f in FLAGS if FLAGS[f].present}.values()  # short names too
+        given = [f.serialize() for f in flags_given if f.name not in ("engines", "isolate", "json_out")]
         cmd = [sys.executable, "-m", "experiments.bench_peers", *given, f"--engines={name}", "--noisolate",
                f"--json_out={out}"]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
         for line in proc.stdout.splitlines():
             if line.startswith(name):
                 print(line, flush=True)
+            elif line.startswith("warning:"):
+                print(f"[{name}] {line}", flush=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name}'s process failed (exit {proc.returncode}); run it alone: "
                                f"python -m experiments.bench_peers --engines {name}")

@@ -170,24 +170,6 @@ def device_breakdown(model, rows: int) -> dict:
     return rec
 
 
-def narrow_path_tokens(model, eng) -> int:
-    """Token slots up to which the engine's quantized matmuls take the native CPU kernel (`auto` on a CPU with the
-    kernel built; the smallest limit over the model's weight kinds), else 0."""
-    import jax
-
-    from pallas_kernels import native
-    from pallas_kernels.dequant_matmul import native_fits
-    from pallas_kernels.quant_format import QuantizedArray
-
-    if jax.default_backend() != "cpu" or eng.config.matmul_impl != "auto" or not native.available():
-        return 0
-    weights = [w for w in jax.tree_util.tree_leaves(model.params.layers, is_leaf=lambda x: isinstance(
-        x, QuantizedArray)) if isinstance(w, QuantizedArray)]
-    if not weights:
-        return 0
-    return min(max((n for n in range(1, 65) if native_fits(n, w)), default=0) for w in weights)
-
-
 def fit_step_time(model) -> dict:
     """Median `Engine.run` wall time of every grid shape, plus the host loop's overhead per step, fitted."""
     import numpy as np
@@ -251,7 +233,7 @@ def fit_step_time(model) -> dict:
     host = (m1["time_schedule_s"] - m0["time_schedule_s"] + m1["time_results_s"] - m0["time_results_s"]) / steps
     device = env.device_info()
     device_name = f"{device['cpu_model'] or device['device_kind']} ({device['backend']}, {device['cpus_usable']} cores)"
-    narrow = FLAGS.fit_narrow_tokens if FLAGS.fit_narrow_tokens >= 0 else narrow_path_tokens(model, eng)
+    narrow = FLAGS.fit_narrow_tokens if FLAGS.fit_narrow_tokens >= 0 else env.narrow_path_tokens(model, eng)
     fit = StepTimeModel.fit(shapes, seconds, device=device_name, model=FLAGS.model, narrow_tokens=narrow,
                             notes=f"fitted by experiments/profile_step.py on {len(shapes)} grid shapes; base_s "
                             f"includes the host loop's {1e3 * host:.2f} ms per step outside Engine.run")

@@ -82,3 +82,23 @@ def load_average(warn_label: str | None = None, threshold: float = LOAD_WARN) ->
         print(f"WARNING: 1-minute load average {la[0]:.2f} > {threshold} {warn_label}: the machine is busy, "
               "timings are noisy", file=sys.stderr)
     return la
+
+
+def narrow_path_tokens(model, eng) -> int:
+    """Token slots up to which the engine's quantized matmuls take the native CPU kernel and wider steps another
+    path (`auto` on a CPU with the kernel built; the smallest limit over the model's weight kinds); 0 when there is
+    no such second path: no native kernel, or one that takes every row count (VNNI: `native.max_rows` is None)."""
+    import jax
+
+    from pallas_kernels import native
+    from pallas_kernels.dequant_matmul import native_fits
+    from pallas_kernels.quant_format import QuantizedArray
+
+    if jax.default_backend() != "cpu" or eng.config.matmul_impl != "auto" or not native.available():
+        return 0
+    weights = [w for w in jax.tree_util.tree_leaves(model.params.layers, is_leaf=lambda x: isinstance(
+        x, QuantizedArray)) if isinstance(w, QuantizedArray) and native_fits(1, w)]
+    limits = [native.max_rows(w.kind) for w in weights]
+    if not limits or all(limit is None for limit in limits):
+        return 0
+    return min(limit for limit in limits if limit is not None)

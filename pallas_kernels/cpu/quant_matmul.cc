@@ -18,12 +18,12 @@
 //
 // The column kernel (quant_matmul_body.inc) is compiled for three instruction sets and picked at run time (or by
 // the `isa` attribute): AVX2, AVX-VNNI and AVX512-VNNI (the last two add `vpdpbusd`, four u8 x s8 products summed
-// into int32 in one instruction). The output axis is the SIMD axis (32 columns per tile, the layout's minor axis);
-// each thread takes an equal run of tiles; rows of x are quantized in parallel first (on the calling thread alone
+// into int32 in one instruction). The output axis is the SIMD axis (tiles of 32 columns, 64 in the 512-bit
+// AVX512 build; the layout's minor axis); each thread takes an equal run of tiles; rows of x are quantized in parallel first (on the calling thread alone
 // when x is small). The threads are XLA's own intra-op pool (the FFI's ThreadPool context), not a second pool: on
 // a small machine two pools' spinning threads took the cores from each other between calls (single-stream decode
-// ran 20-30% slower with OpenMP's). Columns past the last whole tile of 32 run a scalar loop with the same
-// arithmetic. `jpg_isa_supported()` says what this CPU can run.
+// ran 20-30% slower with OpenMP's). Columns past the last whole tile (of 32 after the 512-bit build's tiles of 64)
+// run a scalar loop with the same arithmetic. Built with GCC (the `#pragma GCC target` sections). `jpg_isa_supported()` says what this CPU can run.
 
 #include <immintrin.h>
 
@@ -286,7 +286,11 @@ bool isa_supported(int32_t isa) {
     case kAvx2:
       return base;
     case kAvxVnni:
-      return base && JPG_HAVE_AVXVNNI && __builtin_cpu_supports("avxvnni");
+#if JPG_HAVE_AVXVNNI  // older compilers do not know the feature name
+      return base && __builtin_cpu_supports("avxvnni");
+#else
+      return false;
+#endif
     case kAvx512Vnni:
       return base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
@@ -384,6 +388,21 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (p.g <= 0 || p.k % p.g || p.b <= 0 || p.g % p.b || (kind != kInt8 && p.b != p.g) || p.b % 2 ||
       sd[rank - 2] != p.k / p.g || (kind != kInt8 && p.g % 2))
     return ffi::Error::InvalidArgument("quant_matmul: group_size/block do not fit the shapes");
+  const int64_t rows_stored = kind == kInt8 ? p.k : p.k / 2;
+  auto vd = values.dimensions();
+  auto yd = y->dimensions();
+  if (vd[rank - 2] != rows_stored || vd[rank - 1] != p.o || (rank == 3 && vd[0] != stack) || yd.size() != 2 ||
+      yd[0] != p.n || yd[1] != p.o)
+    return ffi::Error::InvalidArgument("quant_matmul: values, scales and y do not fit x's shape");
+  if (kind == kQ4_1) {
+    auto md = mins.dimensions();
+    if (md.size() != rank || md[rank - 2] != p.k / p.g || md[rank - 1] != p.o || (rank == 3 && md[0] != stack))
+      return ffi::Error::InvalidArgument("quant_matmul: q4_1 mins must have the scales' shape");
+  }
+  if (p.k == 0 || p.n == 0) {  // an empty product: zeros (and nothing to divide by below)
+    std::fill(y->typed_data(), y->typed_data() + p.n * p.o, 0.f);
+    return ffi::Error::Success();
+  }
   p.nb = p.k / p.b;
   p.steps = (p.b + 3) / 4;
   p.nsteps = p.nb * p.steps;

@@ -71,13 +71,14 @@ def test_each_engine_runs_in_a_process_of_its_own(monkeypatch, tmp_path, capsys)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
-    calls = []
+    calls, cwds = [], []
     real_run = bench_peers.subprocess.run
 
     def fake_run(cmd, **kwargs):
         if "experiments.bench_peers" not in cmd:  # git rev-parse for the record
             return real_run(cmd, **kwargs)
         calls.append(cmd)
+        cwds.append(kwargs.get("cwd"))
         name = next(a.split("=", 1)[1] for a in cmd if a.startswith("--engines="))
         out = next(a.split("=", 1)[1] for a in cmd if a.startswith("--json_out="))
         rows = [dict(workload="single", tokens_per_s=10.0 if name == "ours" else 20.0, seconds=1.0)]
@@ -97,3 +98,4 @@ def test_each_engine_runs_in_a_process_of_its_own(monkeypatch, tmp_path, capsys)
     assert rec["table"] == [{"workload": "single", "ours": 10.0, "llama.cpp": 20.0, "ours/llama.cpp": 0.5}]
     text = capsys.readouterr().out
     assert "ours          single 1 tok/s" in text and "noise" not in text
+    assert all(kwargs_cwd is None for kwargs_cwd in cwds)  # relative paths in the flags resolve as here

@@ -32,3 +32,29 @@ def test_profile_step_fits_over_uniform_and_mixed_context_steps(tmp_path):
         assert g["other_context"] == 16 and g["kv_tokens"] < u["kv_tokens"] and g["kv_read"] == u["kv_read"]
     assert set(fit.coef) == set(FEATURES) and fit.fit_stats["samples"] == len(grid)
     assert "fit: base" in p.stdout and "context    96/   16" in p.stdout
+
+
+def test_the_narrow_path_is_the_native_kernels_row_limit(monkeypatch):
+    """`narrow_path_tokens`: the native kernel's row limit where wider steps take XLA (AVX2: 128), 0 where the kernel
+    takes every step (VNNI) or is not used."""
+    import types
+
+    import jax.numpy as jnp
+    import pytest
+
+    from experiments.serving import env
+    from models.quant import quantize
+    from pallas_kernels import native
+
+    if not native.available():
+        pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    qa = quantize(jnp.ones((64, 32), jnp.float32), "q4_1", 32)
+    model = types.SimpleNamespace(params=types.SimpleNamespace(layers={"w": qa, "norm": jnp.ones(4)}))
+    eng = types.SimpleNamespace(config=types.SimpleNamespace(matmul_impl="auto"))
+    monkeypatch.setattr(native, "resolved_isa", lambda: "avx2")
+    assert env.narrow_path_tokens(model, eng) == 128
+    monkeypatch.setattr(native, "resolved_isa", lambda: "avx512vnni")
+    assert env.narrow_path_tokens(model, eng) == 0
+    monkeypatch.setattr(native, "resolved_isa", lambda: "avx2")
+    eng.config.matmul_impl = "xla"
+    assert env.narrow_path_tokens(model, eng) == 0

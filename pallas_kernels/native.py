@@ -72,18 +72,24 @@ def isa() -> str:
 
 def supported_isas() -> list[str]:
     """The instruction sets of the built kernel that this CPU can run, best last ([] when it is not built)."""
+    return list(_supported_isas())
+
+
+@functools.cache
+def _supported_isas() -> tuple[str, ...]:  # asked at every trace of a matmul: the CPU does not change
     lib, why = _load()
     if why is not None:
-        return []
-    return [name for name, code in ISAS.items() if code and lib.jpg_isa_supported(code)]
+        return ()
+    return tuple(name for name, code in ISAS.items() if code and lib.jpg_isa_supported(code))
 
 
 def resolved_isa() -> str | None:
     """The instruction set calls run here (what "auto" resolves to), or None when the kernel cannot run."""
-    if not supported_isas():
+    supported = _supported_isas()
+    if not supported:
         return None
     name = isa()
-    return supported_isas()[-1] if name == "auto" else name
+    return supported[-1] if name == "auto" else name
 
 
 def _library_path() -> str | None:

@@ -482,5 +482,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpgQuantMatmul, QuantMatmulImpl,
 extern "C" int jpg_cpu_supported() { return isa_supported(kAvx2); }
 
 extern "C" int jpg_isa_supported(int isa) { return isa_supported(isa); }
-
-extern "C" int jpg_best_isa() { return best_isa(); }

@@ -17,6 +17,7 @@ from paged.sampling import (
     SamplingRows,
     apply_bias,
     apply_penalties,
+    first_argmax,
     gumbel_at,
     processed_logprobs,
     row_key_data,
@@ -606,3 +607,22 @@ def test_top_k_cut_into_banned_tokens() -> None:
     for i, row in enumerate(rows):
         if row["top_p"] == 1.0:
             assert kept[i] == min(row["top_k"], 250)
+
+
+def test_first_argmax_is_jnp_argmax() -> None:
+    """`first_argmax` (max, then the first index equal to it) answers what `jnp.argmax` does: ties to the lowest
+    index, the first NaN of a row that has one, index 0 for a row of -inf, and any position of the maximum."""
+    v = 4099  # not a multiple of any vector width
+    x = np.array(jax.random.normal(jax.random.key(3), (9, v)), np.float32)
+    x[1, [5, 7, 4000]] = 100.0  # ties: the lowest index wins
+    x[2, :] = -np.inf
+    x[3, [10, 3000]] = np.nan  # the first NaN, even below the row's maximum
+    x[3, 20] = 1e30
+    x[4, v - 1] = 50.0  # the last position
+    x[5, 0] = 50.0  # the first position
+    x[6, :] = 1.0  # all equal
+    x[7, [8, 9]] = np.inf
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got[1:8], [5, 0, 10, v - 1, 0, 0, 8])
+    assert got.dtype == np.int32

@@ -16,12 +16,11 @@ record carries the flags, git state, device and versions (`experiments.serving.e
 
 from __future__ import annotations
 
-import random
 import time
 
 from absl import app, flags
 
-from experiments.common import CHAT, COPY_TASKS, TEXTS, chat_prompt, write_record
+from experiments.common import chat_prompt, workload, write_record
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
@@ -44,13 +43,6 @@ if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same fla
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
-
-
-def workload(name: str, n: int, seed: int) -> list[str]:
-    rng = random.Random(f"{name}:{seed}")
-    if name == "copy":
-        return [rng.choice(COPY_TASKS).format(rng.choice(TEXTS)) for _ in range(n)]
-    return [rng.choice(CHAT) for _ in range(n)]
 
 
 def main(argv):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 
 def write_record(path: str | None, record: dict) -> None:
@@ -46,6 +47,14 @@ CHAT = ["What are three tips for learning a new language?", "Write a short poem 
         "Explain how a rainbow forms.", "What should I pack for a weekend hiking trip?",
         "Tell me a fun fact about octopuses.", "How do I make a good cup of tea?",
         "Describe the city of Paris in a few sentences.", "Why is the sky blue?"]
+
+
+def workload(name: str, n: int, seed: int) -> list[str]:
+    """`n` seeded prompts of a speculative-decoding workload: "copy" (rewrite or quote one of `TEXTS`) or "chat"."""
+    rng = random.Random(f"{name}:{seed}")
+    if name == "copy":
+        return [rng.choice(COPY_TASKS).format(rng.choice(TEXTS)) for _ in range(n)]
+    return [rng.choice(CHAT) for _ in range(n)]
 
 
 def chat_prompt(tok, text: str) -> str:

@@ -11,6 +11,7 @@ after it exists.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 
@@ -69,3 +70,47 @@ class NgramIndex:
                 start = stack[-1]
                 return toks[start : start + k], n
         return [], 0
+
+
+@dataclasses.dataclass
+class Replay:
+    tokens: int = 0  # output tokens
+    steps: int = 0  # engine steps for them (the prefill step that emits the first one included)
+    verifications: int = 0  # steps that verified at least one draft
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, other: Replay) -> Replay:
+        return Replay(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def speedup(self, verify_cost: float) -> float:
+        """Plain decoding's steps (one per token) over this drafter's, a verification step costing `verify_cost`."""
+        cost = self.steps - self.verifications + verify_cost * self.verifications
+        return self.tokens / cost if cost else 1.0
+
+
+def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int, max_new_tokens: int) -> Replay:
+    """The steps a fixed n-gram drafter (k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
+    after `prompt`, with no model: the prefill step emits the first token; every later step drafts up to
+    min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), greedy verification accepts the
+    longest prefix the output continues with, and the step emits it plus one token. A step without a match is a
+    plain decode step. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""
+    r = Replay(tokens=len(output))
+    if not output:
+        return r
+    index = NgramIndex(max_ngram)
+    index.append(list(prompt) + [output[0]])
+    r.steps, i = 1, 1  # the prefill step samples the first token
+    while i < len(output):
+        drafts = index.propose(min(k, max_new_tokens - i - 1))
+        a = 0
+        while a < len(drafts) and i + a < len(output) and drafts[a] == output[i + a]:
+            a += 1
+        emitted = min(a + 1, len(output) - i)
+        r.steps += 1
+        r.verifications += bool(drafts)
+        r.drafted += len(drafts)
+        r.accepted += a
+        index.append(output[i : i + emitted])
+        i += emitted
+    return r

@@ -24,7 +24,8 @@ a verification step uses other random draws than a plain step's, so a seeded sam
 other jobs the generator ran before or beside it (through the shared acceptance statistics and the step's rows).
 The defaults (`TOKEN_COST`) were measured for SmolLM2-135M (Q4_1) with `experiments.bench_speculative`: on the
 2-core CPU a 5-token verification row took 1.67x a decode step at batch 1 (24 -> 40 ms), rho ~= 0.2 (2026-11-26,
-with the AVX512-VNNI kernel on another host: 1.56x, 16.1 -> 25.1 ms, rho ~= 0.16); on an H200 1.09x (5.6 -> 6.1 ms),
+with the AVX512-VNNI kernel on another host: 1.56x, 16.1 -> 25.1 ms, rho ~= 0.16; with its weight prefetch 1.7x,
+9.1 -> 15.6 ms, rho ~= 0.2); on an H200 1.09x (5.6 -> 6.1 ms),
 rho ~= 0.02. `draft_token_cost=` overrides it.
 
 After `explore_every` gated steps in a row, one step verifies anyway, so that alpha keeps learning after a bad start.

@@ -804,7 +804,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """i32 [S]: `jnp.argmax(x, axis=-1)` of f32 [S, V] (the first maximal index; the first NaN where a row has one),
     computed as a max and then the first index equal to it. XLA:CPU runs its variadic argmax reduction several
     times slower than these plain reductions: 0.77 vs 0.33 ms at 5 x 49152, 4.6 vs 2.3 ms at 64 rows
-    (`experiments.bench_sampling --only greedy`; docs/performance.md)."""
+    (`experiments.bench_sampling --only greedy`; docs/performance.md, "The greedy argmax")."""
     v = x.shape[-1]
     if v >= 1 << 24:  # the indices below are float32: exact below 2^24
         return jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -14,7 +14,7 @@ docs/speculative.md, "Limits").
 Reported per workload and k: steps, verification steps, tokens per step (the speed-up if verification cost nothing
 and prefill as much as a decode step), tokens per verification, and the predicted speed-up when a verification step
 costs c plain steps, for each c of `--verify_costs` (`experiments.bench_speculative` and docs/speculative.md measure
-c: 1.48 on the 2-core CPU at k = 4, 1.09 on an H200).
+c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
 
     python -m experiments.ngram_bound --json_out experiments/results/ngram_bound_cpu.json
 """

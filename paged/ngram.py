@@ -94,7 +94,9 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
     after `prompt`, with no model: the prefill step emits the first token; every later step drafts up to
     min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), greedy verification accepts the
     longest prefix the output continues with, and the step emits it plus one token. A step without a match is a
-    plain decode step. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""
+    plain decode step (page room never limits drafts here: right for the default `reserve` page allocation, an upper
+    bound under `on_demand`). `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a
+    workload."""
     r = Replay(tokens=len(output))
     if not output:
         return r
@@ -102,7 +104,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
     index.append(list(prompt) + [output[0]])
     r.steps, i = 1, 1  # the prefill step samples the first token
     while i < len(output):
-        drafts = index.propose(min(k, max_new_tokens - i - 1))
+        drafts = index.propose(max(0, min(k, max_new_tokens - i - 1)))
         a = 0
         while a < len(drafts) and i + a < len(output) and drafts[a] == output[i + a]:
             a += 1

@@ -31,6 +31,8 @@ def test_replay_counts_the_steps_of_greedy_verification():
     # the last draft checked against the output's end: drafts 4 7, the output ends after 4
     assert replay([5, 1, 2, 3, 4, 7], [5, 1, 2, 3, 4], k=2, max_ngram=2, max_new_tokens=100) == Replay(5, 3, 2, 4, 3)
     assert replay([1, 2], [], k=4, max_ngram=4, max_new_tokens=10) == Replay()
+    # an output longer than max_new_tokens (not the generator's): past the limit nothing is drafted
+    assert replay([1, 2, 3], [1, 2, 3, 1, 2, 3], k=4, max_ngram=4, max_new_tokens=2) == Replay(6, 6, 0, 0, 0)
     assert Replay(4, 2, 1, 2, 2).add(Replay(3, 2, 1, 4, 1)) == Replay(7, 4, 2, 6, 3)
 
 

@@ -25,6 +25,8 @@ from experiments.common import chat_prompt, workload, write_record
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
 flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
+flags.DEFINE_string("draft_quant", "int8", "the distilled draft's weights (a float checkpoint): int8 / int4 "
+                    "(quantized at load: the native CPU kernel runs them), or none (float32)")
 flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run (each may take the "
                   "suffix _adaptive: adaptive_draft=True)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs in the generator at once")
@@ -58,10 +60,12 @@ def main(argv):
     if any(d.removesuffix("_adaptive") == "self" for d in FLAGS.drafters):
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if FLAGS.draft_dir:
-        drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False)
+        drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False,
+                                         quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant)
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "self_draft_layers", "drafters",
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "draft_quant", "self_draft_layers",
+                                                        "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
                                                         "draft_token_cost")},

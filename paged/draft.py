@@ -66,8 +66,8 @@ class DraftModel:
         self.kv.pop(key, None)
 
     def _mirror(self, items: list[tuple[Hashable, RowInput]]) -> None:
-        """Run `items` on the draft engine (results unused), in as few calls as the buckets allow, each job's rows
-        in order; then each job's KV reaches the end of its last row."""
+        """Run the forward of `items` on the draft engine (K/V only: no sampler, no wait for the device), in as few
+        calls as the buckets allow, each job's rows in order; then each job's KV reaches the end of its last row."""
         cfg = self.engine.config
         groups: list[list[tuple[Hashable, RowInput]]] = []
         for key, row in items:
@@ -79,7 +79,7 @@ class DraftModel:
             else:
                 groups.append([(key, row)])
         for g in groups:
-            self.engine.run([r for _, r in g])
+            self.engine.run_forward([r for _, r in g])  # KV only: the draft's samples here are unused
             for key, r in g:
                 self.kv[key] = r.start_pos + len(r.tokens)
 

@@ -330,6 +330,22 @@ class Engine:
             logits=pick(got["logits"]) if return_logits else None, shape=shape, seconds=dt,
         )
 
+    @_under_mesh
+    def run_forward(self, rows: Sequence[RowInput]) -> None:
+        """The forward of a step over `rows` (their K/V written into the cache) without the sampler and without
+        waiting for the device: a draft model's mirror of the target's rows, whose samples nobody reads
+        (`paged.draft.DraftModel`). Same compiled variants as `run`."""
+        t_build = time.perf_counter()
+        shape = self.shape_for(rows)
+        batch, _ = build_batch(rows, shape, self.page_size, self.vocab_size,
+                               sample_rows=shape.sample_rows_for(len(rows)))
+        t0 = time.perf_counter()
+        self.state, _ = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
+                                     shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                     matmul_impl=self.matmul_impl)
+        self.timings["build_s"] += t0 - t_build
+        self.timings["dispatch_s"] += time.perf_counter() - t0
+
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
                     draft_logprobs: jax.Array | None) -> StepOutput:
         from paged.speculative import verify_sample

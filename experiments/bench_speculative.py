@@ -25,8 +25,8 @@ from experiments.common import chat_prompt, workload, write_record
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
 flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
-flags.DEFINE_string("draft_quant", "int8", "the distilled draft's weights (a float checkpoint): int8 / int4 "
-                    "(quantized at load: the native CPU kernel runs them), or none (float32)")
+flags.DEFINE_enum("draft_quant", "int8", ["int8", "int4", "none"], "the distilled draft's weights (a float "
+                  "checkpoint): int8 / int4 quantized at load (the native CPU kernel runs them), or none (float32)")
 flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run (each may take the "
                   "suffix _adaptive: adaptive_draft=True)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs in the generator at once")

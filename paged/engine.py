@@ -408,12 +408,15 @@ class Engine:
         ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
         samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket.
         With speculation: the verification sampler ("verify") of each row count of the verification buckets, and on
-        a draft engine the proposal burst ("draft_burst", n = drafts) of each decode-only bucket."""
+        a draft engine the proposal burst ("draft_burst", n = drafts) of each decode-only bucket, and no plain sampler
+        (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
         out = [("step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
         for s in shapes:
             kind = "verify" if s.verify_len else "sample"
+            if kind == "sample" and self.draft_len:  # a draft engine never samples through `run` (see warmup)
+                continue
             for n in s.sampled_row_counts:
                 if n not in seen[kind]:
                     seen[kind].add(n)
@@ -469,6 +472,8 @@ class Engine:
                                           shape=forward_shape(shape), attn_impl=self.attn_impl,
                                           matmul_impl=self.matmul_impl)
             verify = bool(shape.verify_len)
+            if not verify and self.draft_len:  # a draft engine's rows: `run_forward` (mirror) and `draft` (its burst
+                continue  # has its own sampler), never `run`: no plain sampler (~6 s of compile each on the CPU)
             for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
                 if rows in sampled[verify]:
                     continue

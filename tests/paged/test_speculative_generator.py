@@ -457,22 +457,24 @@ def test_the_draft_cache_mirrors_the_target_cache():
     only), the rest through its drafting. A broken mirror can pass the identity tests on a tiny random model, whose
     next token hardly depends on the context; this compares the caches themselves."""
     gen = DynamicGenerator(MODEL, **SETTINGS, draft_model=MODEL, num_draft_tokens=3)
-    job = Job(TOK.encode(PROMPTS[0]), 16, gen_settings=GREEDY)  # 35 prompt tokens: three prefill chunks of <= 16
-    gen.enqueue(job)
+    # three jobs at once (their rows share mirror calls); the first's 35 prompt tokens take three prefill chunks
+    jobs = [Job(TOK.encode(p), 16, gen_settings=GREEDY) for p in PROMPTS[:3]]
+    gen.enqueue(jobs)
     draft = gen.speculation.speculator.draft
     ps = SETTINGS["page_size"]
     checked = 0
     while gen.num_remaining_jobs():
         gen.iterate()
-        n = draft.kv.get(job, 0)
-        if not n or not job.pages:
-            continue
-        pos = np.arange(n)
-        pages, off = np.asarray(job.pages)[pos // ps], pos % ps
-        for name in ("k", "v"):
-            target = np.asarray(getattr(gen.engine.state, name))[:, :, pages, off]
-            mirrored = np.asarray(getattr(draft.engine.state, name))[:, :, pages, off]
-            assert np.abs(target).max() > 0
-            np.testing.assert_allclose(mirrored, target, atol=1e-4, rtol=1e-4)
-        checked += 1
-    assert checked >= 3
+        for job in jobs:
+            n = draft.kv.get(job, 0)
+            if not n or not job.pages:
+                continue
+            pos = np.arange(n)
+            pages, off = np.asarray(job.pages)[pos // ps], pos % ps
+            for name in ("k", "v"):
+                target = np.asarray(getattr(gen.engine.state, name))[:, :, pages, off]
+                mirrored = np.asarray(getattr(draft.engine.state, name))[:, :, pages, off]
+                assert np.abs(target).max() > 0
+                np.testing.assert_allclose(mirrored, target, atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked >= 9

@@ -263,17 +263,24 @@ class Engine:
             [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
         )
 
+    def _forward(self, batch: Batch, shape: BatchShape) -> tuple[jax.Array, ...]:
+        """The jitted forward of `shape`'s bucket over `batch` (K/V written, `self.state` replaced: it is donated);
+        returns the hidden states of each of `shape.sampled_row_counts` (`step_forward`)."""
+        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
+                                      shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                      matmul_impl=self.matmul_impl)
+        return hs
+
     def _dispatch(self, batch: Batch, shape: BatchShape, want_top_k: bool, num_steps: int) -> Results:
         """Run the jitted step (or `num_steps` decode steps) on `batch`; returns the device results of its sampled
         rows."""
-        statics = dict(cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
-                       matmul_impl=self.matmul_impl)
         want = np.bool_(want_top_k)
         if num_steps > 1:
             self.state, res = decode_burst_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
-                                               top_k_width=TOP_K_WIDTH, **statics)
+                                               top_k_width=TOP_K_WIDTH, cfg=self.cfg, shape=forward_shape(shape),
+                                               attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
             return res
-        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), **statics)
+        hs = self._forward(batch, shape)
         return self._sample(hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])], batch, want)
 
     def _sample(self, h: jax.Array, batch: Batch, want: np.bool_) -> Results:
@@ -340,9 +347,7 @@ class Engine:
         batch, _ = build_batch(rows, shape, self.page_size, self.vocab_size,
                                sample_rows=shape.sample_rows_for(len(rows)))
         t0 = time.perf_counter()
-        self.state, _ = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
-                                     shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                     matmul_impl=self.matmul_impl)
+        self._forward(batch, shape)
         self.timings["build_s"] += t0 - t_build
         self.timings["dispatch_s"] += time.perf_counter() - t0
 
@@ -360,10 +365,7 @@ class Engine:
         shape, sampled, _ = self.verify_plan(rows)
         batch, slots = build_batch(rows, shape, self.page_size, self.vocab_size, sample_rows=sampled)
         t0 = time.perf_counter()
-        statics = dict(cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
-                       matmul_impl=self.matmul_impl)
-        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), **statics)
-        h = hs[shape.sampled_row_counts.index(sampled)]
+        h = self._forward(batch, shape)[shape.sampled_row_counts.index(sampled)]
         q = draft_logprobs if self.verify_probs else None
         res = verify_sample(self._head, h, sample_inputs(batch), _verify_inputs(batch), np.bool_(0 < k <= TOP_K_WIDTH),
                             q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
@@ -468,9 +470,7 @@ class Engine:
                     num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
                 outs.append(tokens)
                 continue
-            self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
-                                          shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                          matmul_impl=self.matmul_impl)
+            hs = self._forward(batch, shape)
             verify = bool(shape.verify_len)
             if not verify and self.draft_len:  # a draft engine's rows: `run_forward` (mirror) and `draft` (its burst
                 continue  # has its own sampler), never `run`: no plain sampler (~6 s of compile each on the CPU)

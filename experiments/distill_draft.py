@@ -1,21 +1,32 @@
 """Distil a small draft model for speculative decoding from the target (default: the embedded SmolLM2-135M).
 
-The draft keeps the target's tokenizer, embedding and tied LM head (frozen: the draft's distribution lives in the
-same vocabulary), and `--layers` decoder layers initialised from the target's (the first ones, or spread evenly over
-the depth with `--init=spread`). Training data is text the target generates from a seeded prompt set (sampled at
-`--gen_temperature`); the loss is the KL divergence from the target's next-token distribution to the draft's, at
-every position (distillation: the draft learns to predict what the target would say, which is what acceptance
-needs). optax AdamW with warm-up and cosine decay; the weights are the project's flax `Weights` pytree.
+The draft keeps the target's tokenizer and input embedding (frozen) and has `--layers` decoder layers initialised
+from the target's (the first ones, or spread evenly over the depth with `--init=spread`). Its LM head is either the
+target's tied one (frozen: `--head_vocab=0`) or a **reduced head** over the `--head_vocab` tokens the target emits
+most often in the training text (a trainable `[N, H]` matrix initialised from those tokens' embeddings, saved with
+their ids as `lm_head.token_ids`): the 576 x 49152 head is most of a small draft's cost per token, and a token the
+target never says is a draft that is never accepted. Other tokens get a -inf logit in the draft (never proposed; the
+rejection sampler's q is 0 there, so sampling stays lossless).
+
+Training text: the target's own **greedy** answers (`--gen_temperature`, default 0) to a seeded set of chat prompts
+in the chat template the benchmark and `generate.py` use: open requests (`TASKS` x `TOPICS`), then copy-style
+requests (repeat, correct, quote; `COPY_INSTRUCTIONS`) over the target's earlier answers. Neither the benchmark's
+texts nor its chat prompts (`experiments.common`) are in it. Each example is one prompt + answer, so a copy request
+keeps the text it copies in context. Loss (`--loss`): "ce", cross-entropy on the answer tokens (with greedy text
+they are the target's argmax: what greedy acceptance checks; no teacher forward, so a step is cheap), or "kl", the
+KL divergence from the target's full next-token distribution at every position (full head only; a target forward
+per step). optax AdamW with warm-up and cosine decay; the weights are the project's flax `Weights` pytree.
 
 Writes `--out/model.safetensors` (HF tensor names) and `--out/config.json`, which `models.load_model(out)` reads;
 the draft has no tokenizer files: pass the target's (`DynamicGenerator(target, draft_model=load_model(out,
-load_tokenizer=False))`). Stops at `--max_minutes` (default 30) whatever `--steps` says, with a tqdm bar.
+load_tokenizer=False, quant="int8"))`). Stops at `--max_minutes` (default 30) whatever `--steps` says, with tqdm
+bars; `distill_log.json` records the flags, the loss and agreement history and a held-out agreement.
 
 Full run (~30 min on the 2-core CPU):
-    python -m experiments.distill_draft --out=/tmp/smollm2-draft-4l
+    python -m experiments.distill_draft --out=/tmp/smollm2-draft
 Smoke run (~1 min):
     python -m experiments.distill_draft --out=/tmp/draft-smoke --num_prompts=4 --gen_tokens=24 --steps=3 \
-        --batch_size=2 --seq_len=48 --max_minutes=2
+        --batch_size=2 --seq_len=96 --max_minutes=2
 """
 
 from __future__ import annotations
@@ -30,32 +41,128 @@ flags.DEFINE_string("target", "smollm2-135m", "target model (anything models.loa
 flags.DEFINE_string("out", None, "output directory (model.safetensors + config.json)")
 flags.DEFINE_integer("layers", 4, "decoder layers of the draft")
 flags.DEFINE_enum("init", "first", ["first", "spread"], "initialise from the target's first layers, or spread evenly")
-flags.DEFINE_integer("num_prompts", 96, "prompts in the seeded prompt set")
-flags.DEFINE_integer("gen_tokens", 160, "tokens the target generates per prompt")
-flags.DEFINE_float("gen_temperature", 0.7, "sampling temperature of the generated training text")
-flags.DEFINE_integer("steps", 400, "training steps (capped by --max_minutes)")
-flags.DEFINE_integer("batch_size", 8, "sequences per step")
-flags.DEFINE_integer("seq_len", 128, "tokens per training sequence")
-flags.DEFINE_float("lr", 3e-4, "peak learning rate")
-flags.DEFINE_float("kl_temperature", 1.0, "temperature of both distributions in the KL loss")
+flags.DEFINE_integer("head_vocab", 8192, "tokens of the draft's reduced LM head (the target's most frequent in the "
+                     "training text); 0: the target's full tied head")
+flags.DEFINE_enum("loss", "ce", ["ce", "kl"], "ce: cross-entropy on the target's answer tokens; kl: KL to the "
+                  "target's distribution at every position (needs --head_vocab=0)")
+flags.DEFINE_integer("num_prompts", 320, "prompts in the seeded prompt set (half open requests, half copy requests)")
+flags.DEFINE_integer("gen_tokens", 128, "tokens the target generates per prompt (at most)")
+flags.DEFINE_float("gen_temperature", 0.0, "sampling temperature of the training answers (0: greedy)")
+flags.DEFINE_float("gen_minutes", 8.0, "at most this much of the budget generates text")
+flags.DEFINE_integer("steps", 2000, "training steps (capped by --max_minutes)")
+flags.DEFINE_integer("batch_size", 8, "examples per step")
+flags.DEFINE_integer("seq_len", 256, "tokens per example (prompt + answer, truncated; shorter ones padded)")
+flags.DEFINE_float("lr", 1e-3, "peak learning rate")
+flags.DEFINE_float("kl_temperature", 1.0, "--loss=kl: temperature of both distributions")
+flags.DEFINE_float("holdout", 0.05, "share of the examples held out to measure agreement")
 flags.DEFINE_integer("seed", 0, "seed of the prompt set, the generation and the batches")
 flags.DEFINE_float("max_minutes", 30.0, "wall-clock budget for generation + training")
 FLAGS = flags.FLAGS
 
 TOPICS = ["the ocean", "a small town", "python programming", "the history of Rome", "cooking pasta", "climate",
           "a robot", "friendship", "mathematics", "the moon", "gardening", "music theory", "a detective story",
-          "machine learning", "coffee", "mountains", "a letter to a friend", "the internet", "birds", "chess"]
+          "machine learning", "coffee", "mountains", "a letter to a friend", "the internet", "birds", "chess",
+          "volcanoes", "trains", "the human heart", "honey bees", "deserts", "bicycles", "electricity", "dinosaurs",
+          "a lighthouse keeper", "sorting algorithms", "the stock market", "winter sports", "ancient Egypt",
+          "recycling", "the solar system", "a job interview", "bread baking", "rivers", "video games", "sleep"]
 TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Give three facts about {}.",
          "Write a poem about {}.", "Summarise what you know about {}.", "Write a dialogue about {}.",
-         "Rewrite this sentence in your own words: {} is more interesting than it seems.",
-         "Write Python code that prints a list of words about {}."]
+         "Write Python code that prints a list of words about {}.", "What are the pros and cons of {}?",
+         "Describe {} in a few sentences.", "Give me some tips about {}.", "Why do people care about {}?",
+         "Write a Python function related to {} and explain it."]
+# Copy-style requests over the target's own earlier answers (the benchmark's copy workload uses other wording
+# and other texts: experiments.common.COPY_TASKS / TEXTS)
+COPY_INSTRUCTIONS = ["Copy the text below word for word:\n\n{}", "Please repeat this back exactly as written:\n\n{}",
+                     "Correct any spelling mistakes in this text:\n\n{}",
+                     "Here is a passage. Quote it, then say what it means:\n\n{}",
+                     "Rewrite this text, keeping it as close to the original as possible:\n\n{}"]
 
 
-def prompt_set(n: int, seed: int) -> list[str]:
+def open_prompts(n: int, seed: int) -> list[str]:
+    """`n` distinct open requests (TASKS x TOPICS, seeded order; repeats only past the product's size)."""
     import random
 
     rng = random.Random(seed)
-    return [rng.choice(TASKS).format(rng.choice(TOPICS)) for _ in range(n)]
+    pool = [t.format(topic) for t in TASKS for topic in TOPICS]
+    rng.shuffle(pool)
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def copy_prompts(texts: list[str], n: int, seed: int, max_words: int = 60) -> list[str]:
+    """`n` copy requests, each over one of `texts` (cut to its first `max_words` words)."""
+    import random
+
+    rng = random.Random(seed + 1)
+    usable = [t for t in texts if t.strip()]
+    out = []
+    for i in range(n):
+        text = " ".join(usable[i % len(usable)].split(" ")[:max_words]) if usable else "Hello, world."
+        out.append(rng.choice(COPY_INSTRUCTIONS).format(text.strip()))
+    return out
+
+
+def generate_answers(target, prompts: list[str], max_new: int, temperature: float, seed: int,
+                     deadline: float, desc: str) -> list[tuple[list[int], list[int]]]:
+    """The target's answers to `prompts` (chat template) as (prompt ids, answer ids incl. the stop token), generated
+    in batches of 32 until `deadline`."""
+    from tqdm import tqdm
+
+    from experiments.common import chat_prompt
+    from paged import DynamicGenerator, Job, SamplingSettings
+
+    tok = target.tokenizer
+    seq = min(512, target.config.max_position_embeddings)
+    gen = DynamicGenerator(target, max_batch_size=32, max_seq_len=seq)
+    settings = SamplingSettings.greedy() if temperature <= 0 else SamplingSettings(temperature=temperature, top_p=0.95)
+    stops = sorted({t for t in (tok.eos_token_id, *(target.config.eos_token_ids or ())) if t is not None})
+    out: list[tuple[list[int], list[int]]] = []
+    bar = tqdm(range(0, len(prompts), 32), desc=desc, unit="batch")
+    for i in bar:
+        if time.perf_counter() > deadline:
+            bar.write(f"{desc}: generation budget reached after {len(out)} answers")
+            break
+        ids = [tok.encode(chat_prompt(tok, p), encode_special_tokens=True)[-(seq - max_new - 1):]
+               for p in prompts[i : i + 32]]
+        jobs = [Job(x, max_new, gen_settings=settings, stop_conditions=stops, seed=seed * 100003 + i + j,
+                    identifier=j) for j, x in enumerate(ids)]
+        got: dict[int, list[int]] = {j: [] for j in range(len(jobs))}
+        gen.enqueue(jobs)
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                if r.get("stage") != "streaming":
+                    continue
+                got[r["identifier"]] += r.get("token_ids", [])
+                if r.get("eos"):
+                    got[r["identifier"]] += (r.get("held") or {}).get("token_ids", [])
+        out += [(ids[j], got[j]) for j in range(len(jobs))]
+    return out
+
+
+def head_token_ids(answers: list[list[int]], n: int, always: list[int]) -> list[int]:
+    """The `n` tokens the target emits most often in `answers` (ties: lower id first), `always` included."""
+    import collections
+
+    counts = collections.Counter(t for a in answers for t in a)
+    ranked = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    keep = list(dict.fromkeys([t for t in always if t is not None] + ranked))[:n]
+    return sorted(keep)
+
+
+def make_examples(pairs: list[tuple[list[int], list[int]]], seq_len: int):
+    """Pad/truncate each prompt + answer to `seq_len`: tokens i32 [N, T], labels i32 [N, T] (the next token),
+    mask f32 [N, T] (1 where the label is an answer token)."""
+    import numpy as np
+
+    n = len(pairs)
+    tokens = np.zeros((n, seq_len), np.int32)
+    labels = np.zeros((n, seq_len), np.int32)
+    mask = np.zeros((n, seq_len), np.float32)
+    for i, (p, a) in enumerate(pairs):
+        seq = (list(p) + list(a))[: seq_len + 1]
+        tokens[i, : min(len(seq), seq_len)] = seq[:seq_len]
+        labels[i, : len(seq) - 1] = seq[1:]
+        mask[i, max(0, len(p) - 1) : len(seq) - 1] = 1.0
+    return tokens, labels, mask
 
 
 def draft_params(target, layers: int, init: str):
@@ -68,52 +175,18 @@ def draft_params(target, layers: int, init: str):
     return target.params.replace(layers=sliced), idx
 
 
-def save_hf(params, cfg, target_cfg_dict: dict, out: str) -> None:
-    """`params` (a `Weights` with tied embeddings, float) as HF-named safetensors + config.json."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
-    d = cfg.head_dim
-    nq, nkv, f = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": np.asarray(params.embed, np.float32),
-                                "model.norm.weight": np.asarray(params.final_norm, np.float32)}
-    lw = params.layers
-    if lw.fused_groups != 1:  # regrouped for tensor parallelism (models.fused): the columns are not [q | k | v]
-        raise ValueError("save the model's own weights, not an engine's tensor-parallel copy (fused_groups > 1)")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        qkv = np.asarray(lw.wqkv[i], np.float32).T  # [out, in]
-        t[p + "self_attn.q_proj.weight"] = qkv[:nq]
-        t[p + "self_attn.k_proj.weight"] = qkv[nq : nq + nkv]
-        t[p + "self_attn.v_proj.weight"] = qkv[nq + nkv :]
-        t[p + "self_attn.o_proj.weight"] = np.asarray(lw.wo[i], np.float32).T
-        gu = np.asarray(lw.w_gate_up[i], np.float32).T
-        t[p + "mlp.gate_proj.weight"] = gu[:f]
-        t[p + "mlp.up_proj.weight"] = gu[f:]
-        t[p + "mlp.down_proj.weight"] = np.asarray(lw.w_down[i], np.float32).T
-        t[p + "input_layernorm.weight"] = np.asarray(lw.attn_norm[i], np.float32)
-        t[p + "post_attention_layernorm.weight"] = np.asarray(lw.mlp_norm[i], np.float32)
-    os.makedirs(out, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in t.items()}, os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump({**target_cfg_dict, "num_hidden_layers": cfg.num_layers}, fh, indent=2)
-
-
-def hf_config(cfg) -> dict:
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-            "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position_embeddings,
-            "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
-            "bos_token_id": cfg.bos_token_id,
-            "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else None}
+FLAG_NAMES = ("target", "layers", "init", "head_vocab", "loss", "num_prompts", "gen_tokens", "gen_temperature",
+              "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout", "seed", "max_minutes")
 
 
 def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required")
+    if FLAGS.loss == "kl" and FLAGS.head_vocab:
+        raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
+    if FLAGS.loss == "ce" and FLAGS.gen_temperature > 0:
+        print("note: --loss=ce on sampled text learns the target's samples, not its argmax")
     import dataclasses
 
     import jax
@@ -123,82 +196,119 @@ def main(argv):
     from tqdm import tqdm
 
     from models import load_model
-    from models.llama import forward
-    from paged import DynamicGenerator, SamplingSettings
+    from models.draft import save_hf_llama
+    from models.llama import forward, hidden_states, rms_norm
+    from pallas_kernels.quant_format import QuantizedArray, dequantize
 
     t_start = time.perf_counter()
     deadline = t_start + FLAGS.max_minutes * 60
     target = load_model(FLAGS.target)
     rs = target.config.rope_scaling
-    if (rs is not None and rs.rope_type != "default") or not target.config.tie_word_embeddings:
-        raise app.UsageError("this script writes a tied-embedding Llama draft without rope scaling")
+    if rs is not None and rs.rope_type != "default":
+        raise app.UsageError("this script writes a Llama draft without rope scaling")
     tok = target.tokenizer
-    # 1. training text: the target's own continuations of a seeded prompt set
-    prompts = prompt_set(FLAGS.num_prompts, FLAGS.seed)
-    gen = DynamicGenerator(target, max_batch_size=16, max_seq_len=FLAGS.gen_tokens + 128)
-    settings = SamplingSettings(temperature=FLAGS.gen_temperature, top_p=0.95)
-    seqs: list[list[int]] = []
-    bar = tqdm(range(0, len(prompts), 16), desc="generating training text", unit="batch")
-    for i in bar:
-        chunk = prompts[i : i + 16]
-        texts = gen.generate(chunk, FLAGS.gen_tokens, gen_settings=settings, seed=FLAGS.seed * 1000 + i,
-                             completion_only=False)
-        seqs += [tok.encode(t) for t in texts]
-        if time.perf_counter() > deadline - 60:
-            break
-    del gen
-    stream = np.asarray([t for s in seqs for t in s], np.int32)
-    n_windows = max(1, (len(stream) - 1) // FLAGS.seq_len)
-    windows = stream[: n_windows * FLAGS.seq_len].reshape(n_windows, FLAGS.seq_len)
-    # 2. the draft: target layers, frozen embedding/head
+    # 1. training text: the target's answers to open requests, then to copy requests over those answers
+    gen_deadline = min(deadline - 120, t_start + FLAGS.gen_minutes * 60)
+    n_open = max(1, FLAGS.num_prompts // 2)
+    pairs = generate_answers(target, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
+                             FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)")
+    texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
+    pairs += generate_answers(target, copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed), FLAGS.gen_tokens,
+                              FLAGS.gen_temperature, FLAGS.seed + 1, gen_deadline, "generating answers (copy)")
+    rng = np.random.default_rng(FLAGS.seed)
+    order = rng.permutation(len(pairs))
+    n_hold = min(len(pairs) - 1, max(1, int(round(FLAGS.holdout * len(pairs))))) if len(pairs) > 1 else 0
+    hold, train = [pairs[i] for i in order[:n_hold]], [pairs[i] for i in order[n_hold:]]
+    tokens, labels, mask = make_examples(train, FLAGS.seq_len)
+    h_tokens, h_labels, h_mask = make_examples(hold, FLAGS.seq_len) if hold else (None, None, None)
+    # 2. the draft: target layers; frozen input embedding; the tied head, or a reduced trainable one
     params, idx = draft_params(target, FLAGS.layers, FLAGS.init)
     dcfg = dataclasses.replace(target.config, num_layers=FLAGS.layers)
+    embed = params.embed
+    embed_f = dequantize(embed).T if isinstance(embed, QuantizedArray) else embed  # [V, H]
     trainable = {"layers": params.layers, "final_norm": params.final_norm}
-    frozen_embed = params.embed
+    ids = None
+    if FLAGS.head_vocab:
+        stops = [tok.eos_token_id, *(target.config.eos_token_ids or ())]
+        ids = np.asarray(head_token_ids([a for _, a in train], FLAGS.head_vocab, stops), np.int32)
+        head_src = embed_f if params.lm_head is None else jnp.asarray(params.lm_head).T  # the target's head [V, H]
+        trainable["head"] = jnp.asarray(head_src)[ids]  # [N, H]
+        remap = np.full(target.config.vocab_size, -1, np.int32)
+        remap[ids] = np.arange(len(ids), dtype=np.int32)
+        in_head = remap[labels] >= 0  # an answer token outside the head cannot be drafted: no loss there
+        covered = float((mask * in_head).sum() / max(1.0, mask.sum()))
+        labels, mask = np.maximum(remap[labels], 0), mask * in_head
     total_steps = FLAGS.steps
-    sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, total_steps // 20), total_steps, FLAGS.lr / 10)
+    sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, min(100, total_steps // 20)), total_steps,
+                                               FLAGS.lr / 10)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
     opt_state = opt.init(trainable)
     tau = FLAGS.kl_temperature
 
-    @jax.jit
-    def teacher(tokens):
-        return jax.nn.log_softmax(forward(target.params, target.config, tokens) / tau, axis=-1)
+    def draft_logits(tr, toks):
+        p = params.replace(layers=tr["layers"], final_norm=tr["final_norm"], embed=embed)
+        if "head" not in tr:
+            return forward(p, dcfg, toks)
+        h = rms_norm(hidden_states(p, dcfg, toks), tr["final_norm"], dcfg.rms_norm_eps)
+        return jnp.dot(h, tr["head"].T).reshape(toks.shape + (-1,))  # [B, T, N]
 
     @jax.jit
-    def train_step(trainable, opt_state, tokens, teacher_logp):
-        def loss_fn(tr):
-            p = params.replace(layers=tr["layers"], final_norm=tr["final_norm"], embed=frozen_embed)
-            logq = jax.nn.log_softmax(forward(p, dcfg, tokens) / tau, axis=-1)
-            kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logq), axis=-1)  # [B, T]
-            agree = jnp.mean(jnp.argmax(logq, -1) == jnp.argmax(teacher_logp, -1))
-            return jnp.mean(kl), agree
+    def teacher(toks):
+        return jax.nn.log_softmax(forward(target.params, target.config, toks) / tau, axis=-1)
 
-        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss, agree
+    def loss_fn(tr, toks, labs, msk, teacher_logp):
+        logits = draft_logits(tr, toks)
+        if teacher_logp is None:  # cross-entropy on the answer tokens
+            logq = jax.nn.log_softmax(logits, axis=-1)
+            nll = -jnp.take_along_axis(logq, labs[..., None], axis=-1)[..., 0]
+            agree = (jnp.argmax(logits, -1) == labs) * msk
+            return jnp.sum(nll * msk) / jnp.maximum(1.0, msk.sum()), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
+        logq = jax.nn.log_softmax(logits / tau, axis=-1)
+        kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logq), axis=-1)  # [B, T]
+        agree = (jnp.argmax(logq, -1) == jnp.argmax(teacher_logp, -1)) * msk
+        return jnp.mean(kl), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
 
-    rng = np.random.default_rng(FLAGS.seed)
+    @jax.jit
+    def train_step(tr, opt_state, toks, labs, msk, teacher_logp):
+        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(tr, toks, labs, msk, teacher_logp)
+        updates, opt_state = opt.update(grads, opt_state, tr)
+        return optax.apply_updates(tr, updates), opt_state, loss, agree
+
+    eval_step = jax.jit(lambda tr, toks, labs, msk: loss_fn(tr, toks, labs, msk, None)[1])
     history = []
     bar = tqdm(range(total_steps), desc="distilling", unit="step")
     for step in bar:
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline - 30:
             bar.write(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
             break
-        batch = jnp.asarray(windows[rng.integers(0, len(windows), size=FLAGS.batch_size)])
-        trainable, opt_state, loss, agree = train_step(trainable, opt_state, batch, teacher(batch))
+        pick = rng.integers(0, len(tokens), size=FLAGS.batch_size)
+        toks = jnp.asarray(tokens[pick])
+        tl = teacher(toks) if FLAGS.loss == "kl" else None
+        trainable, opt_state, loss, agree = train_step(trainable, opt_state, toks, jnp.asarray(labels[pick]),
+                                                       jnp.asarray(mask[pick]), tl)
         history.append((float(loss), float(agree)))
-        bar.set_postfix(kl=f"{history[-1][0]:.3f}", top1=f"{history[-1][1]:.2f}")
-    final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"])
-    save_hf(final, dcfg, hf_config(target.config), FLAGS.out)
+        bar.set_postfix(loss=f"{history[-1][0]:.3f}", top1=f"{history[-1][1]:.2f}")
+    held_out = None
+    if hold:  # agreement with the target's greedy answers on held-out prompts (answer tokens only)
+        h_l = np.maximum(remap[h_labels], 0) if ids is not None else h_labels
+        h_m = h_mask * (remap[h_labels] >= 0) if ids is not None else h_mask
+        agree = [float(eval_step(trainable, jnp.asarray(h_tokens[i : i + 4]), jnp.asarray(h_l[i : i + 4]),
+                                 jnp.asarray(h_m[i : i + 4]))) * float(h_m[i : i + 4].sum())
+                 for i in range(0, len(h_tokens), 4)]
+        held_out = sum(agree) / max(1.0, float(h_mask.sum()))
+    final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"], embed=embed_f)
+    if ids is not None:
+        final = final.replace(lm_head=trainable["head"].T, head_ids=jnp.asarray(ids))
+    save_hf_llama(final, dcfg, FLAGS.out)
+    log = {"flags": {k: getattr(FLAGS, k) for k in FLAG_NAMES}, "init_layers": idx,
+           "train_examples": len(train), "heldout_examples": len(hold), "train_answer_tokens": int(mask.sum()),
+           "head_coverage": covered if ids is not None else 1.0, "steps_run": len(history),
+           "loss_top1": history, "heldout_top1": held_out, "seconds": time.perf_counter() - t_start}
     with open(os.path.join(FLAGS.out, "distill_log.json"), "w") as fh:
-        json.dump({"flags": {k: getattr(FLAGS, k) for k in ("target", "layers", "init", "num_prompts", "gen_tokens",
-                                                            "gen_temperature", "steps", "batch_size", "seq_len",
-                                                            "lr", "kl_temperature", "seed", "max_minutes")},
-                   "init_layers": idx, "train_tokens": int(windows.size), "steps_run": len(history),
-                   "loss_top1": history, "seconds": time.perf_counter() - t_start}, fh)
-    print(f"wrote {FLAGS.out}: {FLAGS.layers} layers (from target layers {idx}), {len(history)} steps, "
-          f"last KL {history[-1][0] if history else float('nan'):.3f}")
+        json.dump(log, fh)
+    print(f"wrote {FLAGS.out}: {FLAGS.layers} layers (from target layers {idx}), head of "
+          f"{len(ids) if ids is not None else target.config.vocab_size} tokens, {len(history)} steps, "
+          f"last loss {history[-1][0] if history else float('nan'):.3f}, held-out agreement {held_out}")
 
 
 if __name__ == "__main__":

@@ -117,10 +117,16 @@ def compute_logits(params: Weights, cfg: ModelConfig, h: jnp.ndarray, matmul_imp
     x = rms_norm(h, params.final_norm, cfg.rms_norm_eps)
     head = params.embed if params.lm_head is None else params.lm_head
     if isinstance(head, QuantizedArray):  # stored [H, V] either way
-        return matmul(x.astype(jnp.float32), head, impl=matmul_impl).astype(jnp.float32)
-    if params.lm_head is None:
-        return jnp.dot(x, params.embed.T.astype(x.dtype), preferred_element_type=jnp.float32)
-    return jnp.dot(x, params.lm_head.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = matmul(x.astype(jnp.float32), head, impl=matmul_impl).astype(jnp.float32)
+    elif params.lm_head is None:
+        logits = jnp.dot(x, params.embed.T.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.dot(x, params.lm_head.astype(x.dtype), preferred_element_type=jnp.float32)
+    if params.head_ids is None:
+        return logits
+    # a reduced head: its N columns are the logits of head_ids; no other token can be sampled
+    full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., params.head_ids].set(logits)
 
 
 def dense_causal_attention(cfg: ModelConfig, batch: int, seqlen: int) -> AttendFn:
@@ -146,13 +152,21 @@ def dense_causal_attention(cfg: ModelConfig, batch: int, seqlen: int) -> AttendF
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl"))
-def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
-    """Dense causal forward: tokens `[B, T]` -> float32 logits `[B, T, V]` (positions 0..T-1)."""
+def hidden_states(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
+    """Dense causal forward up to the last layer: tokens `[B, T]` -> hidden states `[B * T, H]` (before the final
+    norm; row-major by sequence)."""
     b, t = tokens.shape
     flat = tokens.reshape(-1)
     positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), b)
     h = embed_tokens(params, flat)
     h, _ = run_layers(params, cfg, h, positions, dense_causal_attention(cfg, b, t), None, matmul_impl)
+    return h
+
+
+def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
+    """Dense causal forward: tokens `[B, T]` -> float32 logits `[B, T, V]` (positions 0..T-1)."""
+    b, t = tokens.shape
+    h = hidden_states(params, cfg, tokens, matmul_impl)
     return compute_logits(params, cfg, h, matmul_impl).reshape(b, t, -1)
 
 

@@ -20,7 +20,7 @@ from models.errors import (
     WeightShapeError,
     raise_with_source,
 )
-from models.weights import QUANT_MODES, Weights, weights_from_state_dict
+from models.weights import HEAD_IDS_TENSOR, QUANT_MODES, Weights, weights_from_state_dict
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -95,6 +95,8 @@ def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenize
             t = handles[p].get_tensor(name)
         except Exception as e:  # SafetensorError (a bare Exception) or a dtype the framework cannot represent
             raise CorruptFileError(f"{p}: tensor {name!r} could not be read ({e}); re-download the file") from e
+        if name == HEAD_IDS_TENSOR and jnp.issubdtype(t.dtype, jnp.integer):  # token ids, not weights
+            return np.asarray(t)
         if not jnp.issubdtype(t.dtype, jnp.floating):
             raise WeightShapeError(
                 f"{p}: tensor {name!r} has dtype {t.dtype}, but weights must be floating point (F32, F16 or BF16); "

@@ -41,7 +41,10 @@ class Weights:
     embed: jnp.ndarray  # [V, H]
     layers: LayerWeights
     final_norm: jnp.ndarray  # [H]
-    lm_head: jnp.ndarray | None = None  # [H, V]; None when tied to `embed`
+    lm_head: jnp.ndarray | None = None  # [H, V]; None when tied to `embed`; [H, N] with `head_ids`
+    # A reduced LM head (drafts: `experiments/distill_draft.py --head_vocab`): int32 [N], the token id of each of
+    # lm_head's N columns; every other token's logit is -inf (never proposed). None: lm_head covers the vocabulary.
+    head_ids: jnp.ndarray | None = None
 
     def nbytes(self) -> int:
         return quant_lib.nbytes(self)
@@ -141,7 +144,14 @@ def weights_from_state_dict(
         b_down=fstack(lambda i: need(p(i, "mlp.down_proj.bias"), (h,))) if cfg.mlp_bias else None,
     )
     embed_t = need("model.embed_tokens.weight", (cfg.vocab_size, h))
-    head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (cfg.vocab_size, h))
+    head_ids = get(HEAD_IDS_TENSOR)
+    if head_ids is not None:
+        head_ids = check_head_ids(np.asarray(head_ids), cfg)
+        if cfg.tie_word_embeddings:
+            raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} (a reduced LM head) needs an untied lm_head.weight; "
+                                   "set tie_word_embeddings to false in config.json", tensor=HEAD_IDS_TENSOR)
+    head_rows = cfg.vocab_size if head_ids is None else len(head_ids)
+    head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (head_rows, h))
     if quant is None or (quant == "keep" and not isinstance(embed_t, QuantizedArray)):
         embed = jnp.asarray(as_float(embed_t).T, dtype)  # [V, H]
     else:  # quantized embeddings are stored as the LM head [H, V]
@@ -155,7 +165,22 @@ def weights_from_state_dict(
         layers=layers,
         final_norm=jnp.asarray(need("model.norm.weight", (h,)), dtype),
         lm_head=lm_head,
+        head_ids=None if head_ids is None else jnp.asarray(head_ids, jnp.int32),
     )
+
+
+HEAD_IDS_TENSOR = "lm_head.token_ids"  # a reduced head's token ids in a safetensors checkpoint (int32 [N])
+
+
+def check_head_ids(ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """The token ids of a reduced LM head, checked: 1-D integers, distinct, each in [0, vocab_size)."""
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} must be a non-empty 1-D integer tensor, got dtype {ids.dtype} "
+                               f"shape {ids.shape}", tensor=HEAD_IDS_TENSOR)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size or len(np.unique(ids)) != ids.size:
+        raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} must hold distinct token ids in [0, {cfg.vocab_size})",
+                               tensor=HEAD_IDS_TENSOR)
+    return ids.astype(np.int32)
 
 
 def init_random_weights(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.02) -> Weights:

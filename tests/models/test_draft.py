@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import ModelConfig, init_random_weights
-from models.draft import truncated_model
+from models.draft import reduced_head, save_hf_llama, truncated_model
 from models.errors import InvalidLoadOptionError
 from models.llama import forward
 from models.loader import Model
@@ -40,3 +42,81 @@ def test_truncated_model_is_the_target_with_later_layers_removed(n):
 def test_truncated_model_rejects_bad_layer_counts(n):
     with pytest.raises(InvalidLoadOptionError):
         truncated_model(MODEL, n)
+
+
+# ------------------------------------------------------------------------------------------ reduced LM head
+def test_reduced_head_logits_are_the_models_at_its_tokens_and_minus_inf_elsewhere():
+    ids = np.random.default_rng(0).permutation(CFG.vocab_size)[:20]  # any order
+    draft = reduced_head(MODEL, ids)
+    assert draft.config.tie_word_embeddings is False and draft.params.lm_head.shape == (CFG.hidden_size, 20)
+    full = np.asarray(forward(MODEL.params, CFG, TOKENS))
+    got = np.asarray(forward(draft.params, draft.config, TOKENS))
+    assert got.shape == full.shape
+    np.testing.assert_allclose(got[..., ids], full[..., ids], rtol=1e-5, atol=1e-5)
+    rest = np.setdiff1d(np.arange(CFG.vocab_size), ids)
+    assert np.all(np.isneginf(got[..., rest]))
+
+
+def test_reduced_head_of_a_quantized_model_is_requantized_in_its_format():
+    from models import quant as quant_lib
+
+    q = MODEL.params.replace(lm_head=quant_lib.quantize(MODEL.params.lm_head, "int8", 32))
+    qm = Model(config=CFG, params=q, tokenizer=None, source="tiny-int8")
+    ids = np.arange(0, CFG.vocab_size, 3)
+    draft = reduced_head(qm, ids)
+    assert draft.params.lm_head.kind == "int8" and draft.params.lm_head.shape == (CFG.hidden_size, len(ids))
+    np.testing.assert_allclose(np.asarray(forward(draft.params, draft.config, TOKENS))[..., ids],
+                               np.asarray(forward(qm.params, CFG, TOKENS))[..., ids], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("ids", [[], [1, 1, 2], [0, CFG.vocab_size], [-1, 3], [[1, 2]]])
+def test_reduced_head_rejects_bad_token_ids(ids):
+    with pytest.raises(InvalidLoadOptionError, match="token ids|integer tensor"):
+        reduced_head(MODEL, ids)
+
+
+# tied embeddings, as the distilled drafts have; int8-loadable (every input width a multiple of 32)
+TIED_CFG = dataclasses.replace(CFG, intermediate_size=64, tie_word_embeddings=True)
+TIED = Model(config=TIED_CFG, params=init_random_weights(TIED_CFG, seed=2, scale=0.2), tokenizer=None, source="t")
+
+
+@pytest.mark.parametrize("src", ["tied", "untied", "reduced", "reduced_untied"])
+def test_a_saved_draft_loads_back_with_the_same_logits(tmp_path, src):
+    """save_hf_llama -> models.load_model: tied, untied, or with a reduced head (lm_head.weight [N, H] +
+    lm_head.token_ids); loaded float and int8 (the head stays reduced)."""
+    from models import load_model
+
+    base = MODEL if src.endswith("untied") else TIED
+    reduce = src.startswith("reduced")
+    src = reduced_head(base, [5, 1, 40, 63, 7]) if reduce else base
+    save_hf_llama(src.params, src.config, str(tmp_path))
+    got = load_model(str(tmp_path), load_tokenizer=False)
+    assert got.config.num_layers == CFG.num_layers
+    assert got.config.tie_word_embeddings is (src.params.lm_head is None)
+    np.testing.assert_allclose(np.asarray(forward(got.params, got.config, TOKENS)),
+                               np.asarray(forward(src.params, src.config, TOKENS)), rtol=1e-5, atol=1e-5)
+    if base is MODEL:
+        return  # (its 48-wide MLP does not quantize in groups of 32)
+    q = load_model(str(tmp_path), load_tokenizer=False, quant="int8")
+    assert (q.params.head_ids is not None) is reduce
+    if reduce:
+        assert list(np.asarray(q.params.head_ids)) == [5, 1, 40, 63, 7]
+
+
+def test_a_checkpoint_with_bad_head_ids_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from models import load_model
+    from models.errors import WeightShapeError
+
+    red = reduced_head(TIED, [5, 1, 40])
+    save_hf_llama(red.params, red.config, str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    t = load_file(path)
+    for bad in (np.asarray([5, 5, 40], np.int32), np.asarray([5, 1, 64], np.int32)):
+        save_file({**t, "lm_head.token_ids": bad}, path)
+        with pytest.raises(WeightShapeError, match="distinct token ids"):
+            load_model(str(tmp_path), load_tokenizer=False)
+    save_file({**t, "lm_head.token_ids": np.asarray([5, 1], np.int32)}, path)  # 2 ids for a head of 3 rows
+    with pytest.raises(WeightShapeError, match="lm_head.weight"):
+        load_model(str(tmp_path), load_tokenizer=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from models import ModelConfig, init_random_weights
-from models.draft import truncated_model
+from models.draft import reduced_head, truncated_model
 from models.loader import Model
 from paged.batch import RowInput
 from paged.engine import Engine
@@ -234,6 +234,19 @@ def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
         assert stats["acceptance_rate"] == 1.0
     if drafter == "unrelated":
         assert stats["acceptance_rate"] < 0.5
+
+
+def test_a_reduced_head_over_every_token_is_the_target_at_temperature_one():
+    """q of a reduced head (its columns scattered back to their ids, -inf elsewhere) is exactly p when the head
+    covers the vocabulary in any order: rejection sampling accepts every draft."""
+    draft = reduced_head(MODEL, np.random.default_rng(5).permutation(CFG.vocab_size))
+    engine = Engine(MODEL, **SETTINGS)
+    spec = Speculator(engine, num_draft_tokens=3, draft_model=draft)
+    sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
+    outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
+    assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
+    again = Engine(MODEL, **SETTINGS)
+    assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
 def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():

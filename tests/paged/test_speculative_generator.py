@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from models import ModelConfig, init_random_weights
-from models.draft import truncated_model
+from models.draft import reduced_head, truncated_model
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsync
@@ -333,6 +333,24 @@ def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
         assert m["acceptance_rate"] < 0.3
     for f in c.finals.values():
         assert f["accepted_draft_tokens"] + f["rejected_draft_tokens"] <= f["new_tokens"] * 3
+
+
+def test_a_draft_with_a_reduced_head(greedy_reference):
+    """A reduced LM head (`models.draft.reduced_head`) drafts only its tokens: over every token in shuffled order
+    it is the target itself (every draft accepted: its columns map back to the right ids); over a random half of
+    the vocabulary the output is still the target's, and only the drafts the head can say are accepted."""
+    ids = np.random.default_rng(3).permutation(CFG.vocab_size)
+    gen, c = run_model(dict(num_draft_tokens=3, draft_model=reduced_head(MODEL, ids)))
+    same_stream(c, greedy_reference)
+    assert gen.metrics()["acceptance_rate"] == 1.0 and gen.metrics()["drafted_tokens"] > 20
+    half = reduced_head(MODEL, ids[: CFG.vocab_size // 2])
+    gen, c = run_model(dict(num_draft_tokens=3, draft_model=half))
+    same_stream(c, greedy_reference)
+    m = gen.metrics()
+    assert 0.0 < m["acceptance_rate"] < 1.0
+    said = [t for r in stream_of(greedy_reference.results).values() for x in r for t in x["token_ids"]]
+    in_head = np.isin(said, ids[: CFG.vocab_size // 2])
+    assert 0 < in_head.mean() < 1  # the target says tokens on both sides of the cut
 
 
 @pytest.mark.slow  # fast tier: mixed steps with the n-gram drafter and the fake engine

@@ -1,0 +1,78 @@
+"""experiments/distill_draft.py: its data helpers (answer masks, the reduced head's tokens) and the script end to end
+on a tiny random Llama, whose draft must load and keep greedy output identical. Subprocesses: the script's absl
+flags would clash with the other scripts'."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+HELPERS = r"""
+import json
+from experiments.distill_draft import copy_prompts, head_token_ids, make_examples, open_prompts
+tokens, labels, mask = make_examples([([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10, 11])], 4)
+print(json.dumps({
+    "tokens": tokens.tolist(), "labels": labels.tolist(), "mask": mask.tolist(),
+    "head": head_token_ids([[5, 5, 9, 2], [9, 5, 7]], 3, [42]),
+    "head_all": head_token_ids([[5, 5]], 8, [1]),
+    "open": open_prompts(5, 0), "open_again": open_prompts(5, 0),
+    "copy": copy_prompts(["one two three four", ""], 3, 0, max_words=2),
+}))
+"""
+
+
+def test_helpers():
+    p = subprocess.run([sys.executable, "-c", HELPERS], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    # prompt [1 2 3] + answer [4 5]: the labels at positions 2 and 3 are answer tokens (4, 5)
+    assert r["tokens"][0] == [1, 2, 3, 4] and r["labels"][0] == [2, 3, 4, 5] and r["mask"][0] == [0, 0, 1, 1]
+    # prompt [6] + answer [7 .. 11] cut to 4 tokens: every label is an answer token
+    assert r["tokens"][1] == [6, 7, 8, 9] and r["labels"][1] == [7, 8, 9, 10] and r["mask"][1] == [1, 1, 1, 1]
+    assert r["head"] == [5, 9, 42]  # the forced token, then by frequency (5 x3, 9 x2), sorted by id
+    assert r["head_all"] == [1, 5]
+    assert r["open"] == r["open_again"] and len(set(r["open"])) == 5
+    assert len(r["copy"]) == 3 and all("one two" in c and "three" not in c for c in r["copy"])
+
+
+def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
+    pytest.importorskip("torch")
+    out = tmp_path / "draft"
+    p = subprocess.run([sys.executable, "-m", "experiments.distill_draft", f"--target={model_dir}", f"--out={out}",
+                        "--num_prompts=6", "--gen_tokens=8", "--steps=4", "--batch_size=2", "--seq_len=48",
+                        "--layers=1", "--head_vocab=24", "--max_minutes=5"],
+                       capture_output=True, text=True, env=ENV, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = json.loads((out / "distill_log.json").read_text())
+    assert log["steps_run"] == 4 and len(log["loss_top1"]) == 4
+    assert log["train_examples"] + log["heldout_examples"] == 6 and log["heldout_examples"] >= 1
+    assert 0 < log["head_coverage"] <= 1 and 0 <= log["heldout_top1"] <= 1
+    check = r"""
+import json, sys
+import numpy as np
+from models import load_model
+from paged import DynamicGenerator, SamplingSettings
+target = load_model(sys.argv[1]); draft = load_model(sys.argv[2], load_tokenizer=False, quant="int8")
+kw = dict(max_batch_size=2, max_seq_len=64, page_size=8, max_chunk_size=16)
+prompts = ["hello there", "the cat sat on"]
+a = DynamicGenerator(target, **kw).generate(prompts, 10, gen_settings=SamplingSettings.greedy())
+g = DynamicGenerator(target, **kw, draft_model=draft, num_draft_tokens=2)
+b = g.generate(prompts, 10, gen_settings=SamplingSettings.greedy())
+ids = np.asarray(draft.params.head_ids).tolist()
+print(json.dumps({"same": a == b, "drafted": g.metrics()["drafted_tokens"], "ids": ids,
+                  "layers": draft.config.num_layers, "eos": target.tokenizer.eos_token_id}))
+"""
+    p = subprocess.run([sys.executable, "-c", check, str(model_dir), str(out)], capture_output=True, text=True,
+                       env=ENV, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["same"] and r["drafted"] > 0 and r["layers"] == 1
+    assert 0 < len(r["ids"]) <= 24 and r["eos"] in r["ids"] and r["ids"] == sorted(set(r["ids"]))

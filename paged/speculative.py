@@ -262,8 +262,9 @@ class Speculator:
             from paged.draft_gate import DraftGate
 
             step_cost = 0.0
-            if draft_model is not None:  # a draft step over a target step: their weight bytes (both bandwidth-bound)
-                step_cost = draft_model.params.nbytes() / max(target.model.params.nbytes(), 1)
+            if draft_model is not None:  # a draft step over a target step: the weight bytes each step reads
+                # (a reduced head's draft reads its small head, not the embedding table it gathers from)
+                step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
             self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
         target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
         self._ngrams: dict[Hashable, Any] = {}

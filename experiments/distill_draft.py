@@ -55,6 +55,10 @@ flags.DEFINE_integer("seq_len", 256, "tokens per example (prompt + answer, trunc
 flags.DEFINE_float("lr", 1e-3, "peak learning rate")
 flags.DEFINE_float("kl_temperature", 1.0, "--loss=kl: temperature of both distributions")
 flags.DEFINE_float("holdout", 0.05, "share of the examples held out to measure agreement")
+flags.DEFINE_list("eval_workloads", ["copy", "chat"], "after training, the draft's agreement with the target on "
+                  "these benchmark workloads (experiments.common.workload; their prompts are not trained on)")
+flags.DEFINE_integer("eval_prompts", 16, "prompts per evaluation workload")
+flags.DEFINE_integer("eval_tokens", 96, "target answer tokens per evaluation prompt")
 flags.DEFINE_integer("seed", 0, "seed of the prompt set, the generation and the batches")
 flags.DEFINE_float("max_minutes", 30.0, "wall-clock budget for generation + training")
 FLAGS = flags.FLAGS
@@ -176,7 +180,8 @@ def draft_params(target, layers: int, init: str):
 
 
 FLAG_NAMES = ("target", "layers", "init", "head_vocab", "loss", "num_prompts", "gen_tokens", "gen_temperature",
-              "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout", "seed", "max_minutes")
+              "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout", "eval_workloads",
+              "eval_prompts", "eval_tokens", "seed", "max_minutes")
 
 
 def main(argv):
@@ -195,6 +200,7 @@ def main(argv):
     import optax
     from tqdm import tqdm
 
+    from experiments.common import workload
     from models import load_model
     from models.draft import save_hf_llama
     from models.llama import forward, hidden_states, rms_norm
@@ -278,7 +284,7 @@ def main(argv):
     history = []
     bar = tqdm(range(total_steps), desc="distilling", unit="step")
     for step in bar:
-        if time.perf_counter() > deadline - 30:
+        if time.perf_counter() > deadline - 30 - 60 * len(FLAGS.eval_workloads):
             bar.write(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
             break
         pick = rng.integers(0, len(tokens), size=FLAGS.batch_size)
@@ -288,14 +294,26 @@ def main(argv):
                                                        jnp.asarray(mask[pick]), tl)
         history.append((float(loss), float(agree)))
         bar.set_postfix(loss=f"{history[-1][0]:.3f}", top1=f"{history[-1][1]:.2f}")
-    held_out = None
-    if hold:  # agreement with the target's greedy answers on held-out prompts (answer tokens only)
-        h_l = np.maximum(remap[h_labels], 0) if ids is not None else h_labels
-        h_m = h_mask * (remap[h_labels] >= 0) if ids is not None else h_mask
-        agree = [float(eval_step(trainable, jnp.asarray(h_tokens[i : i + 4]), jnp.asarray(h_l[i : i + 4]),
-                                 jnp.asarray(h_m[i : i + 4]))) * float(h_m[i : i + 4].sum())
-                 for i in range(0, len(h_tokens), 4)]
-        held_out = sum(agree) / max(1.0, float(h_mask.sum()))
+
+    def agreement(examples) -> float | None:
+        """The draft's top-1 agreement with the target's greedy answer tokens of (prompt, answer) pairs."""
+        if not examples:
+            return None
+        e_tok, e_lab, e_msk = make_examples(examples, FLAGS.seq_len)
+        total = float(e_msk.sum())
+        if ids is not None:
+            e_lab, e_msk = np.maximum(remap[e_lab], 0), e_msk * (remap[e_lab] >= 0)  # outside the head: a miss
+        hits = sum(float(eval_step(trainable, jnp.asarray(e_tok[i : i + 4]), jnp.asarray(e_lab[i : i + 4]),
+                                   jnp.asarray(e_msk[i : i + 4]))) * float(e_msk[i : i + 4].sum())
+                   for i in range(0, len(e_tok), 4))
+        return hits / max(1.0, total)
+
+    held_out = agreement(hold)  # prompts of the training distribution, not trained on
+    workload_top1 = {}
+    for name in FLAGS.eval_workloads:  # the benchmark's prompts (experiments.common.workload): other wording/texts
+        ev = generate_answers(target, workload(name, FLAGS.eval_prompts, 0), FLAGS.eval_tokens, 0.0, FLAGS.seed,
+                              float("inf"), f"target answers ({name} workload)")
+        workload_top1[name] = agreement(ev)
     final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"], embed=embed_f)
     if ids is not None:
         final = final.replace(lm_head=trainable["head"].T, head_ids=jnp.asarray(ids))
@@ -303,12 +321,14 @@ def main(argv):
     log = {"flags": {k: getattr(FLAGS, k) for k in FLAG_NAMES}, "init_layers": idx,
            "train_examples": len(train), "heldout_examples": len(hold), "train_answer_tokens": int(mask.sum()),
            "head_coverage": covered if ids is not None else 1.0, "steps_run": len(history),
-           "loss_top1": history, "heldout_top1": held_out, "seconds": time.perf_counter() - t_start}
+           "loss_top1": history, "heldout_top1": held_out, "workload_top1": workload_top1,
+           "seconds": time.perf_counter() - t_start}
     with open(os.path.join(FLAGS.out, "distill_log.json"), "w") as fh:
         json.dump(log, fh)
     print(f"wrote {FLAGS.out}: {FLAGS.layers} layers (from target layers {idx}), head of "
           f"{len(ids) if ids is not None else target.config.vocab_size} tokens, {len(history)} steps, "
-          f"last loss {history[-1][0] if history else float('nan'):.3f}, held-out agreement {held_out}")
+          f"last loss {history[-1][0] if history else float('nan'):.3f}, agreement held-out {held_out}, "
+          f"on the workloads {workload_top1}")
 
 
 if __name__ == "__main__":

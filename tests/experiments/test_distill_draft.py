@@ -48,13 +48,15 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "draft"
     p = subprocess.run([sys.executable, "-m", "experiments.distill_draft", f"--target={model_dir}", f"--out={out}",
                         "--num_prompts=6", "--gen_tokens=8", "--steps=4", "--batch_size=2", "--seq_len=48",
-                        "--layers=1", "--head_vocab=24", "--max_minutes=5"],
+                        "--layers=1", "--head_vocab=24", "--max_minutes=5", "--eval_workloads=copy",
+                        "--eval_prompts=2", "--eval_tokens=6"],
                        capture_output=True, text=True, env=ENV, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     log = json.loads((out / "distill_log.json").read_text())
     assert log["steps_run"] == 4 and len(log["loss_top1"]) == 4
     assert log["train_examples"] + log["heldout_examples"] == 6 and log["heldout_examples"] >= 1
     assert 0 < log["head_coverage"] <= 1 and 0 <= log["heldout_top1"] <= 1
+    assert list(log["workload_top1"]) == ["copy"] and 0 <= log["workload_top1"]["copy"] <= 1
     check = r"""
 import json, sys
 import numpy as np

@@ -1,0 +1,138 @@
+"""Where a speculative step's time goes at batch 1: the draft burst, the target's forward (plain or verification
+bucket), its sampler (plain or `verify_sample`), the draft's mirror forward, and the host work around them.
+
+Each jitted entry point (`step_forward`, `step_sample`, `verify_sample`, `draft_burst_jit`) is wrapped with a timer
+that waits for its result (`jax.block_until_ready`), so the parts no longer overlap the host work as they do in a
+normal run: the wall time here is a little above a benchmark's, and "host" (wall minus the parts) is what the
+generator does between device calls. One seeded copy-workload prompt runs twice on one generator (the first run
+warms up and is discarded), greedy, one job at a time:
+
+    python -m experiments.profile_speculative --drafter=none
+    python -m experiments.profile_speculative --drafter=ngram
+    python -m experiments.profile_speculative --drafter=distilled --draft_dir=/tmp/smollm2-draft \
+        --json_out=experiments/results/profile_speculative_cpu.json   (appends one record per call)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m", "target model")
+flags.DEFINE_string("quant", "keep", "target weights: keep (GGUF blocks as stored, as bench_speculative), none, int8")
+flags.DEFINE_enum("drafter", "ngram", ["none", "ngram", "self", "distilled"], "what drafts")
+flags.DEFINE_string("draft_dir", None, "--drafter=distilled: the draft checkpoint (experiments.distill_draft)")
+flags.DEFINE_enum("draft_quant", "int8", ["int8", "int4", "none"], "the distilled draft's weights at load")
+flags.DEFINE_integer("self_draft_layers", 4, "--drafter=self: layers of the truncated self-draft")
+flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
+flags.DEFINE_bool("adaptive", False, "adaptive_draft=True")
+flags.DEFINE_integer("prompt", 0, "which prompt of the seeded copy workload")
+flags.DEFINE_integer("max_new_tokens", 96, "tokens per run")
+flags.DEFINE_string("json_out", None, "append the record to this JSON list")
+FLAGS = flags.FLAGS
+
+PARTS = {"step_forward": "paged.engine", "step_sample": "paged.engine", "verify_sample": "paged.speculative",
+         "draft_burst_jit": "paged.engine"}
+
+
+def wrap_parts(times: dict) -> None:
+    """Replace each entry point of `PARTS` in its module by a timed, waiting copy; times land in
+    `times[(part, detail)]` (detail: the layer count and token layout of a forward, so that the draft's mirror
+    and the target's forward are told apart)."""
+    import importlib
+
+    import jax
+
+    for name, mod_name in PARTS.items():
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name)
+
+        def timed(*a, _fn=fn, _name=name, **k):
+            t = time.perf_counter()
+            out = _fn(*a, **k)
+            jax.block_until_ready(out)
+            detail = ""
+            if _name == "step_forward":
+                lay = k["shape"].layout
+                detail = (f"{k['cfg'].num_layers} layers, {lay.num_prefill_rows} prefill rows x {lay.max_q_len}, "
+                          f"{lay.num_decode_rows} decode rows")
+            times[(_name, detail)].append(time.perf_counter() - t)
+            return out
+
+        setattr(mod, name, timed)
+
+
+def main(argv):
+    del argv
+    import numpy as np
+
+    from experiments.common import chat_prompt, workload
+    from experiments.serving.env import device_info, git_info, load_average
+    from models import load_model
+    from models.draft import truncated_model
+    from paged import DynamicGenerator, Job, SamplingSettings
+
+    times: dict = collections.defaultdict(list)
+    wrap_parts(times)
+    target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    tok = target.tokenizer
+    kw: dict = {}
+    if FLAGS.drafter == "ngram":
+        kw = dict(use_ngram_draft=True)
+    elif FLAGS.drafter == "self":
+        kw = dict(draft_model=truncated_model(target, FLAGS.self_draft_layers))
+    elif FLAGS.drafter == "distilled":
+        if not FLAGS.draft_dir:
+            raise app.UsageError("--drafter=distilled needs --draft_dir")
+        kw = dict(draft_model=load_model(FLAGS.draft_dir, load_tokenizer=False,
+                                         quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant))
+    if kw:
+        kw.update(num_draft_tokens=FLAGS.num_draft_tokens, adaptive_draft=FLAGS.adaptive)
+    gen = DynamicGenerator(target, max_batch_size=1, max_seq_len=min(1024, target.config.max_position_embeddings),
+                           **kw)
+    prompt = chat_prompt(tok, workload("copy", FLAGS.prompt + 1, 0)[FLAGS.prompt])
+    ids = tok.encode(prompt, encode_special_tokens=True)
+    load_before = load_average("profile_speculative")
+    for _ in range(2):  # the first run compiles; the second is measured
+        times.clear()
+        gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=SamplingSettings.greedy(),
+                        stop_conditions=[tok.eos_token_id]))
+        before = gen.metrics()
+        t0 = time.perf_counter()
+        iterates = 0
+        while gen.num_remaining_jobs():
+            gen.iterate()
+            iterates += 1
+        wall = time.perf_counter() - t0
+    after = gen.metrics()
+    tokens = after["tokens_generated"] - before["tokens_generated"]
+    parts = {f"{n} ({d})" if d else n: {"calls": len(v), "median_ms": 1e3 * float(np.median(v)),
+                                         "total_s": float(sum(v))} for (n, d), v in sorted(times.items())}
+    host = wall - sum(p["total_s"] for p in parts.values())
+    names = ("model", "quant", "drafter", "draft_dir", "draft_quant", "num_draft_tokens", "adaptive", "prompt",
+             "max_new_tokens")
+    rec = {"flags": {k: getattr(FLAGS, k) for k in names},
+           "git": git_info(), "device": device_info(), "load_before": load_before,
+           "tokens": tokens, "iterates": iterates, "wall_s": wall, "ms_per_iterate": 1e3 * wall / max(iterates, 1),
+           "tokens_per_s": tokens / wall, "host_s": host, "parts": parts,
+           "acceptance_rate": after.get("acceptance_rate")}
+    print(f"{FLAGS.drafter}: {tokens} tokens in {iterates} iterates, {rec['ms_per_iterate']:.2f} ms per iterate, "
+          f"{rec['tokens_per_s']:.1f} tok/s")
+    for name, p in parts.items():
+        print(f"  {name:75s} {p['calls']:5d} calls  median {p['median_ms']:7.2f} ms  total {p['total_s']:.3f} s")
+    print(f"  {'host (the rest)':75s} {'':5s}        {'':7s}      total {host:.3f} s")
+    if FLAGS.json_out:
+        old = []
+        if os.path.exists(FLAGS.json_out):
+            with open(FLAGS.json_out) as fh:
+                old = json.load(fh)
+        with open(FLAGS.json_out, "w") as fh:
+            json.dump(old + [rec], fh, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,42 @@
+"""experiments/profile_speculative.py end to end on a tiny random Llama (subprocess: its absl flags would clash with
+the other scripts')."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "self"])
+def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
+    pytest.importorskip("torch")
+    out = tmp_path / "prof.json"
+    for _ in range(2):  # a second call appends
+        p = subprocess.run([sys.executable, "-m", "experiments.profile_speculative", f"--model={model_dir}",
+                            "--quant=none", f"--drafter={drafter}", "--self_draft_layers=1", "--max_new_tokens=12",
+                            "--num_draft_tokens=2", f"--json_out={out}"], capture_output=True, text=True,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    recs = json.loads(out.read_text())
+    assert len(recs) == 2
+    r = recs[-1]
+    assert 0 < r["tokens"] <= 12 and 0 < r["iterates"] <= r["tokens"] + 1
+    parts = r["parts"]
+    total = sum(v["total_s"] for v in parts.values())
+    assert r["host_s"] == pytest.approx(r["wall_s"] - total) and r["host_s"] > 0
+    names = {k.split(" (")[0] for k in parts}
+    assert "step_forward" in names
+    if drafter == "none":
+        assert "verify_sample" not in names and "draft_burst_jit" not in names and "step_sample" in names
+    else:
+        assert "verify_sample" in names
+    if drafter == "self":  # the draft's burst and its mirror (a 1-layer forward) are timed apart
+        assert "draft_burst_jit" in names and any(k.startswith("step_forward (1 layers") for k in parts)
+    for v in parts.values():
+        assert v["calls"] > 0 and v["median_ms"] > 0

@@ -26,7 +26,7 @@ Full run (~30 min on the 2-core CPU):
     python -m experiments.distill_draft --out=/tmp/smollm2-draft
 Smoke run (~1 min):
     python -m experiments.distill_draft --out=/tmp/draft-smoke --num_prompts=4 --gen_tokens=24 --steps=3 \
-        --batch_size=2 --seq_len=96 --max_minutes=2
+        --batch_size=2 --seq_len=96 --max_minutes=6 --eval_prompts=2
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from absl import app, flags
 
 flags.DEFINE_string("target", "smollm2-135m", "target model (anything models.load_model accepts)")
 flags.DEFINE_string("out", None, "output directory (model.safetensors + config.json)")
+flags.DEFINE_string("target_quant", "keep", "the target's weights when it generates the training text and the "
+                    "evaluation answers: keep (as stored: the Q4_1 model bench_speculative runs), none (float32), int8")
 flags.DEFINE_integer("layers", 4, "decoder layers of the draft")
 flags.DEFINE_enum("init", "first", ["first", "spread"], "initialise from the target's first layers, or spread evenly")
 flags.DEFINE_integer("head_vocab", 8192, "tokens of the draft's reduced LM head (the target's most frequent in the "
@@ -54,7 +56,8 @@ flags.DEFINE_integer("batch_size", 8, "examples per step")
 flags.DEFINE_integer("seq_len", 256, "tokens per example (prompt + answer, truncated; shorter ones padded)")
 flags.DEFINE_float("lr", 1e-3, "peak learning rate")
 flags.DEFINE_float("kl_temperature", 1.0, "--loss=kl: temperature of both distributions")
-flags.DEFINE_float("holdout", 0.05, "share of the examples held out to measure agreement")
+flags.DEFINE_float("holdout", 0.05, "share of the open answers held out to measure agreement, each with the copy "
+                  "requests over it (no held-out text is trained on)")
 flags.DEFINE_list("eval_workloads", ["copy", "chat"], "after training, the draft's agreement with the target on "
                   "these benchmark workloads (experiments.common.workload; their prompts are not trained on)")
 flags.DEFINE_integer("eval_prompts", 16, "prompts per evaluation workload")
@@ -92,16 +95,18 @@ def open_prompts(n: int, seed: int) -> list[str]:
     return [pool[i % len(pool)] for i in range(n)]
 
 
-def copy_prompts(texts: list[str], n: int, seed: int, max_words: int = 60) -> list[str]:
-    """`n` copy requests, each over one of `texts` (cut to its first `max_words` words)."""
+def copy_prompts(texts: list[str], n: int, seed: int, max_words: int = 60) -> list[tuple[str, int]]:
+    """`n` copy requests, each over one of `texts` (cut to its first `max_words` words), with the index of that
+    text in `texts` (empty texts are skipped)."""
     import random
 
     rng = random.Random(seed + 1)
-    usable = [t for t in texts if t.strip()]
+    usable = [i for i, t in enumerate(texts) if t.strip()]
     out = []
-    for i in range(n):
-        text = " ".join(usable[i % len(usable)].split(" ")[:max_words]) if usable else "Hello, world."
-        out.append(rng.choice(COPY_INSTRUCTIONS).format(text.strip()))
+    for i in range(n if usable else 0):
+        src = usable[i % len(usable)]
+        text = " ".join(texts[src].split(" ")[:max_words])
+        out.append((rng.choice(COPY_INSTRUCTIONS).format(text.strip()), src))
     return out
 
 
@@ -179,9 +184,9 @@ def draft_params(target, layers: int, init: str):
     return target.params.replace(layers=sliced), idx
 
 
-FLAG_NAMES = ("target", "layers", "init", "head_vocab", "loss", "num_prompts", "gen_tokens", "gen_temperature",
-              "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout", "eval_workloads",
-              "eval_prompts", "eval_tokens", "seed", "max_minutes")
+FLAG_NAMES = ("target", "target_quant", "layers", "init", "head_vocab", "loss", "num_prompts", "gen_tokens",
+              "gen_temperature", "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout",
+              "eval_workloads", "eval_prompts", "eval_tokens", "seed", "max_minutes")
 
 
 def main(argv):
@@ -208,25 +213,39 @@ def main(argv):
 
     t_start = time.perf_counter()
     deadline = t_start + FLAGS.max_minutes * 60
-    target = load_model(FLAGS.target)
+    reserve = 30 + 60 * len(FLAGS.eval_workloads)  # saving, and the evaluation on the workloads
+    if FLAGS.max_minutes * 60 < reserve + 120:
+        raise app.UsageError(f"--max_minutes={FLAGS.max_minutes} leaves no time to generate and train: give at "
+                             f"least {(reserve + 120) / 60:.1f} (or fewer --eval_workloads)")
+    target = load_model(FLAGS.target)  # float: the draft's initial layers (and the KL teacher)
     rs = target.config.rope_scaling
     if rs is not None and rs.rope_type != "default":
         raise app.UsageError("this script writes a Llama draft without rope scaling")
+    # the text and the evaluation come from the target as the benchmark runs it (by default its stored weights)
+    speaker = target if FLAGS.target_quant == "none" else load_model(FLAGS.target, quant=FLAGS.target_quant)
     tok = target.tokenizer
     # 1. training text: the target's answers to open requests, then to copy requests over those answers
-    gen_deadline = min(deadline - 120, t_start + FLAGS.gen_minutes * 60)
+    gen_deadline = min(deadline - reserve - 60, t_start + FLAGS.gen_minutes * 60)
     n_open = max(1, FLAGS.num_prompts // 2)
-    pairs = generate_answers(target, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
+    pairs = generate_answers(speaker, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
                              FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)")
+    groups = list(range(len(pairs)))  # an example's group: the open answer it is, or copies (no leak across splits)
     texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
-    pairs += generate_answers(target, copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed), FLAGS.gen_tokens,
-                              FLAGS.gen_temperature, FLAGS.seed + 1, gen_deadline, "generating answers (copy)")
+    copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
+    got = generate_answers(speaker, [c for c, _ in copies], FLAGS.gen_tokens, FLAGS.gen_temperature, FLAGS.seed + 1,
+                           gen_deadline, "generating answers (copy)")
+    pairs += got
+    groups += [src for _, src in copies[: len(got)]]
+    gen_s = time.perf_counter() - t_start
     rng = np.random.default_rng(FLAGS.seed)
-    order = rng.permutation(len(pairs))
-    n_hold = min(len(pairs) - 1, max(1, int(round(FLAGS.holdout * len(pairs))))) if len(pairs) > 1 else 0
-    hold, train = [pairs[i] for i in order[:n_hold]], [pairs[i] for i in order[n_hold:]]
+    n_groups = len(texts)
+    n_held = min(n_groups - 1, max(1, int(round(FLAGS.holdout * n_groups)))) if n_groups > 1 else 0
+    held_groups = set(rng.permutation(n_groups)[:n_held].tolist())
+    hold = [p for p, g in zip(pairs, groups) if g in held_groups]
+    train = [p for p, g in zip(pairs, groups) if g not in held_groups]
+    if not train:
+        raise app.UsageError("no training text was generated in the time given: raise --max_minutes / --gen_minutes")
     tokens, labels, mask = make_examples(train, FLAGS.seq_len)
-    h_tokens, h_labels, h_mask = make_examples(hold, FLAGS.seq_len) if hold else (None, None, None)
     # 2. the draft: target layers; frozen input embedding; the tied head, or a reduced trainable one
     params, idx = draft_params(target, FLAGS.layers, FLAGS.init)
     dcfg = dataclasses.replace(target.config, num_layers=FLAGS.layers)
@@ -272,7 +291,7 @@ def main(argv):
         logq = jax.nn.log_softmax(logits / tau, axis=-1)
         kl = jnp.sum(jnp.exp(teacher_logp) * (teacher_logp - logq), axis=-1)  # [B, T]
         agree = (jnp.argmax(logq, -1) == jnp.argmax(teacher_logp, -1)) * msk
-        return jnp.mean(kl), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
+        return jnp.sum(kl * msk) / jnp.maximum(1.0, msk.sum()), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
 
     @jax.jit
     def train_step(tr, opt_state, toks, labs, msk, teacher_logp):
@@ -284,7 +303,7 @@ def main(argv):
     history = []
     bar = tqdm(range(total_steps), desc="distilling", unit="step")
     for step in bar:
-        if time.perf_counter() > deadline - 30 - 60 * len(FLAGS.eval_workloads):
+        if time.perf_counter() > deadline - reserve:
             bar.write(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
             break
         pick = rng.integers(0, len(tokens), size=FLAGS.batch_size)
@@ -311,7 +330,7 @@ def main(argv):
     held_out = agreement(hold)  # prompts of the training distribution, not trained on
     workload_top1 = {}
     for name in FLAGS.eval_workloads:  # the benchmark's prompts (experiments.common.workload): other wording/texts
-        ev = generate_answers(target, workload(name, FLAGS.eval_prompts, 0), FLAGS.eval_tokens, 0.0, FLAGS.seed,
+        ev = generate_answers(speaker, workload(name, FLAGS.eval_prompts, 0), FLAGS.eval_tokens, 0.0, FLAGS.seed,
                               float("inf"), f"target answers ({name} workload)")
         workload_top1[name] = agreement(ev)
     final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"], embed=embed_f)
@@ -320,7 +339,9 @@ def main(argv):
     save_hf_llama(final, dcfg, FLAGS.out)
     log = {"flags": {k: getattr(FLAGS, k) for k in FLAG_NAMES}, "init_layers": idx,
            "train_examples": len(train), "heldout_examples": len(hold), "train_answer_tokens": int(mask.sum()),
-           "head_coverage": covered if ids is not None else 1.0, "steps_run": len(history),
+           "head_coverage": covered if ids is not None else 1.0,
+           "head_tokens": len(ids) if ids is not None else target.config.vocab_size, "generation_s": gen_s,
+           "steps_run": len(history),
            "loss_top1": history, "heldout_top1": held_out, "workload_top1": workload_top1,
            "seconds": time.perf_counter() - t_start}
     with open(os.path.join(FLAGS.out, "distill_log.json"), "w") as fh:

@@ -119,7 +119,8 @@ def main(argv):
            "git": git_info(), "device": device_info(), "load_before": load_before,
            "tokens": tokens, "iterates": iterates, "wall_s": wall, "ms_per_iterate": 1e3 * wall / max(iterates, 1),
            "tokens_per_s": tokens / wall, "host_s": host, "parts": parts,
-           "acceptance_rate": after.get("acceptance_rate")}
+           "drafted_tokens": after["drafted_tokens"] - before["drafted_tokens"],
+           "accepted_draft_tokens": after["accepted_draft_tokens"] - before["accepted_draft_tokens"]}
     print(f"{FLAGS.drafter}: {tokens} tokens in {iterates} iterates, {rec['ms_per_iterate']:.2f} ms per iterate, "
           f"{rec['tokens_per_s']:.1f} tok/s")
     for name, p in parts.items():

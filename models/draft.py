@@ -6,7 +6,7 @@ layer stack is sliced, not copied per token).
 
 `reduced_head(model, token_ids)`: the model with an LM head over `token_ids` only (`Weights.head_ids`): the other
 tokens get a -inf logit, so the draft never proposes them, and each draft token costs a head of `len(token_ids)`
-columns instead of the vocabulary's (for SmolLM2-135M the 576 x 49152 head is about as much arithmetic as all the
+columns instead of the vocabulary's (for SmolLM2-135M the 576 x 49152 head is about twice the arithmetic of all the
 layers of a 4-layer draft). Lossless in speculative decoding: the draft's q is 0 outside the head.
 
 `save_hf_llama(params, cfg, out)`: float Llama `Weights` as an HF checkpoint (`model.safetensors` + `config.json`)
@@ -94,6 +94,9 @@ def save_hf_llama(params, cfg, out: str) -> None:
     if lw.bqkv is not None or lw.bo is not None or lw.b_gate_up is not None or (
             rs is not None and rs.rope_type != "default"):
         raise InvalidLoadOptionError("save_hf_llama writes bias-free Llama weights without rope scaling")
+    if cfg.sliding_window is not None or cfg.model_type != "llama":
+        raise InvalidLoadOptionError(f"save_hf_llama writes Llama checkpoints (full attention), not "
+                                     f"{cfg.model_type!r} with sliding_window={cfg.sliding_window}")
     d = cfg.head_dim
     nq, nkv, f = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
     t: dict[str, np.ndarray] = {"model.embed_tokens.weight": np.asarray(params.embed, np.float32),

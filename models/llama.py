@@ -163,6 +163,7 @@ def hidden_states(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul
     return h
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl"))
 def forward(params: Weights, cfg: ModelConfig, tokens: jnp.ndarray, matmul_impl: str = "auto") -> jnp.ndarray:
     """Dense causal forward: tokens `[B, T]` -> float32 logits `[B, T, V]` (positions 0..T-1)."""
     b, t = tokens.shape

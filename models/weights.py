@@ -150,6 +150,12 @@ def weights_from_state_dict(
         if cfg.tie_word_embeddings:
             raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} (a reduced LM head) needs an untied lm_head.weight; "
                                    "set tie_word_embeddings to false in config.json", tensor=HEAD_IDS_TENSOR)
+        got_head = get("lm_head.weight")
+        rows = None if got_head is None else (got_head.shape[-1] if isinstance(got_head, QuantizedArray)
+                                              else np.shape(got_head)[0])
+        if rows is not None and rows != len(head_ids):
+            raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} names {len(head_ids)} tokens but lm_head.weight has {rows} "
+                                   "rows: a reduced head needs one token id per row", tensor=HEAD_IDS_TENSOR)
     head_rows = cfg.vocab_size if head_ids is None else len(head_ids)
     head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (head_rows, h))
     if quant is None or (quant == "keep" and not isinstance(embed_t, QuantizedArray)):

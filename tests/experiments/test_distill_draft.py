@@ -24,7 +24,7 @@ print(json.dumps({
     "head": head_token_ids([[5, 5, 9, 2], [9, 5, 7]], 3, [42]),
     "head_all": head_token_ids([[5, 5]], 8, [1]),
     "open": open_prompts(5, 0), "open_again": open_prompts(5, 0),
-    "copy": copy_prompts(["one two three four", ""], 3, 0, max_words=2),
+    "copy": copy_prompts(["one two three four", "", "five six"], 3, 0, max_words=2),
 }))
 """
 
@@ -40,7 +40,9 @@ def test_helpers():
     assert r["head"] == [5, 9, 42]  # the forced token, then by frequency (5 x3, 9 x2), sorted by id
     assert r["head_all"] == [1, 5]
     assert r["open"] == r["open_again"] and len(set(r["open"])) == 5
-    assert len(r["copy"]) == 3 and all("one two" in c and "three" not in c for c in r["copy"])
+    # each request names its source text (the empty one skipped), cut to two words
+    assert [src for _, src in r["copy"]] == [0, 2, 0]
+    assert all(("one two" in c and "three" not in c) if src == 0 else "five six" in c for c, src in r["copy"])
 
 
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
@@ -48,7 +50,7 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "draft"
     p = subprocess.run([sys.executable, "-m", "experiments.distill_draft", f"--target={model_dir}", f"--out={out}",
                         "--num_prompts=6", "--gen_tokens=8", "--steps=4", "--batch_size=2", "--seq_len=48",
-                        "--layers=1", "--head_vocab=24", "--max_minutes=5", "--eval_workloads=copy",
+                        "--layers=1", "--head_vocab=24", "--max_minutes=8", "--eval_workloads=copy",
                         "--eval_prompts=2", "--eval_tokens=6"],
                        capture_output=True, text=True, env=ENV, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -249,6 +249,18 @@ def test_a_reduced_head_over_every_token_is_the_target_at_temperature_one():
     assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
+def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
+    """A draft step's cost (in target steps) is the weight bytes each step reads: a reduced head's draft reads its
+    small head, not the embedding table it gathers its inputs from."""
+    engine = Engine(MODEL, **SETTINGS)
+    small = reduced_head(MODEL, np.arange(8))
+    spec = Speculator(engine, num_draft_tokens=2, draft_model=small, adaptive=True)
+    want = small.params.step_read_bytes() / MODEL.params.step_read_bytes()
+    assert spec.gate.draft_step_cost == pytest.approx(want)
+    full = Speculator(Engine(MODEL, **SETTINGS), num_draft_tokens=2, draft_model=MODEL, adaptive=True)
+    assert full.gate.draft_step_cost == pytest.approx(1.0) and want < 0.95
+
+
 def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     """Rejection sampling, not sample-then-match: with q = p (the target drafting for itself) every draft is
     accepted, at temperature 1 as well as greedy."""

@@ -207,9 +207,8 @@ def main(argv):
 
     from experiments.common import workload
     from models import load_model
-    from models.draft import save_hf_llama
+    from models.draft import reduced_head, save_hf_llama
     from models.llama import forward, hidden_states, rms_norm
-    from pallas_kernels.quant_format import QuantizedArray, dequantize
 
     t_start = time.perf_counter()
     deadline = t_start + FLAGS.max_minutes * 60
@@ -249,20 +248,23 @@ def main(argv):
     # 2. the draft: target layers; frozen input embedding; the tied head, or a reduced trainable one
     params, idx = draft_params(target, FLAGS.layers, FLAGS.init)
     dcfg = dataclasses.replace(target.config, num_layers=FLAGS.layers)
-    embed = params.embed
-    embed_f = dequantize(embed).T if isinstance(embed, QuantizedArray) else embed  # [V, H]
     trainable = {"layers": params.layers, "final_norm": params.final_norm}
     ids = None
+
+    def to_head(labs, msk):
+        """Labels as columns of the reduced head; an answer token outside it cannot be drafted: no loss there (and
+        a miss in the agreement, whose denominator is the mask before this)."""
+        return np.maximum(remap[labs], 0), msk * (remap[labs] >= 0)
+
     if FLAGS.head_vocab:
         stops = [tok.eos_token_id, *(target.config.eos_token_ids or ())]
         ids = np.asarray(head_token_ids([a for _, a in train], FLAGS.head_vocab, stops), np.int32)
-        head_src = embed_f if params.lm_head is None else jnp.asarray(params.lm_head).T  # the target's head [V, H]
-        trainable["head"] = jnp.asarray(head_src)[ids]  # [N, H]
+        trainable["head"] = reduced_head(target, ids).params.lm_head.T  # the target's head at those tokens [N, H]
         remap = np.full(target.config.vocab_size, -1, np.int32)
         remap[ids] = np.arange(len(ids), dtype=np.int32)
-        in_head = remap[labels] >= 0  # an answer token outside the head cannot be drafted: no loss there
-        covered = float((mask * in_head).sum() / max(1.0, mask.sum()))
-        labels, mask = np.maximum(remap[labels], 0), mask * in_head
+        head_labels, head_mask = to_head(labels, mask)
+        covered = float(head_mask.sum() / max(1.0, mask.sum()))
+        labels, mask = head_labels, head_mask
     total_steps = FLAGS.steps
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, min(100, total_steps // 20)), total_steps,
                                                FLAGS.lr / 10)
@@ -271,7 +273,7 @@ def main(argv):
     tau = FLAGS.kl_temperature
 
     def draft_logits(tr, toks):
-        p = params.replace(layers=tr["layers"], final_norm=tr["final_norm"], embed=embed)
+        p = params.replace(layers=tr["layers"], final_norm=tr["final_norm"])  # (the input embedding: frozen)
         if "head" not in tr:
             return forward(p, dcfg, toks)
         h = rms_norm(hidden_states(p, dcfg, toks), tr["final_norm"], dcfg.rms_norm_eps)
@@ -321,7 +323,7 @@ def main(argv):
         e_tok, e_lab, e_msk = make_examples(examples, FLAGS.seq_len)
         total = float(e_msk.sum())
         if ids is not None:
-            e_lab, e_msk = np.maximum(remap[e_lab], 0), e_msk * (remap[e_lab] >= 0)  # outside the head: a miss
+            e_lab, e_msk = to_head(e_lab, e_msk)
         hits = sum(float(eval_step(trainable, jnp.asarray(e_tok[i : i + 4]), jnp.asarray(e_lab[i : i + 4]),
                                    jnp.asarray(e_msk[i : i + 4]))) * float(e_msk[i : i + 4].sum())
                    for i in range(0, len(e_tok), 4))
@@ -333,7 +335,7 @@ def main(argv):
         ev = generate_answers(speaker, workload(name, FLAGS.eval_prompts, 0), FLAGS.eval_tokens, 0.0, FLAGS.seed,
                               float("inf"), f"target answers ({name} workload)")
         workload_top1[name] = agreement(ev)
-    final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"], embed=embed_f)
+    final = params.replace(layers=trainable["layers"], final_norm=trainable["final_norm"])
     if ids is not None:
         final = final.replace(lm_head=trainable["head"].T, head_ids=jnp.asarray(ids))
     save_hf_llama(final, dcfg, FLAGS.out)

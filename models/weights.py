@@ -80,7 +80,9 @@ def weights_from_state_dict(
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
 
-    def need(name: str, shape: tuple[int, ...]):
+    def need(name: str, shape: tuple[int, ...], explain: Callable[[tuple[int, ...]], str] | None = None):
+        """The tensor `name` of `shape`; `explain(got)`: the message of a shape mismatch, where the config is not
+        what sets the shape."""
         t = get(name)
         if t is None:
             raise MissingWeightError(f"tensor {name!r} is missing from the checkpoint (expected shape {shape})",
@@ -88,8 +90,8 @@ def weights_from_state_dict(
         got = tuple(reversed(t.shape)) if isinstance(t, QuantizedArray) else tuple(np.shape(t))
         if got != shape:
             raise WeightShapeError(
-                f"tensor {name!r} has shape {got}, but the config implies {shape}; "
-                "check that config.json belongs to these weights",
+                explain(got) if explain is not None else (f"tensor {name!r} has shape {got}, but the config implies "
+                                                          f"{shape}; check that config.json belongs to these weights"),
                 tensor=name,
             )
         return t if isinstance(t, QuantizedArray) else np.asarray(t).astype(np.float32)
@@ -150,14 +152,11 @@ def weights_from_state_dict(
         if cfg.tie_word_embeddings:
             raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} (a reduced LM head) needs an untied lm_head.weight; "
                                    "set tie_word_embeddings to false in config.json", tensor=HEAD_IDS_TENSOR)
-        got_head = get("lm_head.weight")
-        rows = None if got_head is None else (got_head.shape[-1] if isinstance(got_head, QuantizedArray)
-                                              else np.shape(got_head)[0])
-        if rows is not None and rows != len(head_ids):
-            raise WeightShapeError(f"{HEAD_IDS_TENSOR!r} names {len(head_ids)} tokens but lm_head.weight has {rows} "
-                                   "rows: a reduced head needs one token id per row", tensor=HEAD_IDS_TENSOR)
     head_rows = cfg.vocab_size if head_ids is None else len(head_ids)
-    head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (head_rows, h))
+    explain = None if head_ids is None else (
+        lambda got: f"{HEAD_IDS_TENSOR!r} names {head_rows} tokens but lm_head.weight has {got[0]} rows of "
+                    f"{got[1:]} (hidden {h}): a reduced head needs one token id per row")
+    head_t = None if cfg.tie_word_embeddings else need("lm_head.weight", (head_rows, h), explain)
     if quant is None or (quant == "keep" and not isinstance(embed_t, QuantizedArray)):
         embed = jnp.asarray(as_float(embed_t).T, dtype)  # [V, H]
     else:  # quantized embeddings are stored as the LM head [H, V]

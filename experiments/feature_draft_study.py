@@ -387,16 +387,18 @@ def main(argv):
         answer[:, 1:] = e_msk[:, :-1] > 0  # x[i] is an answer token where label i - 1 is
         starts = answer[:, 1:].copy()  # start t (input x[t + 1]) drafts inside an answer when x[t + 1] is one
         full = accepted_lengths(drafts, e_tok, answer, FLAGS.chain)
-        depth = []
+        depth, reached = [], []
         for j in range(1, FLAGS.chain + 1):  # acceptance of draft j given drafts 1..j-1 accepted
             reach, hit = (full >= j - 1) & starts, (full >= j) & starts
             depth.append(float(hit.sum() / max(1, reach.sum())))
+            reached.append(int(reach.sum()))
         by_k = {}
         for k in range(1, FLAGS.chain + 1):
             lengths = accepted_lengths(drafts, e_tok, answer, k)
             em, st = map(sum, zip(*[replay_steps(lengths[i], answer[i]) for i in range(len(e_tok))]))
             by_k[k] = {"tokens_per_step": em / st if st else None, "steps": int(st), "tokens": int(em)}
-        evaluation[name] = {"acceptance_by_depth": depth, "by_k": by_k, "prompts": len(ev),
+        evaluation[name] = {"acceptance_by_depth": depth, "starts_reaching_depth": reached, "by_k": by_k,
+                            "prompts": len(ev),
                             "answer_tokens": int(answer.sum())}
         print(f"{name}: acceptance by depth {[round(a, 3) for a in depth]}, tokens per step "
               f"{ {k: v['tokens_per_step'] and round(v['tokens_per_step'], 2) for k, v in by_k.items()} }", flush=True)

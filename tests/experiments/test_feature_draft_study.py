@@ -119,6 +119,8 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     for name in ("copy", "chat"):
         ev = r["evaluation"][name]
         assert len(ev["acceptance_by_depth"]) == 2 and all(0 <= a <= 1 for a in ev["acceptance_by_depth"])
+        first, second = ev["starts_reaching_depth"]  # every decoding start reaches depth 1; fewer reach depth 2
+        assert 0 < first <= ev["answer_tokens"] and second == round(first * ev["acceptance_by_depth"][0])
         assert set(ev["by_k"]) == {"1", "2"} and all(v["tokens_per_step"] >= 1 for v in ev["by_k"].values())
     for k in ("1", "2"):
         price = r["step_prices"][k]

@@ -15,7 +15,7 @@ What the script does:
    target's hidden states over it (a dense forward of the target as benchmarked).
 2. Trains the draft (optax AdamW, `--steps` / `--batch_size` / `--lr`): smooth L1 between the predicted and the
    target's feature (scaled to unit RMS) plus `--ce_weight` x cross-entropy on the next-next answer token. The layer
-   starts from the target's last one; fc from [0; I] (the feature passed through).
+   starts from the target's last one; fc from [N(0, 0.02); I] (the feature passed through).
 3. On the benchmark's workloads (`experiments.common.workload`, prompts not trained on): the target's greedy answers;
    for every answer position t, the draft's chain of `--chain` drafts given the target's features up to t (the
    layer's cache holds the teacher inputs; the chain's own entries are attended as they would be); the acceptance
@@ -54,8 +54,10 @@ FLAGS = flags.FLAGS
 
 
 def package_text_windows(tok, n_tokens: int, seq_len: int, seed: int):
-    """int32 [N, seq_len]: up to `n_tokens` tokens of English text from this machine, the long descriptions (README
-    text) of the installed Python packages (`importlib.metadata`), in a seeded order, cut into windows."""
+    """(int32 [N, seq_len], names): up to `n_tokens` tokens of English text from this machine, the long descriptions
+    (README text) of the installed Python packages (`importlib.metadata`; which ones depends on the machine: their
+    names come back, in the order used), in a seeded order, concatenated and cut into windows (a window may span
+    two descriptions)."""
     import importlib.metadata
     import random
 
@@ -66,14 +68,16 @@ def package_text_windows(tok, n_tokens: int, seq_len: int, seed: int):
         meta = dist.metadata
         body = (meta.get_payload() or meta.get("Description") or "") if meta is not None else ""
         if len(body) > 500:
-            bodies.append(body)
+            bodies.append((meta["Name"] or "?", body))
     ids: list[int] = []
-    for body in sorted(bodies, key=lambda b: random.Random(f"{seed}:{b[:64]}").random()):
+    names: list[str] = []
+    for name, body in sorted(bodies, key=lambda b: (random.Random(f"{seed}:{b[1][:64]}").random(), b)):
         ids += tok.encode(body)
+        names.append(name)
         if len(ids) >= n_tokens:
             break
     n = min(len(ids), n_tokens) // seq_len
-    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len)
+    return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len), names
 
 
 def smooth_l1(x, beta: float = 1.0):
@@ -138,6 +142,13 @@ def teacher_inputs(toks, fts):
     b, t = toks.shape
     positions = jnp.tile(jnp.arange(1, t, dtype=jnp.int32), b)
     return fts[:, :-1].reshape(b * (t - 1), -1), toks[:, 1:].reshape(-1), positions, b, t - 1
+
+
+def training_targets(fts, labs, msk):
+    """What input t of `teacher_inputs` is trained towards: (the target's feature f[t + 1] [B(T-1), H], the label
+    `labs[t + 1]` (the target's token after x[t + 1], i.e. x[t + 2]) [B(T-1)], its mask [B(T-1)])."""
+    b, t = labs.shape
+    return fts[:, 1:].reshape(b * (t - 1), -1), labs[:, 1:].reshape(-1), msk[:, 1:].reshape(-1)
 
 
 def draft_chains(tr, frozen, dcfg, head_rows, ids, toks, fts, chain: int, return_hidden: bool = False):
@@ -277,11 +288,13 @@ def main(argv):
     record = {"flags": {k: getattr(FLAGS, k) for k in (
         "target", "target_quant", "num_prompts", "gen_tokens", "gen_minutes", "steps", "batch_size", "seq_len", "lr",
         "head_vocab", "eval_workloads", "eval_prompts", "eval_tokens", "seed", "chain", "ce_weight", "price",
-        "price_ks")}, "git": git_info(), "device": device_info(), "versions": versions(),
-        "load_before": load_average("feature_draft_study")}
+        "price_ks", "extra_text_tokens", "max_minutes")}, "git": git_info(), "device": device_info(),
+        "versions": versions(), "load_before": load_average("feature_draft_study")}
     target = load_model(FLAGS.target)  # float: the draft's initial layer, embedding, norm and head rows
     speaker = target if FLAGS.target_quant == "none" else load_model(FLAGS.target, quant=FLAGS.target_quant)
     cfg, tok = target.config, target.tokenizer
+    if cfg.sliding_window is not None:
+        raise app.UsageError("the chain evaluation attends over whole prefixes: a sliding-window target is not handled")
     hidden = cfg.hidden_size
 
     # 1. training text and the target's features over it
@@ -303,9 +316,9 @@ def main(argv):
 
     tokens, labels, mask = make_examples(pairs, FLAGS.seq_len)
     feats = features(tokens)  # [N, T, H]: f[t] predicts tokens[t + 1]
-    extra_tokens = 0
+    extra_tokens, extra_sources = 0, []
     if FLAGS.extra_text_tokens:
-        windows = package_text_windows(tok, FLAGS.extra_text_tokens, FLAGS.seq_len, FLAGS.seed)
+        windows, extra_sources = package_text_windows(tok, FLAGS.extra_text_tokens, FLAGS.seq_len, FLAGS.seed)
         argmax = jax.jit(lambda p, h: jnp.argmax(compute_logits(p, cfg, h), -1).astype(jnp.int32))
         head_params = speaker.params.replace(layers=None)
         w_feats, w_labels = [], []
@@ -334,10 +347,9 @@ def main(argv):
     def loss_fn(tr, toks, fts, labs, msk):
         feat, nxt, positions, b, t = teacher_inputs(toks, fts)
         h, _ = draft_layer(tr, frozen, dcfg, feat, nxt, positions, dense_causal_attention(dcfg, b, t))
-        m = msk[:, 1:].reshape(-1)  # input t predicts x[t + 2] = labels[t + 1] and the feature f[t + 1]
-        reg = jnp.mean(smooth_l1((h - fts[:, 1:].reshape(-1, hidden)) / f_scale), -1)  # per dimension
+        f_next, lab, m = training_targets(fts, labs, msk)
+        reg = jnp.mean(smooth_l1((h - f_next) / f_scale), -1)  # per dimension
         logq = jax.nn.log_softmax(head_logits(h, frozen, cfg, head_rows), -1)
-        lab = labs[:, 1:].reshape(-1)
         nll = -jnp.take_along_axis(logq, jnp.maximum(lab, 0)[:, None], -1)[:, 0]
         cm = m * (lab >= 0)
         agree = (jnp.argmax(logq, -1) == lab) * cm
@@ -385,7 +397,8 @@ def main(argv):
                                  for i in range(0, len(e_tok), 4)])  # [B, T - 1, chain]
         answer = np.zeros(e_tok.shape, bool)
         answer[:, 1:] = e_msk[:, :-1] > 0  # x[i] is an answer token where label i - 1 is
-        starts = answer[:, 1:].copy()  # start t (input x[t + 1]) drafts inside an answer when x[t + 1] is one
+        # start t (input x[t + 1]) is a decoding step when x[t + 1] is an answer token and not the last one
+        starts = answer[:, 1:] & np.pad(answer[:, 2:], ((0, 0), (0, 1)))
         full = accepted_lengths(drafts, e_tok, answer, FLAGS.chain)
         depth, reached = [], []
         for j in range(1, FLAGS.chain + 1):  # acceptance of draft j given drafts 1..j-1 accepted
@@ -449,7 +462,7 @@ def main(argv):
                     if ev["by_k"][k]["tokens_per_step"]}}
             print(f"k={k}: draft chain {chain_ms[k]:.2f} ms; predicted speed-up {predictions.get(k)}", flush=True)
 
-    record.update({"train_examples": len(pairs), "extra_text_tokens": extra_tokens,
+    record.update({"train_examples": len(pairs), "extra_text_tokens": extra_tokens, "extra_text_sources": extra_sources,
                    "train_label_tokens": int(mask.sum()), "head_tokens": len(ids),
                    "feature_rms": f_scale, "generation_s": gen_s, "steps_run": len(history), "loss_top1": history,
                    "evaluation": evaluation, "step_prices": prices, "chain_ms": chain_ms,

@@ -43,6 +43,29 @@ print(json.dumps({"full": full.tolist(), "two": two.tolist(),
 """
 
 
+ALIGNMENT = r"""
+import json
+import numpy as np
+from experiments.feature_draft_study import teacher_inputs, training_targets
+toks = np.array([[10, 11, 12, 13]])
+fts = np.arange(4)[None, :, None] * np.ones((1, 4, 2)) + 100   # f[t] = 100 + t
+labs = np.array([[11, 12, 13, 0]])                               # labels[t] = x[t + 1] (make_examples)
+msk = np.array([[0.0, 1.0, 1.0, 0.0]])
+feat, nxt, pos, b, t = teacher_inputs(toks, fts)
+f_next, lab, m = training_targets(fts, labs, msk)
+print(json.dumps({"feat": np.asarray(feat)[:, 0].tolist(), "nxt": np.asarray(nxt).tolist(),
+                  "pos": np.asarray(pos).tolist(), "bt": [b, t], "f_next": np.asarray(f_next)[:, 0].tolist(),
+                  "lab": np.asarray(lab).tolist(), "m": np.asarray(m).tolist()}))
+"""
+
+
+def test_training_alignment():
+    r = run_snippet(ALIGNMENT)
+    # input t = (f[t], x[t + 1]) at position t + 1, trained towards f[t + 1] and x[t + 2]
+    assert r["feat"] == [100, 101, 102] and r["nxt"] == [11, 12, 13] and r["pos"] == [1, 2, 3] and r["bt"] == [1, 3]
+    assert r["f_next"] == [101, 102, 103] and r["lab"] == [12, 13, 0] and r["m"] == [1.0, 1.0, 0.0]
+
+
 def test_counting():
     r = run_snippet(COUNTING)
     assert r["full"] == [[3, 2, 3, 1, 1, 0]]
@@ -115,12 +138,14 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     r = json.loads(out.read_text())
     assert r["steps_run"] == 3 and len(r["loss_top1"]) == 3 and r["train_examples"] == 6
     assert r["extra_text_tokens"] == 192  # three windows of 64 tokens of the packages' descriptions
+    assert r["extra_text_sources"] and all(isinstance(n, str) for n in r["extra_text_sources"])
+    assert r["flags"]["extra_text_tokens"] == 200
     assert 0 < r["head_tokens"] <= 24
     for name in ("copy", "chat"):
         ev = r["evaluation"][name]
         assert len(ev["acceptance_by_depth"]) == 2 and all(0 <= a <= 1 for a in ev["acceptance_by_depth"])
-        first, second = ev["starts_reaching_depth"]  # every decoding start reaches depth 1; fewer reach depth 2
-        assert 0 < first <= ev["answer_tokens"] and second == round(first * ev["acceptance_by_depth"][0])
+        first, second = ev["starts_reaching_depth"]  # each answer token but the last starts a decoding step
+        assert first == ev["answer_tokens"] - ev["prompts"] and 0 <= second <= first
         assert set(ev["by_k"]) == {"1", "2"} and all(v["tokens_per_step"] >= 1 for v in ev["by_k"].values())
     for k in ("1", "2"):
         price = r["step_prices"][k]

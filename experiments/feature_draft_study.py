@@ -80,13 +80,6 @@ def package_text_windows(tok, n_tokens: int, seq_len: int, seed: int):
     return np.asarray(ids[: n * seq_len], np.int32).reshape(n, seq_len), names
 
 
-def smooth_l1(x, beta: float = 1.0):
-    import jax.numpy as jnp
-
-    a = jnp.abs(x)
-    return jnp.where(a < beta, 0.5 * a * a / beta, a - 0.5 * beta)
-
-
 def chain_attention(cfg, teacher_k, teacher_v, own):
     """An attend function (`models.llama` signature) for depth j >= 2 of every start at once: the query of start t
     sees the teacher entries 0..t (`teacher_k/v` [B, T, nKV, D]) and the chain's own entries of depths 2..j at t
@@ -348,7 +341,7 @@ def main(argv):
         feat, nxt, positions, b, t = teacher_inputs(toks, fts)
         h, _ = draft_layer(tr, frozen, dcfg, feat, nxt, positions, dense_causal_attention(dcfg, b, t))
         f_next, lab, m = training_targets(fts, labs, msk)
-        reg = jnp.mean(smooth_l1((h - f_next) / f_scale), -1)  # per dimension
+        reg = jnp.mean(optax.losses.huber_loss((h - f_next) / f_scale, delta=1.0), -1)  # smooth L1, per dimension
         logq = jax.nn.log_softmax(head_logits(h, frozen, cfg, head_rows), -1)
         nll = -jnp.take_along_axis(logq, jnp.maximum(lab, 0)[:, None], -1)[:, 0]
         cm = m * (lab >= 0)
@@ -407,7 +400,7 @@ def main(argv):
             reached.append(int(reach.sum()))
         by_k = {}
         for k in range(1, FLAGS.chain + 1):
-            lengths = accepted_lengths(drafts, e_tok, answer, k)
+            lengths = np.minimum(full, k)  # the first k drafts' run of matches
             em, st = map(sum, zip(*[replay_steps(lengths[i], answer[i]) for i in range(len(e_tok))]))
             by_k[k] = {"tokens_per_step": em / st if st else None, "steps": int(st), "tokens": int(em)}
         evaluation[name] = {"acceptance_by_depth": depth, "starts_reaching_depth": reached, "by_k": by_k,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 
 
 def write_record(path: str | None, record: dict) -> None:
@@ -59,3 +60,40 @@ def workload(name: str, n: int, seed: int) -> list[str]:
 
 def chat_prompt(tok, text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def price_steps(target, ks: list[int], prompts: list[str], max_new: int) -> dict:
+    """Median wall time of a plain decode step and of a verification step of k + 1 tokens, per k, at batch 1 in the
+    generator (n-gram drafts; greedy; the first step of each job, its prefill, left out; each generator warmed up and
+    the prompts run twice, the first pass discarded). `experiments.feature_draft_study` and
+    `experiments.ngram_bound` price steps with it."""
+    import numpy as np
+
+    from paged import DynamicGenerator, Job, SamplingSettings
+
+    tok = target.tokenizer
+    out = {}
+    for k in ks:
+        gen = DynamicGenerator(target, max_batch_size=1, max_seq_len=min(1024, target.config.max_position_embeddings),
+                               use_ngram_draft=True, num_draft_tokens=k)
+        gen.warmup()
+        plain, verify = [], []
+        for rep in range(2):  # the first pass warms the caches and is discarded
+            for i, p in enumerate(prompts):
+                gen.enqueue(Job(tok.encode(chat_prompt(tok, p), encode_special_tokens=True), max_new,
+                                gen_settings=SamplingSettings.greedy(), seed=i, stop_conditions=[tok.eos_token_id]))
+                first = True
+                while gen.num_remaining_jobs():
+                    before = gen.metrics()["verification_rows"]
+                    t0 = time.perf_counter()
+                    gen.iterate()
+                    dt = time.perf_counter() - t0
+                    if not first and rep:
+                        (verify if gen.metrics()["verification_rows"] > before else plain).append(dt)
+                    first = False
+        out[k] = {"plain_ms": 1e3 * float(np.median(plain)) if plain else None,
+                  "verify_ms": 1e3 * float(np.median(verify)) if verify else None,
+                  "plain_steps": len(plain), "verify_steps": len(verify)}
+        print(f"k={k}: plain step {out[k]['plain_ms']} ms ({len(plain)}), verification {out[k]['verify_ms']} ms "
+              f"({len(verify)})", flush=True)
+    return out

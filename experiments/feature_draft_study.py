@@ -40,7 +40,7 @@ import time
 from absl import app, flags
 
 from experiments import distill_draft  # noqa: F401  (defines the data and training flags this study shares)
-from experiments.common import write_record
+from experiments.common import price_steps, write_record
 
 flags.DEFINE_integer("chain", 4, "drafts per chain (the largest k evaluated)")
 flags.DEFINE_float("ce_weight", 0.1, "weight of the token cross-entropy next to the feature regression")
@@ -217,42 +217,6 @@ def replay_steps(lengths, answer) -> tuple[int, int]:
         i += n
         steps += 1
     return emitted, steps
-
-
-def price_steps(target, ks: list[int], prompts: list[str], max_new: int) -> dict:
-    """Median wall time of a plain decode step and of a verification step of k + 1 tokens, per k, at batch 1 in the
-    generator (n-gram drafts; greedy; the first step of each job, its prefill, left out)."""
-    import numpy as np
-
-    from experiments.common import chat_prompt
-    from paged import DynamicGenerator, Job, SamplingSettings
-
-    tok = target.tokenizer
-    out = {}
-    for k in ks:
-        gen = DynamicGenerator(target, max_batch_size=1, max_seq_len=min(1024, target.config.max_position_embeddings),
-                               use_ngram_draft=True, num_draft_tokens=k)
-        gen.warmup()
-        plain, verify = [], []
-        for rep in range(2):  # the first pass warms the caches and is discarded
-            for i, p in enumerate(prompts):
-                gen.enqueue(Job(tok.encode(chat_prompt(tok, p), encode_special_tokens=True), max_new,
-                                gen_settings=SamplingSettings.greedy(), seed=i, stop_conditions=[tok.eos_token_id]))
-                first = True
-                while gen.num_remaining_jobs():
-                    before = gen.metrics()["verification_rows"]
-                    t0 = time.perf_counter()
-                    gen.iterate()
-                    dt = time.perf_counter() - t0
-                    if not first and rep:
-                        (verify if gen.metrics()["verification_rows"] > before else plain).append(dt)
-                    first = False
-        out[k] = {"plain_ms": 1e3 * float(np.median(plain)) if plain else None,
-                  "verify_ms": 1e3 * float(np.median(verify)) if verify else None,
-                  "plain_steps": len(plain), "verify_steps": len(verify)}
-        print(f"k={k}: plain step {out[k]['plain_ms']} ms ({len(plain)}), verification {out[k]['verify_ms']} ms "
-              f"({len(verify)})", flush=True)
-    return out
 
 
 def main(argv):

@@ -11,12 +11,24 @@ one token. Greedy verification accepts exactly that prefix, so these are the ste
 that output (with the native CPU kernel, greedy outputs under speculation can differ at near-ties: see
 docs/speculative.md, "Limits").
 
-Reported per workload and k: steps, verification steps, tokens per step (the speed-up if verification cost nothing
-and prefill as much as a decode step), tokens per verification, and the predicted speed-up when a verification step
-costs c plain steps, for each c of `--verify_costs` (`experiments.bench_speculative` and docs/speculative.md measure
-c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
+Reported per workload, k and policy: steps, verification steps, tokens per step (the speed-up if verification cost
+nothing and prefill as much as a decode step), tokens per verification, and the predicted speed-up when a
+verification step costs c plain steps, for each c of `--verify_costs` (`experiments.bench_speculative` and
+docs/speculative.md measure c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
+
+How many of its drafts a step verifies (`--policies`, `paged.ngram.replay`): "all" (the generator's fixed drafter),
+"grow" (per job, 1 at first, doubled after a full acceptance, accepted + 1 after a rejection) and "oracle" (exactly
+the drafts that will be accepted: no policy with this drafter does better); `--min_match` leaves matches shorter
+than that unverified. Each run is also priced with a cost per verification width W (a row of W - 1 drafts):
+`--price` times a plain and a verification step at batch 1 in the generator for every width of `--widths` and every
+k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
+`predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
+and `predicted_speedup_widths`, each at the smallest of `--widths` that holds its drafts (an engine with a
+verification bucket per width, which the generator does not have).
 
     python -m experiments.ngram_bound --json_out experiments/results/ngram_bound_cpu.json
+    python -m experiments.ngram_bound --workloads copy --num_draft_tokens 4,8,16 --policies all,grow,oracle \
+        --price --json_out experiments/results/ngram_policies_cpu.json
 """
 
 from __future__ import annotations
@@ -25,8 +37,21 @@ import dataclasses
 
 from absl import app, flags
 
-from experiments.common import chat_prompt, workload, write_record
-from paged.ngram import Replay, replay
+from experiments.common import chat_prompt, price_steps, workload, write_record
+from paged.ngram import REPLAY_POLICIES, Replay, replay
+
+
+def width_costs(widths, prices: dict | None, model: tuple[float, float]) -> dict[int, float]:
+    """A verification of width W in plain steps, for each W of `widths`: measured (`prices`, `price_steps`'s answer
+    keyed by k = W - 1) where given, else A + B (W - 1) with (A, B) = `model`."""
+    if prices:
+        return {w: prices[w - 1]["verify_ms"] / prices[w - 1]["plain_ms"] for w in widths}
+    return {w: model[0] + model[1] * (w - 1) for w in widths}
+
+
+def smallest_width(costs: dict[int, float], m: int) -> float:
+    """The cost of the narrowest width in `costs` that holds m drafts."""
+    return costs[min(w for w in costs if w >= m + 1)]
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "the embedded name, an HF dir or a .gguf")
@@ -39,6 +64,14 @@ flags.DEFINE_list("num_draft_tokens", ["4", "8", "16"], "k values to replay")
 flags.DEFINE_integer("max_ngram", 4, "longest suffix matched")
 flags.DEFINE_list("verify_costs", ["1.0", "1.25", "1.5"], "a verification step's cost in plain steps, for the "
                   "predicted speed-up")
+flags.DEFINE_list("policies", ["all"], "how many proposed drafts a step verifies: all, grow, oracle "
+                  "(paged.ngram.replay)")
+flags.DEFINE_integer("min_match", 1, "a suffix match shorter than this is not verified")
+flags.DEFINE_list("widths", ["2", "3", "5", "9", "17"], "verification widths (drafts + 1) of the variable-width "
+                  "prediction")
+flags.DEFINE_bool("price", False, "time plain and verification steps in the generator for every width (and k + 1)")
+flags.DEFINE_list("cost_model", ["1.12", "0.12"], "A, B: without --price, a verification of width W costs "
+                  "A + B (W - 1) plain steps")
 flags.DEFINE_string("json_out", None, "write the record here")
 
 
@@ -55,9 +88,29 @@ def main(argv):
     gen = DynamicGenerator(model, max_batch_size=1, max_seq_len=min(1024, model.config.max_position_embeddings))
     ks = [int(k) for k in FLAGS.num_draft_tokens]
     costs = [float(c) for c in FLAGS.verify_costs]
+    widths = sorted({int(w) for w in FLAGS.widths})
+    bad = [p for p in FLAGS.policies if p not in REPLAY_POLICIES]
+    if bad or not widths or widths[0] < 2 or len(FLAGS.cost_model) != 2:
+        raise app.UsageError(f"--policies must be among {REPLAY_POLICIES} (got {bad}), --widths >= 2, --cost_model "
+                             "two numbers A,B")
+    if max(ks) + 1 > widths[-1]:
+        widths.append(max(ks) + 1)  # the variable-width prediction needs a width for k drafts
+    all_widths = sorted(set(widths) | {k + 1 for k in ks})
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "workloads", "num_prompts", "max_new_tokens",
-                                                        "seed", "num_draft_tokens", "max_ngram", "verify_costs")},
+                                                        "seed", "num_draft_tokens", "max_ngram", "verify_costs",
+                                                        "policies", "min_match", "widths", "price", "cost_model")},
               "git": git_info(), "device": device_info(), "versions": versions(), "runs": []}
+    prices = None
+    if FLAGS.price:
+        from experiments.serving.env import load_average
+
+        record["load_before_pricing"] = load_average("ngram_bound")
+        prices = price_steps(model, [w - 1 for w in all_widths], workload("copy", 4, FLAGS.seed), FLAGS.max_new_tokens)
+        record["step_prices"] = {str(w): prices[w - 1] for w in all_widths}
+    cost_of = width_costs(all_widths, prices, (float(FLAGS.cost_model[0]), float(FLAGS.cost_model[1])))
+    record["width_costs"] = {str(w): c for w, c in cost_of.items()}
+    print("verification cost by width (plain steps):", {w: round(c, 3) for w, c in cost_of.items()}, flush=True)
+    variable = {w: cost_of[w] for w in widths}
     stop = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else None
     for wl in FLAGS.workloads:
         outputs = []
@@ -69,22 +122,30 @@ def main(argv):
                 list(gen.iterate())
             outputs.append((ids, [int(t) for t in np.asarray(job.sequence[len(ids):]).ravel()]))
         for k in ks:
-            per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens) for p, o in outputs]
-            total = Replay()
-            for r in per:
-                total = total.add(r)
-            run = {"workload": wl, "num_draft_tokens": k, **dataclasses.asdict(total),
-                   "tokens_per_step": total.tokens / total.steps,
-                   "tokens_per_verification": 1 + total.accepted / total.verifications if total.verifications else None,
-                   "acceptance_rate": total.accepted / total.drafted if total.drafted else None,
-                   "predicted_speedup": {str(c): total.speedup(c) for c in costs},
-                   "per_prompt_tokens_per_step": [r.tokens / r.steps if r.steps else None for r in per]}
-            record["runs"].append(run)
-            pred = "  ".join(f"c={c:g}: {total.speedup(c):.2f}x" for c in costs)
-            tpv = run["tokens_per_verification"]
-            print(f"{wl:>5} k={k:<3} tokens {total.tokens} steps {total.steps} verifications {total.verifications}  "
-                  f"tokens/step {run['tokens_per_step']:.2f}  tokens/verification "
-                  f"{'-' if tpv is None else f'{tpv:.2f}'}  predicted {pred}", flush=True)
+            for policy in FLAGS.policies:
+                per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match)
+                       for p, o in outputs]
+                total = Replay()
+                for r in per:
+                    total = total.add(r)
+                fixed = total.speedup(cost_of[k + 1])
+                flexible = total.speedup_by(lambda m: smallest_width(variable, m))
+                run = {"workload": wl, "num_draft_tokens": k, "policy": policy, **dataclasses.asdict(total),
+                       "verified": {str(m): n for m, n in sorted(total.verified.items())},
+                       "tokens_per_step": total.tokens / total.steps,
+                       "tokens_per_verification": (1 + total.accepted / total.verifications if total.verifications
+                                                   else None),
+                       "acceptance_rate": total.accepted / total.drafted if total.drafted else None,
+                       "predicted_speedup": {str(c): total.speedup(c) for c in costs},
+                       "predicted_speedup_fixed_width": fixed, "predicted_speedup_widths": flexible,
+                       "per_prompt_tokens_per_step": [r.tokens / r.steps if r.steps else None for r in per]}
+                record["runs"].append(run)
+                pred = "  ".join(f"c={c:g}: {total.speedup(c):.2f}x" for c in costs)
+                tpv = run["tokens_per_verification"]
+                print(f"{wl:>5} k={k:<3} {policy:>6}  tokens {total.tokens} steps {total.steps} verifications "
+                      f"{total.verifications}  tokens/step {run['tokens_per_step']:.2f}  tokens/verification "
+                      f"{'-' if tpv is None else f'{tpv:.2f}'}  predicted {pred}  width {k + 1}: {fixed:.2f}x  "
+                      f"widths {widths}: {flexible:.2f}x", flush=True)
     write_record(FLAGS.json_out, record)
 
 

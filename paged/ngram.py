@@ -12,7 +12,7 @@ after it exists.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class NgramIndex:
@@ -72,47 +72,74 @@ class NgramIndex:
         return [], 0
 
 
+REPLAY_POLICIES = ("all", "grow", "oracle")
+
+
 @dataclasses.dataclass
 class Replay:
     tokens: int = 0  # output tokens
     steps: int = 0  # engine steps for them (the prefill step that emits the first one included)
     verifications: int = 0  # steps that verified at least one draft
-    drafted: int = 0
+    drafted: int = 0  # drafts verified
     accepted: int = 0
+    verified: dict[int, int] = dataclasses.field(default_factory=dict)  # drafts in a verification -> such steps
 
     def add(self, other: Replay) -> Replay:
-        return Replay(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        counts = dict(self.verified)
+        for m, n in other.verified.items():
+            counts[m] = counts.get(m, 0) + n
+        return Replay(self.tokens + other.tokens, self.steps + other.steps, self.verifications + other.verifications,
+                      self.drafted + other.drafted, self.accepted + other.accepted, counts)
 
     def speedup(self, verify_cost: float) -> float:
         """Plain decoding's steps (one per token) over this drafter's, a verification step costing `verify_cost`."""
-        cost = self.steps - self.verifications + verify_cost * self.verifications
-        return self.tokens / cost if cost else 1.0
+        return self.speedup_by(lambda m: verify_cost)
+
+    def speedup_by(self, cost: Callable[[int], float]) -> float:
+        """The same, a verification step of m drafts costing `cost(m)` plain steps."""
+        total = self.steps - self.verifications + sum(n * cost(m) for m, n in self.verified.items())
+        return self.tokens / total if total else 1.0
 
 
-def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int, max_new_tokens: int) -> Replay:
-    """The steps a fixed n-gram drafter (k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
-    after `prompt`, with no model: the prefill step emits the first token; every later step drafts up to
-    min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), greedy verification accepts the
-    longest prefix the output continues with, and the step emits it plus one token. A step without a match is a
-    plain decode step (page room never limits drafts here: right for the default `reserve` page allocation, an upper
-    bound under `on_demand`). `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a
-    workload."""
+def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int, max_new_tokens: int,
+           policy: str = "all", min_match: int = 1) -> Replay:
+    """The steps an n-gram drafter (up to k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
+    after `prompt`, with no model: the prefill step emits the first token; every later step proposes up to
+    min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), verifies some of them (`policy`),
+    and greedy verification accepts the longest verified prefix the output continues with; the step emits it plus
+    one token. A step that verifies nothing (no match, a match shorter than `min_match`, or the policy's choice) is a
+    plain decode step. Policies, for the number of proposed drafts a step verifies:
+
+    - "all": every one (the generator's fixed drafter);
+    - "grow": at most g per job, g = 1 at first, doubled after a step accepts all it verified, else accepted + 1;
+    - "oracle": exactly those the output continues with (a bound: no policy with this drafter verifies better).
+
+    Page room never limits drafts here: right for the default `reserve` page allocation, an upper bound under
+    `on_demand`. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""
+    if policy not in REPLAY_POLICIES:
+        raise ValueError(f"policy must be one of {REPLAY_POLICIES}, got {policy!r}")
     r = Replay(tokens=len(output))
     if not output:
         return r
     index = NgramIndex(max_ngram)
     index.append(list(prompt) + [output[0]])
     r.steps, i = 1, 1  # the prefill step samples the first token
+    grow = 1
     while i < len(output):
-        drafts = index.propose(max(0, min(k, max_new_tokens - i - 1)))
-        a = 0
-        while a < len(drafts) and i + a < len(output) and drafts[a] == output[i + a]:
-            a += 1
-        emitted = min(a + 1, len(output) - i)
+        drafts, n = index.propose_match(max(0, min(k, max_new_tokens - i - 1)))
+        run = 0  # how many of the proposed drafts the output continues with
+        while run < len(drafts) and i + run < len(output) and drafts[run] == output[i + run]:
+            run += 1
+        m = 0 if n < min_match else {"all": len(drafts), "grow": min(grow, len(drafts)), "oracle": run}[policy]
+        a = min(run, m)
+        if m:
+            r.verifications += 1
+            r.verified[m] = r.verified.get(m, 0) + 1
+            grow = 2 * grow if a == m else a + 1
         r.steps += 1
-        r.verifications += bool(drafts)
-        r.drafted += len(drafts)
+        r.drafted += m
         r.accepted += a
+        emitted = min(a + 1, len(output) - i)
         index.append(output[i : i + emitted])
         i += emitted
     return r

@@ -37,6 +37,8 @@ flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
 flags.DEFINE_integer("max_ngram", 4, "n-gram drafter: longest suffix matched")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (rejection sampling)")
+flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match"], "how sampled jobs accept drafts: lossless "
+                  "rejection sampling, or ExLlamaV2's sample-then-match (DynamicGenerator(draft_acceptance=))")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")
 flags.DEFINE_string("json_out", None, "write the record here")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
@@ -68,7 +70,7 @@ def main(argv):
                                                         "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
-                                                        "draft_token_cost")},
+                                                        "draft_token_cost", "draft_acceptance")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
     unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
@@ -89,6 +91,8 @@ def main(argv):
             kw = dict(draft_model=drafts[base], num_draft_tokens=FLAGS.num_draft_tokens)
         if kw and adaptive:
             kw.update(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost)
+        if kw:
+            kw.update(draft_acceptance=FLAGS.draft_acceptance)
         gen = DynamicGenerator(target, max_batch_size=max(batch_sizes),
                                max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
         t0 = time.perf_counter()
@@ -122,6 +126,7 @@ def main(argv):
                        "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
                        "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
                        "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
+                       "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
                        "metrics": {k: v for k, v in gen.metrics().items() if not isinstance(v, (list, dict))}}
                 record["runs"].append(run)
                 rate, mal = run["acceptance_rate"], run["mean_accepted_length"]

@@ -126,6 +126,8 @@ flags.DEFINE_bool("adaptive_draft", False, "verify drafts only in steps where th
                   "verification (per-job acceptance against a step-cost model; docs/speculative.md)")
 flags.DEFINE_float("draft_token_cost", None, "--adaptive_draft: the cost model's rho, one query token over a step's "
                    "fixed cost (default: the backend's measured value)")
+flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match"], "how sampled jobs accept drafts: lossless "
+                  "rejection sampling, or ExLlamaV2's sample-then-match (the tokens plain sampling emits per seed)")
 # --- constrained decoding (paged/filters.py): the output of every job follows these (they intersect)
 flags.DEFINE_string("json_schema", None, "a JSON-schema file: the output is one JSON value valid under it")
 flags.DEFINE_string("regex", None, "the output matches this regular expression as a whole (Rust regex syntax)")
@@ -345,14 +347,18 @@ def speculation_kwargs(model) -> dict:
         raise app.UsageError("--draft_model and --ngram_draft: choose one drafter")
     if FLAGS.num_draft_tokens < 1 or FLAGS.max_ngram < 1:
         raise app.UsageError("--num_draft_tokens and --max_ngram must be >= 1")
-    adaptive = dict(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost) if FLAGS.adaptive_draft else {}
-    if (FLAGS.adaptive_draft or FLAGS.draft_token_cost is not None) and not (FLAGS.ngram_draft or FLAGS.draft_model):
-        raise app.UsageError("--adaptive_draft / --draft_token_cost need --ngram_draft or --draft_model")
+    extra = dict(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost) if FLAGS.adaptive_draft else {}
+    if FLAGS.draft_acceptance != "rejection":
+        extra["draft_acceptance"] = FLAGS.draft_acceptance
+    if ((FLAGS.adaptive_draft or FLAGS.draft_token_cost is not None or FLAGS.draft_acceptance != "rejection")
+            and not (FLAGS.ngram_draft or FLAGS.draft_model)):
+        raise app.UsageError("--adaptive_draft / --draft_token_cost / --draft_acceptance need --ngram_draft or "
+                             "--draft_model")
     if FLAGS.draft_token_cost is not None and not FLAGS.adaptive_draft:
         raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
     if FLAGS.ngram_draft:
         return dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens,
-                    **adaptive)
+                    **extra)
     if not FLAGS.draft_model:
         return {}
     from models import ModelError, load_model
@@ -370,7 +376,7 @@ def speculation_kwargs(model) -> dict:
             draft = load_model(src, dtype=FLAGS.dtype)  # its tokenizer, if it has one, must be the model's
     except ModelError as e:
         raise app.UsageError(f"--draft_model {src}: {e}") from e
-    return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens, **adaptive)
+    return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens, **extra)
 
 
 def speculation_line(metrics: dict) -> str | None:

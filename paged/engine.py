@@ -141,6 +141,7 @@ class Engine:
         # (compute not hidden behind the dispatch, plus the device->host copy).
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
         self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
+        self.verify_match = False  # sampled rows: sample-then-match acceptance instead of rejection sampling
         self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
 
     @_under_mesh
@@ -173,14 +174,17 @@ class Engine:
         self.state = self.state.replace(lora=write_slot(stack, np.int32(slot), a, b))
 
     # ------------------------------------------------------------------ speculative decoding
-    def enable_verification(self, num_draft_tokens: int, draft_probs: bool) -> None:
+    def enable_verification(self, num_draft_tokens: int, draft_probs: bool, match: bool = False) -> None:
         """Add the verification buckets (`verify_len = num_draft_tokens + 1`) to `spec`, so that `run` takes
         `RowInput.verify` rows. `draft_probs`: the drafts come with their distributions (a draft model; `run` then
-        needs `draft_logprobs=`), else they are one-hot proposals (n-gram). Call before `warmup()`."""
+        needs `draft_logprobs=`), else they are one-hot proposals (n-gram). `match`: sampled rows accept a draft
+        where it equals the target's own draw (`paged.speculative.accept_drafts`) instead of by rejection sampling.
+        Call before `warmup()`."""
         if num_draft_tokens < 1:
             raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.spec = dataclasses.replace(self.spec, verify_len=num_draft_tokens + 1)
         self.verify_probs = bool(draft_probs)
+        self.verify_match = bool(match)
 
     def enable_drafting(self, num_draft_tokens: int) -> None:
         """Make this engine a draft model's: `draft()` proposes `num_draft_tokens` per row (one compiled burst per
@@ -368,7 +372,8 @@ class Engine:
         h = self._forward(batch, shape)[shape.sampled_row_counts.index(sampled)]
         q = draft_logprobs if self.verify_probs else None
         res = verify_sample(self._head, h, sample_inputs(batch), _verify_inputs(batch), np.bool_(0 < k <= TOP_K_WIDTH),
-                            q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
+                            q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                            match=self.verify_match)
         t_dispatched = time.perf_counter()
         idx = np.asarray(slots)
         got = _to_host(res, k, return_logits, wide, num_accepted=res.num_accepted)
@@ -486,8 +491,8 @@ class Engine:
                 if self.verify_probs:
                     q = jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
                 outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small), no, q,
-                                          cfg=self.cfg, matmul_impl=self.matmul_impl,
-                                          top_k_width=TOP_K_WIDTH).token)
+                                          cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                                          match=self.verify_match).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
 

@@ -103,6 +103,7 @@ class DynamicGenerator:
         max_ngram: int = 4,
         adaptive_draft: bool = False,
         draft_token_cost: float | None = None,
+        draft_acceptance: str = "rejection",
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
@@ -126,9 +127,12 @@ class DynamicGenerator:
         ratio is `draft_token_cost`; None: the backend's measured default); else every step with drafts verifies.
         Adaptive gating never changes greedy output or a sampled output's distribution, but a seeded sampled job's
         tokens may then depend on the other jobs the generator ran (they share the acceptance statistics).
+        `draft_acceptance`: how sampled jobs accept drafts: "rejection" (lossless rejection sampling, the default)
+        or "match" (ExLlamaV2's sample-then-match: a draft is kept where it equals the target's own draw; a seeded
+        job then emits the tokens it would without speculation, and a draft model's drafts are accepted less often).
         """
         speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
-                                           draft_token_cost)
+                                           draft_token_cost, draft_acceptance)
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
@@ -189,7 +193,7 @@ class DynamicGenerator:
             self.speculation = SpeculativeStep(engine, self.scheduler, draft_model=draft_model,
                                                num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
                                                max_ngram=max_ngram, tokenizer=tokenizer, adaptive=adaptive_draft,
-                                               draft_token_cost=draft_token_cost)
+                                               draft_token_cost=draft_token_cost, acceptance=draft_acceptance)
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)

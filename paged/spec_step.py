@@ -24,11 +24,12 @@ from typing import Any
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
-from paged.speculative import Accepted, SpecRow, Speculator
+from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator
 
 
 def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
-                           adaptive_draft: Any = False, draft_token_cost: Any = None) -> bool:
+                           adaptive_draft: Any = False, draft_token_cost: Any = None,
+                           draft_acceptance: Any = "rejection") -> bool:
     """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
     given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -52,6 +53,12 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
     if (adaptive_draft or draft_token_cost is not None) and draft_model is None and not use_ngram_draft:
         raise InvalidConfigError("DynamicGenerator: adaptive_draft / draft_token_cost need a drafter (draft_model= "
                                  "or use_ngram_draft=True)")
+    if draft_acceptance not in ACCEPTANCE_RULES:
+        raise InvalidConfigError(f"DynamicGenerator: draft_acceptance must be one of {ACCEPTANCE_RULES} (lossless "
+                                 f"rejection sampling, or sample-then-match), got {draft_acceptance!r}")
+    if draft_acceptance != "rejection" and draft_model is None and not use_ngram_draft:
+        raise InvalidConfigError("DynamicGenerator: draft_acceptance needs a drafter (draft_model= or "
+                                 "use_ngram_draft=True)")
     return draft_model is not None or use_ngram_draft
 
 
@@ -64,7 +71,7 @@ class SpeculativeStep:
 
     def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
                  use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None):
+                 draft_token_cost: float | None = None, acceptance: str = "rejection"):
         if not hasattr(engine, "enable_verification"):
             raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
                                      f"(enable_verification); {type(engine).__name__} does not")
@@ -73,7 +80,7 @@ class SpeculativeStep:
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
         self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                                      use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer,
-                                     adaptive=adaptive, draft_token_cost=draft_token_cost)
+                                     adaptive=adaptive, draft_token_cost=draft_token_cost, acceptance=acceptance)
         self.k = num_draft_tokens
         self.scheduler = scheduler
         self.page_size = scheduler.config.page_size

@@ -11,7 +11,9 @@ Device side (pure, jitted):
   over a history that includes the earlier drafts, bias, bans, temperature, truncation); q the draft model's own
   final distribution, or one-hot for a proposer without one (n-gram). Every random number comes from
   (seed, position): the acceptance uniform and the residual draw from keys folded from the row's
-  `fold_in(key(seed), position)` with their own tags, so a seeded job is reproducible.
+  `fold_in(key(seed), position)` with their own tags, so a seeded job is reproducible. With `match` (the
+  generator's `draft_acceptance="match"`) sampling rows take the greedy rule against the target's own draws instead
+  (sample, then match: ExLlamaV2's rule), which emits exactly the draws of non-speculative sampling.
 - `verify_sample`: the sampler of a verification bucket (`BatchShape.verify_len` W): logits and the ordinary
   sampler at every sample point (S' * W of them), then `accept_drafts`; compiles once per row count S'. The
   distributions stay on the device; the host gets `[S', W]` tokens and log-probs and `[S']` accepted counts
@@ -64,6 +66,7 @@ from paged.sampling import row_keys
 from paged.state import Results
 from paged.step import TOP_K_WIDTH, _sample_rows
 
+ACCEPTANCE_RULES = ("rejection", "match")  # how sampled rows accept drafts (`accept_drafts`)
 ACCEPT_TAG = 0x0ACC  # fold_in tags of the acceptance uniform and the residual draw under a point's key
 RESIDUAL_TAG = 0x0E51
 
@@ -87,6 +90,7 @@ def accept_drafts(
     *,
     always_accept: bool = False,
     residual_renorm: bool = True,
+    match: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(tokens i32 [S, W], num_accepted i32 [S]) for S rows of W = k + 1 positions.
 
@@ -96,7 +100,13 @@ def accept_drafts(
     [S]; positions i32 [S, W]: the position each p_j samples; draft_logprobs f32 [S, k, V]: q_j, the distribution
     draft j was drawn from (None: one-hot, a deterministic proposer).
 
-    Row s emits tokens[s, :num_accepted[s] + 1]: the accepted drafts, then the next token. `always_accept` and
+    Row s emits tokens[s, :num_accepted[s] + 1]: the accepted drafts, then the next token. `match`: sampling rows
+    take the greedy rows' rule instead of rejection sampling (sample, then match, ExLlamaV2's rule): draft j is
+    accepted where it equals the target's own draw `token[:, j]`, and the draw at the first mismatch follows; also
+    lossless (every emitted token is the target's draw), and since each draw uses the key plain decoding uses at
+    that position, a seeded job emits the tokens it would without speculation (up to the float differences between
+    a verification row's logits and a decode row's); it accepts a draft model's drafts less often (sum p q against
+    sum min(p, q) per draft). `always_accept` and
     `residual_renorm=False` are deliberately wrong rules, kept for the tests that show the losslessness test fails
     them: accept every draft; draw the correction from p instead of norm(max(0, p - q)).
     """
@@ -115,7 +125,7 @@ def accept_drafts(
     ok_sampled = u * q_x < p_x  # accept with probability min(1, p / q); never where p(x) = 0
     if always_accept:
         ok_sampled = jnp.ones_like(ok_sampled)
-    ok = jnp.where(greedy[:, None], drafts == token[:, :k], ok_sampled) & valid
+    ok = jnp.where(greedy[:, None] | match, drafts == token[:, :k], ok_sampled) & valid
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)  # leading accepted drafts
     plain = jnp.take_along_axis(token, a[:, None], axis=1)[:, 0]  # the target's draw at the next position
     rejected = (a < num_drafts) & ~greedy  # sampled rows that stopped at a rejection: draw from the residual
@@ -137,14 +147,14 @@ def accept_drafts(
         # r is 0 everywhere only where p = q, which accepts with probability 1 (rounding aside): draw from p then
         return jnp.where(rejected & jnp.any(r > 0, axis=-1), t, plain)
 
-    nxt = jax.lax.cond(jnp.any(rejected), residual, lambda: plain)
+    nxt = plain if match else jax.lax.cond(jnp.any(rejected), residual, lambda: plain)
     jw = jnp.arange(w)[None, :]
     dpad = jnp.concatenate([drafts, jnp.full((s, 1), -1, drafts.dtype)], axis=1)
     tokens = jnp.where(jw < a[:, None], dpad, jnp.where(jw == a[:, None], nxt[:, None], -1))
     return tokens.astype(jnp.int32), a
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width"))
+@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width", "match"))
 def verify_sample(
     head: Weights,
     h: jax.Array,
@@ -156,12 +166,14 @@ def verify_sample(
     cfg: ModelConfig,
     matmul_impl: str = "auto",
     top_k_width: int = TOP_K_WIDTH,
+    match: bool = False,
 ) -> Results:
     """The sampler of a verification step: h [S' * W, H] (every sample point, `step_forward` of a verification
     bucket), `inputs` the per-point sampler inputs (`sample_inputs(batch)`), `verify` the drafts (`drafts` [S', k],
     `num_drafts` [S']), `draft_logprobs` [S', k, V] or None (one-hot drafts). Results are per position: token and
     logprob [S', W] (see `accept_drafts`; logprob under p), top_ids / top_logprobs [S', W, K], logits and final
-    [S', W, V], num_accepted [S']. Compiles once per S' (and per presence of `draft_logprobs`)."""
+    [S', W, V], num_accepted [S']. `match`: sample-then-match acceptance for sampling rows (`accept_drafts`).
+    Compiles once per S' (and per presence of `draft_logprobs`)."""
     drafts, num_drafts = verify["drafts"], verify["num_drafts"]
     s, w = drafts.shape[0], drafts.shape[1] + 1
     res = _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
@@ -169,7 +181,8 @@ def verify_sample(
     final = res.final.reshape(s, w, v)
     sampling = inputs["sampling"]
     tokens, a = accept_drafts(final, res.token.reshape(s, w), drafts, num_drafts, sampling.greedy.reshape(s, w)[:, 0],
-                              sampling.seed.reshape(s, w)[:, 0], inputs["positions"].reshape(s, w), draft_logprobs)
+                              sampling.seed.reshape(s, w)[:, 0], inputs["positions"].reshape(s, w), draft_logprobs,
+                              match=match)
     logprob = jnp.take_along_axis(final, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
     kk = res.top_ids.shape[-1]
     return Results(token=tokens, logprob=logprob, top_ids=res.top_ids.reshape(s, w, kk),
@@ -231,7 +244,9 @@ class Speculator:
     `target`: the generator's `paged.engine.Engine` (its verification buckets are enabled here: construct the
     speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
     tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
-    (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. `adaptive`: a step verifies only where its drafts are
+    (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
+    "rejection" (lossless rejection sampling) or "match" (sample, then match; see `accept_drafts`); greedy rows
+    accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its drafts are
     expected to pay for the verification (`paged.draft_gate`, with `draft_token_cost` its rho; None: the backend's
     measured default); else every step with drafts verifies (ExLlamaV2's behaviour). Invalid combinations raise
     `InvalidConfigError`.
@@ -239,7 +254,7 @@ class Speculator:
 
     def __init__(self, target: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
                  use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None):
+                 draft_token_cost: float | None = None, acceptance: str = "rejection"):
         if draft_model is not None and use_ngram_draft:
             raise InvalidConfigError("speculative decoding takes one drafter: pass draft_model= or "
                                      "use_ngram_draft=True, not both")
@@ -249,7 +264,10 @@ class Speculator:
             raise InvalidConfigError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
             raise InvalidConfigError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise InvalidConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
         self.target = target
+        self.acceptance = acceptance
         self.k = num_draft_tokens
         self.max_ngram = max_ngram
         self.draft = None
@@ -266,7 +284,10 @@ class Speculator:
                 # (a reduced head's draft reads its small head, not the embedding table it gathers from)
                 step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
             self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
-        target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
+        if acceptance == "match":
+            target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None, match=True)
+        else:
+            target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
         self._ngrams: dict[Hashable, Any] = {}
         self.drafted = 0
         self.accepted = 0

@@ -140,9 +140,10 @@ class FakeEngine:
         return t, fake_logprob(t, pos), ids, lps
 
     # ------------------------------------------------------------------ speculative verification (n-gram drafts)
-    def enable_verification(self, num_draft_tokens, draft_probs=False):
+    def enable_verification(self, num_draft_tokens, draft_probs=False, match=False):
         """Accept verification rows (`RowInput.verify`) of up to `num_draft_tokens` one-hot drafts, checked greedily
-        against the fake's own next token (the fake is deterministic, so greedy acceptance is exact)."""
+        against the fake's own next token (the fake is deterministic, so greedy acceptance is exact, and the same as
+        sample-then-match, `match`)."""
         if draft_probs:
             raise ValueError("FakeEngine verifies one-hot drafts only (n-gram), not a draft model's")
         self.verify_len = num_draft_tokens + 1

@@ -458,7 +458,7 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
     run_main(*engine_args(model_dir, *greedy))
     [plain] = read_jsonl(out)
     for extra in (("--ngram_draft",), ("--ngram_draft", "--adaptive_draft", "--draft_token_cost=0"),
-                  ("--draft_model=self:1", "--adaptive_draft")):
+                  ("--draft_model=self:1", "--adaptive_draft"), ("--ngram_draft", "--draft_acceptance=match")):
         run_main(*engine_args(model_dir, *greedy, *extra))
         [spec] = read_jsonl(out)
         assert spec["completion"] == plain["completion"], extra
@@ -466,11 +466,15 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
         kw = generate.speculation_kwargs(generate.load_model_from_flags())
     assert kw == dict(use_ngram_draft=True, max_ngram=4, num_draft_tokens=4, adaptive_draft=True,
                       draft_token_cost=0.3)
+    with flags_set(*engine_args(model_dir, "--draft_model=self:1", "--draft_acceptance=match")):
+        kw = generate.speculation_kwargs(generate.load_model_from_flags())
+    assert kw["draft_acceptance"] == "match" and kw["num_draft_tokens"] == 4
     assert "steps not verified (adaptive)" in generate.speculation_line(
         dict(drafted_tokens=8, accepted_draft_tokens=2, acceptance_rate=0.25, mean_accepted_length=1.5,
              gated_steps=3))
     for bad, message in ((("--adaptive_draft",), "need --ngram_draft or --draft_model"),
-                         (("--ngram_draft", "--draft_token_cost=0.2"), "applies to --adaptive_draft only")):
+                         (("--ngram_draft", "--draft_token_cost=0.2"), "applies to --adaptive_draft only"),
+                         (("--draft_acceptance=match",), "need --ngram_draft or --draft_model")):
         with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):
             with pytest.raises(app.UsageError, match=message):
                 generate.main(["generate"])

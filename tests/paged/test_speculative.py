@@ -121,6 +121,7 @@ def _emitted_pairs(rule: dict, n: int = 20000, one_hot: bool = False, seed: int 
     final = np.log(np.stack([np.broadcast_to(P0, (n, 4)), P1[d1], np.full((n, 4), 0.25)], axis=1))  # [n, 3, V]
     q = None if one_hot else np.log(np.stack([np.broadcast_to(Q0, (n, 4)), Q1[d1]], axis=1))
     token = np.zeros((n, 3), np.int32)
+    token[:, 0] = rng.choice(4, size=n, p=P0)  # the target's own draws (sample-then-match compares drafts to them)
     token[:, 1] = [rng.choice(4, p=P1[x]) for x in d1]  # the target's own draw at position 1 (the bonus there)
     token[:, 2] = 0
     toks, a = accept_drafts(jnp.asarray(final, jnp.float32), jnp.asarray(token), jnp.asarray(np.stack([d1, d2], 1)),
@@ -136,17 +137,33 @@ def _emitted_pairs(rule: dict, n: int = 20000, one_hot: bool = False, seed: int 
 
 
 @pytest.mark.parametrize("rule, lossless", [({}, True), ({"always_accept": True}, False),
-                                            ({"residual_renorm": False}, False)])
+                                            ({"residual_renorm": False}, False), ({"match": True}, True)])
 @pytest.mark.parametrize("one_hot", [False, True])
 def test_rejection_sampling_is_lossless_and_broken_rules_are_caught(rule, lossless, one_hot):
     """The first two emitted tokens follow the target's distribution (total variation within sampling noise of
-    20000 seeds); accepting every draft, or drawing the correction from p instead of norm(max(0, p - q)), does not."""
+    20000 seeds); accepting every draft, or drawing the correction from p instead of norm(max(0, p - q)), does not.
+    Sample-then-match (`match`) is lossless too: it emits the target's own draws."""
     if one_hot and rule.get("residual_renorm") is False:
         pass  # with one-hot q the unnormalised residual is p with the draft kept: still biased, caught as well
     joint = _emitted_pairs(rule, one_hot=one_hot)
     want = P0[:, None] * P1
     tv = 0.5 * np.abs(joint - want).sum()
     assert (tv < 0.025) == lossless, tv
+
+
+def test_sample_then_match_keeps_the_drafts_equal_to_the_targets_draws():
+    # sampled rows (greedy False): drafts 5 6 7 against the target's draws 5 6 2 (and 4 after the last draft)
+    final = jnp.full((2, 4, 9), -np.log(9.0), jnp.float32)
+    token = jnp.asarray([[5, 6, 2, 4], [1, 3, 3, 3]], jnp.int32)
+    drafts = jnp.asarray([[5, 6, 7], [1, 3, 3]], jnp.int32)
+    args = (final, token, drafts, jnp.asarray([3, 3], jnp.int32), jnp.zeros(2, bool), jnp.arange(2, dtype=jnp.uint32),
+            jnp.tile(jnp.arange(4), (2, 1)))
+    toks, a = accept_drafts(*args, match=True)
+    assert np.asarray(a).tolist() == [2, 3]  # the second row: all three, then the draw after the last draft
+    assert np.asarray(toks).tolist() == [[5, 6, 2, -1], [1, 3, 3, 3]]  # the correction is the target's draw: 2
+    # rejection sampling with these one-hot drafts accepts each with probability p(x) = 1/9 instead
+    _, a_rej = accept_drafts(*args)
+    assert np.asarray(a_rej).tolist() != [2, 3]
 
 
 def test_every_draft_is_accepted_when_q_equals_p():
@@ -274,6 +291,18 @@ def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
+def test_sample_then_match_accepts_fewer_of_an_identical_drafts_tokens():
+    """With q = p at temperature 1 rejection sampling accepts every draft (above); sample-then-match keeps a draft
+    only where the draft's draw equals the target's independent draw (probability sum p^2: rare on this flat tiny
+    model)."""
+    engine = Engine(MODEL, **SETTINGS)
+    spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance="match")
+    sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
+    outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
+    assert all(len(o) == 10 for o in outs)
+    assert spec.stats()["drafted_tokens"] >= 15 and spec.stats()["acceptance_rate"] < 0.5
+
+
 @pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator
 def test_draft_cache_mirrors_the_targets_page_ids():
     engine = Engine(MODEL, **SETTINGS)
@@ -292,6 +321,8 @@ def test_invalid_speculation_configs():
         Speculator(engine, draft_model=MODEL, use_ngram_draft=True)
     with pytest.raises(InvalidConfigError, match="num_draft_tokens"):
         Speculator(engine, use_ngram_draft=True, num_draft_tokens=0)
+    with pytest.raises(InvalidConfigError, match="acceptance must be one of"):
+        Speculator(engine, use_ngram_draft=True, acceptance="accept-all")
     small = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(InvalidConfigError, match="vocabulary"):

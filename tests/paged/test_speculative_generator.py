@@ -269,6 +269,10 @@ def test_invalid_speculation_arguments():
         DynamicGenerator(MODEL, draft_model=other_tok, **SETTINGS)
     with pytest.raises(InvalidConfigError, match="draft model needs"):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), draft_model=MODEL)
+    with pytest.raises(InvalidConfigError, match="draft_acceptance must be one of"):
+        DynamicGenerator(MODEL, use_ngram_draft=True, draft_acceptance="always", **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="draft_acceptance needs a drafter"):
+        DynamicGenerator(MODEL, draft_acceptance="match", **SETTINGS)
 
 
 def test_compat_aliases_accept_the_speculation_arguments():
@@ -278,6 +282,8 @@ def test_compat_aliases_accept_the_speculation_arguments():
     assert g.speculation.speculator.draft is not None
     a = ExLlamaV2DynamicGeneratorAsync(MODEL, None, TOK, use_ngram_draft=True, **SETTINGS)
     assert a.generator.speculation is not None
+    g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, use_ngram_draft=True, draft_acceptance="match", **SETTINGS)
+    assert g.speculation.speculator.acceptance == "match" and g.engine.verify_match
     with pytest.raises(InvalidConfigError, match="not both"):
         ExLlamaV2DynamicGenerator(MODEL, None, TOK, draft_model=MODEL, use_ngram_draft=True, **SETTINGS)
 
@@ -389,6 +395,20 @@ def test_same_seed_same_output_at_temperature(drafter):
                                             for x in r["token_ids"]]) for i in c.finals)})
     assert outs[0] == outs[1]
     assert all(len(v) > 0 for k, v in outs[0].items() if isinstance(k, tuple))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_sample_then_match_emits_the_non_speculative_draws(drafter):
+    """draft_acceptance="match": a seeded sampled job emits exactly the tokens it emits without speculation (each
+    position's draw uses plain decoding's key), accepted drafts and corrections alike. Temperature 0.01 (still
+    sampled: greedy is below 0.01) makes the tiny model's draws predictable enough that drafts are accepted."""
+    sampled = SamplingSettings(temperature=0.01, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    ref = run_model(jobs=model_jobs(sampled, seed=5))[1]
+    spec = dict(draft_model=MODEL) if drafter == "model" else dict(use_ngram_draft=True, max_ngram=2)
+    gen, c = run_model(dict(num_draft_tokens=3, draft_acceptance="match", **spec), jobs=model_jobs(sampled, seed=5))
+    same_stream(c, ref)
+    m = gen.metrics()
+    assert m["accepted_draft_tokens"] > 0 and m["rejected_draft_tokens"] > 0
 
 
 def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference):

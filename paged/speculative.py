@@ -105,10 +105,11 @@ def accept_drafts(
     accepted where it equals the target's own draw `token[:, j]`, and the draw at the first mismatch follows; also
     lossless (every emitted token is the target's draw), and since each draw uses the key plain decoding uses at
     that position, a seeded job emits the tokens it would without speculation (up to the float differences between
-    a verification row's logits and a decode row's); it accepts a draft model's drafts less often (sum p q against
-    sum min(p, q) per draft). `always_accept` and
-    `residual_renorm=False` are deliberately wrong rules, kept for the tests that show the losslessness test fails
-    them: accept every draft; draw the correction from p instead of norm(max(0, p - q)).
+    a verification row's logits and a decode row's). A draft model then draws with the target's keys
+    (`paged.draft.DraftModel.coupled`), so a draft is accepted with probability at least (1 - TV) / (1 + TV) per
+    position (Gumbel-max coupling; rejection sampling: 1 - TV = sum min(p, q); independent draws: sum p q).
+    `always_accept` and `residual_renorm=False` are deliberately wrong rules, kept for the tests that show the
+    losslessness test fails them: accept every draft; draw the correction from p instead of norm(max(0, p - q)).
     """
     s, w, v = final.shape
     k = w - 1
@@ -274,7 +275,8 @@ class Speculator:
         if draft_model is not None:
             from paged.draft import DraftModel
 
-            self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer)
+            self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer,
+                                    coupled=acceptance == "match")
         self.gate = None
         if adaptive:
             from paged.draft_gate import DraftGate

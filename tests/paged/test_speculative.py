@@ -291,16 +291,25 @@ def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
-def test_sample_then_match_accepts_fewer_of_an_identical_drafts_tokens():
-    """With q = p at temperature 1 rejection sampling accepts every draft (above); sample-then-match keeps a draft
-    only where the draft's draw equals the target's independent draw (probability sum p^2: rare on this flat tiny
-    model)."""
-    engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance="match")
+def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
+    """Sample-then-match keeps a draft only where it equals the target's own draw. The draft model draws with the
+    target's keys (the same Gumbel noise per token at each position), so with q = p at temperature 1 it draws the
+    target's tokens and every draft is accepted, as with rejection sampling; with independent draws (the draft's
+    seed salted, as for rejection sampling) it would match with probability sum p^2, rare on this flat tiny model.
+    Either way the output is plain sampling's."""
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
-    outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
-    assert all(len(o) == 10 for o in outs)
-    assert spec.stats()["drafted_tokens"] >= 15 and spec.stats()["acceptance_rate"] < 0.5
+    plain, _ = _loop(Engine(MODEL, **SETTINGS), None, PROMPTS, 10, sampling)
+    rates = {}
+    for coupled in (True, False):
+        engine = Engine(MODEL, **SETTINGS)
+        spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance="match")
+        assert spec.draft.coupled
+        spec.draft.coupled = coupled
+        outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
+        assert outs == plain
+        assert spec.stats()["drafted_tokens"] >= 15
+        rates[coupled] = spec.stats()["acceptance_rate"]
+    assert rates[True] == 1.0 and rates[False] < 0.5, rates
 
 
 @pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator

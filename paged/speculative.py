@@ -236,7 +236,9 @@ class Accepted:
     num_accepted: int = 0
 
 
-DRAFT_SEED_SALT = 0x5D2AF7E3  # a draft model samples with seed ^ this: its draws are independent of the target's
+# a draft model samples with seed ^ this: its draws are independent of the target's (rejection sampling); with
+# sample-then-match it draws with the seed itself, coupled with the target's draws (`paged.draft`)
+DRAFT_SEED_SALT = 0x5D2AF7E3
 
 
 class Speculator:

@@ -36,9 +36,10 @@ flags.DEFINE_list("workloads", ["copy", "chat"], "seeded workloads")
 flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
 flags.DEFINE_integer("max_ngram", 4, "n-gram drafter: longest suffix matched")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
-flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (rejection sampling)")
-flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match"], "how sampled jobs accept drafts: lossless "
-                  "rejection sampling, or ExLlamaV2's sample-then-match (DynamicGenerator(draft_acceptance=))")
+flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (drafts accepted by --draft_acceptance's rule)")
+flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match", "exllamav2"], "how sampled jobs accept "
+                  "drafts: lossless rejection sampling, sample-then-match with coupled draws, or with greedy drafts as "
+                  "ExLlamaV2 (DynamicGenerator(draft_acceptance=))")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")
 flags.DEFINE_string("json_out", None, "write the record here")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)

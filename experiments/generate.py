@@ -126,8 +126,9 @@ flags.DEFINE_bool("adaptive_draft", False, "verify drafts only in steps where th
                   "verification (per-job acceptance against a step-cost model; docs/speculative.md)")
 flags.DEFINE_float("draft_token_cost", None, "--adaptive_draft: the cost model's rho, one query token over a step's "
                    "fixed cost (default: the backend's measured value)")
-flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match"], "how sampled jobs accept drafts: lossless "
-                  "rejection sampling, or ExLlamaV2's sample-then-match (the tokens plain sampling emits per seed)")
+flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match", "exllamav2"], "how sampled jobs accept "
+                  "drafts: lossless rejection sampling, or sample-then-match (the tokens plain sampling emits per "
+                  "seed) with a draft model's draws coupled to the target's, or with greedy drafts as ExLlamaV2")
 # --- constrained decoding (paged/filters.py): the output of every job follows these (they intersect)
 flags.DEFINE_string("json_schema", None, "a JSON-schema file: the output is one JSON value valid under it")
 flags.DEFINE_string("regex", None, "the output matches this regular expression as a whole (Rust regex syntax)")

@@ -23,8 +23,8 @@ than that unverified. Each run is also priced with a cost per verification width
 `--price` times a plain and a verification step at batch 1 in the generator for every width of `--widths` and every
 k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
 `predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
-and `predicted_speedup_widths`, each at the smallest of `--widths` that holds its drafts (an engine with a
-verification bucket per width, which the generator does not have).
+and `predicted_speedup_widths`, each at the narrowest of `--widths` below k + 1, or k + 1, that holds its drafts (an
+engine with a verification bucket per width, which the generator does not have).
 
     python -m experiments.ngram_bound --json_out experiments/results/ngram_bound_cpu.json
     python -m experiments.ngram_bound --workloads copy --num_draft_tokens 4,8,16 --policies all,grow,oracle \
@@ -45,6 +45,10 @@ def width_costs(widths, prices: dict | None, model: tuple[float, float]) -> dict
     """A verification of width W in plain steps, for each W of `widths`: measured (`prices`, `price_steps`'s answer
     keyed by k = W - 1) where given, else A + B (W - 1) with (A, B) = `model`."""
     if prices:
+        missing = [w for w in widths if not (prices[w - 1]["verify_ms"] and prices[w - 1]["plain_ms"])]
+        if missing:
+            raise app.UsageError(f"--price: no verification or no plain step was timed at widths {missing} (the "
+                                 "pricing prompts drafted nothing there); use more --max_new_tokens")
         return {w: prices[w - 1]["verify_ms"] / prices[w - 1]["plain_ms"] for w in widths}
     return {w: model[0] + model[1] * (w - 1) for w in widths}
 
@@ -93,9 +97,7 @@ def main(argv):
     if bad or not widths or widths[0] < 2 or len(FLAGS.cost_model) != 2:
         raise app.UsageError(f"--policies must be among {REPLAY_POLICIES} (got {bad}), --widths >= 2, --cost_model "
                              "two numbers A,B")
-    if max(ks) + 1 > widths[-1]:
-        widths.append(max(ks) + 1)  # the variable-width prediction needs a width for k drafts
-    all_widths = sorted(set(widths) | {k + 1 for k in ks})
+    all_widths = sorted({w for w in widths if w <= max(ks) + 1} | {k + 1 for k in ks})
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "workloads", "num_prompts", "max_new_tokens",
                                                         "seed", "num_draft_tokens", "max_ngram", "verify_costs",
                                                         "policies", "min_match", "widths", "price", "cost_model")},
@@ -110,7 +112,6 @@ def main(argv):
     cost_of = width_costs(all_widths, prices, (float(FLAGS.cost_model[0]), float(FLAGS.cost_model[1])))
     record["width_costs"] = {str(w): c for w, c in cost_of.items()}
     print("verification cost by width (plain steps):", {w: round(c, 3) for w, c in cost_of.items()}, flush=True)
-    variable = {w: cost_of[w] for w in widths}
     stop = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else None
     for wl in FLAGS.workloads:
         outputs = []
@@ -129,7 +130,9 @@ def main(argv):
                 for r in per:
                     total = total.add(r)
                 fixed = total.speedup(cost_of[k + 1])
-                flexible = total.speedup_by(lambda m: smallest_width(variable, m))
+                # an engine with a bucket for each of --widths up to k + 1, and k + 1 itself
+                variable = {w: c for w, c in cost_of.items() if w in widths and w < k + 1} | {k + 1: cost_of[k + 1]}
+                flexible = total.speedup_by(lambda m, v=variable: smallest_width(v, m))
                 run = {"workload": wl, "num_draft_tokens": k, "policy": policy, **dataclasses.asdict(total),
                        "verified": {str(m): n for m, n in sorted(total.verified.items())},
                        "tokens_per_step": total.tokens / total.steps,
@@ -145,7 +148,7 @@ def main(argv):
                 print(f"{wl:>5} k={k:<3} {policy:>6}  tokens {total.tokens} steps {total.steps} verifications "
                       f"{total.verifications}  tokens/step {run['tokens_per_step']:.2f}  tokens/verification "
                       f"{'-' if tpv is None else f'{tpv:.2f}'}  predicted {pred}  width {k + 1}: {fixed:.2f}x  "
-                      f"widths {widths}: {flexible:.2f}x", flush=True)
+                      f"widths {sorted(variable)}: {flexible:.2f}x", flush=True)
     write_record(FLAGS.json_out, record)
 
 

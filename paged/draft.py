@@ -13,7 +13,8 @@ The draft samples its drafts with the job's seed salted (`DRAFT_SEED_SALT`), so 
 target's, except when `coupled` (sample-then-match acceptance): it then draws with the target's own keys, so at
 each position the draft and the target add the same Gumbel noise to their log-probabilities, and a draft whose
 distribution is close to the target's draws the target's token (Gumbel-max coupling): matching then accepts far
-more than the independent draws' sum p q, every draft where q = p.
+more than the independent draws' sum p q, every draft where q = p. `greedy` (ExLlamaV2's sample-then-match): the
+draft proposes its argmax (after the row's penalties and bias) at every position instead of sampling.
 
 Validation (`InvalidConfigError`): the draft must share the target's vocabulary size and, where both have one,
 its tokenizer (the bytes of every token).
@@ -57,12 +58,13 @@ class DraftModel:
     """The draft side of `paged.speculative.Speculator` for a draft model."""
 
     def __init__(self, target: Any, model: Any, num_draft_tokens: int, tokenizer: Any = None,
-                 coupled: bool = False):
+                 coupled: bool = False, greedy: bool = False):
         from paged.engine import Engine
 
         check_draft_model(target.model, model, tokenizer)
         self.k = num_draft_tokens
         self.coupled = coupled  # draw with the target's keys (see the module docstring)
+        self.greedy = greedy  # propose the argmax instead of a draw
         self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0))  # (drafts without adapters)
         self.engine.enable_drafting(num_draft_tokens)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
@@ -128,6 +130,8 @@ class DraftModel:
             sampling = dict(row.sampling or {})
             if not self.coupled:
                 sampling["seed"] = (int(sampling.get("seed", 0)) ^ DRAFT_SEED_SALT) & 0xFFFFFFFF
+            if self.greedy:
+                sampling["temperature"] = 0.0
             if offsets[i]:  # the token before the row's is missing too: feed it first, then the row's
                 hist = list(s.sequence[: row.start_pos])[-len(row.history) :] if len(row.history) else ()
                 drows.append(RowInput(tokens=[s.sequence[row.start_pos - 1]], start_pos=row.start_pos - 1,

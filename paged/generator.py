@@ -126,12 +126,13 @@ class DynamicGenerator:
         verification (`paged.draft_gate`: per-job acceptance estimates against a step-cost model whose per-token cost
         ratio is `draft_token_cost`; None: the backend's measured default); else every step with drafts verifies.
         Adaptive gating never changes greedy output or a sampled output's distribution, but a seeded sampled job's
-        tokens may then depend on the other jobs the generator ran (they share the acceptance statistics).
+        tokens may then depend on the other jobs the generator ran (they share the acceptance statistics), except
+        with sample-then-match acceptance.
         `draft_acceptance`: how sampled jobs accept drafts: "rejection" (lossless rejection sampling, the default)
-        or "match" (ExLlamaV2's sample-then-match: a draft is kept where it equals the target's own draw, a draft
-        model drawing with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it
-        would without speculation whatever the drafter, and a draft model's drafts are accepted a little less often
-        than by rejection sampling).
+        "match" (sample-then-match: a draft is kept where it equals the target's own draw, a draft model drawing
+        with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it would without
+        speculation whatever the drafter, and a draft model's drafts are accepted a little less often than by
+        rejection sampling), or "exllamav2" (the same, a draft model proposing its argmax, as ExLlamaV2 does).
         """
         speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
                                            draft_token_cost, draft_acceptance)

@@ -55,7 +55,8 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
                                  "or use_ngram_draft=True)")
     if draft_acceptance not in ACCEPTANCE_RULES:
         raise InvalidConfigError(f"DynamicGenerator: draft_acceptance must be one of {ACCEPTANCE_RULES} (lossless "
-                                 f"rejection sampling, or sample-then-match), got {draft_acceptance!r}")
+                                 f"rejection sampling, sample-then-match with coupled draws, or with greedy drafts "
+                                 f"as ExLlamaV2), got {draft_acceptance!r}")
     if draft_acceptance != "rejection" and draft_model is None and not use_ngram_draft:
         raise InvalidConfigError("DynamicGenerator: draft_acceptance needs a drafter (draft_model= or "
                                  "use_ngram_draft=True)")

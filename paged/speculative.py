@@ -12,8 +12,8 @@ Device side (pure, jitted):
   final distribution, or one-hot for a proposer without one (n-gram). Every random number comes from
   (seed, position): the acceptance uniform and the residual draw from keys folded from the row's
   `fold_in(key(seed), position)` with their own tags, so a seeded job is reproducible. With `match` (the
-  generator's `draft_acceptance="match"`) sampling rows take the greedy rule against the target's own draws instead
-  (sample, then match: ExLlamaV2's rule), which emits exactly the draws of non-speculative sampling.
+  generator's `draft_acceptance="match"` or `"exllamav2"`) sampling rows take the greedy rule against the target's
+  own draws instead (sample, then match, as ExLlamaV2), which emits exactly the draws of non-speculative sampling.
 - `verify_sample`: the sampler of a verification bucket (`BatchShape.verify_len` W): logits and the ordinary
   sampler at every sample point (S' * W of them), then `accept_drafts`; compiles once per row count S'. The
   distributions stay on the device; the host gets `[S', W]` tokens and log-probs and `[S']` accepted counts
@@ -66,7 +66,9 @@ from paged.sampling import row_keys
 from paged.state import Results
 from paged.step import TOP_K_WIDTH, _sample_rows
 
-ACCEPTANCE_RULES = ("rejection", "match")  # how sampled rows accept drafts (`accept_drafts`)
+# how sampled rows accept drafts: rejection sampling; sample-then-match with a draft model's draws coupled to the
+# target's; sample-then-match against greedy drafts, as ExLlamaV2 (`accept_drafts`, `paged.draft`)
+ACCEPTANCE_RULES = ("rejection", "match", "exllamav2")
 ACCEPT_TAG = 0x0ACC  # fold_in tags of the acceptance uniform and the residual draw under a point's key
 RESIDUAL_TAG = 0x0E51
 
@@ -248,7 +250,8 @@ class Speculator:
     speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
     tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
     (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
-    "rejection" (lossless rejection sampling) or "match" (sample, then match; see `accept_drafts`); greedy rows
+    "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft model's
+    draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily); greedy rows
     accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its drafts are
     expected to pay for the verification (`paged.draft_gate`, with `draft_token_cost` its rho; None: the backend's
     measured default); else every step with drafts verifies (ExLlamaV2's behaviour). Invalid combinations raise
@@ -278,7 +281,7 @@ class Speculator:
             from paged.draft import DraftModel
 
             self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer,
-                                    coupled=acceptance == "match")
+                                    coupled=acceptance == "match", greedy=acceptance == "exllamav2")
         self.gate = None
         if adaptive:
             from paged.draft_gate import DraftGate
@@ -288,10 +291,14 @@ class Speculator:
                 # (a reduced head's draft reads its small head, not the embedding table it gathers from)
                 step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
             self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
-        if acceptance == "match":
-            target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None, match=True)
-        else:
+        if acceptance == "rejection":
             target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
+        else:  # matching reads no draft distributions
+            try:
+                target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+            except TypeError as e:
+                raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
+                                         f"takes match=True; {type(target).__name__}'s does not ({e})") from e
         self._ngrams: dict[Hashable, Any] = {}
         self.drafted = 0
         self.accepted = 0

@@ -458,7 +458,7 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
     run_main(*engine_args(model_dir, *greedy))
     [plain] = read_jsonl(out)
     for extra in (("--ngram_draft",), ("--ngram_draft", "--adaptive_draft", "--draft_token_cost=0"),
-                  ("--draft_model=self:1", "--adaptive_draft"), ("--ngram_draft", "--draft_acceptance=match")):
+                  ("--draft_model=self:1", "--adaptive_draft")):
         run_main(*engine_args(model_dir, *greedy, *extra))
         [spec] = read_jsonl(out)
         assert spec["completion"] == plain["completion"], extra
@@ -466,6 +466,14 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
         kw = generate.speculation_kwargs(generate.load_model_from_flags())
     assert kw == dict(use_ngram_draft=True, max_ngram=4, num_draft_tokens=4, adaptive_draft=True,
                       draft_token_cost=0.3)
+    # sampled and seeded: sample-then-match emits plain sampling's tokens (rejection sampling would draw others)
+    sampled = ("--temperature=0.9", "--seed=3", "--prompt=hello hello hello hello", f"--output={out}",
+               "--max_new_tokens=12")
+    run_main(*engine_args(model_dir, *sampled))
+    [plain_sampled] = read_jsonl(out)
+    run_main(*engine_args(model_dir, *sampled, "--draft_model=self:1", "--draft_acceptance=match"))
+    [matched] = read_jsonl(out)
+    assert matched["completion"] == plain_sampled["completion"]
     with flags_set(*engine_args(model_dir, "--draft_model=self:1", "--draft_acceptance=match")):
         kw = generate.speculation_kwargs(generate.load_model_from_flags())
     assert kw["draft_acceptance"] == "match" and kw["num_draft_tokens"] == 4

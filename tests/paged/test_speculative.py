@@ -142,7 +142,8 @@ def _emitted_pairs(rule: dict, n: int = 20000, one_hot: bool = False, seed: int 
 def test_rejection_sampling_is_lossless_and_broken_rules_are_caught(rule, lossless, one_hot):
     """The first two emitted tokens follow the target's distribution (total variation within sampling noise of
     20000 seeds); accepting every draft, or drawing the correction from p instead of norm(max(0, p - q)), does not.
-    Sample-then-match (`match`) is lossless too: it emits the target's own draws."""
+    Sample-then-match (`match`) is lossless too: it emits the target's own draws (here the harness's draws from P0
+    and P1, so this case checks only that it never emits a draft that differs from them)."""
     if one_hot and rule.get("residual_renorm") is False:
         pass  # with one-hot q the unnormalised residual is p with the draft kept: still biased, caught as well
     joint = _emitted_pairs(rule, one_hot=one_hot)
@@ -300,16 +301,27 @@ def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
     plain, _ = _loop(Engine(MODEL, **SETTINGS), None, PROMPTS, 10, sampling)
     rates = {}
-    for coupled in (True, False):
+    for rule, coupled in (("match", True), ("match", False), ("exllamav2", False)):
         engine = Engine(MODEL, **SETTINGS)
-        spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance="match")
-        assert spec.draft.coupled
+        spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance=rule)
+        assert spec.draft.coupled == (rule == "match") and spec.draft.greedy == (rule == "exllamav2")
         spec.draft.coupled = coupled
+        draft_rows, run = [], spec.draft.engine.draft
+
+        def spy(rows, *a, _run=run, _seen=draft_rows, **k):
+            _seen.extend(rows)
+            return _run(rows, *a, **k)
+
+        spec.draft.engine.draft = spy
         outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
         assert outs == plain
+        # ExLlamaV2 proposes the draft's argmax (a greedy draft row); the others sample at the job's temperature
+        assert {r.sampling["temperature"] for r in draft_rows} == ({0.0} if rule == "exllamav2" else {1.0})
+        assert {r.sampling["seed"] in (11, 12, 13) for r in draft_rows} == {coupled}
         assert spec.stats()["drafted_tokens"] >= 15
-        rates[coupled] = spec.stats()["acceptance_rate"]
-    assert rates[True] == 1.0 and rates[False] < 0.5, rates
+        rates[rule, coupled] = spec.stats()["acceptance_rate"]
+    # coupled: every draft; independent draws: sum p^2; greedy drafts (ExLlamaV2): p(argmax), both rare here
+    assert rates["match", True] == 1.0 and rates["match", False] < 0.5 and rates["exllamav2", False] < 0.5, rates
 
 
 @pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator

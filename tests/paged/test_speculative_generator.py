@@ -274,6 +274,13 @@ def test_invalid_speculation_arguments():
     with pytest.raises(InvalidConfigError, match="draft_acceptance needs a drafter"):
         DynamicGenerator(MODEL, draft_acceptance="match", **SETTINGS)
 
+    class OldEngine(FakeEngine):  # an engine from before sample-then-match
+        def enable_verification(self, num_draft_tokens, draft_probs=False):
+            super().enable_verification(num_draft_tokens, draft_probs)
+
+    with pytest.raises(InvalidConfigError, match="takes match=True"):
+        DynamicGenerator(tokenizer=TOK, engine=OldEngine(), use_ngram_draft=True, draft_acceptance="exllamav2")
+
 
 def test_compat_aliases_accept_the_speculation_arguments():
     g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, use_ngram_draft=True, num_draft_tokens=3, max_ngram=2, **SETTINGS)
@@ -397,17 +404,32 @@ def test_same_seed_same_output_at_temperature(drafter):
     assert all(len(v) > 0 for k, v in outs[0].items() if isinstance(k, tuple))
 
 
-@pytest.mark.parametrize("drafter, temperature", [("model", 0.5), ("ngram", 0.01)])
-def test_sample_then_match_emits_the_non_speculative_draws(drafter, temperature):
-    """draft_acceptance="match": a seeded sampled job emits exactly the tokens it emits without speculation (each
-    position's draw uses plain decoding's key), accepted drafts and corrections alike, whatever the drafter. The
-    unrelated draft model draws with the target's Gumbel noise, so on these flat tiny models it often draws the
-    target's token; prompt lookup's drafts are accepted at temperature 0.01 (still sampled: greedy is below 0.01),
-    where the draws are predictable."""
+@pytest.mark.parametrize("rule, drafter, temperature", [("match", "model", 0.5), ("match", "ngram", 0.01),
+                                                         ("exllamav2", "self", 0.01)])
+def test_sample_then_match_emits_the_non_speculative_draws(rule, drafter, temperature):
+    """draft_acceptance="match" / "exllamav2": a seeded sampled job emits exactly the tokens it emits without
+    speculation (each position's draw uses plain decoding's key), accepted drafts and corrections alike, whatever the
+    drafter. The unrelated draft model draws with the target's Gumbel noise ("match"), so on these flat tiny models
+    it often draws the target's token; prompt lookup's drafts and the target's own greedy drafts ("exllamav2") are
+    accepted at temperature 0.01 (still sampled: greedy is below 0.01), where the draws are predictable."""
     sampled = SamplingSettings(temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
     ref = run_model(jobs=model_jobs(sampled, seed=5))[1]
-    spec = dict(draft_model=OTHER) if drafter == "model" else dict(use_ngram_draft=True, max_ngram=2)
-    gen, c = run_model(dict(num_draft_tokens=3, draft_acceptance="match", **spec), jobs=model_jobs(sampled, seed=5))
+    spec = {"model": dict(draft_model=OTHER), "self": dict(draft_model=MODEL),
+            "ngram": dict(use_ngram_draft=True, max_ngram=2)}[drafter]
+    gen, c = run_model(dict(num_draft_tokens=3, draft_acceptance=rule, **spec), jobs=model_jobs(sampled, seed=5))
+    same_stream(c, ref)
+    m = gen.metrics()
+    assert m["accepted_draft_tokens"] > 0 and m["rejected_draft_tokens"] > 0
+
+
+def test_sample_then_match_with_penalties_and_truncation():
+    """The same identity with ExLlamaV2's default truncation (top-k 50, top-p 0.8), a repetition penalty over a
+    window and frequency / presence penalties, which see the earlier drafts of a verification row."""
+    sampled = SamplingSettings(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3)
+    kw = dict(max_penalty_range=16)
+    ref = run_model(jobs=model_jobs(sampled, seed=9), **kw)[1]
+    gen, c = run_model(dict(num_draft_tokens=3, draft_acceptance="match", draft_model=OTHER),
+                       jobs=model_jobs(sampled, seed=9), **kw)
     same_stream(c, ref)
     m = gen.metrics()
     assert m["accepted_draft_tokens"] > 0 and m["rejected_draft_tokens"] > 0

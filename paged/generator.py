@@ -128,7 +128,7 @@ class DynamicGenerator:
         Adaptive gating never changes greedy output or a sampled output's distribution, but a seeded sampled job's
         tokens may then depend on the other jobs the generator ran (they share the acceptance statistics), except
         with sample-then-match acceptance.
-        `draft_acceptance`: how sampled jobs accept drafts: "rejection" (lossless rejection sampling, the default)
+        `draft_acceptance`: how sampled jobs accept drafts: "rejection" (lossless rejection sampling, the default),
         "match" (sample-then-match: a draft is kept where it equals the target's own draw, a draft model drawing
         with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it would without
         speculation whatever the drafter, and a draft model's drafts are accepted a little less often than by

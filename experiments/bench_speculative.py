@@ -21,6 +21,7 @@ import time
 from absl import app, flags
 
 from experiments.common import chat_prompt, workload, write_record
+from paged.speculative import ACCEPTANCE_RULES
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
@@ -37,7 +38,7 @@ flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
 flags.DEFINE_integer("max_ngram", 4, "n-gram drafter: longest suffix matched")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens per job")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled (drafts accepted by --draft_acceptance's rule)")
-flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match", "exllamav2"], "how sampled jobs accept "
+flags.DEFINE_enum("draft_acceptance", "rejection", list(ACCEPTANCE_RULES), "how sampled jobs accept "
                   "drafts: lossless rejection sampling, sample-then-match with coupled draws, or with greedy drafts as "
                   "ExLlamaV2 (DynamicGenerator(draft_acceptance=))")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")

@@ -52,6 +52,7 @@ from typing import IO, Any
 from absl import app, flags
 
 from experiments import engine_flags
+from paged.speculative import ACCEPTANCE_RULES
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
@@ -126,7 +127,7 @@ flags.DEFINE_bool("adaptive_draft", False, "verify drafts only in steps where th
                   "verification (per-job acceptance against a step-cost model; docs/speculative.md)")
 flags.DEFINE_float("draft_token_cost", None, "--adaptive_draft: the cost model's rho, one query token over a step's "
                    "fixed cost (default: the backend's measured value)")
-flags.DEFINE_enum("draft_acceptance", "rejection", ["rejection", "match", "exllamav2"], "how sampled jobs accept "
+flags.DEFINE_enum("draft_acceptance", "rejection", list(ACCEPTANCE_RULES), "how sampled jobs accept "
                   "drafts: lossless rejection sampling, or sample-then-match (the tokens plain sampling emits per "
                   "seed) with a draft model's draws coupled to the target's, or with greedy drafts as ExLlamaV2")
 # --- constrained decoding (paged/filters.py): the output of every job follows these (they intersect)

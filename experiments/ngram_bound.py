@@ -123,6 +123,8 @@ def main(argv):
                 list(gen.iterate())
             outputs.append((ids, [int(t) for t in np.asarray(job.sequence[len(ids):]).ravel()]))
         for k in ks:
+            # an engine with a bucket for each of --widths up to k + 1, and k + 1 itself
+            variable = {w: c for w, c in cost_of.items() if w in widths and w < k + 1} | {k + 1: cost_of[k + 1]}
             for policy in FLAGS.policies:
                 per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match)
                        for p, o in outputs]
@@ -130,8 +132,6 @@ def main(argv):
                 for r in per:
                     total = total.add(r)
                 fixed = total.speedup(cost_of[k + 1])
-                # an engine with a bucket for each of --widths up to k + 1, and k + 1 itself
-                variable = {w: c for w, c in cost_of.items() if w in widths and w < k + 1} | {k + 1: cost_of[k + 1]}
                 flexible = total.speedup_by(lambda m, v=variable: smallest_width(v, m))
                 run = {"workload": wl, "num_draft_tokens": k, "policy": policy, **dataclasses.asdict(total),
                        "verified": {str(m): n for m, n in sorted(total.verified.items())},

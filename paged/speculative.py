@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -294,11 +295,11 @@ class Speculator:
         if acceptance == "rejection":
             target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
         else:  # matching reads no draft distributions
-            try:
-                target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
-            except TypeError as e:
+            params = inspect.signature(target.enable_verification).parameters
+            if "match" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
                 raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
-                                         f"takes match=True; {type(target).__name__}'s does not ({e})") from e
+                                         f"takes match=True; {type(target).__name__}'s does not")
+            target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
         self._ngrams: dict[Hashable, Any] = {}
         self.drafted = 0
         self.accepted = 0

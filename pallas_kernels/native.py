@@ -36,7 +36,7 @@ KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
 # The instruction sets the kernel is compiled for (quant_matmul.cc's `Isa`); "auto" runs the best this CPU has.
 # AVX-VNNI and AVX512-VNNI add `vpdpbusd` (four u8 x s8 products summed into int32 in one instruction); the
 # AVX512 build also has 32 registers, so it takes 4 rows of x per pass over the weights instead of 2.
-ISAS = {"auto": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}
+ISAS = {"auto": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3, "avx512amx": 4}
 # "auto" picks the native kernel on the CPU for at most this many rows of x per weight kind (None: any number), by
 # the instruction set it runs; above, XLA's float32 dot of the dequantized weight is faster. Measured by timing the
 # model's matrices at 1-512 rows (docs/kernels.md, "The native CPU kernel"): with VNNI the kernel is faster than
@@ -46,6 +46,7 @@ NATIVE_MAX_ROWS = {
     "avx2": {"q4_1": 128, "q4_0": 128, "int8": 128},
     "avxvnni": {"q4_1": None, "q4_0": None, "int8": None},
     "avx512vnni": {"q4_1": None, "q4_0": None, "int8": None},
+    "avx512amx": {"q4_1": None, "q4_0": None, "int8": None},
 }
 
 

@@ -25,7 +25,10 @@
 // ran 20-30% slower with OpenMP's). Columns past the last whole tile (of 32 after the 512-bit build's tiles of 64)
 // run a scalar loop with the same arithmetic. Built with GCC (the `#pragma GCC target` sections). `jpg_isa_supported()` says what this CPU can run.
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -50,7 +53,7 @@ struct alignas(64) Reg {  // storage for one __m512i, or two __m256i
 };
 
 enum Kind : int32_t { kQ4_1 = 0, kQ4_0 = 1, kInt8 = 2 };
-enum Isa : int32_t { kAuto = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+enum Isa : int32_t { kAuto = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAvx512Amx = 4 };
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
@@ -279,6 +282,54 @@ namespace avx512z {  // 512-bit registers, tiles of 64 columns
 }  // namespace avx512z
 #pragma GCC pop_options
 
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define JPG_HAVE_AMX 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni,amx-tile,amx-int8")
+namespace avx512amx {  // avx512z's passes, and AMX tiles from JPG_AMX_MIN_ROWS rows of x on (quant_matmul_body.inc)
+#define JPG_VNNI 1
+#define JPG_ZMM 1
+#define JPG_AMX 1
+#define JPG_AMX_MIN_ROWS 6
+#define JPG_ROWS 4
+#define JPG_DIRECT_ROWS 5
+#define JPG_DPBUSD(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
+#define JPG_ADD32(a, b) _mm512_add_epi32(a, b)
+#include "quant_matmul_body.inc"
+#undef JPG_VNNI
+#undef JPG_ZMM
+#undef JPG_AMX
+#undef JPG_AMX_MIN_ROWS
+#undef JPG_ROWS
+#undef JPG_DIRECT_ROWS
+#undef JPG_DPBUSD
+#undef JPG_ADD32
+}  // namespace avx512amx
+#pragma GCC pop_options
+#else
+#define JPG_HAVE_AMX 0
+#endif
+
+// AMX needs the CPU's tile and int8 units, the OS saving tile state (XCR0 bits 17-18), and the process's
+// permission to use it (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once; process-wide).
+bool amx_usable() {
+#if JPG_HAVE_AMX && defined(__linux__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv is there
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool isa_supported(int32_t isa) {
   __builtin_cpu_init();
   const bool base = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -294,13 +345,15 @@ bool isa_supported(int32_t isa) {
     case kAvx512Vnni:
       return base && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    case kAvx512Amx:
+      return isa_supported(kAvx512Vnni) && amx_usable();
     default:
       return false;
   }
 }
 
 int32_t best_isa() {
-  for (int32_t isa : {kAvx512Vnni, kAvxVnni, kAvx2})
+  for (int32_t isa : {kAvx512Amx, kAvx512Vnni, kAvxVnni, kAvx2})
     if (isa_supported(isa)) return isa;
   return kAuto;  // none: jpg_cpu_supported() says so before any call
 }
@@ -317,6 +370,10 @@ IsaImpl impl_for(int32_t isa) {
   switch (isa) {
     case kAvx512Vnni:
       return {64, avx512z::columns, avx512::columns};
+#if JPG_HAVE_AMX
+    case kAvx512Amx:
+      return {64, avx512amx::columns_amx, avx512::columns};
+#endif
 #if JPG_HAVE_AVXVNNI
     case kAvxVnni:
       return {32, avxvnni::columns, nullptr};

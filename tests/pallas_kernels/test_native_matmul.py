@@ -2,8 +2,8 @@
 emulation of its integer arithmetic (tight: catches a wrong lane, nibble or scale), against the float reference
 (the int8-activation error stays small), over sampled shapes (odd sizes, tails past the 32-column tiles, group
 boundaries, every kind and scale dtype, 1-41 rows), on every instruction set this CPU runs (AVX2, AVX-VNNI,
-AVX512-VNNI: `JPG_NATIVE_ISA`); extreme values that overflow a wrong int16 accumulation; `auto`'s choice on the CPU;
-and a clear error and the XLA fallback when the kernel is missing."""
+AVX512-VNNI, AMX: `JPG_NATIVE_ISA`); AMX's output bit for bit the VNNI build's; extreme values that overflow a wrong
+int16 accumulation; `auto`'s choice on the CPU; and a clear error and the XLA fallback when the kernel is missing."""
 
 from __future__ import annotations
 
@@ -112,6 +112,11 @@ CASES = [
     ("q4_1", 6, 24, 40, 5, jnp.float16),  # G/2 = 3 (odd): the last step of a group is half empty
     ("int8", 6, 24, 64, 6, jnp.float32),  # activation blocks of 6: steps of 4 inputs, the second half empty
     ("q4_1", 32, 1536, 576, 64, jnp.float16),  # x quantized by every thread; prepared spans cut short to fit L2
+    # AMX (from 8 rows): one pass of tiles, each block unpacked before its products; then prepared passes of 16
+    ("q4_0", 32, 192, 128, 16, jnp.float32),
+    ("q4_1", 12, 48, 64, 17, jnp.float16),  # 3 steps per group: a short tile depth; a 16-row pass and a 1-row one
+    ("int8", 6, 24, 96, 8, jnp.float32),  # 2 steps per block, the second half empty
+    ("q4_1", 64, 256, 200, 33, jnp.float32),  # 16 steps (the tile's full depth), 3 tiles + an 8-column tail
 ]
 
 
@@ -202,6 +207,23 @@ def test_the_instruction_set_switch(monkeypatch):
                 native.isa()
 
 
+@pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or this build) has no usable AMX")
+@pytest.mark.parametrize("kind,group,rows", [("q4_1", 32, 6), ("q4_1", 32, 16), ("q4_0", 32, 23), ("int8", 32, 40),
+                                             ("int8", None, 9), ("q4_1", 64, 33)])
+def test_amx_tiles_compute_the_bits_of_the_vnni_build(monkeypatch, kind, group, rows):
+    """From JPG_AMX_MIN_ROWS rows the AMX build runs its integer dots on tiles; the sums are exact and the float
+    scaling runs in the VNNI passes' order, so its output equals the AVX512-VNNI build's bit for bit (which is what
+    lets the model-level quality figures of that build stand for it)."""
+    x, qa = make(kind, group, 1536 if group is None else 576, 200, rows, jnp.float16, seed=rows)
+    out = {}
+    for which in ("avx512vnni", "avx512amx"):
+        monkeypatch.setenv("JPG_NATIVE_ISA", which)
+        jax.clear_caches()
+        out[which] = np.asarray(jax.jit(native.native_matmul)(x, qa))
+    jax.clear_caches()
+    np.testing.assert_array_equal(out["avx512amx"], out["avx512vnni"])
+
+
 @needs_native
 def test_zero_rows_and_zero_inputs(isa):
     x, qa = make("q4_1", 32, 64, 64, 2, jnp.float16)
@@ -240,7 +262,7 @@ def test_auto_follows_the_row_limits_of_the_instruction_set(monkeypatch):
         dequant_matmul(x[:limit], qa, impl="auto")
         dequant_matmul(x, qa, impl="auto")  # one row more: XLA
         assert calls == [1, limit], kind
-    for vnni in ("avxvnni", "avx512vnni"):
+    for vnni in ("avxvnni", "avx512vnni", "avx512amx"):
         monkeypatch.setattr(native, "resolved_isa", lambda v=vnni: v)
         assert native.max_rows("q4_1") is None and native.max_rows("int8") is None
         calls.clear()

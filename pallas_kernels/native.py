@@ -1,10 +1,11 @@
-"""The native CPU matmul: `x @ dequantize(qa)` as int8 integer dot products in C++ (AVX2 / VNNI), through `jax.ffi`.
+"""The native CPU matmul: `x @ dequantize(qa)` as int8 integer dot products in C++ (AVX2 / VNNI / AMX), via `jax.ffi`.
 
 XLA:CPU has no integer-dot kernel for 4-bit weights, so every decode step turned all the model's weights into
 float32 before the dots (docs/performance.md). `cpu/quant_matmul.cc` does what llama.cpp does instead: the
 activations are quantized to int8 per block (one scale per weight group for the q4 kinds, per 32 inputs for int8),
 each block is an integer dot product against the stored 4- or 8-bit weights (AVX2, or `vpdpbusd` where the CPU has
-AVX-VNNI or AVX512-VNNI: `ISAS`, `JPG_NATIVE_ISA`), and float32 scales (and q4_1 mins) are applied once per block.
+AVX-VNNI or AVX512-VNNI, AMX tiles from 6 rows of x where it has AMX-INT8: `ISAS`, `JPG_NATIVE_ISA`), and float32
+scales (and q4_1 mins) are applied once per block.
 It reads the project's `QuantizedArray` layout as it is (no second copy of the weights), and spreads output tiles
 over XLA:CPU's own intra-op threads (the FFI's thread pool; no second pool competing for the cores).
 
@@ -35,7 +36,8 @@ TARGET = "jpg_quant_matmul"
 KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
 # The instruction sets the kernel is compiled for (quant_matmul.cc's `Isa`); "auto" runs the best this CPU has.
 # AVX-VNNI and AVX512-VNNI add `vpdpbusd` (four u8 x s8 products summed into int32 in one instruction); the
-# AVX512 build also has 32 registers, so it takes 4 rows of x per pass over the weights instead of 2.
+# AVX512 build also has 32 registers, so it takes 4 rows of x per pass over the weights instead of 2. "avx512amx" is
+# that build with AMX: from 6 rows of x on, the integer dots run on tiles (16 rows per pass), bit-identical.
 ISAS = {"auto": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3, "avx512amx": 4}
 # "auto" picks the native kernel on the CPU for at most this many rows of x per weight kind (None: any number), by
 # the instruction set it runs; above, XLA's float32 dot of the dequantized weight is faster. Measured by timing the

@@ -117,6 +117,7 @@ CASES = [
     ("q4_1", 12, 48, 64, 17, jnp.float16),  # 3 steps per group: a short tile depth; a 16-row pass and a 1-row one
     ("int8", 6, 24, 96, 8, jnp.float32),  # 2 steps per block, the second half empty
     ("q4_1", 64, 256, 200, 33, jnp.float32),  # 16 steps (the tile's full depth), 3 tiles + an 8-column tail
+    ("q4_1", 32, 1536, 200, 70, jnp.float16),  # AMX above 64 rows: prepared spans of 2 tiles, passes of 64 + 6 rows
 ]
 
 
@@ -209,7 +210,8 @@ def test_the_instruction_set_switch(monkeypatch):
 
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or this build) has no usable AMX")
 @pytest.mark.parametrize("kind,group,rows", [("q4_1", 32, 6), ("q4_1", 32, 16), ("q4_0", 32, 23), ("int8", 32, 40),
-                                             ("int8", None, 9), ("q4_1", 64, 33)])
+                                             ("int8", None, 9), ("q4_1", 64, 33), ("q4_1", 32, 130),
+                                             ("int8", None, 80)])
 def test_amx_tiles_compute_the_bits_of_the_vnni_build(monkeypatch, kind, group, rows):
     """From JPG_AMX_MIN_ROWS rows the AMX build runs its integer dots on tiles; the sums are exact and the float
     scaling runs in the VNNI passes' order, so its output equals the AVX512-VNNI build's bit for bit (which is what

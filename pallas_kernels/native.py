@@ -37,7 +37,9 @@ KINDS = {"q4_1": 0, "q4_0": 1, "int8": 2}
 # The instruction sets the kernel is compiled for (quant_matmul.cc's `Isa`); "auto" runs the best this CPU has.
 # AVX-VNNI and AVX512-VNNI add `vpdpbusd` (four u8 x s8 products summed into int32 in one instruction); the
 # AVX512 build also has 32 registers, so it takes 4 rows of x per pass over the weights instead of 2. "avx512amx" is
-# that build with AMX: from 6 rows of x on, the integer dots run on tiles (16 rows per pass), bit-identical.
+# that build with AMX: from 6 rows of x on, the integer dots run on tiles (up to 64 rows per pass over the weights,
+# 16 per tile product), bit-identical. Asking whether it is supported (`supported_isas`) also asks Linux, once, for
+# the process's permission to use AMX state (process-wide; the kernel needs it before its first tile).
 ISAS = {"auto": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3, "avx512amx": 4}
 # "auto" picks the native kernel on the CPU for at most this many rows of x per weight kind (None: any number), by
 # the instruction set it runs; above, XLA's float32 dot of the dequantized weight is faster. Measured by timing the

@@ -112,12 +112,16 @@ CASES = [
     ("q4_1", 6, 24, 40, 5, jnp.float16),  # G/2 = 3 (odd): the last step of a group is half empty
     ("int8", 6, 24, 64, 6, jnp.float32),  # activation blocks of 6: steps of 4 inputs, the second half empty
     ("q4_1", 32, 1536, 576, 64, jnp.float16),  # x quantized by every thread; prepared spans cut short to fit L2
-    # AMX (from 8 rows): one pass of tiles, each block unpacked before its products; then prepared passes of 16
+    # AMX (from 6 rows): up to 64 rows in one pass, each block unpacked once for products of <= 16 rows; above 64,
+    # the prepared buffer and passes of <= 64 rows
     ("q4_0", 32, 192, 128, 16, jnp.float32),
-    ("q4_1", 12, 48, 64, 17, jnp.float16),  # 3 steps per group: a short tile depth; a 16-row pass and a 1-row one
+    ("q4_1", 12, 48, 64, 17, jnp.float16),  # 3 steps per group: a short tile depth; two 9-row products overlapping
     ("int8", 6, 24, 96, 8, jnp.float32),  # 2 steps per block, the second half empty
     ("q4_1", 64, 256, 200, 33, jnp.float32),  # 16 steps (the tile's full depth), 3 tiles + an 8-column tail
     ("q4_1", 32, 1536, 200, 70, jnp.float16),  # AMX above 64 rows: prepared spans of 2 tiles, passes of 64 + 6 rows
+    ("int8", 32, 96, 64, 65, jnp.float32),  # passes of 64 + 1 row: a 1-row tile product
+    ("q4_0", 32, 64, 600, 50, jnp.float16),  # 4 products of 13 rows (the last overlapping 2), 9 tiles + a 24-col tail
+    ("q4_1", 128, 256, 128, 8, jnp.float16),  # 32 steps per group: deeper than a tile, stays on the VNNI passes
 ]
 
 
@@ -161,15 +165,16 @@ def test_sampled_shapes_match_the_emulation(isa):
 
 @needs_native
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "int8"])
-def test_extreme_values_stay_exact(kind, isa):
+@pytest.mark.parametrize("n", [3, 20])
+def test_extreme_values_stay_exact(kind, isa, n):
     """The largest products everywhere: every activation quantizes to +-127 and every weight is at its extreme
     (nibble 15; int8 -128 and 127, which a GGUF file may hold). A group of 128 inputs is 32 steps, so AVX2's int16
     sums of 4-bit products must be widened every 8 steps (16 would overflow), its int8 path must keep each pair of
     |w| x products within int16 (-128 * -127 twice fits; w + 128 against x would not), and VNNI's int8 path must
-    take its +128 offset back out exactly."""
+    take its +128 offset back out exactly; with 20 rows, on AMX tiles too (int8's 32-input blocks)."""
     from pallas_kernels.quant_format import QuantizedArray, pack_q4
 
-    k, o, n, g = 256, 64, 3, 128
+    k, o, g = 256, 64, 128
     rng = np.random.default_rng(3)
     sign = np.where(rng.random((n, k)) < 0.5, -1.0, 1.0)
     x = jnp.asarray(sign * 2.5, jnp.float32)
@@ -201,7 +206,7 @@ def test_the_instruction_set_switch(monkeypatch):
     assert native.isa() == "auto"
     if native.supported_isas():
         assert native.resolved_isa() == native.supported_isas()[-1]
-        missing = [i for i in ("avxvnni", "avx512vnni") if i not in native.supported_isas()]
+        missing = [i for i in ("avxvnni", "avx512vnni", "avx512amx") if i not in native.supported_isas()]
         if missing:
             monkeypatch.setenv("JPG_NATIVE_ISA", missing[0])
             with pytest.raises(ValueError, match="this CPU .or this build. can run"):
@@ -211,12 +216,12 @@ def test_the_instruction_set_switch(monkeypatch):
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or this build) has no usable AMX")
 @pytest.mark.parametrize("kind,group,rows", [("q4_1", 32, 6), ("q4_1", 32, 16), ("q4_0", 32, 23), ("int8", 32, 40),
                                              ("int8", None, 9), ("q4_1", 64, 33), ("q4_1", 32, 130),
-                                             ("int8", None, 80)])
+                                             ("int8", None, 80), ("q4_0", 32, 64), ("q4_1", 12, 50), ("int8", 6, 65)])
 def test_amx_tiles_compute_the_bits_of_the_vnni_build(monkeypatch, kind, group, rows):
     """From JPG_AMX_MIN_ROWS rows the AMX build runs its integer dots on tiles; the sums are exact and the float
     scaling runs in the VNNI passes' order, so its output equals the AVX512-VNNI build's bit for bit (which is what
     lets the model-level quality figures of that build stand for it)."""
-    x, qa = make(kind, group, 1536 if group is None else 576, 200, rows, jnp.float16, seed=rows)
+    x, qa = make(kind, group, 1536 if group is None else 576, 600, rows, jnp.float16, seed=rows)  # 9 tiles + 24
     out = {}
     for which in ("avx512vnni", "avx512amx"):
         monkeypatch.setenv("JPG_NATIVE_ISA", which)

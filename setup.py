@@ -1,8 +1,10 @@
-"""The native CPU kernel (`pallas_kernels/cpu/quant_matmul.cc`), built by setuptools with the package.
+"""The native CPU kernels (`pallas_kernels/cpu/quant_matmul.cc`, `pallas_kernels/cpu/paged_attention.cc`: one
+library), built by setuptools with the package.
 
-Everything else about the package is in pyproject.toml. The kernel is optional: without a C++ compiler or
-jaxlib's XLA FFI headers the build prints why and the package installs without it; `pallas_kernels.native` then
-reports the reason and the matmul falls back to the XLA path (docs/kernels.md, "Native CPU kernel").
+Everything else about the package is in pyproject.toml. The kernels are optional: without a C++ compiler or
+jaxlib's XLA FFI headers the build prints why and the package installs without them; `pallas_kernels.native` then
+reports the reason and the matmul and attention fall back to the XLA path (docs/kernels.md, "The native CPU
+kernel" and "The native CPU paged attention").
 """
 
 from __future__ import annotations
@@ -39,14 +41,14 @@ class OptionalBuildExt(build_ext):
             self._skip(f"{type(e).__name__}: {e}")
 
     def _skip(self, why: str) -> None:
-        print(f"warning: the native CPU matmul kernel was not built ({why}); the XLA path is used instead",
-              file=sys.stderr)
+        print(f"warning: the native CPU kernels (matmul, paged attention) were not built ({why}); the XLA path is "
+              "used instead", file=sys.stderr)
 
 
 native = Extension(
     "pallas_kernels._native_quant_matmul",
-    sources=["pallas_kernels/cpu/quant_matmul.cc"],
-    depends=["pallas_kernels/cpu/quant_matmul_body.inc"],
+    sources=["pallas_kernels/cpu/quant_matmul.cc", "pallas_kernels/cpu/paged_attention.cc"],
+    depends=["pallas_kernels/cpu/quant_matmul_body.inc", "pallas_kernels/cpu/fork_join.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17"],
     optional=True,

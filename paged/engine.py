@@ -34,7 +34,7 @@ from paged.step import (
     step_forward,
     step_sample,
 )
-from pallas_kernels import native, registry
+from pallas_kernels import native, native_attention, registry
 from pallas_kernels.dequant_matmul import gpu_unsupported_reason as matmul_gpu_reason
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 from pallas_kernels.paged_attention import gpu_unsupported_reason as attention_gpu_reason
@@ -48,17 +48,21 @@ MIN_PAGE_SIZE = 8  # the attention kernels' smallest page tile
 def check_kernels_fit(model: Model, config: EngineConfig) -> None:
     """On a GPU, `InvalidConfigError` when an explicitly chosen built-in Pallas kernel cannot run this model natively
     (its shape rules: `gpu_unsupported_reason` of each kernel). "auto" never fails here: it falls back to "xla"
-    per shape. Off the GPU the kernels run interpreted, where every shape works. `matmul_impl="native"` (the CPU
-    kernel) fails here wherever it cannot run: on a GPU backend, or where it was not built."""
+    per shape. Off the GPU the kernels run interpreted, where every shape works. `matmul_impl="native"` and
+    `attn_impl="native"` (the CPU kernels) fail here wherever they cannot run: on a GPU backend, or where they were not
+    built."""
     mm, mm_tuning = split_tuning(config.matmul_impl)
     leaves = jax.tree.leaves(model.params, is_leaf=lambda a: isinstance(a, QuantizedArray))
     quantized = [a for a in leaves if isinstance(a, QuantizedArray)]
     if mm == "native" and quantized and (why := native.unavailable_reason()) is not None:
         raise InvalidConfigError(f"matmul_impl='native' cannot run here: {why}. Use matmul_impl='auto' (the native "
                                  "kernel on the CPU where it is built, the Pallas kernel on a GPU, XLA elsewhere)")
+    attn, attn_tuning = split_tuning(config.attn_impl)
+    if attn == "native" and (why := native_attention.unavailable_reason(model.config.head_dim)) is not None:
+        raise InvalidConfigError(f"attn_impl='native' cannot run here: {why}. Use attn_impl='auto' (the native "
+                                 "kernel on the CPU where it runs, the Pallas kernel on a GPU, XLA elsewhere)")
     if not registry.on_gpu():
         return
-    attn, attn_tuning = split_tuning(config.attn_impl)
     attn_tuning = attn_tuning if attn_tuning is not None else config.attn_tuning
     if attn == "pallas":
         ppb = getattr(attn_tuning, "pages_per_block", None)

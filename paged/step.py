@@ -49,7 +49,8 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.registry import Tuned, split_tuning, with_tuning
 
-ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU where the shape allows, else XLA), "xla", "pallas", "reference"
+ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU where the shape allows, native on the CPU, else XLA), "xla", "pallas",
+# "reference", "native"
 
 # The sampler always prepares this many top tokens of the final distribution when any are asked for (under a
 # lax.cond: free otherwise); the host slices what each job wants. Wider requests are served on the host from the

@@ -131,6 +131,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if not _REGISTERED:
         try:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JpgQuantMatmul), platform="cpu")
+            # the library's paged attention (pallas_kernels.native_attention)
+            jax.ffi.register_ffi_target("jpg_paged_attention", jax.ffi.pycapsule(lib.JpgPagedAttention),
+                                        platform="cpu")
         except Exception as e:  # noqa: BLE001 (an FFI version mismatch, ...)
             return None, f"registering the native kernel with XLA failed: {type(e).__name__}: {e}"
         _REGISTERED = True
@@ -173,7 +176,7 @@ def _smoke_test() -> str | None:
         qa = QuantizedArray(pack_q4(q, 32), jnp.asarray(rng.uniform(0.01, 0.1, (2, 32)), jnp.float16),
                             jnp.asarray(rng.uniform(-0.5, 0.0, (2, 32)), jnp.float16), "q4_1", 32, (64, 32))
         x = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own (several processes)
             got = np.asarray(jax.jit(native_matmul)(x, qa))
             want = np.asarray(dequant_matmul_reference(x, qa))
         if not np.allclose(got, want, rtol=0.05, atol=0.05 * np.abs(want).max()):

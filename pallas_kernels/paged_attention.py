@@ -469,8 +469,13 @@ def gpu_unsupported_reason(head_dim: int, page_size: int, pages_per_block: int |
 
 
 def auto_impl(head_dim: int, page_size: int) -> str:
-    """What "auto" runs for this shape: the kernel on a GPU where it supports the shape, otherwise "xla"."""
-    return "pallas" if registry.on_gpu() and gpu_unsupported_reason(head_dim, page_size) is None else "xla"
+    """What "auto" runs for this shape: the kernel on a GPU where it supports the shape; on the CPU the native
+    kernel where it is built and runs (`pallas_kernels.native_attention`); otherwise "xla"."""
+    if registry.on_gpu():
+        return "pallas" if gpu_unsupported_reason(head_dim, page_size) is None else "xla"
+    from pallas_kernels import native_attention
+
+    return "native" if native_attention.unavailable_reason(head_dim) is None else "xla"
 
 
 @functools.partial(
@@ -649,8 +654,18 @@ def _pallas_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_tab
 
 _pallas_impl.tuning_type = AttentionTuning
 
+
+def _native_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
+                 soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, layer=None):
+    """The native CPU kernel (`pallas_kernels.native_attention`), reading the stacked cache in place."""
+    from pallas_kernels.native_attention import native_paged_attention
+
+    return native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
+                                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  k_scales=k_scales, v_scales=v_scales, layout=layout, tuning=tuning, layer=layer)
+
 # The built-in names (every registered name, plugins included, is `ATTENTION.names()`).
-IMPLS = ("auto", "reference", "xla", "pallas")
+IMPLS = ("auto", "reference", "xla", "pallas", "native")
 
 
 def paged_attention(
@@ -757,7 +772,7 @@ def check_contract(impl: KernelImpl) -> None:
 
 
 for _name, _fn, _stacked in (("reference", _reference_impl, False), ("xla", _xla_impl, True),
-                             ("pallas", _pallas_impl, False)):
+                             ("pallas", _pallas_impl, False), ("native", _native_impl, True)):
     ATTENTION.register(_name, _fn, stacked_cache=_stacked, check=False, builtin=True)
 
 

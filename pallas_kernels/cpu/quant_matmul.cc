@@ -41,10 +41,13 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "fork_join.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jpg::fork_join;
 
 constexpr int kSpan = 8;  // adjacent tiles taken together, so each weight row is read 256-512 contiguous bytes
 
@@ -388,40 +391,6 @@ IsaImpl impl_for(int32_t isa) {
 // then `layer` (an int32 scalar operand) picks the matrix, read in place. Inside a `lax.scan` over layers this is
 // what keeps XLA from copying each layer's slice into a fresh buffer for the call (a copy of every weight byte,
 // which cost as much as the matmul itself).
-// Runs f(c, count) for c in [0, count) on the calling thread and the pool, returning when all are done. Chunks are
-// claimed from a counter, so a pool thread that starts late (or never: a busy or one-thread pool) finds nothing
-// left and the caller has run its chunk; the shared state outlives the call for such late starters, and `f` is
-// only called for claimed chunks, all finished before this returns.
-void fork_join(ffi::ThreadPool& pool, int count, const std::function<void(int, int)>& f) {
-  if (count <= 1) {
-    f(0, 1);
-    return;
-  }
-  struct State {
-    std::atomic<int> next{0}, done{0};
-    const std::function<void(int, int)>* f = nullptr;
-    int count = 0;
-  };
-  auto state = std::make_shared<State>();
-  state->f = &f;
-  state->count = count;
-  auto run = [](State& st) {
-    for (int c; (c = st.next.fetch_add(1, std::memory_order_relaxed)) < st.count;) {
-      (*st.f)(c, st.count);
-      st.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int t = 1; t < count; ++t) pool.Schedule([state, run] { run(*state); });
-  run(*state);
-  for (int spins = 0; state->done.load(std::memory_order_acquire) < count; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
-}
-
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t kind,
                            int64_t group_size, int64_t block, int64_t threads, int32_t isa) {

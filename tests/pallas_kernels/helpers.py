@@ -14,11 +14,13 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 
 # ------------------------------------------------------------------------------------------------------- spies
-def spy(monkeypatch: pytest.MonkeyPatch, module: ModuleType, names: list[str]) -> list[tuple[str, tuple, dict]]:
+def spy(monkeypatch: pytest.MonkeyPatch, module: ModuleType, names: list[str],
+        calls: list[tuple[str, tuple, dict]] | None = None) -> list[tuple[str, tuple, dict]]:
     """Wrap the functions `names` of `module` (looked up by the module's own code at call time) so that each call
-    is recorded as `(name, args, kwargs)` and then forwarded. Calls happen while tracing, so a jitted caller records
-    only when it (re)traces: use fresh static arguments, or `jax.clear_caches()` first."""
-    calls: list[tuple[str, tuple, dict]] = []
+    is recorded as `(name, args, kwargs)` and then forwarded (into `calls`, when given: one record of several
+    modules' calls). Calls happen while tracing, so a jitted caller records only when it (re)traces: use fresh
+    static arguments, or `jax.clear_caches()` first."""
+    calls = [] if calls is None else calls
 
     def recording(name: str, original: Callable) -> Callable:
         @functools.wraps(original)

@@ -134,8 +134,13 @@ def test_auto_attention_on_a_gpu_falls_back_to_xla_where_the_kernel_cannot_run(g
     assert resolved_attn_impl("auto", head_dim=head_dim, page_size=8) == want
 
 
-def test_auto_attention_off_the_gpu_is_xla(monkeypatch):
+def test_auto_attention_off_the_gpu_is_native_where_it_runs_else_xla(monkeypatch):
+    from pallas_kernels import native_attention
+
     monkeypatch.setattr(registry, "on_gpu", lambda: False)
+    runs = native_attention.unavailable_reason(64) is None
+    assert resolved_attn_impl("auto", head_dim=64, page_size=16) == ("native" if runs else "xla")
+    monkeypatch.setattr(native_attention, "unavailable_reason", lambda head_dim=None: "not built")
     assert resolved_attn_impl("auto", head_dim=64, page_size=16) == "xla"
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import native_attention
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.paged_attention import (
     AttentionTuning,
@@ -31,17 +32,21 @@ IMPL_FUNCTIONS = {
     "reference": "ragged_paged_attention_reference",
     "xla": "ragged_paged_attention_xla",
     "pallas": "ragged_paged_attention_pallas",
+    "native": "native_paged_attention",  # of pallas_kernels.native_attention
 }
 IMPL_OF = {function: impl for impl, function in IMPL_FUNCTIONS.items()}
+NATIVE = native_attention.unavailable_reason() is None  # the native CPU kernel runs here
 
 
 def spy_impls(monkeypatch) -> list[tuple[str, tuple, dict]]:
-    """Record every call `paged_attention` makes to an implementation, as `(function name, args, kwargs)`."""
-    return spy(monkeypatch, pa, list(IMPL_FUNCTIONS.values()))
+    """Record every call `paged_attention` makes to an implementation, as `(function name, args, kwargs)` (the
+    native kernel's windows handed to XLA are XLA's call)."""
+    calls = spy(monkeypatch, pa, [f for i, f in IMPL_FUNCTIONS.items() if i != "native"])
+    return spy(monkeypatch, native_attention, [IMPL_FUNCTIONS["native"]], calls)
 
 
 def impls(calls: list[tuple[str, tuple, dict]]) -> list[str]:
-    """The implementations ("reference", "xla", "pallas") recorded by `spy_impls`, in order."""
+    """The implementations ("reference", "xla", "pallas", "native") recorded by `spy_impls`, in order."""
     return [IMPL_OF[name] for name in names_of(calls)]
 
 
@@ -360,11 +365,12 @@ def test_paged_attention_impl_switch(monkeypatch):
         ("reference", layout, "reference"),
         ("xla", layout, "xla"),
         ("xla", None, "reference"),  # the XLA path needs the layout
-        ("auto", layout, "xla"),  # head_dim 8: "xla" on a GPU too (test_gpu_rules covers the GPU choice)
-        ("auto", None, "reference"),
+        # head_dim 8: on a GPU "xla" too (test_gpu_rules covers the GPU choice); on the CPU the native kernel
+        ("auto", layout, "native" if NATIVE else "xla"),
+        ("auto", None, "native" if NATIVE else "reference"),
         ("pallas", layout, "pallas"),
         ("pallas", None, "pallas"),
-    ]
+    ] + ([("native", layout, "native"), ("native", None, "native")] if NATIVE else [])
     calls = spy_impls(monkeypatch)
     for impl, lay, want in cases:
         calls.clear()

@@ -1,0 +1,91 @@
+"""The native CPU paged attention: `cpu/paged_attention.cc` through `jax.ffi`, registered as attention "native".
+
+XLA:CPU's path (`ragged_paged_attention_xla`) gathers each row's pages into a contiguous block per layer before two
+small contractions; at decode and verification sizes the gather (a transposing copy of K and V, per layer and
+step) and the fusions' fixed costs are most of attention's time, and attention is most of a batched decode step
+(docs/performance.md, "The native paged attention"). The kernel reads the pages in place from the engine's stacked
+cache instead, one task per (row, KV head, block of 16 query tokens), with an online softmax over the pages
+(float32, bfloat16 or int8-with-scales caches; sliding window and soft cap as the contract says).
+
+Prefill windows longer than `MAX_QUERY_LEN` tokens (the chunks of a long prompt) still go to XLA's batched
+contraction, which wins there; decode rows, verification rows and short windows run here. `"auto"` picks this on
+the CPU where the kernel is built and runs (`pallas_kernels.native.unavailable_reason()`) and the head dimension is a
+multiple of 8; `attn_impl="xla"` turns it off.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import native
+
+TARGET = "jpg_paged_attention"
+# prefill windows of more query tokens than this (per row) run through XLA's contraction (`ragged_paged_attention_xla`)
+MAX_QUERY_LEN = 32
+
+
+def unavailable_reason(head_dim: int | None = None) -> str | None:
+    """Why the native attention cannot run here (or for this head dimension), None when it can."""
+    why = native.unavailable_reason()
+    if why is not None:
+        return why
+    if head_dim is not None and head_dim % 8:
+        return f"head_dim {head_dim} is not a multiple of 8"
+    return None
+
+
+def _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_lens, kv_lens, page_table, *, sm_scale,
+          sliding_window, soft_cap, base=None):
+    """The kernel; `base` (float32, q's shape): the output starts as it (aliased) instead of zeros, and the rows'
+    tokens are written over it."""
+    scaled = k_scales is not None
+    dummy = jnp.zeros((1,), jnp.float32)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential",
+                            input_output_aliases={10: 0} if base is not None else None)
+    out = call(q.astype(jnp.float32), k_pages, v_pages, k_scales if scaled else dummy,
+               v_scales if scaled else dummy, jnp.asarray(layer, jnp.int32).reshape(()),
+               query_start.astype(jnp.int32), query_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
+               page_table.astype(jnp.int32), dummy if base is None else base, sm_scale=np.float32(sm_scale),
+               window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+               threads=np.int64(native.threads()), scaled=np.int32(scaled), has_base=np.int32(base is not None))
+    return out.astype(q.dtype)
+
+
+def native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale,
+                           sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None,
+                           layer=None):
+    """`paged_attention`'s contract (stacked cache with `layer`, or one layer's pools without it)."""
+    del tuning
+    from pallas_kernels.paged_attention import PrefillDecodeLayout, ragged_paged_attention_xla
+
+    why = unavailable_reason(q.shape[-1])
+    if why is not None:
+        raise RuntimeError(f"attn_impl 'native' cannot run here: {why}; use 'xla' (or 'auto', which falls back)")
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("pass both k_scales and v_scales, or neither")
+    if layer is None:  # one layer's pools: a stack of one
+        k_pages, v_pages = k_pages[None], v_pages[None]
+        k_scales = None if k_scales is None else k_scales[None]
+        v_scales = None if v_scales is None else v_scales[None]
+        layer = 0
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    long_windows = (layout is not None and layout.num_prefill_rows and layout.max_q_len > MAX_QUERY_LEN
+                    and page_table.shape[0] == layout.num_rows)
+    if not long_windows:
+        return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_lens, kv_lens, page_table,
+                     **common)
+    # the prefill windows [0, sp * qm) through XLA; the decode rows (wherever their slots are) here
+    sp, qm = layout.num_prefill_rows, layout.max_q_len
+    o = ragged_paged_attention_xla(q[: sp * qm], k_pages, v_pages, query_lens[:sp], kv_lens[:sp], page_table[:sp],
+                                   layout=PrefillDecodeLayout(sp, qm, 0), k_scales=k_scales, v_scales=v_scales,
+                                   layer=jnp.asarray(layer, jnp.int32), **common)
+    if not layout.num_decode_rows:
+        return o
+    # The windows' output is zero past each chunk, where decode rows may sit, and the decode rows' slots follow the
+    # windows: the kernel writes the decode rows' tokens over it (the windows' rows handed over without queries).
+    base = jnp.concatenate([o.astype(jnp.float32), jnp.zeros((q.shape[0] - sp * qm, *q.shape[1:]), jnp.float32)])
+    decode_only = query_lens.at[:sp].set(0)
+    return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, decode_only, kv_lens, page_table,
+                 base=base, **common)

@@ -1,0 +1,102 @@
+"""The native CPU paged attention (`pallas_kernels.native_attention`, `cpu/paged_attention.cc`): the whole conformance
+case space against the reference; prefill windows longer than `MAX_QUERY_LEN` going to XLA while the decode rows
+stay native; "auto" choosing it on the CPU (and "xla" where it cannot run); the engine generating the same tokens
+with it as with the XLA path."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels import native_attention, testing
+from pallas_kernels import paged_attention as pa
+from pallas_kernels.testing import AttentionCase
+from tests.pallas_kernels.helpers import names_of, spy
+
+pytestmark = pytest.mark.skipif(native_attention.unavailable_reason() is not None,
+                                reason=f"native attention: {native_attention.unavailable_reason()}")
+
+
+@pytest.mark.parametrize("case", testing.attention_cases("full"), ids=lambda c: c.name)
+def test_native_matches_the_reference(case):
+    testing.check_attention("native", case)
+
+
+# windows longer than MAX_QUERY_LEN (32): XLA takes them, the decode rows (if any) stay native
+LONG_WINDOWS = [
+    AttentionCase("long-windows-and-decode", "Ppdd0d", 40, 120, 16, 2, 3, 16, layout=True),
+    AttentionCase("long-windows-int8-window", "Pp", 48, 100, 8, 1, 2, 32, layout=True, cache="int8", window=30),
+    AttentionCase("long-windows-bf16-cap-decode", "pPd", 36, 90, 16, 2, 2, 8, layout=True, cache="bfloat16",
+                  soft_cap=2.5),
+    AttentionCase("long-windows-stacked-decode", "Pdd", 33, 70, 8, 2, 2, 16, layout=True, stacked=True),
+]
+
+
+@pytest.mark.parametrize("case", LONG_WINDOWS, ids=lambda c: c.name)
+def test_long_prefill_windows_go_to_xla_and_decode_rows_stay_native(monkeypatch, case):
+    jax.clear_caches()  # traced afresh, so the spies see the calls
+    xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
+    native_calls = spy(monkeypatch, native_attention, ["_call"])
+    testing.check_attention("native", case)
+    assert names_of(xla_calls) == ["ragged_paged_attention_xla"]
+    decode_rows = case.prefill_layout.num_decode_rows
+    # (the reference check above also shows that no window token is attended twice: the two outputs are added)
+    assert len(native_calls) == (1 if decode_rows else 0)
+
+
+def test_short_windows_stay_native(monkeypatch):
+    case = AttentionCase("short-windows", "Ppd", native_attention.MAX_QUERY_LEN, 80, 16, 2, 2, 16, layout=True)
+    jax.clear_caches()
+    xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
+    testing.check_attention("native", case)
+    assert xla_calls == []
+
+
+def test_auto_picks_native_on_the_cpu_and_xla_where_it_cannot_run(monkeypatch):
+    assert pa.auto_impl(64, 16) == "native"
+    assert pa.auto_impl(12, 16) == "xla"  # head_dim not a multiple of 8
+    monkeypatch.setattr(native_attention, "unavailable_reason", lambda head_dim=None: "not built")
+    assert pa.auto_impl(64, 16) == "xla"
+
+
+def test_it_says_why_when_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(native_attention.native, "unavailable_reason", lambda: "the native kernel is not built")
+    case = testing.attention_cases("quick")[0]
+    with pytest.raises(RuntimeError, match="attn_impl 'native' cannot run here: the native kernel is not built"):
+        testing.run_attention("native", testing.build_attention_inputs(case))
+
+
+def test_the_engine_generates_the_same_tokens_as_with_xla_attention():
+    """A tiny random model, greedy, prefill chunks and decode rows in one batch, and a sliding window: the native
+    kernel's tokens and log-probabilities against the XLA path's."""
+    from models import ModelConfig, init_random_weights
+    from models.loader import Model
+    from paged.config import EngineConfig
+    from paged.generator import DynamicGenerator
+    from paged.job import Job
+    from paged.settings import SamplingSettings
+
+    cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=16, sliding_window=12)
+    model = Model(config=cfg, params=init_random_weights(cfg, seed=5), tokenizer=None, source="tiny")
+
+    def run(attn_impl: str):
+        config = EngineConfig(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96,
+                              attn_impl=attn_impl)
+        gen = DynamicGenerator(model, config=config)
+        jobs = [Job(list(range(1 + n, 1 + 2 * n)), 12, gen_settings=SamplingSettings.greedy(), return_probs=True)
+                for n in (5, 21, 40)]
+        gen.enqueue(jobs)
+        probs = {j.serial: [] for j in jobs}
+        while gen.num_remaining_jobs():
+            for r in gen.iterate():
+                probs[r["serial"]] += r.get("token_probs", [])
+        return [j.sequence[j.prompt_len:] for j in jobs], [probs[j.serial] for j in jobs]
+
+    tokens, probs = run("native")
+    want_tokens, want_probs = run("xla")
+    assert tokens == want_tokens and all(len(t) == 12 for t in tokens)
+    for got, want in zip(probs, want_probs):
+        assert len(got) == 12
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

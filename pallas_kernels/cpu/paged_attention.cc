@@ -85,12 +85,14 @@ struct Problem {
   int64_t window;  // 0: none
 };
 
-// Page `page` of KV head `h` (layer `p.layer`) as float32 rows [n, D] from key/value `first` on, into `out`.
-void load_rows(const Problem& p, const void* base, int64_t h, int64_t page, int64_t first, int64_t n, float* out) {
+// Page `page` of KV head `h` (layer `p.layer`) as float32 rows [n, D] from key/value `first` on: a float32 cache in
+// place, the others converted into `out`.
+const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t page, int64_t first, int64_t n,
+                       float* out) {
   const int64_t offset = (((p.layer * p.kh + h) * p.num_pages + page) * p.ps + first) * p.d;
   const int64_t count = n * p.d;
   if (p.cache == kF32) {
-    std::memcpy(out, static_cast<const float*>(base) + offset, count * sizeof(float));
+    return static_cast<const float*>(base) + offset;
   } else if (p.cache == kBF16) {
     const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
     for (int64_t i = 0; i < count; ++i) {
@@ -101,6 +103,7 @@ void load_rows(const Problem& p, const void* base, int64_t h, int64_t page, int6
     const int8_t* src = static_cast<const int8_t*>(base) + offset;
     for (int64_t i = 0; i < count; ++i) out[i] = float(src[i]);
   }
+  return out;
 }
 
 // One task: row r, KV head h, query tokens [j0, j1) of the row.
@@ -138,19 +141,36 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
     const int64_t page = std::clamp<int64_t>(table[pi], 0, p.num_pages - 1);
     const int64_t k0 = std::max(lo, pi * ps), k1 = std::min(hi + 1, (pi + 1) * ps);  // keys [k0, k1)
     const int64_t n = k1 - k0, off = k0 - pi * ps;
-    load_rows(p, p.k, h, page, off, n, kb);
-    load_rows(p, p.v, h, page, off, n, vb);
+    const float* kr = load_rows(p, p.k, h, page, off, n, kb);
+    const float* vr = load_rows(p, p.v, h, page, off, n, vb);
     const float* ksc = kscale_base ? kscale_base + page * ps + off : nullptr;
     const float* vsc = vscale_base ? vscale_base + page * ps + off : nullptr;
     for (int64_t m = 0; m < m_count; ++m) {
       const int64_t pos = kvl - qlen + j0 + m / g;
       const float* qv = qb + m * d;
       float* s = sb + m * ps8;
-      for (int64_t j = 0; j < n; ++j) {  // scores
-        const float* kv = kb + j * d;
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {  // q . k of 4 keys at once, their sums reduced together
+        const float* kv = kr + j * d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t e = 0; e < d; e += 8) {
+          const __m256 x = _mm256_loadu_ps(qv + e);
+          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + e), a0);
+          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + d + e), a1);
+          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + 2 * d + e), a2);
+          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + 3 * d + e), a3);
+        }
+        const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
+      }
+      for (; j < n; ++j) {
+        const float* kv = kr + j * d;
         __m256 a = _mm256_setzero_ps();
         for (int64_t e = 0; e < d; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e), _mm256_loadu_ps(kv + e), a);
-        float x = hsum(a) * p.sm_scale;
+        s[j] = hsum(a);
+      }
+      for (int64_t j = 0; j < n; ++j) {  // scale, key scale, soft cap, visibility
+        float x = s[j] * p.sm_scale;
         if (ksc) x *= ksc[j];
         if (p.soft_cap > 0) x = p.soft_cap * std::tanh(x / p.soft_cap);
         const int64_t kp = k0 + j;
@@ -180,7 +200,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
       for (int64_t j = 0; j < n; ++j) {
         if (s[j] == 0.0f) continue;
         const __m256 w = _mm256_set1_ps(vsc ? s[j] * vsc[j] : s[j]);
-        const float* vv = vb + j * d;
+        const float* vv = vr + j * d;
         for (int64_t e = 0; e < d; e += 8)
           _mm256_storeu_ps(am + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + e), _mm256_loadu_ps(am + e)));
       }

@@ -626,3 +626,86 @@ def test_first_argmax_is_jnp_argmax() -> None:
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got[1:8], [5, 0, 10, v - 1, 0, 0, 8])
     assert got.dtype == np.int32
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plain-greedy path of `sample_final`
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _plain_args(s: int, v: int, **over: Any) -> dict[str, Any]:
+    args = dict(positions=jnp.zeros(s, jnp.int32), history=jnp.full((s, 4), -1, jnp.int32),
+                bias_ids=jnp.full((s, 2), -1, jnp.int32), bias_values=jnp.zeros((s, 2), jnp.float32),
+                bias_dense=jnp.zeros((s, v), jnp.float32), bias_dense_on=jnp.asarray(False),
+                token_mask=jnp.full((s, -(-v // 32)), -1, jnp.int32), token_mask_on=jnp.asarray(False))
+    args.update(over)
+    return args
+
+
+def test_plain_greedy_only_where_nothing_adjusts_the_logits() -> None:
+    from paged.sampling import plain_greedy
+
+    s, v = 3, 64
+    greedy = SamplingRows.make(s)
+
+    def plain(params: SamplingRows, **over: Any) -> bool:
+        a = _plain_args(s, v, **over)
+        return bool(plain_greedy(params, a["history"], a["bias_ids"], a["bias_dense"], a["bias_dense_on"],
+                                 a["token_mask"], a["token_mask_on"]))
+
+    assert plain(greedy)
+    assert plain(greedy, history=jnp.zeros((s, 0), jnp.int32), bias_ids=jnp.zeros((s, 0), jnp.int32))
+    one = lambda **kw: SamplingRows.make([kw, {}, {}])  # noqa: E731 (row 0 differs)
+    assert not plain(one(temperature=0.7))
+    assert not plain(one(repetition_penalty=1.1))
+    assert not plain(one(presence_penalty=0.5))
+    assert not plain(one(dry_multiplier=0.8))
+    assert not plain(one(cfg_partner=1))
+    assert not plain(greedy, bias_ids=jnp.asarray([[-1, -1], [5, -1], [-1, -1]], jnp.int32))
+    assert not plain(greedy, bias_dense_on=jnp.asarray(True))
+    assert not plain(greedy, token_mask_on=jnp.asarray(True))
+
+
+@pytest.mark.parametrize("s", [1, 9])
+def test_plain_greedy_matches_the_general_path(s: int) -> None:
+    """`greedy_final` (what `sample_final` runs for a plain greedy batch) against the general path on the same
+    logits: the same tokens, the distribution and log-probabilities within a rounding; ties go to the first index."""
+    from paged.sampling import _sample_final, greedy_final
+
+    rng = np.random.default_rng(100 + s)
+    v = 1000
+    logits = rng.standard_normal((s, v)).astype(np.float32) * 4
+    logits[0, [7, 300]] = logits[0].max() + 1.0  # a tie: the first index wins
+    a = _plain_args(s, v)
+    params = SamplingRows.make(s)
+    general = jax.jit(lambda x: _sample_final(x, params, a["positions"], a["history"], a["bias_ids"],
+                                              a["bias_values"], 64, a["bias_dense"], a["bias_dense_on"],
+                                              a["token_mask"], a["token_mask_on"], None, None))(jnp.asarray(logits))
+    fast = jax.jit(greedy_final)(jnp.asarray(logits))
+    np.testing.assert_array_equal(np.asarray(fast[1]), np.asarray(general[1]))
+    assert int(fast[1][0]) == 7
+    np.testing.assert_allclose(np.asarray(fast[0]), np.asarray(general[0]), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fast[2]), np.asarray(general[2]), rtol=1e-6, atol=1e-5)
+
+
+def test_sample_final_takes_the_plain_greedy_path_only_when_it_applies(monkeypatch) -> None:
+    """The switch: a plain greedy batch runs `greedy_final` (here replaced by a marker), any batch that adjusts its
+    logits or samples does not."""
+    import paged.sampling as sampling
+
+    s, v = 2, 64
+    logits = jnp.asarray(np.random.default_rng(5).standard_normal((s, v)).astype(np.float32))
+    marker = lambda x: (jnp.zeros(x.shape, jnp.float32), jnp.full(x.shape[:1], 63, jnp.int32),  # noqa: E731
+                        jnp.zeros(x.shape[:1], jnp.float32))
+    monkeypatch.setattr(sampling, "greedy_final", marker)
+
+    def tokens(params: SamplingRows, **over: Any) -> list[int]:
+        a = _plain_args(s, v, **over)
+        return np.asarray(jax.jit(lambda x: sampling.sample_final(x, params, **a))(logits)[1]).tolist()
+
+    assert tokens(SamplingRows.make(s)) == [63, 63]
+    want = np.argmax(np.asarray(logits), -1).tolist()
+    assert tokens(SamplingRows.make(s), bias_ids=jnp.asarray([[3, -1], [-1, -1]], jnp.int32),
+                  bias_values=jnp.asarray([[-1.0, 0.0], [0.0, 0.0]], jnp.float32)) != [63, 63]
+    assert tokens(SamplingRows.make([{"repetition_penalty": 1.2}, {}])) == want  # history all padding: no effect
+    assert tokens(SamplingRows.make([{"temperature": 0.5, "seed": 1}, {}]))[1] == want[1]

@@ -68,6 +68,22 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// acc[0:8 NV] = alpha * acc + sum_j w_j v_j (w_j = s[j], times vsc[j] when given; rows of v D = 8 NV apart), the
+// accumulator held in NV registers across the keys (the general loop reloads and stores it per key).
+template <int NV>
+inline void accumulate_pv(float* acc, float alpha, const float* s, const float* vsc, const float* v, int64_t n) {
+  __m256 c[NV];
+  const __m256 va = _mm256_set1_ps(alpha);
+  for (int i = 0; i < NV; ++i) c[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), va);
+  for (int64_t j = 0; j < n; ++j) {
+    if (s[j] == 0.0f) continue;
+    const __m256 w = _mm256_set1_ps(vsc ? s[j] * vsc[j] : s[j]);
+    const float* vv = v + j * 8 * NV;
+    for (int i = 0; i < NV; ++i) c[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + 8 * i), c[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, c[i]);
+}
+
 struct Problem {
   const float* q;  // [T, nH, D]
   const void* k;   // [L, KH, N, ps, D]
@@ -195,14 +211,20 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
       }
       lsum[m] = lsum[m] * alpha + hsum(total);
       float* am = acc + m * d;
-      const __m256 va = _mm256_set1_ps(alpha);
-      for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(am + e, _mm256_mul_ps(_mm256_loadu_ps(am + e), va));
-      for (int64_t j = 0; j < n; ++j) {
-        if (s[j] == 0.0f) continue;
-        const __m256 w = _mm256_set1_ps(vsc ? s[j] * vsc[j] : s[j]);
-        const float* vv = vr + j * d;
-        for (int64_t e = 0; e < d; e += 8)
-          _mm256_storeu_ps(am + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + e), _mm256_loadu_ps(am + e)));
+      if (d == 64) {
+        accumulate_pv<8>(am, alpha, s, vsc, vr, n);
+      } else if (d == 128) {
+        accumulate_pv<16>(am, alpha, s, vsc, vr, n);
+      } else {
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(am + e, _mm256_mul_ps(_mm256_loadu_ps(am + e), va));
+        for (int64_t j = 0; j < n; ++j) {
+          if (s[j] == 0.0f) continue;
+          const __m256 w = _mm256_set1_ps(vsc ? s[j] * vsc[j] : s[j]);
+          const float* vv = vr + j * d;
+          for (int64_t e = 0; e < d; e += 8)
+            _mm256_storeu_ps(am + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + e), _mm256_loadu_ps(am + e)));
+        }
       }
     }
   }

@@ -18,7 +18,16 @@ pytestmark = pytest.mark.skipif(native_attention.unavailable_reason() is not Non
                                 reason=f"native attention: {native_attention.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("case", testing.attention_cases("full"), ids=lambda c: c.name)
+# head dimensions with their own register-held P . V accumulation (64: SmolLM2's, in the case space; 128) and one
+# through the general loop (24)
+HEAD_DIMS = [
+    AttentionCase("hd128-mixed", "Pdd0d", 12, 80, 16, 2, 2, 128, layout=True),
+    AttentionCase("hd128-int8-window", "dpd", 9, 60, 8, 1, 3, 128, cache="int8", window=17),
+    AttentionCase("hd24-ragged-bf16", "pdd-", 7, 50, 8, 2, 2, 24, cache="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("case", testing.attention_cases("full") + HEAD_DIMS, ids=lambda c: c.name)
 def test_native_matches_the_reference(case):
     testing.check_attention("native", case)
 

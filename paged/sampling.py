@@ -684,7 +684,8 @@ def _skew(final: jax.Array, params: SamplingRows, ids: jax.Array, inside: jax.Ar
 
 def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense=None, bias_dense_on=None,
            token_mask=None, token_mask_on=None, dry_breakers=None, xtc_exempt=None):
-    """(final [S, V], ids [S, C], inside [S]): `processed_logprobs`, and the candidates of `_truncation`."""
+    """(final [S, V], ids [S, C], inside [S], adjusted [S, V]): `processed_logprobs`, the candidates of
+    `_truncation`, and the adjusted logits (`adjusted_logits`: a greedy row's token is their first maximum)."""
     x = adjusted_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on, token_mask,
                         token_mask_on, dry_breakers)  # [S, V]
     greedy = params.greedy[:, None]  # [S, 1]
@@ -718,7 +719,7 @@ def _final(logits, params, history, bias_ids, bias_values, candidates, bias_dens
         return jax.lax.cond(jnp.any(skew), lambda: _skew(final, params, ids, inside), lambda: final)
 
     final = jax.lax.cond(jnp.any(post | xtc | skew), reshaped, lambda: normalised(logp))
-    return final, ids, inside
+    return final, ids, inside, x
 
 
 def processed_logprobs(
@@ -915,13 +916,13 @@ def greedy_final(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _sample_final(logits, params, positions, history, bias_ids, bias_values, candidates, bias_dense, bias_dense_on,
                   token_mask, token_mask_on, dry_breakers, xtc_exempt):
-    final, ids, inside = _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense,
-                                bias_dense_on, token_mask, token_mask_on, dry_breakers, xtc_exempt)
+    final, ids, inside, adjusted = _final(logits, params, history, bias_ids, bias_values, candidates, bias_dense,
+                                          bias_dense_on, token_mask, token_mask_on, dry_breakers, xtc_exempt)
     v = final.shape[-1]
     greedy = params.greedy  # [S]
-    best = jax.lax.cond(  # the token of greedy rows
-        jnp.any(greedy),
-        lambda: first_argmax(final),
+    best = jax.lax.cond(  # the token of greedy rows: the first maximal adjusted logit (as `greedy_final`; the
+        jnp.any(greedy),  # normalised `final` can tie two logits a rounding apart)
+        lambda: first_argmax(adjusted),
         lambda: jnp.zeros(greedy.shape, jnp.int32),
     )
 

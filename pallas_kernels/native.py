@@ -131,9 +131,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if not _REGISTERED:
         try:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JpgQuantMatmul), platform="cpu")
-            # the library's paged attention (pallas_kernels.native_attention)
-            jax.ffi.register_ffi_target("jpg_paged_attention", jax.ffi.pycapsule(lib.JpgPagedAttention),
-                                        platform="cpu")
         except Exception as e:  # noqa: BLE001 (an FFI version mismatch, ...)
             return None, f"registering the native kernel with XLA failed: {type(e).__name__}: {e}"
         _REGISTERED = True
@@ -141,6 +138,21 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 _REGISTERED = False
+
+
+@functools.cache
+def attention_reason() -> str | None:
+    """Why the library's paged attention (`pallas_kernels.native_attention`) cannot be registered, or None once it is
+    (on its own: a library built before it had the kernel still serves the matmul)."""
+    lib, why = _load()
+    if why is not None:
+        return why
+    try:
+        jax.ffi.register_ffi_target("jpg_paged_attention", jax.ffi.pycapsule(lib.JpgPagedAttention), platform="cpu")
+    except Exception as e:  # noqa: BLE001 (a library built without it: AttributeError; an FFI mismatch, ...)
+        return (f"the native library has no usable paged attention ({type(e).__name__}: {e}); rebuild it with "
+                "pip install -e . --no-deps")
+    return None
 
 
 def unavailable_reason() -> str | None:

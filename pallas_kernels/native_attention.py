@@ -9,8 +9,8 @@ cache instead, one task per (row, KV head, block of 16 query tokens), with an on
 
 Prefill windows longer than `MAX_QUERY_LEN` tokens (the chunks of a long prompt) still go to XLA's batched
 contraction, which wins there; decode rows, verification rows and short windows run here. `"auto"` picks this on
-the CPU where the kernel is built and runs (`pallas_kernels.native.unavailable_reason()`) and the head dimension is a
-multiple of 8; `attn_impl="xla"` turns it off.
+the CPU where the kernel is built and runs (`pallas_kernels.native.unavailable_reason()`, `native.attention_reason()`)
+and the head dimension is a multiple of 8; `attn_impl="xla"` turns it off. Caches: float32, bfloat16, float16, int8.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MAX_QUERY_LEN = 32
 
 def unavailable_reason(head_dim: int | None = None) -> str | None:
     """Why the native attention cannot run here (or for this head dimension), None when it can."""
-    why = native.unavailable_reason()
+    why = native.unavailable_reason() or native.attention_reason()
     if why is not None:
         return why
     if head_dim is not None and head_dim % 8:
@@ -71,8 +71,9 @@ def native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens
         v_scales = None if v_scales is None else v_scales[None]
         layer = 0
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    long_windows = (layout is not None and layout.num_prefill_rows and layout.max_q_len > MAX_QUERY_LEN
-                    and page_table.shape[0] == layout.num_rows)
+    # (the engine's prefill buckets have rows past the layout's, decode rows sitting in the windows' padding: the
+    # windows are still the first num_prefill_rows rows, at row * max_q_len)
+    long_windows = layout is not None and layout.num_prefill_rows and layout.max_q_len > MAX_QUERY_LEN
     if not long_windows:
         return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_lens, kv_lens, page_table,
                      **common)
@@ -81,11 +82,11 @@ def native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens
     o = ragged_paged_attention_xla(q[: sp * qm], k_pages, v_pages, query_lens[:sp], kv_lens[:sp], page_table[:sp],
                                    layout=PrefillDecodeLayout(sp, qm, 0), k_scales=k_scales, v_scales=v_scales,
                                    layer=jnp.asarray(layer, jnp.int32), **common)
-    if not layout.num_decode_rows:
-        return o
-    # The windows' output is zero past each chunk, where decode rows may sit, and the decode rows' slots follow the
-    # windows: the kernel writes the decode rows' tokens over it (the windows' rows handed over without queries).
+    # The windows' output is zero past each chunk, where decode rows may sit, and the other decode rows' slots follow
+    # the windows: the kernel writes the decode rows' tokens over it (the windows' rows handed over without queries).
     base = jnp.concatenate([o.astype(jnp.float32), jnp.zeros((q.shape[0] - sp * qm, *q.shape[1:]), jnp.float32)])
+    if page_table.shape[0] == sp:  # no decode rows
+        return base.astype(q.dtype)
     decode_only = query_lens.at[:sp].set(0)
     return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, decode_only, kv_lens, page_table,
                  base=base, **common)

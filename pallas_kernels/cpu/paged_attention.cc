@@ -4,8 +4,9 @@
 // Row r owns the query tokens [query_start[r], query_start[r] + query_lens[r]) at positions
 // kv_lens[r] - query_lens[r] + j; each attends to the keys at positions <= its own (and, with a sliding window w,
 // > its own - w) of the row's pages page_table[r, :], read in place from the engine's stacked cache
-// [L, KH, N, page_size, D] at `layer` (float32, bfloat16, or int8 with per-token float32 scales: the scores are
-// multiplied by the key's scale, the softmax weights by the value's, as the reference does). Tokens of no row are
+// [L, KH, N, page_size, D] at `layer` (float32, bfloat16, float16, or int8 with per-token float32 scales: the
+// scores are multiplied by the key's scale, the softmax weights by the value's, as the reference does). Keys stop at
+// the end of the page table (P * page_size) even where kv_lens runs past it, as in the reference. Tokens of no row are
 // zero, or, with `has_base`, what `base` holds there (the output aliases it: the Python side passes the XLA path's
 // output of the long prefill windows and the decode rows' tokens are written over it, with no second pass).
 //
@@ -37,7 +38,7 @@ namespace {
 
 constexpr int kQueryBlock = 16;  // query tokens per task (a decode row has 1, a verification row W)
 
-enum Cache : int { kF32 = 0, kBF16 = 1, kS8 = 2 };
+enum Cache : int { kF32 = 0, kBF16 = 1, kS8 = 2, kF16 = 3 };
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -115,6 +116,10 @@ const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t pa
       uint32_t bits = uint32_t(src[i]) << 16;
       std::memcpy(out + i, &bits, sizeof(float));
     }
+  } else if (p.cache == kF16) {  // count is a multiple of 8 (D is)
+    const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t i = 0; i < count; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   } else {
     const int8_t* src = static_cast<const int8_t*>(base) + offset;
     for (int64_t i = 0; i < count; ++i) out[i] = float(src[i]);
@@ -125,9 +130,10 @@ const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t pa
 // One task: row r, KV head h, query tokens [j0, j1) of the row.
 void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std::vector<float>& scratch) {
   const int64_t qlen = p.query_lens[r];
-  const int64_t kvl = std::min<int64_t>(p.kv_lens[r], p.p * p.ps);
+  const int64_t kvl = p.kv_lens[r];  // the queries' positions come from it; keys stop at the page table's end too
   const int64_t first_pos = kvl - qlen + j0, last_pos = kvl - qlen + j1 - 1;
-  if (last_pos < 0) return;  // an inconsistent row (more queries than context): nothing visible, output stays 0
+  const int64_t hi = std::min(last_pos, p.p * p.ps - 1);  // the last key any of the block's queries sees
+  if (hi < 0) return;  // nothing visible (more queries than context, or no pages): the output stays 0
   const int64_t d = p.d, g = p.g, m_count = (j1 - j0) * g, ps = p.ps;
   // scratch: Q [M, D] | K [ps, D] | V [ps, D] | scores [M, ps8] | acc [M, D] | mx [M] | l [M]
   const int64_t ps8 = (ps + 7) / 8 * 8;
@@ -148,7 +154,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
   std::fill(mx, mx + m_count, -std::numeric_limits<float>::infinity());
   std::fill(lsum, lsum + m_count, 0.0f);
   const int64_t lo = p.window ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
-  const int64_t hi = last_pos;  // < kvl
+  if (lo > hi) return;
   const int32_t* table = p.page_table + r * p.p;
   const float* kscale_base = p.ks ? p.ks + (p.layer * p.kh + h) * p.num_pages * ps : nullptr;
   const float* vscale_base = p.vs ? p.vs + (p.layer * p.kh + h) * p.num_pages * ps : nullptr;
@@ -278,8 +284,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     p.cache = kBF16;
   } else if (kt == ffi::DataType::S8) {
     p.cache = kS8;
+  } else if (kt == ffi::DataType::F16) {
+    p.cache = kF16;
   } else {
-    return ffi::Error::InvalidArgument("paged_attention: the cache must be float32, bfloat16 or int8");
+    return ffi::Error::InvalidArgument("paged_attention: the cache must be float32, bfloat16, float16 or int8");
   }
   if (scaled) {
     if (int64_t(k_scales.element_count()) != kd[0] * kd[1] * kd[2] * kd[3] ||

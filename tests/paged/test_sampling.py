@@ -709,3 +709,31 @@ def test_sample_final_takes_the_plain_greedy_path_only_when_it_applies(monkeypat
                   bias_values=jnp.asarray([[-1.0, 0.0], [0.0, 0.0]], jnp.float32)) != [63, 63]
     assert tokens(SamplingRows.make([{"repetition_penalty": 1.2}, {}])) == want  # history all padding: no effect
     assert tokens(SamplingRows.make([{"temperature": 0.5, "seed": 1}, {}]))[1] == want[1]
+
+
+def test_greedy_token_is_the_first_maximal_logit_on_both_paths() -> None:
+    """Two logits one float apart at V = 50000: normalising rounds them to the same log-probability, and the token
+    must still be the larger logit's on the plain path, on the general path, and for a greedy row batched with a
+    sampled one (its token must not depend on the other rows); a NaN row gives its first NaN on both paths."""
+    import paged.sampling as sampling
+
+    v = 50000
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((2, v)) * 0.01).astype(np.float32)
+    logits[0, 100] = np.float32(1.0)
+    logits[0, 200] = np.nextafter(np.float32(1.0), np.float32(2.0))  # the larger, at the higher index
+    logits[1, [30, 40]] = np.nan
+    lse = np.log(np.exp(logits[0].astype(np.float64)).sum())
+    assert np.float32(logits[0, 100] - np.float32(lse)) == np.float32(logits[0, 200] - np.float32(lse))  # the trap
+    x = jnp.asarray(logits)
+    fast = jax.jit(sampling.greedy_final)(x)
+    assert np.asarray(fast[1]).tolist() == [200, 30]
+    a = _plain_args(2, v)
+    for rows in ([{}, {}], [{}, {"temperature": 0.7, "seed": 3}]):
+        params = SamplingRows.make(rows)
+        general = jax.jit(lambda x, p=params: sampling._sample_final(
+            x, p, a["positions"], a["history"], a["bias_ids"], a["bias_values"], 64, a["bias_dense"],
+            a["bias_dense_on"], a["token_mask"], a["token_mask_on"], None, None))(x)
+        assert int(general[1][0]) == 200, rows
+        if len(rows[1]) == 0:
+            assert int(general[1][1]) == 30

@@ -6,6 +6,7 @@ with it as with the XLA path."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,15 +20,16 @@ pytestmark = pytest.mark.skipif(native_attention.unavailable_reason() is not Non
 
 
 # head dimensions with their own register-held P . V accumulation (64: SmolLM2's, in the case space; 128) and one
-# through the general loop (24)
-HEAD_DIMS = [
+# through the general loop (24); a sliding window across two blocks of 16 query tokens (no layout: all native)
+EXTRA_CASES = [
     AttentionCase("hd128-mixed", "Pdd0d", 12, 80, 16, 2, 2, 128, layout=True),
     AttentionCase("hd128-int8-window", "dpd", 9, 60, 8, 1, 3, 128, cache="int8", window=17),
     AttentionCase("hd24-ragged-bf16", "pdd-", 7, 50, 8, 2, 2, 24, cache="bfloat16"),
+    AttentionCase("ragged-long-chunks-window", "pdPd", 40, 120, 8, 2, 2, 16, window=20),
 ]
 
 
-@pytest.mark.parametrize("case", testing.attention_cases("full") + HEAD_DIMS, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", testing.attention_cases("full") + EXTRA_CASES, ids=lambda c: c.name)
 def test_native_matches_the_reference(case):
     testing.check_attention("native", case)
 
@@ -50,8 +52,40 @@ def test_long_prefill_windows_go_to_xla_and_decode_rows_stay_native(monkeypatch,
     testing.check_attention("native", case)
     assert names_of(xla_calls) == ["ragged_paged_attention_xla"]
     decode_rows = case.prefill_layout.num_decode_rows
-    # (the reference check above also shows that no window token is attended twice: the two outputs are added)
+    # (the reference check above also shows that the decode rows' tokens, written over the windows' output, and the
+    # windows' own tokens are each right)
     assert len(native_calls) == (1 if decode_rows else 0)
+
+
+def test_long_windows_with_decode_rows_past_the_layout(monkeypatch):
+    """The engine's prefill buckets: more rows than the layout's (`tail_decode_rows`), a decode row's token sitting in
+    a window's padding. The windows still go to XLA, and every row's tokens are right."""
+    jax.clear_caches()
+    xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
+    case = AttentionCase("tail-rows", "Pd", 40, 90, 8, 2, 2, 16, layout=True)
+    i = testing.build_attention_inputs(case)
+    qs, ql, kv, table = (np.asarray(i[k]).copy() for k in ("query_start", "query_lens", "kv_lens", "page_table"))
+    ql[0] = kv[0] = 30  # the window's tokens 30..39 are padding
+    tail_slot = 35
+    i.update(query_start=jnp.asarray(np.append(qs, tail_slot), jnp.int32),
+             query_lens=jnp.asarray(np.append(ql, 1), jnp.int32), kv_lens=jnp.asarray(np.append(kv, kv[1])),
+             page_table=jnp.asarray(np.vstack([table, table[1:2]])))
+    assert i["page_table"].shape[0] > case.prefill_layout.num_rows
+    got = np.asarray(testing.run_attention("native", i))
+    want = testing.reference_attention(i)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert np.abs(got[tail_slot]).max() > 0
+    assert names_of(xla_calls) == ["ragged_paged_attention_xla"]
+
+
+def test_float16_cache():
+    case = AttentionCase("f16", "pdd0P", 12, 60, 16, 2, 2, 16, window=9)
+    i = testing.build_attention_inputs(case)
+    i.update(k_pages=i["k_pages"].astype(jnp.float16), v_pages=i["v_pages"].astype(jnp.float16))
+    got = np.asarray(testing.run_attention("native", i))
+    want = testing.reference_attention(dict(i, k_pages=i["k_pages"].astype(jnp.float32),
+                                            v_pages=i["v_pages"].astype(jnp.float32)))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_short_windows_stay_native(monkeypatch):
@@ -76,7 +110,8 @@ def test_it_says_why_when_it_cannot_run(monkeypatch):
         testing.run_attention("native", testing.build_attention_inputs(case))
 
 
-def test_the_engine_generates_the_same_tokens_as_with_xla_attention():
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16"])
+def test_the_engine_generates_the_same_tokens_as_with_xla_attention(cache_dtype):
     """A tiny random model, greedy, prefill chunks and decode rows in one batch, and a sliding window: the native
     kernel's tokens and log-probabilities against the XLA path's."""
     from models import ModelConfig, init_random_weights
@@ -92,7 +127,7 @@ def test_the_engine_generates_the_same_tokens_as_with_xla_attention():
 
     def run(attn_impl: str):
         config = EngineConfig(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96,
-                              attn_impl=attn_impl)
+                              attn_impl=attn_impl, cache_dtype=cache_dtype)
         gen = DynamicGenerator(model, config=config)
         jobs = [Job(list(range(1 + n, 1 + 2 * n)), 12, gen_settings=SamplingSettings.greedy(), return_probs=True)
                 for n in (5, 21, 40)]
@@ -109,3 +144,17 @@ def test_the_engine_generates_the_same_tokens_as_with_xla_attention():
     for got, want in zip(probs, want_probs):
         assert len(got) == 12
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_kv_lens_past_the_page_table():
+    """A row whose kv_lens runs past its page table (a blind burst or a draft past a row's last page): its query's
+    position still comes from kv_lens, the keys stop at the table's end, as in the reference (here with a sliding
+    window, where the two differ from clamping kv_lens)."""
+    case = AttentionCase("past-the-table", "dd", 1, 40, 8, 1, 2, 16, window=10)
+    i = testing.build_attention_inputs(case)
+    kv, table = np.asarray(i["kv_lens"]).copy(), np.asarray(i["page_table"]).copy()
+    kv[0] = table.shape[1] * case.page_size + 5
+    table[0] = np.arange(1, table.shape[1] + 1)  # real (distinct) pages to the table's end
+    i.update(kv_lens=jnp.asarray(kv), page_table=jnp.asarray(table))
+    got = np.asarray(testing.run_attention("native", i))
+    np.testing.assert_allclose(got, testing.reference_attention(i), atol=2e-5, rtol=2e-5)

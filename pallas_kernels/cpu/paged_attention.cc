@@ -161,8 +161,11 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t pi = lo / ps; pi <= hi / ps; ++pi) {
     const int64_t page = std::clamp<int64_t>(table[pi], 0, p.num_pages - 1);
-    const int64_t k0 = std::max(lo, pi * ps), k1 = std::min(hi + 1, (pi + 1) * ps);  // keys [k0, k1)
-    const int64_t n = k1 - k0, off = k0 - pi * ps;
+    // keys [k0, k1): from the page's start even where the window starts later (masked below), so that a key's lane
+    // and group below depend on its place in the page only, never on the block: a query's result is the same whichever
+    // block (decode row, verification row, prefill chunk) it is computed in
+    const int64_t k0 = pi * ps, k1 = std::min(hi + 1, (pi + 1) * ps);
+    const int64_t n = k1 - k0, off = 0;
     const float* kr = load_rows(p, p.k, h, page, off, n, kb);
     const float* vr = load_rows(p, p.v, h, page, off, n, vb);
     const float* ksc = kscale_base ? kscale_base + page * ps + off : nullptr;
@@ -171,25 +174,24 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
       const int64_t pos = kvl - qlen + j0 + m / g;
       const float* qv = qb + m * d;
       float* s = sb + m * ps8;
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {  // q . k of 4 keys at once, their sums reduced together
-        const float* kv = kr + j * d;
+      for (int64_t j = 0; j < n; j += 4) {  // q . k of 4 keys at once, their sums reduced together; a last group of
+        // fewer repeats its last key (every key gets the same reduction order, whatever n is)
+        const float* k_0 = kr + j * d;
+        const float* k_1 = kr + std::min(j + 1, n - 1) * d;
+        const float* k_2 = kr + std::min(j + 2, n - 1) * d;
+        const float* k_3 = kr + std::min(j + 3, n - 1) * d;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t e = 0; e < d; e += 8) {
           const __m256 x = _mm256_loadu_ps(qv + e);
-          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + e), a0);
-          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + d + e), a1);
-          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + 2 * d + e), a2);
-          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + 3 * d + e), a3);
+          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k_0 + e), a0);
+          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k_1 + e), a1);
+          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k_2 + e), a2);
+          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k_3 + e), a3);
         }
         const __m256 h4 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
-      }
-      for (; j < n; ++j) {
-        const float* kv = kr + j * d;
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t e = 0; e < d; e += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qv + e), _mm256_loadu_ps(kv + e), a);
-        s[j] = hsum(a);
+        float four[4];
+        _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
+        for (int64_t i = 0; i < 4 && j + i < n; ++i) s[j + i] = four[i];
       }
       for (int64_t j = 0; j < n; ++j) {  // scale, key scale, soft cap, visibility
         float x = s[j] * p.sm_scale;

@@ -158,3 +158,22 @@ def test_kv_lens_past_the_page_table():
     i.update(kv_lens=jnp.asarray(kv), page_table=jnp.asarray(table))
     got = np.asarray(testing.run_attention("native", i))
     np.testing.assert_allclose(got, testing.reference_attention(i), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 13])
+def test_a_query_gets_the_same_bits_in_any_block(window):
+    """The last token of a 7-token row and the same query as a decode row over the same context: bitwise the same
+    output (each key's dot product has one reduction order whatever the block's length, the page's keys start at the
+    page's start even where the window starts later), so a token's attention does not depend on the batch's shape."""
+    case = AttentionCase("blocks", "pd", 7, 45, 8, 1, 3, 16, window=window)
+    i = testing.build_attention_inputs(case)
+    qs, ql, kv = (np.asarray(i[k]).copy() for k in ("query_start", "query_lens", "kv_lens"))
+    ql[0] = 7
+    kv[0] = 43  # row 0's block ends mid-page, keys 40..42 (of page 5) a group of 3
+    last = qs[0] + 6
+    i.update(query_lens=jnp.asarray(ql), kv_lens=jnp.asarray(kv))
+    as_block = np.asarray(testing.run_attention("native", i))[last]
+    ql[0], qs[0] = 1, last  # the same query alone
+    j = dict(i, query_start=jnp.asarray(qs, jnp.int32), query_lens=jnp.asarray(ql))
+    alone = np.asarray(testing.run_attention("native", j))[last]
+    np.testing.assert_array_equal(as_block, alone)

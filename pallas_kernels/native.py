@@ -138,6 +138,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 
 _REGISTERED = False
+ATTENTION_TARGET = "jpg_paged_attention"  # the library's paged attention (pallas_kernels.native_attention)
 
 
 @functools.cache
@@ -148,7 +149,7 @@ def attention_reason() -> str | None:
     if why is not None:
         return why
     try:
-        jax.ffi.register_ffi_target("jpg_paged_attention", jax.ffi.pycapsule(lib.JpgPagedAttention), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JpgPagedAttention), platform="cpu")
     except Exception as e:  # noqa: BLE001 (a library built without it: AttributeError; an FFI mismatch, ...)
         return (f"the native library has no usable paged attention ({type(e).__name__}: {e}); rebuild it with "
                 "pip install -e . --no-deps")

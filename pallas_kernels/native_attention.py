@@ -5,12 +5,12 @@ small contractions; at decode and verification sizes the gather (a transposing c
 step) and the fusions' fixed costs are most of attention's time, and attention is most of a batched decode step
 (docs/performance.md, "The native paged attention"). The kernel reads the pages in place from the engine's stacked
 cache instead, one task per (row, KV head, block of 16 query tokens), with an online softmax over the pages
-(float32, bfloat16 or int8-with-scales caches; sliding window and soft cap as the contract says).
+(float32, bfloat16, float16 or int8-with-scales caches; sliding window and soft cap as the contract says).
 
 Prefill windows longer than `MAX_QUERY_LEN` tokens (the chunks of a long prompt) still go to XLA's batched
 contraction, which wins there; decode rows, verification rows and short windows run here. `"auto"` picks this on
 the CPU where the kernel is built and runs (`pallas_kernels.native.unavailable_reason()`, `native.attention_reason()`)
-and the head dimension is a multiple of 8; `attn_impl="xla"` turns it off. Caches: float32, bfloat16, float16, int8.
+and the head dimension is a multiple of 8; `attn_impl="xla"` turns it off.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 
 from pallas_kernels import native
 
-TARGET = "jpg_paged_attention"
 # prefill windows of more query tokens than this (per row) run through XLA's contraction (`ragged_paged_attention_xla`)
 MAX_QUERY_LEN = 32
 
@@ -42,8 +41,8 @@ def _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_len
     tokens are written over it."""
     scaled = k_scales is not None
     dummy = jnp.zeros((1,), jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential",
-                            input_output_aliases={10: 0} if base is not None else None)
+    call = jax.ffi.ffi_call(native.ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential", input_output_aliases={10: 0} if base is not None else None)
     out = call(q.astype(jnp.float32), k_pages, v_pages, k_scales if scaled else dummy,
                v_scales if scaled else dummy, jnp.asarray(layer, jnp.int32).reshape(()),
                query_start.astype(jnp.int32), query_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),

@@ -102,11 +102,10 @@ struct Problem {
   int64_t window;  // 0: none
 };
 
-// Page `page` of KV head `h` (layer `p.layer`) as float32 rows [n, D] from key/value `first` on: a float32 cache in
+// The first n keys/values of page `page` of KV head `h` (layer `p.layer`) as float32 rows [n, D]: a float32 cache in
 // place, the others converted into `out`.
-const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t page, int64_t first, int64_t n,
-                       float* out) {
-  const int64_t offset = (((p.layer * p.kh + h) * p.num_pages + page) * p.ps + first) * p.d;
+const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t page, int64_t n, float* out) {
+  const int64_t offset = ((p.layer * p.kh + h) * p.num_pages + page) * p.ps * p.d;
   const int64_t count = n * p.d;
   if (p.cache == kF32) {
     return static_cast<const float*>(base) + offset;
@@ -165,11 +164,11 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
     // and group below depend on its place in the page only, never on the block: a query's result is the same whichever
     // block (decode row, verification row, prefill chunk) it is computed in
     const int64_t k0 = pi * ps, k1 = std::min(hi + 1, (pi + 1) * ps);
-    const int64_t n = k1 - k0, off = 0;
-    const float* kr = load_rows(p, p.k, h, page, off, n, kb);
-    const float* vr = load_rows(p, p.v, h, page, off, n, vb);
-    const float* ksc = kscale_base ? kscale_base + page * ps + off : nullptr;
-    const float* vsc = vscale_base ? vscale_base + page * ps + off : nullptr;
+    const int64_t n = k1 - k0;
+    const float* kr = load_rows(p, p.k, h, page, n, kb);
+    const float* vr = load_rows(p, p.v, h, page, n, vb);
+    const float* ksc = kscale_base ? kscale_base + page * ps : nullptr;
+    const float* vsc = vscale_base ? vscale_base + page * ps : nullptr;
     for (int64_t m = 0; m < m_count; ++m) {
       const int64_t pos = kvl - qlen + j0 + m / g;
       const float* qv = qb + m * d;

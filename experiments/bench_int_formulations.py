@@ -13,7 +13,8 @@ from memory as in the model, instead of sitting in the cache; each step reads la
   integer dot over the groups, then scales and a sum over groups;
 - `native_q4_1`, `native_int8`: the C++ AVX2 kernel (`pallas_kernels/native.py`), when it is built.
 
-The LM head is one matrix (no scan). Min and median of `--timings` timings; GB/s is the weight bytes of the
+The LM head is one matrix (no scan). Min and median of `--timings` timings (each the mean of `--calls` calls back to
+back); GB/s is the weight bytes of the
 formulation over the time.
 
     python -m experiments.bench_int_formulations --x_rows 1,16 --json_out experiments/results/int_formulations_cpu.json
@@ -35,6 +36,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("x_rows", ["1", "16"], "rows of x (decode batch sizes)")
 flags.DEFINE_integer("stack_layers", 30, "stacked copies scanned over (SmolLM2: 30)")
 flags.DEFINE_integer("timings", 7, "timings per formulation and shape")
+flags.DEFINE_integer("calls", 1, "calls per timing, back to back (a timing is their mean): steadier on a noisy host")
 flags.DEFINE_list("formulations", ["f32", "xla_q4_1", "xla_int8", "xla_intdot_channel", "xla_intdot_group",
                                    "native_q4_1", "native_int8"], "formulations to time")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
@@ -101,7 +103,7 @@ def formulation(name: str):
     raise app.UsageError(f"--formulations: unknown {name!r}")
 
 
-def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -> dict:
+def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng, calls: int = 1) -> dict:
     from models import quant
     from pallas_kernels import native
 
@@ -133,8 +135,10 @@ def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng) -
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(run(x, w))
-        times.append(time.perf_counter() - t0)
+        for _ in range(calls):
+            out = run(x, w)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
     nbytes = quant.nbytes(w)
     return {"formulation": name, "shape": shape, "in": k, "out": o, "rows": rows, "layers": n_layers,
             "min_ms": 1e3 * min(times), "median_ms": 1e3 * float(np.median(times)),
@@ -150,7 +154,7 @@ def main(argv):
     if not native.available():
         print(f"native kernel unavailable ({native.unavailable_reason()}); its formulations are skipped")
         names = [n for n in names if not n.startswith("native")]
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("x_rows", "stack_layers", "timings", "formulations")},
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("x_rows", "stack_layers", "timings", "calls", "formulations")},
               "device": device_info(), "versions": versions(), "load_before": load_average("bench_int_formulations"),
               "runs": []}
     rng = np.random.default_rng(0)
@@ -158,7 +162,7 @@ def main(argv):
         for shape in SHAPES:
             line = []
             for name in names:
-                r = time_one(name, shape, rows, FLAGS.stack_layers, FLAGS.timings, rng)
+                r = time_one(name, shape, rows, FLAGS.stack_layers, FLAGS.timings, rng, FLAGS.calls)
                 record["runs"].append(r)
                 line.append(f"{name} {r['min_ms']:.2f}")
             print(f"rows {rows:3d} {shape:8s} (ms, min): " + "  ".join(line), flush=True)

@@ -35,3 +35,15 @@ def test_a_wrong_formulation_is_caught(monkeypatch):
             bif.time_one("xla_intdot_group", "tiny", rows=3, layers=2, repeats=1, rng=np.random.default_rng(0))
     finally:
         del bif.SHAPES["tiny"]
+
+
+def test_a_timing_is_the_mean_of_its_calls(monkeypatch):
+    import itertools
+
+    monkeypatch.setattr(bif.time, "perf_counter", itertools.count().__next__)  # each reading 1 s after the last
+    bif.SHAPES["tiny"] = (64, 40)
+    try:
+        r = bif.time_one("f32", "tiny", rows=3, layers=2, repeats=2, rng=np.random.default_rng(0), calls=4)
+    finally:
+        del bif.SHAPES["tiny"]
+    assert r["min_ms"] == r["median_ms"] == 1e3 / 4  # one second over the 4 calls of a timing

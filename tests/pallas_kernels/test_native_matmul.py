@@ -239,6 +239,20 @@ def test_zero_rows_and_zero_inputs(isa):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(isa, kind):
+    """Each row's activations are quantized on their own and its sums never meet another row's, on the direct
+    passes (few rows) and over the prepared weights (more): a row's output is bitwise the same alone and among 11 or
+    70 others (what speculative greedy identity leans on: a verification row next to another row, or alone)."""
+    x, qa = make(kind, 32, 192, 192, 71, jnp.float16, seed=3)
+    full = np.asarray(native.native_matmul(x, qa))
+    for n in (1, 5, 12):
+        np.testing.assert_array_equal(np.asarray(native.native_matmul(x[:n], qa)), full[:n])
+    for r in (0, 4, 11, 70):
+        np.testing.assert_array_equal(np.asarray(native.native_matmul(x[r : r + 1], qa)), full[r : r + 1])
+
+
+@needs_native
 def test_inside_a_scan_over_stacked_layers(isa):
     xs, qas = zip(*[make("q4_1", 32, 64, 64, 1, jnp.float16, seed=s) for s in range(3)])
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *qas)

@@ -14,8 +14,7 @@ from memory as in the model, instead of sitting in the cache; each step reads la
 - `native_q4_1`, `native_int8`: the C++ AVX2 kernel (`pallas_kernels/native.py`), when it is built.
 
 The LM head is one matrix (no scan). Min and median of `--timings` timings (each the mean of `--calls` calls back to
-back); GB/s is the weight bytes of the
-formulation over the time.
+back); GB/s is the weight bytes of the formulation over the time.
 
     python -m experiments.bench_int_formulations --x_rows 1,16 --json_out experiments/results/int_formulations_cpu.json
 """

@@ -126,14 +126,15 @@ const float* load_rows(const Problem& p, const void* base, int64_t h, int64_t pa
   return out;
 }
 
-// One task: row r, KV head h, query tokens [j0, j1) of the row.
-void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std::vector<float>& scratch) {
+// One task: row r, KV head h, query vectors [v0, v1) of the row's vectors of that head (vector j * G + i: query token j,
+// the head's i-th query head).
+void attend(const Problem& p, int64_t r, int64_t h, int64_t v0, int64_t v1, std::vector<float>& scratch) {
   const int64_t qlen = p.query_lens[r];
   const int64_t kvl = p.kv_lens[r];  // the queries' positions come from it; keys stop at the page table's end too
-  const int64_t first_pos = kvl - qlen + j0, last_pos = kvl - qlen + j1 - 1;
+  const int64_t d = p.d, g = p.g, m_count = v1 - v0, ps = p.ps;
+  const int64_t first_pos = kvl - qlen + v0 / g, last_pos = kvl - qlen + (v1 - 1) / g;
   const int64_t hi = std::min(last_pos, p.p * p.ps - 1);  // the last key any of the block's queries sees
   if (hi < 0) return;  // nothing visible (more queries than context, or no pages): the output stays 0
-  const int64_t d = p.d, g = p.g, m_count = (j1 - j0) * g, ps = p.ps;
   // scratch: Q [M, D] | K [ps, D] | V [ps, D] | scores [M, ps8] | acc [M, D] | mx [M] | l [M]
   const int64_t ps8 = (ps + 7) / 8 * 8;
   scratch.resize(m_count * d + 2 * ps * d + m_count * ps8 + m_count * d + 2 * m_count + 8);
@@ -144,10 +145,9 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
   float* acc = sb + m_count * ps8;
   float* mx = acc + m_count * d;
   float* lsum = mx + m_count;
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t t = p.query_start[r] + j;
-    for (int64_t gi = 0; gi < g; ++gi)
-      std::memcpy(qb + ((j - j0) * g + gi) * d, p.q + (t * p.nh + h * g + gi) * d, d * sizeof(float));
+  for (int64_t m = 0; m < m_count; ++m) {
+    const int64_t t = p.query_start[r] + (v0 + m) / g;
+    std::memcpy(qb + m * d, p.q + (t * p.nh + h * g + (v0 + m) % g) * d, d * sizeof(float));
   }
   std::fill(acc, acc + m_count * d, 0.0f);
   std::fill(mx, mx + m_count, -std::numeric_limits<float>::infinity());
@@ -170,7 +170,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
     const float* ksc = kscale_base ? kscale_base + page * ps : nullptr;
     const float* vsc = vscale_base ? vscale_base + page * ps : nullptr;
     for (int64_t m = 0; m < m_count; ++m) {
-      const int64_t pos = kvl - qlen + j0 + m / g;
+      const int64_t pos = kvl - qlen + (v0 + m) / g;
       const float* qv = qb + m * d;
       float* s = sb + m * ps8;
       for (int64_t j = 0; j < n; j += 4) {  // q . k of 4 keys at once, their sums reduced together; a last group of
@@ -192,17 +192,39 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
         _mm_storeu_ps(four, _mm_add_ps(_mm256_castps256_ps128(h4), _mm256_extractf128_ps(h4, 1)));
         for (int64_t i = 0; i < 4 && j + i < n; ++i) s[j + i] = four[i];
       }
-      for (int64_t j = 0; j < n; ++j) {  // scale, key scale, soft cap, visibility
-        float x = s[j] * p.sm_scale;
-        if (ksc) x *= ksc[j];
-        if (p.soft_cap > 0) x = p.soft_cap * std::tanh(x / p.soft_cap);
-        const int64_t kp = k0 + j;
-        const bool visible = kp <= pos && (p.window == 0 || pos - kp < p.window);
-        s[j] = visible ? x : -std::numeric_limits<float>::infinity();
-      }
-      for (int64_t j = n; j < ps8; ++j) s[j] = -std::numeric_limits<float>::infinity();
       float page_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) page_max = std::max(page_max, s[j]);
+      if (!ksc && p.soft_cap <= 0) {  // scale and visibility in 8 lanes (the same product per key as below)
+        const __m256 vscale = _mm256_set1_ps(p.sm_scale);
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        // key position kp is visible where first <= kp <= pos, and its slot j < n
+        const __m256i after = _mm256_set1_epi32(int32_t(pos) + 1);
+        const __m256i before = _mm256_set1_epi32(p.window ? int32_t(pos - p.window) : std::numeric_limits<int32_t>::min());
+        const __m256i slots = _mm256_set1_epi32(int32_t(n));
+        __m256 vmax = neg_inf;
+        for (int64_t j = 0; j < ps8; j += 8) {
+          const __m256i jj = _mm256_add_epi32(_mm256_set1_epi32(int32_t(j)), lane);
+          const __m256i kp = _mm256_add_epi32(_mm256_set1_epi32(int32_t(k0)), jj);
+          const __m256i ok = _mm256_and_si256(_mm256_and_si256(_mm256_cmpgt_epi32(after, kp), _mm256_cmpgt_epi32(kp, before)),
+                                              _mm256_cmpgt_epi32(slots, jj));
+          const __m256 x = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + j), vscale), _mm256_castsi256_ps(ok));
+          _mm256_storeu_ps(s + j, x);
+          vmax = _mm256_max_ps(vmax, x);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        page_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      } else {
+        for (int64_t j = 0; j < n; ++j) {  // scale, key scale, soft cap, visibility
+          float x = s[j] * p.sm_scale;
+          if (ksc) x *= ksc[j];
+          if (p.soft_cap > 0) x = p.soft_cap * std::tanh(x / p.soft_cap);
+          const int64_t kp = k0 + j;
+          const bool visible = kp <= pos && (p.window == 0 || pos - kp < p.window);
+          s[j] = visible ? x : -std::numeric_limits<float>::infinity();
+        }
+        for (int64_t j = n; j < ps8; ++j) s[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) page_max = std::max(page_max, s[j]);
+      }
       if (page_max == -std::numeric_limits<float>::infinity()) continue;  // nothing visible to m on this page
       const float new_max = std::max(mx[m], page_max);
       const float alpha = mx[m] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(mx[m] - new_max);
@@ -236,8 +258,8 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t j0, int64_t j1, std:
     }
   }
   for (int64_t m = 0; m < m_count; ++m) {
-    const int64_t t = p.query_start[r] + j0 + m / g;
-    float* out = p.o + (t * p.nh + h * g + m % g) * d;
+    const int64_t t = p.query_start[r] + (v0 + m) / g;
+    float* out = p.o + (t * p.nh + h * g + (v0 + m) % g) * d;
     const __m256 inv = _mm256_set1_ps(1.0f / std::max(lsum[m], 1e-30f));
     for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_loadu_ps(acc + m * d + e), inv));
   }
@@ -317,16 +339,29 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     std::memcpy(p.o, base.typed_data(), out_count * sizeof(float));
   }
   struct Task {
-    int32_t r, h, j0, j1;
+    int32_t r, h, v0, v1;
   };
+  // A task takes up to kQueryBlock tokens' query vectors of one row and KV head. With few of them (a decode row: one
+  // per KV head; SmolLM2's 3 on 2 threads leave one thread twice the work) a float32 cache's tasks are cut finer, to
+  // about 4 per thread: each reads its pages in place, so the split costs only the walk over them (a converted cache
+  // would convert each page once per task). A query's result is the same whichever task computes it.
+  int64_t vectors = 0;
+  for (int64_t r = 0; r < s_count; ++r) {
+    const int64_t start = p.query_start[r];
+    const int64_t len = std::min<int64_t>(p.query_lens[r], p.t_count - start);
+    if (len > 0 && start >= 0 && p.kv_lens[r] > 0) vectors += len * p.g * p.kh;
+  }
+  int64_t per_task = kQueryBlock * p.g;
+  if (p.cache == kF32 && threads > 1)
+    per_task = std::clamp<int64_t>((vectors + 4 * threads - 1) / (4 * threads), 1, per_task);
   std::vector<Task> tasks;
   for (int64_t r = 0; r < s_count; ++r) {
     const int64_t start = p.query_start[r];
     const int64_t len = std::min<int64_t>(p.query_lens[r], p.t_count - start);  // never past the tokens
     if (len <= 0 || start < 0 || p.kv_lens[r] <= 0) continue;
     for (int64_t h = 0; h < p.kh; ++h)
-      for (int64_t j = 0; j < len; j += kQueryBlock)
-        tasks.push_back({int32_t(r), int32_t(h), int32_t(j), int32_t(std::min<int64_t>(len, j + kQueryBlock))});
+      for (int64_t v = 0; v < len * p.g; v += per_task)
+        tasks.push_back({int32_t(r), int32_t(h), int32_t(v), int32_t(std::min<int64_t>(len * p.g, v + per_task))});
   }
   const int n_tasks = int(tasks.size());
   std::atomic<int> next{0};
@@ -334,7 +369,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   jpg::fork_join(pool, chunks, [&](int, int) {
     std::vector<float> scratch;
     for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;)
-      attend(p, tasks[i].r, tasks[i].h, tasks[i].j0, tasks[i].j1, scratch);
+      attend(p, tasks[i].r, tasks[i].h, tasks[i].v0, tasks[i].v1, scratch);
   });
   return ffi::Error::Success();
 }

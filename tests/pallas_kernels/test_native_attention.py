@@ -177,3 +177,21 @@ def test_a_query_gets_the_same_bits_in_any_block(window):
     j = dict(i, query_start=jnp.asarray(qs, jnp.int32), query_lens=jnp.asarray(ql))
     alone = np.asarray(testing.run_attention("native", j))[last]
     np.testing.assert_array_equal(as_block, alone)
+
+
+@pytest.mark.parametrize("case", [c for c in testing.attention_cases("full") if c.cache in ("float32", None)][:6]
+                         + EXTRA_CASES[3:], ids=lambda c: c.name)
+def test_a_query_gets_the_same_bits_whatever_the_task_split(monkeypatch, case):
+    """A float32 cache's tasks are cut finer when there are few of them for the threads (down to one query vector per
+    task, a task's vectors then starting mid-token): every output, bitwise, as with one thread (no split)."""
+    from pallas_kernels import native
+
+    i = testing.build_attention_inputs(case)
+    outs = []
+    for n in ("1", "64"):  # 64 threads: about 4 tasks each wanted, so every task takes a single query vector
+        monkeypatch.setenv("JPG_NATIVE_THREADS", n)
+        jax.clear_caches()  # the thread count is an attribute of the traced call
+        assert native.threads() == int(n)
+        outs.append(np.asarray(testing.run_attention("native", i)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_allclose(outs[1], testing.reference_attention(i), atol=2e-5, rtol=2e-5)

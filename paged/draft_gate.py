@@ -26,7 +26,10 @@ The defaults (`TOKEN_COST`) were measured for SmolLM2-135M (Q4_1) with `experime
 2-core CPU a 5-token verification row took 1.67x a decode step at batch 1 (24 -> 40 ms), rho ~= 0.2 (2026-11-26,
 with the AVX512-VNNI kernel on another host: 1.56x, 16.1 -> 25.1 ms, rho ~= 0.16; with its weight prefetch 1.7x,
 9.1 -> 15.6 ms, rho ~= 0.2); on an H200 1.09x (5.6 -> 6.1 ms),
-rho ~= 0.02. `draft_token_cost=` overrides it.
+rho ~= 0.02. On the AMD EPYC host with the native kernels of 2026-11-27 (later: the folded q4 epilogue, finer attention
+tasks; `experiments.ngram_bound --price`) verifications of 2 / 3 / 5 / 9 / 17 tokens cost 1.16 / 1.21 / 1.39 / 1.91 /
+2.63 plain steps (5.7-6.2 ms): rho ~= 0.11-0.13 from 3 tokens on, the CPU's default since. `draft_token_cost=`
+overrides it.
 
 After `explore_every` gated steps in a row, one step verifies anyway, so that alpha keeps learning after a bad start.
 """
@@ -39,7 +42,7 @@ from collections.abc import Hashable
 import jax
 
 # rho = (cost of one more query token) / (fixed cost of a step), per JAX backend; see the module docstring.
-TOKEN_COST = {"cpu": 0.2, "gpu": 0.02}
+TOKEN_COST = {"cpu": 0.12, "gpu": 0.02}
 DEFAULT_TOKEN_COST = 0.1  # another backend: between the two
 
 

@@ -7,13 +7,13 @@ every build (a shared library: the package's own, or one compiled aside, e.g. `g
 -I<jaxlib>/include pallas_kernels/cpu/*.cc -o /tmp/b.so`) is registered with XLA under a name of its own, and each
 round times every build once, in alternating order, so that the host's drift falls on all of them alike.
 
-What one timing is: a jitted `lax.scan` over `--stack_layers` layers of SmolLM2-135M's matrices in the model's order
+What one timing is: a jitted `lax.scan` over `--scan_layers` layers of SmolLM2-135M's matrices in the model's order
 (fused QKV, O, fused gate-up, down; Q4_1 in groups of 32, the stored format of the embedded GGUF), and, timed
 apart, the tied LM head (int8 in blocks of 32, as the GGUF's Q8_0), each after reading a 160 MB buffer so that the
 weights come from memory as in a decode step (`--nocold`: back to back, the caches warm). Random weights; every
 build gets the same inputs, and its outputs are compared bit for bit with the first build's (`same_bits`).
 
-    python -m experiments.bench_native_builds --builds package,/tmp/b.so --x_rows 1,5 \
+    python -m experiments.bench_native_builds --builds package,/tmp/b.so --row_counts 1,5 \
         --json_out experiments/results/native_builds_cpu.json
 """
 
@@ -33,11 +33,11 @@ from experiments.common import write_record
 FLAGS = flags.FLAGS
 
 flags.DEFINE_list("builds", ["package"], "shared libraries to compare: paths, or 'package' (the installed kernel)")
-flags.DEFINE_list("x_rows", ["1", "5"], "rows of x (1: a decode row; k + 1: a verification row)")
-flags.DEFINE_integer("stack_layers", 30, "layers scanned over (SmolLM2: 30)")
+flags.DEFINE_list("row_counts", ["1", "5"], "rows of x (1: a decode row; k + 1: a verification row)")
+flags.DEFINE_integer("scan_layers", 30, "layers scanned over (SmolLM2: 30)")
 flags.DEFINE_integer("rounds", 40, "timings per build, part and row count (one per round, builds alternating)")
 flags.DEFINE_bool("cold", True, "read a 160 MB buffer before each timing (weights from memory, as in a decode step)")
-flags.DEFINE_integer("seed", 0, "weights and inputs")
+flags.DEFINE_integer("weights_seed", 0, "seed of the random weights and inputs")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
 
@@ -106,17 +106,18 @@ def main(argv):
 
     builds = FLAGS.builds
     names = register(builds)
-    w = weights(FLAGS.stack_layers, FLAGS.seed)
-    progs = [programs(n, w, FLAGS.stack_layers) for n in names]
+    w = weights(FLAGS.scan_layers, FLAGS.weights_seed)
+    progs = [programs(n, w, FLAGS.scan_layers) for n in names]
     flush = jnp.ones(40_000_000, jnp.float32)
     read = jax.jit(jnp.sum)
     layer_bytes = sum(native_bytes(w[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
     head_bytes = native_bytes(w["head"])
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("builds", "x_rows", "stack_layers", "rounds", "cold", "seed")},
+    names = ("builds", "row_counts", "scan_layers", "rounds", "cold", "weights_seed")
+    record = {"flags": {k: getattr(FLAGS, k) for k in names},
               "git": git_info(), "device": device_info(), "versions": versions(), "isa": native.resolved_isa(),
               "load_before": load_average("bench_native_builds"), "results": []}
-    rng = np.random.default_rng(FLAGS.seed + 1)
-    for n in (int(r) for r in FLAGS.x_rows):
+    rng = np.random.default_rng(FLAGS.weights_seed + 1)
+    for n in (int(r) for r in FLAGS.row_counts):
         x = jnp.asarray(rng.standard_normal((n, HIDDEN), np.float32))
         outs = [[np.asarray(f(x)) for f in p] for p in progs]  # compiles, and the bits to compare
         times = [[[], []] for _ in progs]

@@ -31,7 +31,7 @@ def run(*argv: str) -> None:
 
 def test_two_registrations_of_one_build_time_alike_and_share_bits(small, tmp_path, capsys):
     out = tmp_path / "r.json"
-    run("--builds=package,package", "--x_rows=1,3", "--stack_layers=2", "--rounds=3", "--nocold",
+    run("--builds=package,package", "--row_counts=1,3", "--scan_layers=2", "--rounds=3", "--nocold",
         f"--json_out={out}")
     rec = json.loads(out.read_text())
     assert [(r["build"], r["rows"]) for r in rec["results"]] == [("package", 1), ("package", 1), ("package", 3),
@@ -51,7 +51,7 @@ def test_a_build_with_other_bits_is_reported(small, tmp_path, monkeypatch):
 
     monkeypatch.setattr(bnb, "programs", programs)
     out = tmp_path / "r.json"
-    run("--builds=package,package", "--x_rows=2", "--stack_layers=1", "--rounds=1", "--nocold", f"--json_out={out}")
+    run("--builds=package,package", "--row_counts=2", "--scan_layers=1", "--rounds=1", "--nocold", f"--json_out={out}")
     assert [r["same_bits"] for r in json.loads(out.read_text())["results"]] == [True, False]
 
 

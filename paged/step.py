@@ -458,7 +458,8 @@ def decode_burst(
 def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
     (one per row count), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
-    decode layout: with and without a catch-up token), "verify" the speculative verification sampler (one per row count)."""
+    decode layout: with and without a catch-up token), "verify" the speculative verification sampler (one per row
+    count)."""
     from paged.speculative import verify_sample
 
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),

@@ -17,9 +17,10 @@ verification step costs c plain steps, for each c of `--verify_costs` (`experime
 docs/speculative.md measure c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
 
 How many of its drafts a step verifies (`--policies`, `paged.ngram.replay`): "all" (the generator's fixed drafter),
-"grow" (per job, 1 at first, doubled after a full acceptance, accepted + 1 after a rejection) and "oracle" (exactly
-the drafts that will be accepted: no policy with this drafter does better); `--min_match` leaves matches shorter
-than that unverified. Each run is also priced with a cost per verification width W (a row of W - 1 drafts):
+"grow" (per job, 1 at first, doubled after a full acceptance, accepted + 1 after a rejection), "gate" (all or none,
+as the generator's `adaptive_draft=True` decides: `paged.draft_gate.DraftGate` with `--gate_rho`) and "oracle"
+(exactly the drafts that will be accepted: no policy with this drafter does better); `--min_match` leaves matches
+shorter than that unverified. Each run is also priced with a cost per verification width W (a row of W - 1 drafts):
 `--price` times a plain and a verification step at batch 1 in the generator for every width of `--widths` and every
 k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
 `predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
@@ -71,6 +72,8 @@ flags.DEFINE_list("verify_costs", ["1.0", "1.25", "1.5"], "a verification step's
 flags.DEFINE_list("policies", ["all"], "how many proposed drafts a step verifies: all, grow, oracle "
                   "(paged.ngram.replay)")
 flags.DEFINE_integer("min_match", 1, "a suffix match shorter than this is not verified")
+flags.DEFINE_float("gate_rho", None, "--policies gate: the DraftGate's step-cost constant rho (None: the backend's, "
+                   "as adaptive_draft=True)")
 flags.DEFINE_list("widths", ["2", "3", "5", "9", "17"], "verification widths (drafts + 1) of the variable-width "
                   "prediction")
 flags.DEFINE_bool("price", False, "time plain and verification steps in the generator for every width (and k + 1)")
@@ -100,7 +103,8 @@ def main(argv):
     all_widths = sorted({w for w in widths if w <= max(ks) + 1} | {k + 1 for k in ks})
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "workloads", "num_prompts", "max_new_tokens",
                                                         "seed", "num_draft_tokens", "max_ngram", "verify_costs",
-                                                        "policies", "min_match", "widths", "price", "cost_model")},
+                                                        "policies", "min_match", "gate_rho", "widths", "price",
+                                                        "cost_model")},
               "git": git_info(), "device": device_info(), "versions": versions(), "runs": []}
     prices = None
     if FLAGS.price:
@@ -126,7 +130,12 @@ def main(argv):
             # an engine with a bucket for each of --widths up to k + 1, and k + 1 itself
             variable = {w: c for w, c in cost_of.items() if w in widths and w < k + 1} | {k + 1: cost_of[k + 1]}
             for policy in FLAGS.policies:
-                per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match)
+                gate = None
+                if policy == "gate":  # one gate for the workload's prompts, as one generator runs them
+                    from paged.draft_gate import DraftGate
+
+                    gate = DraftGate(k, FLAGS.gate_rho)
+                per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match, gate)
                        for p, o in outputs]
                 total = Replay()
                 for r in per:

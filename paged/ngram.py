@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 class NgramIndex:
@@ -72,7 +73,7 @@ class NgramIndex:
         return [], 0
 
 
-REPLAY_POLICIES = ("all", "grow", "oracle")
+REPLAY_POLICIES = ("all", "grow", "gate", "oracle")
 
 
 @dataclasses.dataclass
@@ -102,7 +103,7 @@ class Replay:
 
 
 def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int, max_new_tokens: int,
-           policy: str = "all", min_match: int = 1) -> Replay:
+           policy: str = "all", min_match: int = 1, gate: Any = None) -> Replay:
     """The steps an n-gram drafter (up to k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
     after `prompt`, with no model: the prefill step emits the first token; every later step proposes up to
     min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), verifies some of them (`policy`),
@@ -112,12 +113,18 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
 
     - "all": every one (the generator's fixed drafter);
     - "grow": at most g per job, g = 1 at first, doubled after a step accepts all it verified, else accepted + 1;
+    - "gate": all of them or none, as `gate` (a `paged.draft_gate.DraftGate`, the generator's `adaptive_draft`
+      rule; pass one gate for a workload's prompts, as one generator runs them) decides at batch 1 with the match
+      length as the evidence class; it learns from each verification's outcome;
     - "oracle": exactly those the output continues with (a bound: no policy with this drafter verifies better).
 
     Page room never limits drafts here: right for the default `reserve` page allocation, an upper bound under
     `on_demand`. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""
     if policy not in REPLAY_POLICIES:
         raise ValueError(f"policy must be one of {REPLAY_POLICIES}, got {policy!r}")
+    if (policy == "gate") != (gate is not None):
+        raise ValueError("policy 'gate' takes a gate (paged.draft_gate.DraftGate), the other policies none")
+    key = object()  # this output's job, for the gate
     r = Replay(tokens=len(output))
     if not output:
         return r
@@ -130,8 +137,15 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
         run = 0  # how many of the proposed drafts the output continues with
         while run < len(drafts) and i + run < len(output) and drafts[run] == output[i + run]:
             run += 1
-        m = 0 if n < min_match else {"all": len(drafts), "grow": min(grow, len(drafts)), "oracle": run}[policy]
+        if n < min_match:
+            m = 0
+        elif policy == "gate":
+            m = len(drafts) if drafts and gate.decide([(key, n, len(drafts))], 1) else 0
+        else:
+            m = {"all": len(drafts), "grow": min(grow, len(drafts)), "oracle": run}[policy]
         a = min(run, m)
+        if m and gate is not None:
+            gate.record(key, n, m, a)
         if m:
             r.verifications += 1
             r.verified[m] = r.verified.get(m, 0) + 1
@@ -142,4 +156,6 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
         emitted = min(a + 1, len(output) - i)
         index.append(output[i : i + emitted])
         i += emitted
+    if gate is not None:
+        gate.release(key)
     return r

@@ -61,6 +61,24 @@ def test_replay_policies_choose_how_many_drafts_a_step_verifies():
     assert r == Replay(3, 3, 1, 4, 0, {4: 1})
     with pytest.raises(ValueError, match="policy"):
         replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="some")
+    # gate: the generator's DraftGate decides; free verification (rho 0) verifies every proposal, as "all"
+    from paged.draft_gate import DraftGate
+
+    free = DraftGate(4, token_cost=0.0)
+    assert replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="gate", gate=free) == Replay(
+        9, 3, 2, 8, 6, {4: 2})
+    assert free.stats()["acceptance_by_class"] == {1: 4 / 4, 2: 2 / 3}  # learned: (9,) 4 of 4, (4, 5) 2 then a miss
+    # costly verification (rho 10: ~36 tokens' worth at batch 1) verifies only when the gate explores, after more
+    # than explore_every (here 1) gated steps in a row: (9,)'s 1 2 3 4 gated (a plain step emits 1); (9, 1)'s
+    # 2 3 4 5 explored, all accepted, plus 6; (6,)'s 7 8 9 1 gated (7 emitted); 8 9 1 2 explored, rejected, 0
+    dear = DraftGate(4, token_cost=10.0, explore_every=1)
+    r = replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="gate", gate=dear)
+    assert r == Replay(9, 5, 2, 8, 4, {4: 2})
+    assert (dear.gated_steps, dear.explored_steps) == (2, 2)
+    with pytest.raises(ValueError, match="gate"):
+        replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="gate")
+    with pytest.raises(ValueError, match="gate"):
+        replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, gate=free)
     # costs per verified count: plain steps cost 1
     r = Replay(tokens=9, steps=4, verifications=3, drafted=6, accepted=5, verified={1: 1, 2: 1, 3: 1})
     assert r.speedup_by(lambda m: 1.0 + 0.5 * m) == pytest.approx(9 / (1 + 1.5 + 2.0 + 2.5))

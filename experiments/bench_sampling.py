@@ -26,8 +26,8 @@ flags.DEFINE_integer("history", 256, "penalty history length R")
 flags.DEFINE_list("only", [], "run only these settings (names as printed)")
 flags.DEFINE_list("compile_rows", ["4", "64"], "batch sizes to time the compilation for")
 flags.DEFINE_string("module", "paged.sampling", "module providing SamplingRows and sample")
-flags.DEFINE_list("greedy_final_rows", [], "also time `greedy_final`'s two formulations alone (XLA's ops, the native "
-                  "kernel) at these row counts")
+flags.DEFINE_list("greedy_final_rows", [], "also time paged.sampling.greedy_final's two formulations alone "
+                  "(XLA's ops, the native kernel) at these row counts (the installed sampler's, whatever --module)")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the figures here as JSON")
 

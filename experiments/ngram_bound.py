@@ -69,7 +69,7 @@ flags.DEFINE_list("num_draft_tokens", ["4", "8", "16"], "k values to replay")
 flags.DEFINE_integer("max_ngram", 4, "longest suffix matched")
 flags.DEFINE_list("verify_costs", ["1.0", "1.25", "1.5"], "a verification step's cost in plain steps, for the "
                   "predicted speed-up")
-flags.DEFINE_list("policies", ["all"], "how many proposed drafts a step verifies: all, grow, oracle "
+flags.DEFINE_list("policies", ["all"], "how many proposed drafts a step verifies: all, grow, gate, oracle "
                   "(paged.ngram.replay)")
 flags.DEFINE_integer("min_match", 1, "a suffix match shorter than this is not verified")
 flags.DEFINE_float("gate_rho", None, "--policies gate: the DraftGate's step-cost constant rho (None: the backend's, "

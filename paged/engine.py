@@ -222,7 +222,8 @@ class Engine:
         """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
         jitted call (`paged.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
         `num_rows` rows (the target's verification rows, so that the distributions line up with them), and feeds
-        `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`). Returns the drafts (host, i32
+        `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`; a burst where no row feeds one runs
+        k steps instead of k + 1, which `paged.draft.DraftModel` accounts for). Returns the drafts (host, i32
         `[len(rows), draft_len]`) and their distributions (device, f32 log-probs `[num_rows, draft_len, V]`, by
         batch row)."""
         if not self.draft_len:
@@ -456,8 +457,8 @@ class Engine:
         plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
             work += [(shape, decode_steps, "burst") for shape in plain_decode]
-        if self.draft_len:
-            work += [(shape, self.draft_len, "draft") for shape in plain_decode]
+        if self.draft_len:  # both proposal bursts: with a catch-up token (k + 1 steps) and without (k)
+            work += [(shape, self.draft_len, kind) for shape in plain_decode for kind in ("draft", "draft_no_catch_up")]
         it = work
         if progress:
             from tqdm import tqdm
@@ -473,13 +474,12 @@ class Engine:
             if kind == "burst":
                 outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
-            if kind == "draft":  # both bursts: with a catch-up token (k + 1 steps) and without (k)
-                feed = np.full(shape.num_rows, -1, np.int32)
-                for catch_up in (True, False):
-                    self.state, tokens, _ = draft_burst_jit(
-                        self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
-                        num_drafts=n, catch_up=catch_up, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
-                    outs.append(tokens)
+            if kind.startswith("draft"):
+                self.state, tokens, _ = draft_burst_jit(
+                    self.model.params, self.state, batch, np.full(shape.num_rows, -1, np.int32), cfg=self.cfg,
+                    shape=forward_shape(shape), num_drafts=n, catch_up=kind == "draft", attn_impl=self.attn_impl,
+                    matmul_impl=self.matmul_impl)
+                outs.append(tokens)
                 continue
             hs = self._forward(batch, shape)
             verify = bool(shape.verify_len)

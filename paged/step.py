@@ -411,7 +411,8 @@ def draft_burst_jit(
     (the draft cache lacked one more token: the row's last draft was accepted and the target added the bonus
     token) that token is fed after step 0 instead of step 0's sample, and the row's drafts start one step later.
     So the drafts of row s are the samples of steps `c .. c + num_drafts - 1`, c = (then_feed[s] >= 0); a row with
-    c = 0 runs one step more than it needs (its KV lands past its drafts, where nothing reads it).
+    c = 0 runs one step more than its drafts need, which writes its last draft's KV (counted by
+    `paged.draft.DraftModel.accepted` when every draft is accepted).
     `catch_up=False` (the caller's promise that no row feeds a token: `then_feed` all -1) runs `num_drafts` steps
     only: the same drafts, one draft forward fewer (at k = 1 half the burst), and the last draft's KV is not written
     (the caller's bookkeeping knows: `paged.draft.DraftModel.accepted`).

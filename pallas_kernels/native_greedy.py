@@ -6,7 +6,8 @@ final = log_softmax(logits), token = the first maximal logit (the first NaN of a
 row of SmolLM2's 49152 logits and 0.25 ms for the five positions of a verification row, more than the LM head's
 extra rows cost (docs/kernels.md, "The native greedy normalisation"). The kernel does it in three vectorised passes
 per row (rows spread over XLA:CPU's threads): the same tokens, and the log-probabilities within a few ulp of
-XLA's (its exp is Cephes' polynomial, the sum in another order).
+XLA's (the kernel's exp is Cephes' polynomial, its sum in another order). Under a mesh XLA replicates the call: every
+device normalises every row (correct, not split).
 
 `unavailable_reason()` says why it cannot run here (the library's reasons, a library built without it, or
 `JPG_NATIVE_GREEDY=0`, which keeps XLA's formulation), None when it can; `paged.sampling.greedy_final` uses it on

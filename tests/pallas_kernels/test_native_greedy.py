@@ -53,14 +53,24 @@ def test_edge_rows_give_xla_answers() -> None:
     x[9, [4097, 4098]] = 70.0  # a tie inside the tail
     x[10, ::2] -= 1000.0  # exp underflows for half the row
     x[11, [4096]] = np.nan  # a NaN in the tail only
+    x[0, [3, 11, 19]] = 80.0  # a tie within one lane (3, 11 and 19 are lane 3's)
     (final, token, logprob), (w_final, w_token, w_logprob) = both(x)
     np.testing.assert_array_equal(token, w_token)
     np.testing.assert_array_equal(token, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
-    np.testing.assert_array_equal(token[[1, 2, 3, 4, 5, 6, 7, 8, 9, 11]], [5, 0, 10, v - 1, 0, 0, 8, 13, 4097, 4096])
+    np.testing.assert_array_equal(token[[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11]],
+                                  [3, 5, 0, 10, v - 1, 0, 0, 8, 13, 4097, 4096])
     np.testing.assert_array_equal(np.isnan(final), np.isnan(w_final))  # whole rows of NaN where XLA has them
     assert np.isnan(final[[2, 3, 7, 11]]).all()
     np.testing.assert_allclose(final, w_final, rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(logprob, w_logprob, rtol=1e-6, atol=1e-5)
+
+
+def test_signed_zeros_tie_to_the_first() -> None:
+    x = np.full((2, 24), -1.0, np.float32)
+    x[0, [5, 13]] = [-0.0, 0.0]  # equal as floats: the first is the max's first occurrence
+    x[1, [2, 21]] = [0.0, -0.0]  # across lanes
+    (_, token, _), (_, w_token, _) = both(x)
+    assert token.tolist() == w_token.tolist() == [5, 2]
 
 
 def test_one_float_apart_the_larger_logit_wins() -> None:

@@ -111,6 +111,9 @@ CASES = [
     ("q4_1", 12, 48, 64, 3, jnp.float16),  # G/2 = 6 packed rows: 3 steps per group
     ("q4_1", 6, 24, 40, 5, jnp.float16),  # G/2 = 3 (odd): the last step of a group is half empty
     ("int8", 6, 24, 64, 6, jnp.float32),  # activation blocks of 6: steps of 4 inputs, the second half empty
+    ("int8", 24, 96, 64, 3, jnp.float16),  # blocks of 24: x quantized 8 at a time (no 32-wide pack), step words copied
+    ("q4_1", 48, 96, 64, 2, jnp.float16),  # groups of 48: one 32-wide pack and an 8-wide rest; step words assembled
+    ("q4_0", 16, 64, 64, 5, jnp.float16),  # groups of 16: 8-wide quantizing only
     ("q4_1", 32, 1536, 576, 64, jnp.float16),  # x quantized by every thread; prepared spans cut short to fit L2
     # AMX (from 6 rows): up to 64 rows in one pass, each block unpacked once for products of <= 16 rows; above 64,
     # the prepared buffer and passes of <= 64 rows

@@ -349,3 +349,28 @@ def test_invalid_speculation_configs():
     with pytest.raises(InvalidConfigError, match="vocabulary"):
         Speculator(engine, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
                                              source="small"))
+
+
+def test_a_burst_without_catch_up_drafts_what_the_full_burst_drafts():
+    """`draft_burst_jit(catch_up=False)`, what `Engine.draft` runs when no row feeds a catch-up token, takes k steps
+    instead of k + 1: the same drafts and distributions (a sampled row and a greedy one), one draft forward fewer."""
+    import jax
+
+    from paged.batch import build_batch
+    from paged.step import draft_burst_jit, forward_shape
+    from pallas_kernels.paged_attention import PrefillDecodeLayout
+
+    engine = Engine(MODEL, **SETTINGS)
+    engine.enable_drafting(3)
+    rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED)),
+            RowInput(tokens=[9], start_pos=3, pages=[2], sampling={"temperature": 0.0})]
+    saved = jax.tree.map(jnp.copy, engine.state)
+    tokens, q = engine.draft(rows, [0, 1], 2, [-1, -1])
+    shape = engine.spec.shape(PrefillDecodeLayout(0, 1, 2))
+    batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, slots=[0, 1])
+    _, full_tokens, full_q = draft_burst_jit(MODEL.params, saved, batch, np.full(2, -1, np.int32), cfg=engine.cfg,
+                                             shape=forward_shape(shape), num_drafts=3, catch_up=True,
+                                             attn_impl=engine.attn_impl, matmul_impl=engine.matmul_impl)
+    assert tokens.shape == (2, 3)
+    np.testing.assert_array_equal(tokens, np.asarray(full_tokens))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(full_q))

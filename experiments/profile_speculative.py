@@ -60,6 +60,8 @@ def wrap_parts(times: dict) -> None:
                 lay = k["shape"].layout
                 detail = (f"{k['cfg'].num_layers} layers, {lay.num_prefill_rows} prefill rows x {lay.max_q_len}, "
                           f"{lay.num_decode_rows} decode rows")
+            elif _name == "draft_burst_jit":  # k + 1 steps with a catch-up token, k without
+                detail = "catch-up" if k.get("catch_up", True) else "no catch-up"
             times[(_name, detail)].append(time.perf_counter() - t)
             return out
 

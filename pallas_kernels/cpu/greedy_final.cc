@@ -4,10 +4,10 @@
 //
 // XLA:CPU runs `greedy_final` as separate passes over [S, V] (the max, a NaN check, exp-and-sum, the subtraction,
 // the first index equal to the max), ~0.25 ms at 5 x 49152 (docs/kernels.md, "The native greedy normalisation").
-// Here a row takes three passes in 8 lanes: the max with each lane's first index of it, the sum of exp(x - max) by
-// a vectorised exp (added in double), the subtraction. A row with a NaN or a maximum that is not finite takes a
-// scalar path with std::exp / std::log, which gives IEEE's answers there (a row of NaN, as XLA's). Rows are spread
-// over XLA:CPU's intra-op threads (fork_join.h).
+// Here a row takes three passes in 8 lanes: the max with each lane's first index of it, the sum of exp(x - max)
+// by the shared vectorised exp (vec_exp.h; added in double), the subtraction. A row with a NaN or a maximum that is
+// not finite takes a scalar path with std::exp / std::log, which gives IEEE's answers there (a row of NaN, as
+// XLA's). Rows are spread over XLA:CPU's intra-op threads (fork_join.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,34 +16,11 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "fork_join.h"
+#include "vec_exp.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// exp(x) for 8 lanes of x <= 0 (x - max): Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for
-// exp(r), times 2^n through the exponent bits), within 2 ulp; 0 below -87.34, where exp(x) is under FLT_MIN (a
-// term below the sum's rounding in any case).
-__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.33654f);
-  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lowest);
-  const __m256 n =
-      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT |
-                                                                                  _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: r to within an ulp
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  // n in [-126, 0]: 2^n is a normal float, its exponent field n + 127
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
 
 // A row with a NaN or a maximum that is not finite (+inf, or a row of -inf): XLA's formulation in scalar IEEE
 // arithmetic. max is NaN if any element is; the token the first NaN, else the first element equal to the max.
@@ -113,7 +90,8 @@ __attribute__((target("avx2,fma"))) void row(const float* x, int64_t v, float* o
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   int64_t i = 0;
   for (; i < v8; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), vm);  // exp(d), 0 where d < -87.3 (under FLT_MIN)
+    const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-87.3f), _CMP_LT_OQ), jpg::exp_ps(d));
     s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
     s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
   }

@@ -117,12 +117,7 @@ def main(argv):
             params = jax.tree.map(jnp.asarray, SamplingRows.make([{**setting, "seed": i} for i in range(s)]))
         except ValueError:  # an older sampler without this option
             continue
-        jax.block_until_ready(compiled(logits, params, **args))
-        times = []
-        for _ in range(FLAGS.iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(compiled(logits, params, **args))
-            times.append(time.perf_counter() - t0)
+        times = call_times(lambda p=params: compiled(logits, p, **args), FLAGS.iters)
         record["ms"][name] = {"median": 1e3 * float(np.median(times)), "min": 1e3 * float(np.min(times))}
         print(f"{name:24s} {1e3 * np.median(times):9.2f} ms  (min {1e3 * np.min(times):.2f})")
     if FLAGS.greedy_final_rows:
@@ -130,6 +125,19 @@ def main(argv):
     from experiments.common import write_record
 
     write_record(FLAGS.json_out, record)
+
+
+def call_times(call, iters: int) -> list[float]:
+    """Seconds of each of `iters` calls of `call()`, each waited for, after one untimed call."""
+    import jax
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def time_greedy_final(row_counts: list[int], v: int, iters: int) -> dict:
@@ -151,13 +159,7 @@ def time_greedy_final(row_counts: list[int], v: int, iters: int) -> dict:
         out[s] = {}
         for name, f in impls.items():
             g = jax.jit(f)
-            jax.block_until_ready(g(x))
-            times = []
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                jax.block_until_ready(g(x))
-                times.append(time.perf_counter() - t0)
-            out[s][name] = 1e3 * float(np.median(times))
+            out[s][name] = 1e3 * float(np.median(call_times(lambda g=g, x=x: g(x), iters)))
         print(f"greedy_final S={s} V={v}: " + "  ".join(f"{n} {t:.3f} ms" for n, t in out[s].items()))
     return out
 

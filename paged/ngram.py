@@ -144,9 +144,9 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
         else:
             m = {"all": len(drafts), "grow": min(grow, len(drafts)), "oracle": run}[policy]
         a = min(run, m)
-        if m and gate is not None:
-            gate.record(key, n, m, a)
         if m:
+            if gate is not None:
+                gate.record(key, n, m, a)
             r.verifications += 1
             r.verified[m] = r.verified.get(m, 0) + 1
             grow = 2 * grow if a == m else a + 1

@@ -485,15 +485,18 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   // threads write into the caller's): `quantize_row` writes every element before anything reads it, so nothing is
   // cleared, and a call allocates nothing once the largest x has been seen.
   static thread_local std::vector<Reg> scratch;
-  const int64_t sizes[5] = {p.n * p.k, p.n * p.nsteps * 4, p.n * p.nb * 4, p.n * p.nb * 4, p.n * (p.k / p.g) * 4};
-  int64_t regs = 0;
-  for (int64_t b : sizes) regs += (b + sizeof(Reg) - 1) / sizeof(Reg);
-  if (static_cast<int64_t>(scratch.size()) < regs) scratch.resize(regs);
-  char* at = reinterpret_cast<char*>(scratch.data());
-  char* parts[5];
+  int64_t regs[5] = {p.n * p.k, p.n * p.nsteps * 4, p.n * p.nb * 4, p.n * p.nb * 4, p.n * (p.k / p.g) * 4};
+  int64_t total = 0;
+  for (int64_t& r : regs) {
+    r = (r + sizeof(Reg) - 1) / sizeof(Reg);  // bytes -> whole (aligned) Regs
+    total += r;
+  }
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  Reg* parts[5];
+  Reg* at = scratch.data();
   for (int i = 0; i < 5; ++i) {
     parts[i] = at;
-    at += (sizes[i] + sizeof(Reg) - 1) / sizeof(Reg) * sizeof(Reg);
+    at += regs[i];
   }
   p.xq = reinterpret_cast<int8_t*>(parts[0]);
   p.xw = reinterpret_cast<int32_t*>(parts[1]);

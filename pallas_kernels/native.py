@@ -103,6 +103,19 @@ def _library_path() -> str | None:
     return found[0] if found else None
 
 
+PREFETCH_HINTS = ("nta", "t0")
+
+
+def prefetch_hint() -> str:
+    """How the kernel prefetches the weights: `JPG_NATIVE_PREFETCH` if set, else "nta" (non-temporal: a model's
+    weights stream through without evicting the KV cache, the activations and the host's data from the caches;
+    "t0" keeps them like any other line). Read when a call is traced, like `isa()`."""
+    name = os.environ.get("JPG_NATIVE_PREFETCH", "nta").strip().lower() or "nta"
+    if name not in PREFETCH_HINTS:
+        raise ValueError(f"JPG_NATIVE_PREFETCH={name!r}: expected one of {list(PREFETCH_HINTS)}")
+    return name
+
+
 def threads() -> int:
     """Threads per call: `JPG_NATIVE_THREADS` if set, else the cores this process may run on (the kernel also uses at
     most XLA's intra-op threads plus the calling one)."""
@@ -236,4 +249,4 @@ def native_matmul(x: jnp.ndarray, qa: QuantizedArray, *, tuning=None, layer: jnp
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), qa.values, qa.scales, mins, index, kind=np.int32(KINDS[qa.kind]),
                 group_size=np.int64(qa.group_size), block=np.int64(block), threads=np.int64(threads()),
-                isa=np.int32(ISAS[isa()]))
+                isa=np.int32(ISAS[isa()]), stream=np.int32(prefetch_hint() == "nta"))

@@ -60,7 +60,7 @@ def matmul_auto() -> str:
     isa = native.resolved_isa()
     rows = ", ".join(f"{k} {'any' if v is None else f'<= {v}'}" for k, v in native.NATIVE_MAX_ROWS[isa].items())
     above = "" if all(v is None for v in native.NATIVE_MAX_ROWS[isa].values()) else "; xla above"
-    return f"native ({isa}, {native.threads()} threads) for rows {rows}{above}"
+    return f"native ({isa}, {native.threads()} threads, {native.prefetch_hint()} prefetch) for rows {rows}{above}"
 
 
 def versions() -> dict:

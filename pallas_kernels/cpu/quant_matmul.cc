@@ -108,6 +108,7 @@ struct Problem {
   int32_t* xqs;        // [n, nb]  sums of xq per block (VNNI's int8 weights run as w + 128)
   float* xs;           // [n, k / g]  group sums of the quantized x (the q4 kinds' min term)
   float* y;            // [n, o]
+  bool stream;         // prefetch the weights non-temporally (see `prefetch` in quant_matmul_body.inc)
 };
 
 // ------------------------------------------------------------------------------------------- activation quantizing
@@ -424,7 +425,7 @@ IsaImpl impl_for(int32_t isa) {
 // which cost as much as the matmul itself).
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, int32_t kind,
-                           int64_t group_size, int64_t block, int64_t threads, int32_t isa) {
+                           int64_t group_size, int64_t block, int64_t threads, int32_t isa, int32_t stream) {
   auto xd = x.dimensions();
   auto sd = scales.dimensions();
   const size_t rank = sd.size();
@@ -481,6 +482,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (!table(scales, &p.scales) || (kind == kQ4_1 && !table(mins, &p.mins)))
     return ffi::Error::InvalidArgument("quant_matmul: scales and mins must be float16 or float32");
   p.values = static_cast<const uint8_t*>(values.untyped_data()) + li * value_bytes;
+  p.stream = stream != 0;
   // The quantized activations, in scratch memory kept per calling thread and grown as needed (the call's pool
   // threads write into the caller's): `quantize_row` writes every element before anything reads it, so nothing is
   // cleared, and a call allocates nothing once the largest x has been seen.
@@ -548,7 +550,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JpgQuantMatmul, QuantMatmulImpl,
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("threads")
-                                  .Attr<int32_t>("isa"));  // 0: the best this CPU has, else an Isa
+                                  .Attr<int32_t>("isa")      // 0: the best this CPU has, else an Isa
+                                  .Attr<int32_t>("stream"));  // 1: prefetch the weights with the NTA hint, 0: T0
 
 extern "C" int jpg_cpu_supported() { return isa_supported(kAvx2); }
 

@@ -216,6 +216,34 @@ def test_the_instruction_set_switch(monkeypatch):
                 native.isa()
 
 
+def test_the_prefetch_switch(monkeypatch):
+    """JPG_NATIVE_PREFETCH picks the weights' prefetch hint: "nta" unless set, "t0" on request, anything else a
+    ValueError naming the choices."""
+    monkeypatch.delenv("JPG_NATIVE_PREFETCH", raising=False)
+    assert native.prefetch_hint() == "nta"
+    monkeypatch.setenv("JPG_NATIVE_PREFETCH", " T0 ")
+    assert native.prefetch_hint() == "t0"
+    monkeypatch.setenv("JPG_NATIVE_PREFETCH", "t2")
+    with pytest.raises(ValueError, match=r"JPG_NATIVE_PREFETCH='t2': expected one of \['nta', 't0'\]"):
+        native.prefetch_hint()
+
+
+@needs_native
+@pytest.mark.parametrize("kind,rows", [("q4_1", 1), ("q4_1", 5), ("int8", 5), ("q4_0", 12)])
+def test_the_prefetch_hint_reaches_the_kernel_and_changes_no_bit(monkeypatch, kind, rows):
+    """The hint travels to the kernel as its `stream` attribute (1: NTA, 0: T0), read when a call is traced; a
+    prefetch hint moves no arithmetic, so both give the same bits (direct passes and prepared weights alike)."""
+    x, qa = make(kind, 32, 576, 600, rows, jnp.float16, seed=rows)
+    out = {}
+    for hint, attr in (("nta", "stream = 1 : i32"), ("t0", "stream = 0 : i32")):
+        monkeypatch.setenv("JPG_NATIVE_PREFETCH", hint)
+        jax.clear_caches()
+        assert attr in jax.jit(native.native_matmul).lower(x, qa).as_text()
+        out[hint] = np.asarray(jax.jit(native.native_matmul)(x, qa))
+    jax.clear_caches()
+    np.testing.assert_array_equal(out["nta"], out["t0"])
+
+
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or this build) has no usable AMX")
 @pytest.mark.parametrize("kind,group,rows", [("q4_1", 32, 6), ("q4_1", 32, 16), ("q4_0", 32, 23), ("int8", 32, 40),
                                              ("int8", None, 9), ("q4_1", 64, 33), ("q4_1", 32, 130),

@@ -9,13 +9,15 @@ target never says is a draft that is never accepted. Other tokens get a -inf log
 rejection sampler's q is 0 there, so sampling stays lossless).
 
 Training text: the target's own **greedy** answers (`--gen_temperature`, default 0) to a seeded set of chat prompts
-in the chat template the benchmark and `generate.py` use: open requests (`TASKS` x `TOPICS`), then copy-style
-requests (repeat, correct, quote; `COPY_INSTRUCTIONS`) over the target's earlier answers. Neither the benchmark's
-texts nor its chat prompts (`experiments.common`) are in it. Each example is one prompt + answer, so a copy request
-keeps the text it copies in context. Loss (`--loss`): "ce", cross-entropy on the answer tokens (with greedy text
-they are the target's argmax: what greedy acceptance checks; no teacher forward, so a step is cheap), or "kl", the
-KL divergence from the target's full next-token distribution at every position (full head only; a target forward
-per step). optax AdamW with warm-up and cosine decay; the weights are the project's flax `Weights` pytree.
+in the chat template the benchmark and `generate.py` use: open requests (`TASKS` x `TOPICS` first, then the wide
+pool with `MORE_TASKS` and `MORE_TOPICS`: 2860 distinct requests), then copy-style requests (repeat, correct, quote;
+`COPY_INSTRUCTIONS`) over the target's earlier answers, generated with continuous batching (`--gen_batch` jobs).
+Neither the benchmark's texts nor its chat prompts (`experiments.common`) are in it. Each example is one prompt +
+answer, so a copy request keeps the text it copies in context. Loss (`--loss`): "ce", cross-entropy on the answer
+tokens (with greedy text they are the target's argmax: what greedy acceptance checks; no teacher forward, so a step
+is cheap), or "kl", the KL divergence from the target's full next-token distribution at every position (full head
+only; a target forward per step). optax AdamW with warm-up and cosine decay; the weights are the project's flax
+`Weights` pytree.
 
 Writes `--out/model.safetensors` (HF tensor names) and `--out/config.json`, which `models.load_model(out)` reads;
 the draft has no tokenizer files: pass the target's (`DynamicGenerator(target, draft_model=load_model(out,
@@ -47,11 +49,14 @@ flags.DEFINE_integer("head_vocab", 8192, "tokens of the draft's reduced LM head 
                      "training text); 0: the target's full tied head")
 flags.DEFINE_enum("loss", "ce", ["ce", "kl"], "ce: cross-entropy on the target's answer tokens; kl: KL to the "
                   "target's distribution at every position (needs --head_vocab=0)")
-flags.DEFINE_integer("num_prompts", 320, "prompts in the seeded prompt set (half open requests, half copy requests)")
+flags.DEFINE_integer("num_prompts", 4000, "prompts in the seeded prompt set (half open requests, half copy "
+                     "requests); generation stops at --gen_minutes")
 flags.DEFINE_integer("gen_tokens", 128, "tokens the target generates per prompt (at most)")
 flags.DEFINE_float("gen_temperature", 0.0, "sampling temperature of the training answers (0: greedy)")
-flags.DEFINE_float("gen_minutes", 8.0, "at most this much of the budget generates text")
-flags.DEFINE_integer("steps", 2000, "training steps (capped by --max_minutes)")
+flags.DEFINE_float("gen_minutes", 9.0, "at most this much of the budget generates text")
+flags.DEFINE_integer("gen_batch", 32, "jobs the target generates at once (continuous batching)")
+flags.DEFINE_integer("steps", 1100, "training steps (capped by --max_minutes; the learning-rate schedule decays over "
+                     "them: ~1 step/s on the 2-core CPU leaves ~18 of the 30 minutes for 1100)")
 flags.DEFINE_integer("batch_size", 8, "examples per step")
 flags.DEFINE_integer("seq_len", 256, "tokens per example (prompt + answer, truncated; shorter ones padded)")
 flags.DEFINE_float("lr", 1e-3, "peak learning rate")
@@ -77,6 +82,28 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Give three 
          "Write Python code that prints a list of words about {}.", "What are the pros and cons of {}?",
          "Describe {} in a few sentences.", "Give me some tips about {}.", "Why do people care about {}?",
          "Write a Python function related to {} and explain it."]
+# More topics and tasks: the wide pool, drawn from only after every TASKS x TOPICS request (so a run of up to 480 open
+# prompts asks exactly what it asked before these existed). None is a benchmark prompt (experiments.common.CHAT).
+MORE_TOPICS = ["glaciers", "a city park", "the printing press", "bees and flowers", "a rainy day", "space travel",
+               "the brain", "pirates", "a school play", "photography", "the Great Wall of China", "earthquakes",
+               "a farmer's market", "knitting", "jazz", "penguins", "a treasure map", "solar panels", "the Olympics",
+               "a haunted house", "origami", "whales", "public libraries", "a bakery", "spiders", "the Renaissance",
+               "wind turbines", "camping", "a magic trick", "the immune system", "skyscrapers", "tigers", "poetry",
+               "a time machine", "the water cycle", "airports", "chocolate", "a marathon", "vaccines", "castles",
+               "the Amazon rainforest", "board games", "a lost dog", "typewriters", "the periodic table", "kites",
+               "a birthday party", "submarines", "the Vikings", "meditation", "tornadoes", "a museum visit",
+               "linked lists", "hash tables", "recursion", "unit testing", "a web server", "databases", "encryption",
+               "a spreadsheet", "the speed of light", "gravity", "magnets", "a forest fire", "coral reefs", "owls",
+               "a train station", "the French Revolution", "democracy", "a street market", "elephants", "painting",
+               "a snowstorm", "the first airplane", "robots in factories", "a night sky", "fossils", "volunteering",
+               "a small business", "saving money", "running shoes", "the post office", "a farm", "wolves",
+               "a science fair", "the printing of money", "a dragon", "an old map", "a bridge", "traffic lights",
+               "a hospital", "a football match", "the seasons", "a spaceship crew", "clouds", "a cat", "ants",
+               "the telephone", "a library book", "a picnic", "a storm at sea", "lemonade", "a garden pond"]
+MORE_TASKS = ["Write a limerick about {}.", "List five questions a student might ask about {}.",
+              "Write a news headline and a short article about {}.", "Compare {} with something similar.",
+              "Write a short speech about {}.", "Explain {} in one paragraph.",
+              "Write a JavaScript function related to {}.", "Tell a joke about {}."]
 # Copy-style requests over the target's own earlier answers (the benchmark's copy workload uses other wording
 # and other texts: experiments.common.COPY_TASKS / TEXTS)
 COPY_INSTRUCTIONS = ["Copy the text below word for word:\n\n{}", "Please repeat this back exactly as written:\n\n{}",
@@ -86,12 +113,18 @@ COPY_INSTRUCTIONS = ["Copy the text below word for word:\n\n{}", "Please repeat 
 
 
 def open_prompts(n: int, seed: int) -> list[str]:
-    """`n` distinct open requests (TASKS x TOPICS, seeded order; repeats only past the product's size)."""
+    """`n` distinct open requests, seeded order: first TASKS x TOPICS, then the rest of the wide pool
+    ((TASKS + MORE_TASKS) x (TOPICS + MORE_TOPICS)); repeats only past the wide pool's size."""
     import random
 
     rng = random.Random(seed)
     pool = [t.format(topic) for t in TASKS for topic in TOPICS]
     rng.shuffle(pool)
+    seen = set(pool)
+    more = [t.format(topic) for t in TASKS + MORE_TASKS for topic in TOPICS + MORE_TOPICS]
+    more = [q for q in dict.fromkeys(more) if q not in seen]
+    rng.shuffle(more)
+    pool += more
     return [pool[i % len(pool)] for i in range(n)]
 
 
@@ -111,9 +144,10 @@ def copy_prompts(texts: list[str], n: int, seed: int, max_words: int = 60) -> li
 
 
 def generate_answers(target, prompts: list[str], max_new: int, temperature: float, seed: int,
-                     deadline: float, desc: str) -> list[tuple[list[int], list[int]]]:
-    """The target's answers to `prompts` (chat template) as (prompt ids, answer ids incl. the stop token), generated
-    in batches of 32 until `deadline`."""
+                     deadline: float, desc: str, batch: int = 32) -> list[tuple[list[int], list[int]]]:
+    """The target's answers to `prompts` (chat template) as (prompt ids, answer ids incl. the stop token), in
+    order, until `deadline`: continuous batching of up to `batch` jobs (a finished answer's slot takes the next
+    prompt at once), `deadline` checked between chunks of 8 x `batch` prompts. Job i's seed is `seed * 100003 + i`."""
     from tqdm import tqdm
 
     from experiments.common import chat_prompt
@@ -121,17 +155,18 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
 
     tok = target.tokenizer
     seq = min(512, target.config.max_position_embeddings)
-    gen = DynamicGenerator(target, max_batch_size=32, max_seq_len=seq)
+    gen = DynamicGenerator(target, max_batch_size=batch, max_seq_len=seq)
     settings = SamplingSettings.greedy() if temperature <= 0 else SamplingSettings(temperature=temperature, top_p=0.95)
     stops = sorted({t for t in (tok.eos_token_id, *(target.config.eos_token_ids or ())) if t is not None})
     out: list[tuple[list[int], list[int]]] = []
-    bar = tqdm(range(0, len(prompts), 32), desc=desc, unit="batch")
-    for i in bar:
+    chunk = 8 * batch
+    bar = tqdm(total=len(prompts), desc=desc, unit="answer")
+    for i in range(0, len(prompts), chunk):
         if time.perf_counter() > deadline:
             bar.write(f"{desc}: generation budget reached after {len(out)} answers")
             break
         ids = [tok.encode(chat_prompt(tok, p), encode_special_tokens=True)[-(seq - max_new - 1):]
-               for p in prompts[i : i + 32]]
+               for p in prompts[i : i + chunk]]
         jobs = [Job(x, max_new, gen_settings=settings, stop_conditions=stops, seed=seed * 100003 + i + j,
                     identifier=j) for j, x in enumerate(ids)]
         got: dict[int, list[int]] = {j: [] for j in range(len(jobs))}
@@ -143,7 +178,9 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
                 got[r["identifier"]] += r.get("token_ids", [])
                 if r.get("eos"):
                     got[r["identifier"]] += (r.get("held") or {}).get("token_ids", [])
+                    bar.update(1)
         out += [(ids[j], got[j]) for j in range(len(jobs))]
+    bar.close()
     return out
 
 
@@ -227,12 +264,13 @@ def main(argv):
     gen_deadline = min(deadline - reserve - 60, t_start + FLAGS.gen_minutes * 60)
     n_open = max(1, FLAGS.num_prompts // 2)
     pairs = generate_answers(speaker, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
-                             FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)")
+                             FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)",
+                             FLAGS.gen_batch)
     groups = list(range(len(pairs)))  # an example's group: the open answer it is, or copies (no leak across splits)
     texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
     copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
     got = generate_answers(speaker, [c for c, _ in copies], FLAGS.gen_tokens, FLAGS.gen_temperature, FLAGS.seed + 1,
-                           gen_deadline, "generating answers (copy)")
+                           gen_deadline, "generating answers (copy)", FLAGS.gen_batch)
     pairs += got
     groups += [src for _, src in copies[: len(got)]]
     gen_s = time.perf_counter() - t_start

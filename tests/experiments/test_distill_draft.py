@@ -17,13 +17,20 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 HELPERS = r"""
 import json
-from experiments.distill_draft import copy_prompts, head_token_ids, make_examples, open_prompts
+from experiments.common import CHAT
+from experiments.distill_draft import (MORE_TASKS, MORE_TOPICS, TASKS, TOPICS, copy_prompts, head_token_ids,
+                                       make_examples, open_prompts)
 tokens, labels, mask = make_examples([([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10, 11])], 4)
 print(json.dumps({
     "tokens": tokens.tolist(), "labels": labels.tolist(), "mask": mask.tolist(),
     "head": head_token_ids([[5, 5, 9, 2], [9, 5, 7]], 3, [42]),
     "head_all": head_token_ids([[5, 5]], 8, [1]),
     "open": open_prompts(5, 0), "open_again": open_prompts(5, 0),
+    "base_first": set(open_prompts(480, 0)) == {t.format(x) for t in TASKS for x in TOPICS},
+    "prefix": open_prompts(500, 0)[:480] == open_prompts(480, 0),
+    "wide": len(set(open_prompts(3000, 0))), "wide_size": len({t.format(x) for t in TASKS + MORE_TASKS
+                                                               for x in TOPICS + MORE_TOPICS}),
+    "benchmark_prompts": sorted(set(open_prompts(3000, 0)) & set(CHAT)),
     "copy": copy_prompts(["one two three four", "", "five six"], 3, 0, max_words=2),
 }))
 """
@@ -40,9 +47,40 @@ def test_helpers():
     assert r["head"] == [5, 9, 42]  # the forced token, then by frequency (5 x3, 9 x2), sorted by id
     assert r["head_all"] == [1, 5]
     assert r["open"] == r["open_again"] and len(set(r["open"])) == 5
+    # the first 480 open requests are TASKS x TOPICS as before the wide pool; then every wide request once
+    assert r["base_first"] and r["prefix"] and r["wide"] == r["wide_size"] > 2000
+    assert r["benchmark_prompts"] == []
     # each request names its source text (the empty one skipped), cut to two words
     assert [src for _, src in r["copy"]] == [0, 2, 0]
     assert all(("one two" in c and "three" not in c) if src == 0 else "five six" in c for c, src in r["copy"])
+
+
+ANSWERS = r"""
+import json, sys, time
+from experiments.distill_draft import generate_answers
+from models import load_model
+target = load_model(sys.argv[1])
+prompts = [f"request number {i}: " + "word " * (i % 5) for i in range(21)]
+far = time.perf_counter() + 600
+print(json.dumps({
+    "alone": [generate_answers(target, [prompts[i]], 6, 0.0, 0, far, "one")[0] for i in (0, 1, 2, 16, 20)],
+    "batched": generate_answers(target, prompts, 6, 0.0, 0, far, "continuous", batch=2),
+    "late": generate_answers(target, prompts, 6, 0.0, 0, time.perf_counter() - 1, "past the deadline"),
+}))
+"""
+
+
+def test_answers_come_back_in_prompt_order_with_continuous_batching(model_dir):  # noqa: F811
+    """generate_answers keeps up to `batch` jobs running over chunks of 8 x batch prompts: each answer is its own
+    prompt's (the same as generated alone), in order, across chunk boundaries (21 prompts, chunks of 16)."""
+    pytest.importorskip("torch")
+    p = subprocess.run([sys.executable, "-c", ANSWERS, str(model_dir)], capture_output=True, text=True, env=ENV,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(r["batched"]) == 21 and [r["batched"][i] for i in (0, 1, 2, 16, 20)] == r["alone"]
+    assert all(len(a) >= 1 for _, a in r["batched"]) and len({tuple(q) for q, _ in r["batched"]}) == 21
+    assert r["late"] == []
 
 
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811

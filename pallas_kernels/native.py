@@ -67,9 +67,7 @@ def isa() -> str:
     """The instruction set the kernel runs: `JPG_NATIVE_ISA` (one of ISAS) if set, else "auto" (the best this CPU
     has). A name this CPU cannot run is a ValueError naming the ones it can. It is read when a call is traced: set
     it before the first step (a function jitted already keeps the one it was traced with)."""
-    name = os.environ.get("JPG_NATIVE_ISA", "auto").strip().lower() or "auto"
-    if name not in ISAS:
-        raise ValueError(f"JPG_NATIVE_ISA={name!r}: expected one of {sorted(ISAS)}")
+    name = _env_choice("JPG_NATIVE_ISA", "auto", ISAS)
     if name != "auto" and name not in supported_isas():
         raise ValueError(f"JPG_NATIVE_ISA={name!r}: this CPU (or this build) can run {supported_isas()}")
     return name
@@ -110,9 +108,15 @@ def prefetch_hint() -> str:
     """How the kernel prefetches the weights: `JPG_NATIVE_PREFETCH` if set, else "nta" (non-temporal: a model's
     weights stream through without evicting the KV cache, the activations and the host's data from the caches;
     "t0" keeps them like any other line). Read when a call is traced, like `isa()`."""
-    name = os.environ.get("JPG_NATIVE_PREFETCH", "nta").strip().lower() or "nta"
-    if name not in PREFETCH_HINTS:
-        raise ValueError(f"JPG_NATIVE_PREFETCH={name!r}: expected one of {list(PREFETCH_HINTS)}")
+    return _env_choice("JPG_NATIVE_PREFETCH", "nta", PREFETCH_HINTS)
+
+
+def _env_choice(var: str, default: str, choices) -> str:
+    """The value of the environment variable `var` (trimmed, lower case; `default` when unset or empty), one of
+    `choices`, else a ValueError naming them."""
+    name = os.environ.get(var, default).strip().lower() or default
+    if name not in choices:
+        raise ValueError(f"{var}={name!r}: expected one of {sorted(choices)}")
     return name
 
 

@@ -269,9 +269,10 @@ IMPL_FUNCTIONS = ["dequant_matmul_reference", "dequant_matmul_xla", "dequant_mat
 def test_matmul_routes_quantized_weights_to_the_impl(monkeypatch, impl, dtype):
     """A `QuantizedArray` goes to the dequant-matmul implementation `impl` names (and only to it); the result is
     `x @ w + bias` in x's dtype."""
-    if impl == "native" and dm.native.unavailable_reason() is not None:  # a GPU backend, or not built here
-        pytest.skip(f"native kernel: {dm.native.unavailable_reason()} (tests/pallas_kernels/test_native_matmul.py "
-                    "fails where it could be built and was not)")
+    why = dm.native.unavailable_reason() if impl == "native" else None  # a GPU backend, or not built here
+    if why is not None:
+        pytest.skip(f"native kernel: {why} (tests/pallas_kernels/test_native_matmul.py fails where it could be built "
+                    "and was not)")
     native_here = dm.native.available()  # before the spies: its first call runs a smoke test
     calls = spy(monkeypatch, dm, IMPL_FUNCTIONS)
     native_calls = spy(monkeypatch, dm.native, ["native_matmul"])

@@ -66,7 +66,8 @@ class DraftModel:
         self.coupled = coupled  # draw with the target's keys (see the module docstring)
         self.greedy = greedy  # propose the argmax instead of a draw
         self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0))  # (drafts without adapters)
-        self.engine.enable_drafting(num_draft_tokens)
+        target.enable_fed_drafts()  # the target's verification reads the burst's drafts on the device (`propose`)
+        self.engine.enable_drafting(num_draft_tokens, pad_rows=target.fed_rows)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
         self._wrote_last_draft = False  # the last burst ran k + 1 steps (`propose`)
 
@@ -94,11 +95,13 @@ class DraftModel:
             for key, r in g:
                 self.kv[key] = r.start_pos + len(r.tokens)
 
-    def propose(self, target: Any, specs: Sequence[Any], want: list[int]
-                ) -> tuple[list[list[int]], jax.Array | None, list[int], list[int]]:
+    def propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True
+                ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], list[int], jax.Array | None]:
         """Mirror the step's other rows, then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
-        call laid out like the target's verification batch. Returns (drafts per row, the draft distributions
-        [S', k, V] by target batch row, the catch-up offset of each row, the drafts to verify per row)."""
+        call laid out like the target's verification batch. Returns (drafts per row, on the host: None unless
+        `host`, and then nothing waits for the burst; the draft distributions [S', k, V] by target batch row, the
+        catch-up offset of each row, the drafts to verify per row, the drafts on the device [R, k] by target batch
+        row for `target.run(draft_tokens=)`)."""
         from paged.speculative import DRAFT_SEED_SALT, verification_row
 
         mirror: list[tuple[Hashable, RowInput]] = []
@@ -121,7 +124,7 @@ class DraftModel:
             self._mirror(mirror)
         drafting = [i for i, n in enumerate(want) if n]
         if not drafting:
-            return [[] for _ in specs], None, offsets, want
+            return [[] for _ in specs], None, offsets, want, None
         placeholder = [verification_row(s, [0] * n) if n else s.row for s, n in zip(specs, want)]
         _, sampled, slots = target.verify_plan(placeholder)
         drows, feed = [], []
@@ -144,14 +147,16 @@ class DraftModel:
                                       sampling=sampling, history=row.history, bias=row.bias,
                                       dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
                 feed.append(-1)
-        tokens, q = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed)
+        tokens, q, on_device = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed, host=host)
         # a burst with a catch-up row runs k + 1 steps, so that rows without one also feed (write the KV of) d_k;
         # a burst without runs k (`paged.step.draft_burst_jit`)
         self._wrote_last_draft = any(f >= 0 for f in feed)
+        if tokens is None:
+            return None, q, offsets, want, on_device
         drafts: list[list[int]] = [[] for _ in specs]
         for j, i in enumerate(drafting):
             drafts[i] = [int(t) for t in tokens[j]]
-        return drafts, q, offsets, want
+        return drafts, q, offsets, want, on_device
 
     def accepted(self, spec: Any, item: Any, num_drafts: int, offset: int) -> None:
         """Record what the draft cache holds of the job after the step (see the module docstring)."""

@@ -147,6 +147,8 @@ class Engine:
         self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
         self.verify_match = False  # sampled rows: sample-then-match acceptance instead of rejection sampling
         self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
+        self.draft_rows = 0  # the row count the drafts on the device are padded to (`draft`)
+        self.fed_rows = 0  # > 0: verification steps take their drafts from the device (`enable_fed_drafts`)
 
     @_under_mesh
     def load_embeddings(self, rows: Sequence[int], vectors: np.ndarray) -> None:
@@ -190,12 +192,23 @@ class Engine:
         self.verify_probs = bool(draft_probs)
         self.verify_match = bool(match)
 
-    def enable_drafting(self, num_draft_tokens: int) -> None:
+    def enable_fed_drafts(self) -> None:
+        """Make verification steps read their drafts from the device: `run(rows, draft_tokens=)` with a draft
+        model's burst (`draft(pad_rows=fed_rows)`, i32 `[fed_rows, k]` by batch row) writes them into the rows'
+        token slots inside the forward (`step_forward(draft_feed=)`) and gives them to the verification sampler,
+        so the host does not wait for the burst before it builds and dispatches the verification step (the rows'
+        own draft tokens are then placeholders). Every verification step of this engine then needs
+        `draft_tokens=`. Call before `warmup()`."""
+        self.fed_rows = self.config.max_batch_size
+
+    def enable_drafting(self, num_draft_tokens: int, pad_rows: int = 0) -> None:
         """Make this engine a draft model's: `draft()` proposes `num_draft_tokens` per row (one compiled burst per
-        decode bucket, covered by `warmup()`)."""
+        decode bucket, covered by `warmup()`), its drafts on the device padded to `pad_rows` rows (a fed target's
+        `fed_rows`)."""
         if num_draft_tokens < 1:
             raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.draft_len = num_draft_tokens
+        self.draft_rows = pad_rows
 
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
@@ -218,14 +231,16 @@ class Engine:
 
     @_under_mesh
     def draft(self, rows: Sequence[RowInput], slots: Sequence[int], num_rows: int,
-              then_feed: Sequence[int]) -> tuple[np.ndarray, jax.Array]:
+              then_feed: Sequence[int], *, host: bool = True) -> tuple[np.ndarray | None, jax.Array, jax.Array]:
         """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
         jitted call (`paged.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
         `num_rows` rows (the target's verification rows, so that the distributions line up with them), and feeds
         `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`; a burst where no row feeds one runs
         k steps instead of k + 1, which `paged.draft.DraftModel` accounts for). Returns the drafts (host, i32
-        `[len(rows), draft_len]`) and their distributions (device, f32 log-probs `[num_rows, draft_len, V]`, by
-        batch row)."""
+        `[len(rows), draft_len]`; None unless `host`: then nothing waits for the burst), their distributions
+        (device, f32 log-probs `[num_rows, draft_len, V]`, by batch row), and the drafts on the device (i32
+        `[max(num_rows, pad_rows), draft_len]` by batch row, `pad_rows` from `enable_drafting`, zero rows after
+        `num_rows`: a fed target's `run(draft_tokens=)`)."""
         if not self.draft_len:
             raise InvalidConfigError("this engine does not draft: call enable_drafting() first")
         t0 = time.perf_counter()
@@ -237,13 +252,13 @@ class Engine:
         self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, feed, cfg=self.cfg,
                                                 shape=forward_shape(shape), num_drafts=self.draft_len,
                                                 catch_up=bool((feed >= 0).any()), attn_impl=self.attn_impl,
-                                                matmul_impl=self.matmul_impl)
+                                                matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
         t2 = time.perf_counter()
-        host = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)]
+        got = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)] if host else None
         self.timings["build_s"] += t1 - t0
         self.timings["dispatch_s"] += t2 - t1
         self.timings["wait_s"] += time.perf_counter() - t2
-        return host, q
+        return got, q, tokens
 
     @property
     def page_size(self) -> int:
@@ -273,10 +288,12 @@ class Engine:
             [len(r.tokens) for r in rows if not r.is_decode], sum(r.is_decode for r in rows), pages, hist
         )
 
-    def _forward(self, batch: Batch, shape: BatchShape) -> tuple[jax.Array, ...]:
+    def _forward(self, batch: Batch, shape: BatchShape,
+                 draft_feed: tuple[jax.Array, np.ndarray] | None = None) -> tuple[jax.Array, ...]:
         """The jitted forward of `shape`'s bucket over `batch` (K/V written, `self.state` replaced: it is donated);
-        returns the hidden states of each of `shape.sampled_row_counts` (`step_forward`)."""
-        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), cfg=self.cfg,
+        returns the hidden states of each of `shape.sampled_row_counts` (`step_forward`; `draft_feed` its device
+        drafts and their token slots)."""
+        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), draft_feed, cfg=self.cfg,
                                       shape=forward_shape(shape), attn_impl=self.attn_impl,
                                       matmul_impl=self.matmul_impl)
         return hs
@@ -300,7 +317,7 @@ class Engine:
     @_under_mesh
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1,
-        draft_logprobs: jax.Array | None = None,
+        draft_logprobs: jax.Array | None = None, draft_tokens: jax.Array | None = None,
     ) -> StepOutput:
         """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`.
 
@@ -311,11 +328,13 @@ class Engine:
 
         Rows with `verify` make it a verification step (`enable_verification`; results per position, see
         `StepOutput`); `draft_logprobs` (device f32 `[S', k, V]` by batch row, from the draft engine's `draft()`
-        laid out by `verify_plan`) is then required if the engine verifies a draft model's proposals."""
+        laid out by `verify_plan`) is then required if the engine verifies a draft model's proposals, and
+        `draft_tokens` (device i32 `[fed_rows, k]` by batch row, `draft(pad_rows=fed_rows)`) if it takes its drafts
+        from the device (`enable_fed_drafts`; the verification rows' draft tokens are then placeholders)."""
         if any(r.verify for r in rows):
             if num_steps != 1:
                 raise ValueError("a verification step is a single step (num_steps=1)")
-            return self._run_verify(rows, return_top_k, return_logits, draft_logprobs)
+            return self._run_verify(rows, return_top_k, return_logits, draft_logprobs, draft_tokens)
         k = min(return_top_k, self.vocab_size)
         wide = k > TOP_K_WIDTH
         if num_steps > 1 and (return_logits or wide):
@@ -362,22 +381,29 @@ class Engine:
         self.timings["dispatch_s"] += time.perf_counter() - t0
 
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
-                    draft_logprobs: jax.Array | None) -> StepOutput:
+                    draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None) -> StepOutput:
         from paged.speculative import verify_sample
 
         if not self.spec.verify_len:
             raise InvalidConfigError("verification rows need enable_verification() on the engine")
         if self.verify_probs and draft_logprobs is None:
             raise ValueError("this engine verifies a draft model's proposals: pass draft_logprobs=")
+        if bool(self.fed_rows) != (draft_tokens is not None):
+            raise ValueError("this engine takes its drafts from the device: pass draft_tokens=" if self.fed_rows else
+                             "draft_tokens= needs enable_fed_drafts() on the engine")
         k = min(return_top_k, self.vocab_size)
         wide = k > TOP_K_WIDTH
         t_build = time.perf_counter()
         shape, sampled, _ = self.verify_plan(rows)
         batch, slots = build_batch(rows, shape, self.page_size, self.vocab_size, sample_rows=sampled)
+        feed, verify = None, _verify_inputs(batch)
+        if draft_tokens is not None:
+            feed = (draft_tokens, _feed_index(batch, self.fed_rows))
+            verify = dict(verify, drafts=draft_tokens)  # verify_sample reads its first S' rows
         t0 = time.perf_counter()
-        h = self._forward(batch, shape)[shape.sampled_row_counts.index(sampled)]
+        h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
         q = draft_logprobs if self.verify_probs else None
-        res = verify_sample(self._head, h, sample_inputs(batch), _verify_inputs(batch), np.bool_(0 < k <= TOP_K_WIDTH),
+        res = verify_sample(self._head, h, sample_inputs(batch), verify, np.bool_(0 < k <= TOP_K_WIDTH),
                             q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
                             match=self.verify_match)
         t_dispatched = time.perf_counter()
@@ -478,11 +504,15 @@ class Engine:
                 self.state, tokens, _ = draft_burst_jit(
                     self.model.params, self.state, batch, np.full(shape.num_rows, -1, np.int32), cfg=self.cfg,
                     shape=forward_shape(shape), num_drafts=n, catch_up=kind == "draft", attn_impl=self.attn_impl,
-                    matmul_impl=self.matmul_impl)
+                    matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
                 outs.append(tokens)
                 continue
-            hs = self._forward(batch, shape)
             verify = bool(shape.verify_len)
+            fed = None
+            if verify and self.fed_rows:
+                fed = jnp.zeros((self.fed_rows, shape.verify_len - 1), jnp.int32)  # on the device, as `draft`'s
+                fed = (fed, _feed_index(batch, self.fed_rows))
+            hs = self._forward(batch, shape, fed)
             if not verify and self.draft_len:  # a draft engine's rows: `run_forward` (mirror) and `draft` (its burst
                 continue  # has its own sampler), never `run`: no plain sampler (~6 s of compile each on the CPU)
             for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
@@ -496,11 +526,29 @@ class Engine:
                 q = None
                 if self.verify_probs:
                     q = jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
-                outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small), no, q,
+                vin = _verify_inputs(small)
+                if fed is not None:
+                    vin = dict(vin, drafts=fed[0])
+                outs.append(verify_sample(self._head, h, sample_inputs(small), vin, no, q,
                                           cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
                                           match=self.verify_match).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
+
+
+def _feed_index(batch: Batch, rows: int) -> np.ndarray:
+    """i32 `[rows, k]`: the token slot of draft j of each verification row of `batch` (`sample_tokens[s, 1 + j]`),
+    one past the last slot (written nowhere) where the row has no draft j; the rows after the batch's sampled ones
+    likewise (`step_forward(draft_feed=)`)."""
+    num = np.asarray(batch.num_drafts)
+    s, k = num.shape[0], np.asarray(batch.drafts).shape[1]
+    if s > rows:
+        raise ValueError(f"a verification step of {s} sampled rows, more than the {rows} rows of its device drafts")
+    t = np.asarray(batch.token_ids).shape[0]
+    out = np.full((rows, k), t, np.int32)
+    slots = np.asarray(batch.sample_tokens)[:s, 1 : k + 1]
+    out[:s] = np.where(np.arange(k)[None, :] < num[:, None], slots, t)
+    return out
 
 
 def _to_host(res, k: int, return_logits: bool, wide: bool, **extra) -> dict:

@@ -115,7 +115,8 @@ class SpeculativeStep:
         s = job.gen_settings
         window = s.history_window(self.max_penalty_range)
         return SpecRow(key=job, row=row, sequence=job.sequence, max_drafts=m,
-                       bias_at=lambda j, biases=biases: biases[j - 1], penalty_window=window)
+                       bias_at=lambda j, biases=biases: biases[j - 1], penalty_window=window,
+                       host_drafts=bool(window or len(row.history)) or job.filter_state is not None)
 
     # ------------------------------------------------------------------ the step
     def run(self, engine: Any, rows: Sequence[RowInput], owners: Sequence[Any], *, return_top_k: int,
@@ -128,6 +129,8 @@ class SpeculativeStep:
                 plan.rows[i] = dataclasses.replace(plan.rows[i], position_mask=_position_masks(
                     job.filter_state, plan.rows[i].mask, list(plan.rows[i].tokens[1:])))
         kw = {} if plan.draft_logprobs is None else {"draft_logprobs": plan.draft_logprobs}
+        if plan.draft_tokens is not None:
+            kw["draft_tokens"] = plan.draft_tokens
         out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
         items = self.speculator.accept(plan, out)
         for job, item in zip(owners, items):

@@ -174,12 +174,15 @@ def verify_sample(
 ) -> Results:
     """The sampler of a verification step: h [S' * W, H] (every sample point, `step_forward` of a verification
     bucket), `inputs` the per-point sampler inputs (`sample_inputs(batch)`), `verify` the drafts (`drafts` [S', k],
-    `num_drafts` [S']), `draft_logprobs` [S', k, V] or None (one-hot drafts). Results are per position: token and
+    or [R >= S', k] of which the first S' rows count: a draft model's burst still on the device; `num_drafts`
+    [S']), `draft_logprobs` [S', k, V] or None (one-hot drafts). Results are per position: token and
     logprob [S', W] (see `accept_drafts`; logprob under p), top_ids / top_logprobs [S', W, K], logits and final
     [S', W, V], num_accepted [S']. `match`: sample-then-match acceptance for sampling rows (`accept_drafts`).
     Compiles once per S' (and per presence of `draft_logprobs`)."""
-    drafts, num_drafts = verify["drafts"], verify["num_drafts"]
-    s, w = drafts.shape[0], drafts.shape[1] + 1
+    num_drafts = verify["num_drafts"]
+    s = num_drafts.shape[0]
+    drafts = verify["drafts"][:s]
+    w = drafts.shape[1] + 1
     res = _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
     v = res.final.shape[-1]
     final = res.final.reshape(s, w, v)
@@ -205,6 +208,7 @@ class SpecRow:
     max_drafts: int = 0  # drafts this row may verify (0: a prefill chunk, or no room left)
     bias_at: Callable[[int], Mapping[int, float] | None] | None = None  # bias at draft offset j >= 1 (None: row's)
     penalty_window: int = 0  # the job's history window: penalties and DRY (0: none)
+    host_drafts: bool = False  # a draft model's drafts must reach the host before verification (see `plan`)
 
 
 @dataclasses.dataclass
@@ -217,6 +221,7 @@ class SpecPlan:
     num_drafts: list[int]  # drafts verified per row (0: an ordinary row)
     draft_offsets: list[int]  # model drafter: the catch-up (0 or 1) of each drafted row, else 0
     classes: list[int] | None = None  # adaptive: each row's evidence class (n-gram match length; 0 for a model)
+    draft_tokens: jax.Array | None = None  # a draft model's drafts on the device (`engine.run(draft_tokens=)`)
 
     @property
     def verifying(self) -> bool:
@@ -361,12 +366,17 @@ class Speculator:
         if self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
                                                           sampling_rows):
             want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
-        drafts, q, offsets, want = self.draft.propose(self.target, specs, want)
+        # The drafts stay on the device (the target's forward writes them into the rows' token slots) unless a row
+        # needs them on the host before the step: its penalty history or its grammar masks follow them.
+        host = any(s.host_drafts for s, n in zip(specs, want) if n)
+        drafts, q, offsets, want, on_device = self.draft.propose(self.target, specs, want, host=host)
         if not any(want):
             return self._plain(specs, offsets)
+        if drafts is None:
+            drafts = [[0] * n for n in want]  # placeholders: the forward reads `on_device`
         vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, want)]
         return SpecPlan(rows=vrows, draft_logprobs=q, inputs=list(specs), num_drafts=list(want),
-                        draft_offsets=offsets, classes=[0] * len(specs))
+                        draft_offsets=offsets, classes=[0] * len(specs), draft_tokens=on_device)
 
     def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
         """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""

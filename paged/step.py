@@ -275,6 +275,7 @@ def step_forward(
     params: Weights,
     state: EngineState,
     batch: Batch,
+    draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None = None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -283,7 +284,17 @@ def step_forward(
 ) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
     """The forward half of a step over `forward_inputs(batch)`: the new state, and the hidden states of the rows'
     last tokens for each of `shape.sampled_row_counts` (the first n rows, `[n, H]` each; `[n * W, H]`, every
-    sample point, in a verification bucket). Compiles once per `forward_shape(shape)`."""
+    sample point, in a verification bucket). Compiles once per `forward_shape(shape)` (and per presence of
+    `draft_feed`).
+
+    `draft_feed` (tokens i32 [R, k], index i32 [R, k]): drafts that are still on the device (a draft model's burst,
+    `draft_burst_jit`), written into the batch's token slots before the forward: `token_ids[index] = tokens`, an
+    index past the last slot writes nothing. A verification step then needs no host round trip between the
+    draft's burst and the target's forward (`paged.engine.Engine.run(draft_tokens=)`)."""
+    if draft_feed is not None:
+        tokens, index = draft_feed
+        batch = batch.replace(token_ids=jnp.asarray(batch.token_ids).at[index.reshape(-1)].set(
+            tokens.reshape(-1).astype(jnp.int32), mode="drop"))
     state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
     w = shape.points_per_row
     return state, tuple(h[: n * w] for n in shape.sampled_row_counts)
@@ -390,7 +401,7 @@ def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.nd
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "catch_up", "attn_impl", "matmul_impl"),
+    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "catch_up", "attn_impl", "matmul_impl", "pad_rows"),
     donate_argnames=("state",),
 )
 def draft_burst_jit(
@@ -405,6 +416,7 @@ def draft_burst_jit(
     catch_up: bool = True,
     attn_impl: str = "auto",
     matmul_impl: str = "auto",
+    pad_rows: int = 0,
 ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
     """A draft model's proposal for every row of a decode-only `batch` (`shape` is `forward_shape` of its bucket):
     `num_drafts + 1` steps of the `decode_burst_jit` scan. Row s feeds its batch token; where `then_feed[s] >= 0`
@@ -417,8 +429,10 @@ def draft_burst_jit(
     only: the same drafts, one draft forward fewer (at k = 1 half the burst), and the last draft's KV is not written
     (the caller's bookkeeping knows: `paged.draft.DraftModel.accepted`).
 
-    Returns the new state, the drafts i32 `[S, num_drafts]`, and the distributions they were drawn from, f32
-    `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection sampling), on the device."""
+    Returns the new state, the drafts i32 `[S, num_drafts]` (`[max(S, pad_rows), num_drafts]`, zero rows after the
+    S-th: the fixed row count of a target's `step_forward(draft_feed=)`, whatever S), and the distributions they
+    were drawn from, f32 `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection
+    sampling), on the device."""
     if not catch_up:
         then_feed = jnp.full_like(then_feed, -1)
     steps = num_drafts + int(catch_up)
@@ -430,6 +444,8 @@ def draft_burst_jit(
     tokens = jnp.take_along_axis(res.token.T, idx, axis=1)  # res.token [steps, S]
     final = jnp.swapaxes(res.final, 0, 1)  # [S, steps, V]
     q = jnp.take_along_axis(final, idx[:, :, None], axis=1)
+    if pad_rows > tokens.shape[0]:
+        tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
     return state, tokens, q
 
 

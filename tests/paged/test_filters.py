@@ -359,3 +359,38 @@ def test_a_token_outside_the_mask_is_never_sampled():
         assert set(j.sequence[j.prompt_len:]) <= set(b"xyz") | {256}, j.sequence
         assert c.finals[j.identifier]["eos_reason"] in ("max_new_tokens", "stop_token", "end_filter")
     check_clean(gen)
+
+
+def test_a_draft_model_verifies_filtered_jobs_under_each_positions_mask():
+    """A draft model's drafts normally stay on the device (the target's forward reads them there); a filtered job's
+    verification row needs each position's mask after the earlier drafts, so its drafts come to the host first:
+    the rows the target runs carry the real drafts. Greedy with a position-dependent grammar: the self-draft gives
+    the non-speculative output exactly."""
+    pattern = r"[a-z]{2,4}-[0-9]{1,2}"
+    seen = []
+
+    def run(**kw):
+        gen = DynamicGenerator(MODEL, **SETTINGS, **kw)
+        run_engine = gen.engine.run
+
+        def spy(rows, **k):
+            if k.get("draft_tokens") is not None:
+                slots = gen.engine.verify_plan(rows)[2]
+                drafts = np.asarray(k["draft_tokens"])
+                seen.extend((list(r.tokens[1:]), drafts[i]) for r, i in zip(rows, slots) if r.verify)
+            return run_engine(rows, **k)
+
+        gen.engine.run = spy
+        gen.enqueue([Job([p, p + 1], 12, gen_settings=GREEDY, filters=RegexFilter(pattern), identifier=p)
+                     for p in (4, 20, 40, 90)])
+        return gen, drain(gen)
+
+    _, plain = run()
+    gen, spec = run(draft_model=MODEL, num_draft_tokens=3)
+    for p, final in plain.finals.items():
+        assert spec.finals[p]["full_completion"] == final["full_completion"], p
+        assert re.fullmatch(pattern, final["full_completion"]), final["full_completion"]
+    assert gen.speculation.metrics()["drafted_tokens"] > 0 and seen
+    for host, device in seen:
+        assert host == list(device[: len(host)])
+    check_clean(gen)

@@ -214,7 +214,7 @@ def _loop(engine: Engine, spec: Speculator | None, prompts, max_new: int, sampli
             accepted = [([int(out.token[i])] if s.row.sample else [], len(s.row.tokens)) for i, s in enumerate(specs)]
         else:
             plan = spec.plan(specs)
-            out = engine.run(plan.rows, draft_logprobs=plan.draft_logprobs)
+            out = engine.run(plan.rows, draft_logprobs=plan.draft_logprobs, draft_tokens=plan.draft_tokens)
             accepted = [(r.tokens, r.kv_advance) for r in spec.accept(plan, out)]
         steps += 1
         for j, (toks, adv) in zip(owners, accepted):
@@ -361,11 +361,18 @@ def test_a_burst_without_catch_up_drafts_what_the_full_burst_drafts():
     from pallas_kernels.paged_attention import PrefillDecodeLayout
 
     engine = Engine(MODEL, **SETTINGS)
-    engine.enable_drafting(3)
+    engine.enable_drafting(3, pad_rows=4)
     rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED)),
             RowInput(tokens=[9], start_pos=3, pages=[2], sampling={"temperature": 0.0})]
     saved = jax.tree.map(jnp.copy, engine.state)
-    tokens, q = engine.draft(rows, [0, 1], 2, [-1, -1])
+    tokens, q, on_device = engine.draft(rows, [0, 1], 2, [-1, -1])
+    again = jax.tree.map(jnp.copy, saved)
+    engine.state = jax.tree.map(jnp.copy, saved)
+    none, _, on_device2 = engine.draft(rows, [0, 1], 2, [-1, -1], host=False)
+    assert none is None  # no host copy
+    np.testing.assert_array_equal(np.asarray(on_device2), np.asarray(on_device))
+    np.testing.assert_array_equal(np.asarray(on_device), np.concatenate([tokens, np.zeros((2, 3), np.int32)]))
+    saved = again
     shape = engine.spec.shape(PrefillDecodeLayout(0, 1, 2))
     batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, slots=[0, 1])
     _, full_tokens, full_q = draft_burst_jit(MODEL.params, saved, batch, np.full(2, -1, np.int32), cfg=engine.cfg,

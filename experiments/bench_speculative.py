@@ -11,7 +11,16 @@ Drafter names: `none`, `ngram`, `self`, `distilled` (with `--draft_dir`), each a
 next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
 record carries the flags, git state, device and versions (`experiments.serving.env`).
 
+`--rounds R` runs each (workload, batch size) R times, every configuration once per round, one after another, the
+configurations' order rotated by one each round: a machine whose speed drifts over minutes (a 2-core CPU moves
+10-15% between runs) then slows both sides of a ratio alike, where one round per configuration in a row puts the
+drift between them. Each run's `speedup_vs_none` is against the `none` run of its own round; `summary` holds, per
+configuration, workload and batch size, the median tokens/s and the median, lowest and highest of those paired
+ratios.
+
     python -m experiments.bench_speculative --draft_dir=/tmp/smollm2-draft-4l --json_out=/tmp/bench_spec.json
+    python -m experiments.bench_speculative --draft_dir=/tmp/draft-wide --drafters=none,distilled --batch_sizes=1 \
+        --num_draft_tokens=1 --rounds=4
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ flags.DEFINE_enum("draft_acceptance", "rejection", list(ACCEPTANCE_RULES), "how 
                   "drafts: lossless rejection sampling, sample-then-match with coupled draws, or with greedy drafts as "
                   "ExLlamaV2 (DynamicGenerator(draft_acceptance=))")
 flags.DEFINE_integer("seed", 0, "workload and sampling seed")
+flags.DEFINE_integer("rounds", 1, "runs of every configuration per workload and batch size, interleaved (see above)",
+                     lower_bound=1)
 flags.DEFINE_string("json_out", None, "write the record here")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
@@ -56,7 +67,7 @@ def main(argv):
     from experiments.serving.env import device_info, git_info, load_average, versions
     from models import load_model
     from models.draft import truncated_model
-    from paged import DynamicGenerator, Job, SamplingSettings
+    from paged import DynamicGenerator, SamplingSettings
 
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
@@ -72,7 +83,7 @@ def main(argv):
                                                         "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
-                                                        "draft_token_cost", "draft_acceptance")},
+                                                        "draft_token_cost", "draft_acceptance", "rounds")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
     unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
@@ -81,6 +92,7 @@ def main(argv):
                              "_adaptive)")
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     num_prompts = FLAGS.num_prompts or max(batch_sizes)
+    gens = {}  # drafter -> (generator, compile seconds): every configuration built and warmed up first
     for drafter in FLAGS.drafters:
         base, adaptive = drafter.removesuffix("_adaptive"), drafter.endswith("_adaptive")
         if base not in drafts:
@@ -100,47 +112,85 @@ def main(argv):
         t0 = time.perf_counter()
         if FLAGS.warmup:
             gen.warmup()
-        compile_s = time.perf_counter() - t0
+        gens[drafter] = (gen, time.perf_counter() - t0)
+    order = list(gens)
+    for rnd in range(FLAGS.rounds):
         for wl in FLAGS.workloads:
             for bs in batch_sizes:
-                prompts = [chat_prompt(tok, p) for p in workload(wl, num_prompts, FLAGS.seed)]
-                jobs = [Job(tok.encode(p, encode_special_tokens=True), FLAGS.max_new_tokens, gen_settings=settings,
-                            seed=FLAGS.seed + i, stop_conditions=[tok.eos_token_id] if hasattr(tok, "eos_token_id")
-                            else None) for i, p in enumerate(prompts)]
-                before = gen.metrics()
-                t0 = time.perf_counter()
-                finals = []
-                waiting = list(jobs)
-                while waiting or gen.num_remaining_jobs():
-                    while waiting and gen.num_remaining_jobs() < bs:  # at most bs jobs at once
-                        gen.enqueue(waiting.pop(0))
-                    finals += [r for r in gen.iterate() if r["eos"]]
-                dt = time.perf_counter() - t0
-                new = sum(r["new_tokens"] for r in finals)
-                acc = sum(r.get("accepted_draft_tokens", 0) for r in finals)
-                rej = sum(r.get("rejected_draft_tokens", 0) for r in finals)
-                after = gen.metrics()
-                rows = after["verification_rows"] - before["verification_rows"]
-                hist = [a - b for a, b in zip(after["accepted_at_position"], before["accepted_at_position"])]
-                run = {"drafter": drafter, "workload": wl, "batch_size": bs, "new_tokens": new, "seconds": dt,
-                       "tokens_per_s": new / dt, "accepted_draft_tokens": acc, "rejected_draft_tokens": rej,
-                       "acceptance_rate": acc / (acc + rej) if acc + rej else None, "compile_s": compile_s,
-                       "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
-                       "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
-                       "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
-                       "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
-                       "metrics": {k: v for k, v in gen.metrics().items() if not isinstance(v, (list, dict))}}
-                record["runs"].append(run)
-                rate, mal = run["acceptance_rate"], run["mean_accepted_length"]
-                print(f"{drafter:>18} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
-                      f"{'-' if rate is None else f'{100 * rate:.1f}%'}  mean accepted length "
-                      f"{'-' if mal is None else f'{mal:.2f}'}", flush=True)
-    base = {(r["workload"], r["batch_size"]): r["tokens_per_s"] for r in record["runs"] if r["drafter"] == "none"}
-    for r in record["runs"]:
-        b = base.get((r["workload"], r["batch_size"]))
-        r["speedup_vs_none"] = r["tokens_per_s"] / b if b else None
+                for drafter in order[rnd % len(order):] + order[: rnd % len(order)]:
+                    run = run_config(gens[drafter][0], drafter, wl, bs, num_prompts, settings, tok)
+                    run.update(round=rnd, compile_s=gens[drafter][1])
+                    record["runs"].append(run)
+                    rate, mal = run["acceptance_rate"], run["mean_accepted_length"]
+                    print(f"{drafter:>18} {wl:>5} bs={bs:<3} {run['tokens_per_s']:8.1f} tok/s  acceptance "
+                          f"{'-' if rate is None else f'{100 * rate:.1f}%'}  mean accepted length "
+                          f"{'-' if mal is None else f'{mal:.2f}'}" + (f"  (round {rnd + 1})" if FLAGS.rounds > 1
+                                                                      else ""), flush=True)
+    record["summary"] = summarize(record["runs"])
+    if FLAGS.rounds > 1:
+        for c in record["summary"]:
+            ratio = c["speedup_vs_none"]
+            print(f"{c['drafter']:>18} {c['workload']:>5} bs={c['batch_size']:<3} median {c['tokens_per_s']:8.1f} "
+                  f"tok/s" + ("" if ratio is None else f"  x none: median {ratio['median']:.2f} "
+                                                         f"({ratio['min']:.2f}-{ratio['max']:.2f})"))
     record["load_after"] = load_average()
     write_record(FLAGS.json_out, record)
+
+
+def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, tok) -> dict:
+    """One run: the workload's `num_prompts` seeded prompts through `gen`, at most `bs` jobs at once."""
+    from paged import Job
+
+    prompts = [chat_prompt(tok, p) for p in workload(wl, num_prompts, FLAGS.seed)]
+    jobs = [Job(tok.encode(p, encode_special_tokens=True), FLAGS.max_new_tokens, gen_settings=settings,
+                seed=FLAGS.seed + i, stop_conditions=[tok.eos_token_id] if hasattr(tok, "eos_token_id") else None)
+            for i, p in enumerate(prompts)]
+    before = gen.metrics()
+    t0 = time.perf_counter()
+    finals = []
+    waiting = list(jobs)
+    while waiting or gen.num_remaining_jobs():
+        while waiting and gen.num_remaining_jobs() < bs:  # at most bs jobs at once
+            gen.enqueue(waiting.pop(0))
+        finals += [r for r in gen.iterate() if r["eos"]]
+    dt = time.perf_counter() - t0
+    new = sum(r["new_tokens"] for r in finals)
+    acc = sum(r.get("accepted_draft_tokens", 0) for r in finals)
+    rej = sum(r.get("rejected_draft_tokens", 0) for r in finals)
+    after = gen.metrics()
+    rows = after["verification_rows"] - before["verification_rows"]
+    hist = [a - b for a, b in zip(after["accepted_at_position"], before["accepted_at_position"])]
+    return {"drafter": drafter, "workload": wl, "batch_size": bs, "new_tokens": new, "seconds": dt,
+            "tokens_per_s": new / dt, "accepted_draft_tokens": acc, "rejected_draft_tokens": rej,
+            "acceptance_rate": acc / (acc + rej) if acc + rej else None,
+            "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
+            "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
+            "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
+            "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
+            "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Sets each run's `speedup_vs_none` (against the `none` run of the same workload, batch size and round) and
+    returns, per (drafter, workload, batch size) in first-seen order, the median tokens/s and the median, lowest and
+    highest of those ratios over the rounds (None where no `none` run pairs with it)."""
+    import statistics
+
+    base = {(r["workload"], r["batch_size"], r.get("round", 0)): r["tokens_per_s"] for r in runs
+            if r["drafter"] == "none"}
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        b = base.get((r["workload"], r["batch_size"], r.get("round", 0)))
+        r["speedup_vs_none"] = r["tokens_per_s"] / b if b else None
+        groups.setdefault((r["drafter"], r["workload"], r["batch_size"]), []).append(r)
+    out = []
+    for (drafter, wl, bs), rs in groups.items():
+        ratios = [r["speedup_vs_none"] for r in rs if r["speedup_vs_none"] is not None]
+        out.append({"drafter": drafter, "workload": wl, "batch_size": bs, "rounds": len(rs),
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                    "speedup_vs_none": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+                    if ratios else None})
+    return out
 
 
 if __name__ == "__main__":

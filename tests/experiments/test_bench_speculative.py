@@ -1,6 +1,7 @@
 """experiments/bench_speculative.py end to end on a tiny random Llama (subprocess: its absl flags would clash with
 the other experiment scripts'): every configuration runs every prompt at the batch sizes' concurrency, the adaptive
-drafter reports its gated steps, and an unknown drafter is a usage error."""
+drafter reports its gated steps, interleaved rounds pair each ratio with its own round, and an unknown drafter is a
+usage error."""
 
 from __future__ import annotations
 
@@ -46,3 +47,27 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert rec["flags"]["draft_acceptance"] == "match" and rec["runs"][0]["draft_acceptance"] == "match"
     bad = run_bench(f"--model={model_dir}", "--drafters=none,bogus")
     assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr
+
+
+def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round(model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "spec.json"
+    p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=none,ngram", "--batch_sizes=1",
+                  "--num_prompts=2", "--workloads=copy", "--max_new_tokens=5", "--nowarmup", "--rounds=3",
+                  f"--json_out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    assert rec["flags"]["rounds"] == 3
+    assert [(r["round"], r["drafter"]) for r in rec["runs"]] == [(0, "none"), (0, "ngram"), (1, "ngram"),
+                                                                  (1, "none"), (2, "none"), (2, "ngram")]
+    none = {r["round"]: r["tokens_per_s"] for r in rec["runs"] if r["drafter"] == "none"}
+    for r in rec["runs"]:
+        assert r["speedup_vs_none"] == pytest.approx(r["tokens_per_s"] / none[r["round"]])
+    summary = {c["drafter"]: c for c in rec["summary"]}
+    ratios = sorted(r["speedup_vs_none"] for r in rec["runs"] if r["drafter"] == "ngram")
+    assert summary["ngram"]["rounds"] == 3
+    assert summary["ngram"]["speedup_vs_none"] == pytest.approx({"median": ratios[1], "min": ratios[0],
+                                                                 "max": ratios[2]})
+    assert summary["none"]["speedup_vs_none"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+    assert summary["ngram"]["tokens_per_s"] == pytest.approx(
+        sorted(r["tokens_per_s"] for r in rec["runs"] if r["drafter"] == "ngram")[1])
+    assert "x none: median" in p.stdout

@@ -192,14 +192,14 @@ class Engine:
         self.verify_probs = bool(draft_probs)
         self.verify_match = bool(match)
 
-    def enable_fed_drafts(self) -> None:
+    def enable_fed_drafts(self, on: bool = True) -> None:
         """Make verification steps read their drafts from the device: `run(rows, draft_tokens=)` with a draft
         model's burst (`draft(pad_rows=fed_rows)`, i32 `[fed_rows, k]` by batch row) writes them into the rows'
         token slots inside the forward (`step_forward(draft_feed=)`) and gives them to the verification sampler,
         so the host does not wait for the burst before it builds and dispatches the verification step (the rows'
         own draft tokens are then placeholders). Every verification step of this engine then needs
-        `draft_tokens=`. Call before `warmup()`."""
-        self.fed_rows = self.config.max_batch_size
+        `draft_tokens=` (`on=False`: none may pass them). Call before `warmup()`."""
+        self.fed_rows = self.config.max_batch_size if on else 0
 
     def enable_drafting(self, num_draft_tokens: int, pad_rows: int = 0) -> None:
         """Make this engine a draft model's: `draft()` proposes `num_draft_tokens` per row (one compiled burst per
@@ -237,7 +237,8 @@ class Engine:
         `num_rows` rows (the target's verification rows, so that the distributions line up with them), and feeds
         `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`; a burst where no row feeds one runs
         k steps instead of k + 1, which `paged.draft.DraftModel` accounts for). Returns the drafts (host, i32
-        `[len(rows), draft_len]`; None unless `host`: then nothing waits for the burst), their distributions
+        `[len(rows), draft_len]`; None unless `host`: then nothing waits for the burst, and the burst's time
+        shows in the target's `timings["wait_s"]` instead of this engine's), their distributions
         (device, f32 log-probs `[num_rows, draft_len, V]`, by batch row), and the drafts on the device (i32
         `[max(num_rows, pad_rows), draft_len]` by batch row, `pad_rows` from `enable_drafting`, zero rows after
         `num_rows`: a fed target's `run(draft_tokens=)`)."""

@@ -63,6 +63,7 @@ class EngineProtocol(Protocol):
 
     def run(self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False,
             num_steps: int = 1) -> StepOutput: ...
-    # (The JAX `Engine.run` also takes `draft_logprobs=` for verification steps: see `paged.speculative`.)
+    # (The JAX `Engine.run` also takes `draft_logprobs=` and `draft_tokens=` for verification steps: see
+    # `paged.speculative`.)
 
     def warmup(self, progress: bool = False, decode_steps: int = 1) -> int: ...

@@ -116,7 +116,7 @@ class SpeculativeStep:
         window = s.history_window(self.max_penalty_range)
         return SpecRow(key=job, row=row, sequence=job.sequence, max_drafts=m,
                        bias_at=lambda j, biases=biases: biases[j - 1], penalty_window=window,
-                       host_drafts=bool(window or len(row.history)) or job.filter_state is not None)
+                       host_drafts=job.filter_state is not None)
 
     # ------------------------------------------------------------------ the step
     def run(self, engine: Any, rows: Sequence[RowInput], owners: Sequence[Any], *, return_top_k: int,

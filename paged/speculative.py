@@ -29,9 +29,11 @@ Host side: `Speculator` (drafters: a draft model through `paged.draft.DraftModel
                                     bias_at=<lambda j: the row bias for the token at output position
                                              new_tokens + j (stop-token bans before min_new_tokens, banned-string
                                              bans at that sequence index)>,
-                                    penalty_window=<SamplingSettings.history_window(max_penalty_range)>)
+                                    penalty_window=<SamplingSettings.history_window(max_penalty_range)>,
+                                    host_drafts=<the job has a grammar filter>)
                             for row, job in zip(rows, owners)])        # runs the draft model (mirror + propose)
-    out = engine.run(plan.rows, return_top_k=..., return_logits=..., draft_logprobs=plan.draft_logprobs)
+    out = engine.run(plan.rows, return_top_k=..., return_logits=..., draft_logprobs=plan.draft_logprobs,
+                     draft_tokens=plan.draft_tokens)                   # (a draft model's: see `SpecPlan`)
     for row_result in speculator.accept(plan, out):                    # one `Accepted` per row, in order
         advance the job's KV by `row_result.kv_advance` (1 + accepted drafts for a verification row: the KV of
         rejected drafts is dropped by not counting it), then feed `row_result.tokens` one by one through the
@@ -208,12 +210,16 @@ class SpecRow:
     max_drafts: int = 0  # drafts this row may verify (0: a prefill chunk, or no room left)
     bias_at: Callable[[int], Mapping[int, float] | None] | None = None  # bias at draft offset j >= 1 (None: row's)
     penalty_window: int = 0  # the job's history window: penalties and DRY (0: none)
-    host_drafts: bool = False  # a draft model's drafts must reach the host before verification (see `plan`)
+    host_drafts: bool = False  # a draft model's drafts must reach the host before verification (a grammar's masks
+    # follow them; a row with a `penalty_window` or a history needs them too, which `plan` sees by itself)
 
 
 @dataclasses.dataclass
 class SpecPlan:
-    """`Speculator.plan`'s answer: the rows to run (`engine.run(plan.rows, draft_logprobs=plan.draft_logprobs)`)."""
+    """`Speculator.plan`'s answer: the rows to run (`engine.run(plan.rows, draft_logprobs=plan.draft_logprobs,
+    draft_tokens=plan.draft_tokens)`). With a draft model the verification rows' draft tokens are placeholders
+    (zeros) unless a drafting row needed them on the host (`SpecRow.host_drafts`, a penalty window or history):
+    the drafts themselves are `draft_tokens`, on the device, and the accepted ones come back in the step's tokens."""
 
     rows: list[RowInput]
     draft_logprobs: jax.Array | None
@@ -305,6 +311,8 @@ class Speculator:
                 raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
                                          f"takes match=True; {type(target).__name__}'s does not")
             target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+        if self.draft is None and hasattr(target, "enable_fed_drafts"):
+            target.enable_fed_drafts(False)  # one-hot drafts come from the host (an engine a draft model used before)
         self._ngrams: dict[Hashable, Any] = {}
         self.drafted = 0
         self.accepted = 0
@@ -368,7 +376,7 @@ class Speculator:
             want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
         # The drafts stay on the device (the target's forward writes them into the rows' token slots) unless a row
         # needs them on the host before the step: its penalty history or its grammar masks follow them.
-        host = any(s.host_drafts for s, n in zip(specs, want) if n)
+        host = any(s.host_drafts or s.penalty_window or len(s.row.history) for s, n in zip(specs, want) if n)
         drafts, q, offsets, want, on_device = self.draft.propose(self.target, specs, want, host=host)
         if not any(want):
             return self._plain(specs, offsets)

@@ -105,6 +105,36 @@ def test_greedy_acceptance_keeps_the_matching_prefix_then_the_targets_token():
     assert out.num_accepted[0] == 2 and out.token[0, :3].tolist() == cont[:3]
 
 
+
+def test_drafts_on_the_device_verify_as_drafts_on_the_host():
+    """`enable_fed_drafts`: a verification row of placeholder tokens with its drafts on the device (garbage past the
+    row's drafts) gives what the same row with the drafts in its tokens gives; a fed engine refuses a verification
+    without them, and a prompt-lookup `Speculator` taking the engine over makes it read host drafts again."""
+    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
+    for e in (a, b):
+        e.enable_verification(4, draft_probs=False)
+    b.enable_fed_drafts()
+    prompt, pages = [3, 1, 4, 1, 5, 9, 2, 6], [1, 2, 3, 4, 5]
+    for e in (a, b):
+        e.run([RowInput(tokens=prompt[:-1], start_pos=0, pages=pages, sample=False)])
+    seq = list(prompt)
+    for _ in range(3):
+        seq.append(int(a.run([RowInput(tokens=[seq[-1]], start_pos=len(seq) - 1, pages=pages)]).token[0]))
+    cont = seq[len(prompt) :]
+    drafts = [cont[0], cont[1], (cont[2] + 1) % CFG.vocab_size]  # two accepted, then a miss; 3 of the bucket's 4
+    row = lambda d: RowInput(tokens=[prompt[-1], *d], start_pos=len(prompt) - 1, pages=pages, verify=True)  # noqa
+    want = a.run([row(drafts)])
+    on_device = jnp.full((b.fed_rows, 4), 11, jnp.int32).at[0, :3].set(jnp.asarray(drafts))
+    got = b.run([row([0, 0, 0])], draft_tokens=on_device)
+    assert int(want.num_accepted[0]) == int(got.num_accepted[0]) == 2
+    np.testing.assert_array_equal(got.token, want.token)
+    np.testing.assert_allclose(got.logprob[0, :3], want.logprob[0, :3], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="draft_tokens="):
+        b.run([row(drafts)])
+    Speculator(b, use_ngram_draft=True, num_draft_tokens=4)
+    assert b.fed_rows == 0
+    np.testing.assert_array_equal(b.run([row(drafts)]).token, want.token)
+
 # ------------------------------------------------------------------------------------- rejection sampling
 P0 = np.array([0.55, 0.25, 0.12, 0.08])
 Q0 = np.array([0.08, 0.12, 0.25, 0.55])

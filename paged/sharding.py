@@ -133,6 +133,15 @@ def _place(x: Any, mesh: Mesh, spec: P) -> Any:
     return None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
 
 
+def _trimmed(spec: P) -> P:
+    """`spec` without trailing Nones (`P(None, "tp")` for `P(None, "tp", None)`): the form a jitted step's outputs
+    carry."""
+    axes = list(spec)
+    while axes and axes[-1] is None:
+        axes.pop()
+    return P(*axes)
+
+
 def _place_quantized(qa: QuantizedArray, mesh: Mesh, spec: P) -> QuantizedArray:
     """A stacked quantized matrix `[..., in, out]` placed like the float one it stands for: split by columns, every
     leaf splits on its last axis; split by rows, values and group scales split together along whole groups
@@ -150,12 +159,13 @@ def _place_quantized(qa: QuantizedArray, mesh: Mesh, spec: P) -> QuantizedArray:
                       mins=_place(qa.mins, mesh, scales))
 
 
-def _place_fields(obj: Any, prefix: str, mesh: Mesh, **placed: Any) -> Any:
+def _place_fields(obj: Any, prefix: str, mesh: Mesh, trim: bool = False, **placed: Any) -> Any:
     """`obj` (a flax struct dataclass) with every array field not in `placed` put on the mesh by its logical axes
-    (`spec_of(prefix.field)`; replicated when the field has none)."""
+    (`spec_of(prefix.field)`; replicated when the field has none; `trim`: written as `_trimmed`)."""
     for f in dataclasses.fields(obj):
         if f.name not in placed and f.metadata.get("pytree_node", True):
             x, spec = getattr(obj, f.name), spec_of(f"{prefix}.{f.name}")
+            spec = _trimmed(spec) if trim else spec
             placed[f.name] = _place_quantized(x, mesh, spec) if isinstance(x, QuantizedArray) else _place(x, mesh,
                                                                                                         spec)
     return obj.replace(**placed)
@@ -178,8 +188,11 @@ def shard_params(params: Any, mesh: Mesh, cfg: Any) -> Any:
 
 
 def shard_state(state: Any, mesh: Mesh) -> Any:
-    """`EngineState` with the cache split by KV heads and everything else replicated."""
-    return _place_fields(state, "cache", mesh)
+    """`EngineState` with the cache split by KV heads and everything else replicated, its specs written as a step's
+    outputs write them (`_trimmed`): the state placed here and the state a step returns are then the same argument
+    to the compiled variants (else the first variant warmed up compiles again once the state has been through a
+    step)."""
+    return _place_fields(state, "cache", mesh, trim=True)
 
 
 def _mesh_axes() -> tuple[str, ...]:

@@ -103,6 +103,7 @@ def main():
     out["int8"] = {"greedy_equal": fin == ref8, "k_scale_spec": str(g.engine.state.k_scale.sharding.spec)}
     g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
     out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
+    out["draft_model"] = draft_model_check(greedy, ref)
     errors = {}
     for mesh in ("tp=8", "dp=4,tp=2", "tp=3", "pp=2", "tp=two"):
         try:
@@ -126,6 +127,25 @@ def main():
                                  "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
     out["quantized"] = quantized_checks(greedy, real_shard_map)
     print("SHARDING_CHECK " + json.dumps(out))
+
+
+def draft_model_check(greedy, ref) -> dict:
+    """A draft model (the target's first layer and head) on `tp=2`: its cache and its drafts (kept on the device, fed
+    to the target's forward) follow the target's mesh, and after warmup nothing compiles: the state a step returns is
+    the same argument as the state `shard_state` placed."""
+    from models.draft import truncated_model
+    from paged.step import count_compiles
+
+    spec = dict(draft_model=truncated_model(MODEL, 1), num_draft_tokens=3)
+    g = DynamicGenerator(MODEL, mesh="tp=2", **spec, **SETTINGS)  # first: the draft's variants are new here
+    g.warmup()
+    warm = count_compiles()
+    g.enqueue(jobs(greedy))
+    drain(g)
+    compiled = {k: v - warm[k] for k, v in count_compiles().items()}
+    _, fin, _, _ = run("tp=2", greedy, **spec)
+    return {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"],
+            "compiled_after_warmup": compiled}
 
 
 def quantized(kind: str, group: int | None) -> Model:

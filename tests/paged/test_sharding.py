@@ -98,6 +98,9 @@ def test_int8_cache_and_its_scales_shard_too(check):
 
 def test_speculative_verification_steps_run_under_the_mesh(check):
     assert check["ngram"]["greedy_equal"] and check["ngram"]["verification_rows"] > 0
+    d = check["draft_model"]
+    assert d["greedy_equal"] and d["verification_rows"] > 0
+    assert not any(d["compiled_after_warmup"].values()), d["compiled_after_warmup"]  # nothing compiles after warmup
 
 
 def test_meshes_that_cannot_work_are_config_errors(check):

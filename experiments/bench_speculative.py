@@ -18,6 +18,9 @@ drift between them. Each run's `speedup_vs_none` is against the `none` run of it
 configuration, workload and batch size, the median tokens/s and the median, lowest and highest of those paired
 ratios.
 
+`--cpu_dispatch=sync` runs every program in the calling thread instead of JAX's worker threads (process-wide, so one
+mode for every configuration of the run; `paged/cpu_runtime.py`); the record's `device` says which mode ran.
+
     python -m experiments.bench_speculative --draft_dir=/tmp/smollm2-draft-4l --json_out=/tmp/bench_spec.json
     python -m experiments.bench_speculative --draft_dir=/tmp/draft-wide --drafters=none,distilled --batch_sizes=1 \
         --num_draft_tokens=1 --rounds=4
@@ -57,6 +60,10 @@ flags.DEFINE_string("json_out", None, "write the record here")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
+if "cpu_dispatch" not in flags.FLAGS:  # (the same flag as experiments.engine_flags')
+    flags.DEFINE_enum("cpu_dispatch", "async", ["async", "sync"], "how XLA's CPU client runs the step's programs: "
+                      "async (JAX's default: in a worker thread) or sync (in the calling thread), one mode for the "
+                      "whole run; see paged/cpu_runtime.py")
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
@@ -68,7 +75,13 @@ def main(argv):
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
+    from paged.cpu_runtime import set_cpu_dispatch
+    from paged.errors import InvalidConfigError
 
+    try:  # before anything starts JAX (the record's device says which mode ran)
+        set_cpu_dispatch(FLAGS.cpu_dispatch)
+    except InvalidConfigError as e:
+        raise app.UsageError(f"--cpu_dispatch={FLAGS.cpu_dispatch}: {e}") from None
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None}
@@ -83,7 +96,8 @@ def main(argv):
                                                         "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
-                                                        "draft_token_cost", "draft_acceptance", "rounds")},
+                                                        "draft_token_cost", "draft_acceptance", "rounds",
+                                                        "cpu_dispatch")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
     unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]

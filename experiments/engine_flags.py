@@ -16,6 +16,7 @@ from typing import Any
 from absl import app, flags
 
 from paged.config import EngineConfig, config_fields
+from paged.cpu_runtime import MODES as CPU_DISPATCH_MODES
 from paged.errors import InvalidConfigError
 
 FLAGS = flags.FLAGS
@@ -25,7 +26,7 @@ flags.disclaim_key_flags()  # flags defined by define() belong to the script tha
 EXPERIMENT_DEFAULTS = {"decode_steps": 4, "max_batch_size": None, "max_penalty_range": None}
 ENGINE_NAMES = tuple(f.name for f in config_fields())
 NAMES = ("model", "dtype", "quant", *ENGINE_NAMES, "policy", "compilation_cache_dir", "progress", "seed",
-         "temperature")
+         "temperature", "cpu_dispatch")
 
 
 def define() -> None:
@@ -56,6 +57,9 @@ def define() -> None:
     flags.DEFINE_integer("seed", None, "seed (generate: sampling seed, None = random, job i uses seed + i; "
                          "bench_serving: workload, arrivals and sampling seeds, None = 0)")
     flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
+    flags.DEFINE_enum("cpu_dispatch", "async", list(CPU_DISPATCH_MODES), "how XLA's CPU client runs the step's "
+                      "programs: async (JAX's default: in a worker thread) or sync (in the calling thread); "
+                      "process-wide, see paged/cpu_runtime.py")
 
 
 def engine_config(max_batch_size: int, max_penalty_range: int = 0) -> EngineConfig:
@@ -73,9 +77,12 @@ def engine_config(max_batch_size: int, max_penalty_range: int = 0) -> EngineConf
 
 
 def validate() -> None:
-    """Raise app.UsageError naming the flag and the allowed values."""
+    """Raise app.UsageError naming the flag and the allowed values. Sets `--cpu_dispatch` first
+    (`apply_cpu_dispatch()`): checking the engine flags starts JAX's backend."""
     from models.loader import DTYPES
     from models.weights import QUANT_MODES
+
+    apply_cpu_dispatch()
 
     def one_of(name: str, allowed) -> None:
         value = getattr(FLAGS, name)
@@ -104,10 +111,24 @@ def check_policy(flag: str, value: str) -> None:
                              "paged.policies.Policy subclass)") from None
 
 
+def apply_cpu_dispatch() -> str:
+    """Set the CPU dispatch mode `--cpu_dispatch` asks for, before JAX's backend starts; returns it. app.UsageError
+    when the backend already runs in the other mode."""
+    from paged.cpu_runtime import set_cpu_dispatch
+
+    try:
+        set_cpu_dispatch(FLAGS.cpu_dispatch)
+    except InvalidConfigError as e:
+        raise app.UsageError(f"--cpu_dispatch={FLAGS.cpu_dispatch}: {e}") from None
+    return FLAGS.cpu_dispatch
+
+
 def load_model() -> Any:
-    """The model the flags name (`tiny`: the random test model of `experiments.common`)."""
+    """The model the flags name (`tiny`: the random test model of `experiments.common`), loaded after
+    `apply_cpu_dispatch()` (loading starts JAX's backend)."""
     from experiments.common import load_experiment_model
 
+    apply_cpu_dispatch()
     return load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
 
 

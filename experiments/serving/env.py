@@ -38,6 +38,8 @@ def cpu_model() -> str | None:
 def device_info() -> dict:
     import jax
 
+    from paged.cpu_runtime import runtime_info
+
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -45,7 +47,7 @@ def device_info() -> dict:
     return {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "device_kind": jax.devices()[0].device_kind, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
             "cpus_usable": usable, "machine": platform.machine(), "platform": platform.platform(),
-            "matmul_auto": matmul_auto()}
+            "matmul_auto": matmul_auto(), **runtime_info()}
 
 
 def matmul_auto() -> str:

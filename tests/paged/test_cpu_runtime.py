@@ -1,0 +1,113 @@
+"""paged.cpu_runtime: the CPU client's dispatch mode, set before JAX's backend starts.
+
+The mode is fixed when the backend starts, and this test process's backend has started long before: the checks that
+need a fresh backend run in a subprocess each."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from paged import cpu_runtime
+from paged.errors import InvalidConfigError
+
+# A program far too costly for the CPU client's inline path for cheap programs (a 2048 x 2048 matmul, ~17 GFLOP:
+# 100 ms or more on two cores): under asynchronous dispatch the call returns long before its result is ready, under
+# synchronous dispatch only once it is.
+_PROBE = """
+import jax, jax.numpy as jnp
+from paged import cpu_runtime
+{setup}
+f = jax.jit(lambda a: a @ a)
+x = jnp.ones((2048, 2048))
+f(x).block_until_ready()
+ready = []
+for _ in range(2):
+    y = f(x)
+    ready.append(y.is_ready())
+    y.block_until_ready()
+print(cpu_runtime.cpu_dispatch(), "inline" if all(ready) else "dispatched" if not any(ready) else ready, flush=True)
+"""
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("setup, expected", [("cpu_runtime.set_cpu_dispatch('sync')", "sync inline"),
+                                             ("cpu_runtime.set_cpu_dispatch('async')", "async dispatched"),
+                                             ("", "async dispatched")])  # JAX's default
+def test_the_mode_decides_whether_a_call_waits_for_its_program(setup, expected):
+    assert _run(_PROBE.format(setup=setup)) == expected
+
+
+def test_engine_flags_set_the_mode_before_the_backend_starts():
+    """`validate` sets --cpu_dispatch before it checks the engine flags (which starts the backend)."""
+    code = """
+    from absl import flags
+    from experiments import engine_flags
+    from paged import cpu_runtime
+    engine_flags.define()
+    flags.FLAGS(["x"{flag}])
+    engine_flags.validate()
+    assert cpu_runtime.backend_started()
+    print(cpu_runtime.cpu_dispatch())
+    """
+    assert _run(code.format(flag="")) == "async"  # JAX's default
+    assert _run(code.format(flag=', "--cpu_dispatch=sync"')) == "sync"
+
+
+def test_a_late_change_raises_and_the_same_mode_is_a_no_op():
+    import jax
+
+    jax.devices()
+    assert cpu_runtime.backend_started()  # this process's backend runs
+    current = cpu_runtime.cpu_dispatch()
+    other = "sync" if current == "async" else "async"
+    cpu_runtime.set_cpu_dispatch(current)
+    with pytest.raises(InvalidConfigError, match="already started.*set_cpu_dispatch"):
+        cpu_runtime.set_cpu_dispatch(other)
+    assert cpu_runtime.cpu_dispatch() == current
+
+
+@pytest.mark.parametrize("bad", ["Sync", "inline", "", None])
+def test_bad_modes_raise(bad):
+    with pytest.raises(InvalidConfigError, match="cpu dispatch mode"):
+        cpu_runtime.set_cpu_dispatch(bad)
+
+
+def test_engine_flags_reject_a_late_explicit_mode():
+    import jax
+    from absl import app, flags
+
+    from experiments import engine_flags
+
+    jax.devices()
+    engine_flags.define()
+    other = "sync" if cpu_runtime.cpu_dispatch() == "async" else "async"
+    try:
+        flags.FLAGS(["x", f"--cpu_dispatch={other}"])
+        with pytest.raises(app.UsageError, match="--cpu_dispatch=.*already started"):
+            engine_flags.apply_cpu_dispatch()
+        flags.FLAGS(["x", f"--cpu_dispatch={cpu_runtime.cpu_dispatch()}"])
+        assert engine_flags.apply_cpu_dispatch() == cpu_runtime.cpu_dispatch()
+    finally:
+        flags.FLAGS(["x", "--cpu_dispatch=async"])
+
+
+def test_runtime_info_reports_the_pool_size(monkeypatch):
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("NPROC", "3")
+    assert cpu_runtime.runtime_info() == {"cpu_dispatch": cpu_runtime.cpu_dispatch(), "xla_cpu_pool_threads": 3}
+    monkeypatch.setenv("PJRT_NPROC", "1")  # read first, as XLA does
+    assert cpu_runtime.runtime_info()["xla_cpu_pool_threads"] == 1
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.delenv("NPROC")
+    import os
+
+    assert cpu_runtime.runtime_info()["xla_cpu_pool_threads"] == len(os.sched_getaffinity(0))

@@ -107,7 +107,8 @@ def main(argv):
     for r in results:
         print(f"{r['config']:<24} step {r['step_ms_median']:8.2f} ms (min {r['step_ms_min']:8.2f})   per token "
               f"{r['per_token_ms']:7.3f} ms   {r['overhead_pct']:+6.1f}%")
-    names = ("model", "quant", "lora_rows", "lora_rank", "lora_adapters", "lora_context", "lora_iters")
+    names = ("model", "quant", "lora_rows", "lora_rank", "lora_adapters", "lora_context", "lora_iters",
+             "cpu_dispatch")
     write_record(FLAGS.json_out, {
         "what": f"decode step of {FLAGS.lora_rows} rows at position {FLAGS.lora_context}, rank-{FLAGS.lora_rank} "
                 "adapters on all seven projections; median of --lora_iters steps, configurations interleaved",

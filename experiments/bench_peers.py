@@ -338,7 +338,7 @@ def main(argv):
                                                                "prefill_len", "decode_tokens", "threads", "isolate",
                                                                "model",
                                                                "quant", "cache_dtype", "page_size",
-                                                               "decode_steps")},
+                                                               "decode_steps", "cpu_dispatch")},
                            git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
                            matmul_auto=matmul_auto(),
                            cpu=platform.processor(), jax=jax.__version__, versions=versions,

@@ -63,7 +63,7 @@ if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same fla
 if "cpu_dispatch" not in flags.FLAGS:  # (the same flag as experiments.engine_flags')
     flags.DEFINE_enum("cpu_dispatch", "async", ["async", "sync"], "how XLA's CPU client runs the step's programs: "
                       "async (JAX's default: in a worker thread) or sync (in the calling thread), one mode for the "
-                      "whole run; see paged/cpu_runtime.py")
+                      "whole run; no effect on a GPU; see paged/cpu_runtime.py")
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS

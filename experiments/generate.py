@@ -834,6 +834,7 @@ def main(argv):
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)  # "no TPU" notices are noise here
     check_process_flags()
+    engine_flags.apply_cpu_dispatch()  # before anything starts JAX (joining reads the process index)
     join_processes()  # before anything starts JAX
     validate_flags()
     silence_other_processes()

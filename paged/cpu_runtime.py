@@ -4,9 +4,10 @@ By default the CPU client hands every program that its cost analysis does not ca
 to a worker thread and returns at once ("asynchronous dispatch"); the caller blocks later, when it reads a result.
 On a small CPU the Python thread then competes for the cores with the worker and XLA's intra-op threads while it
 dispatches the step's second program and lays out the next step. At batch 1 on the 2-core host, one step per
-device call (`decode_steps=1`, the library's default), plain greedy decoding ran ~6% faster with dispatch
-synchronous (each program runs in the calling thread), prompt lookup 2-4% faster, and a draft model's speculative
-decoding ~6% slower: it overlaps the draft's burst with the host's work only when dispatch is asynchronous. With
+device call (`decode_steps=1`, the library's default), plain greedy decoding ran 6-7% faster with dispatch
+synchronous (each program runs in the calling thread), adaptive prompt lookup 2-4% faster (fixed prompt lookup 3%
+slower), and a draft model's speculative decoding ~8% slower: it overlaps the draft's burst with the host's work
+only when dispatch is asynchronous. With
 decode bursts (`decode_steps=4`, the experiment scripts' default) and from batch 4 on, the two modes measured the
 same (docs/performance.md, "Synchronous dispatch on the CPU"; `experiments/results/cpu_dispatch_ab/`).
 
@@ -32,13 +33,16 @@ _OPTION = "jax_cpu_enable_async_dispatch"
 
 def backend_started() -> bool:
     """Whether a JAX backend has started in this process (after it, the dispatch mode is fixed)."""
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # (JAX has no public way to ask)
 
-    return xla_bridge.backends_are_initialized()
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return started() if started is not None else bool(getattr(xla_bridge, "_backends", None))
 
 
 def cpu_dispatch() -> str:
-    """The CPU dispatch mode in effect ("async" or "sync"; what the CPU backend started with, or will start with)."""
+    """The CPU dispatch mode in effect ("async" or "sync"): what the CPU backend will start with, or started with as
+    long as the option was only changed through `set_cpu_dispatch` (a `jax.config.update` after the start changes
+    what this reports, not the backend)."""
     return "async" if jax.config.values[_OPTION] else "sync"
 
 
@@ -63,11 +67,12 @@ def runtime_info() -> dict:
     intra-op thread pool (`PJRT_NPROC` or `NPROC` when set, which XLA reads when the backend starts; else the
     cores this process may use)."""
     threads = None
-    for var in ("PJRT_NPROC", "NPROC"):
-        value = os.environ.get(var, "")
-        if value.strip().lstrip("-").isdigit():
-            threads = max(0, int(value))
+    for var in ("PJRT_NPROC", "NPROC"):  # XLA takes the first that parses as an integer
+        try:
+            threads = max(0, int(os.environ.get(var, "").strip()))
             break
+        except ValueError:
+            continue
     if threads is None:
         try:
             threads = len(os.sched_getaffinity(0))

@@ -5,6 +5,7 @@ need a fresh backend run in a subprocess each."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,9 @@ from paged import cpu_runtime
 from paged.errors import InvalidConfigError
 
 # A program far too costly for the CPU client's inline path for cheap programs (a 2048 x 2048 matmul, ~17 GFLOP:
-# 100 ms or more on two cores): under asynchronous dispatch the call returns long before its result is ready, under
-# synchronous dispatch only once it is.
+# 100 ms or more on two cores): under synchronous dispatch every call returns only once its result is ready; under
+# asynchronous dispatch a call returns long before (three calls, so that a pause of this thread between a call and
+# the check cannot pass for inline execution).
 _PROBE = """
 import jax, jax.numpy as jnp
 from paged import cpu_runtime
@@ -25,16 +27,18 @@ f = jax.jit(lambda a: a @ a)
 x = jnp.ones((2048, 2048))
 f(x).block_until_ready()
 ready = []
-for _ in range(2):
+for _ in range(3):
     y = f(x)
     ready.append(y.is_ready())
     y.block_until_ready()
-print(cpu_runtime.cpu_dispatch(), "inline" if all(ready) else "dispatched" if not any(ready) else ready, flush=True)
+print(cpu_runtime.cpu_dispatch(), "inline" if all(ready) else "dispatched", flush=True)
 """
 
 
 def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the CPU client, also where a GPU is present
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
 
@@ -84,20 +88,21 @@ def test_bad_modes_raise(bad):
 def test_engine_flags_reject_a_late_explicit_mode():
     import jax
     from absl import app, flags
+    from absl.testing import flagsaver
 
     from experiments import engine_flags
 
     jax.devices()
     engine_flags.define()
-    other = "sync" if cpu_runtime.cpu_dispatch() == "async" else "async"
-    try:
-        flags.FLAGS(["x", f"--cpu_dispatch={other}"])
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    current = cpu_runtime.cpu_dispatch()
+    other = "sync" if current == "async" else "async"
+    with flagsaver.flagsaver(cpu_dispatch=other):
         with pytest.raises(app.UsageError, match="--cpu_dispatch=.*already started"):
             engine_flags.apply_cpu_dispatch()
-        flags.FLAGS(["x", f"--cpu_dispatch={cpu_runtime.cpu_dispatch()}"])
-        assert engine_flags.apply_cpu_dispatch() == cpu_runtime.cpu_dispatch()
-    finally:
-        flags.FLAGS(["x", "--cpu_dispatch=async"])
+    with flagsaver.flagsaver(cpu_dispatch=current):
+        assert engine_flags.apply_cpu_dispatch() == current
 
 
 def test_runtime_info_reports_the_pool_size(monkeypatch):
@@ -106,8 +111,8 @@ def test_runtime_info_reports_the_pool_size(monkeypatch):
     assert cpu_runtime.runtime_info() == {"cpu_dispatch": cpu_runtime.cpu_dispatch(), "xla_cpu_pool_threads": 3}
     monkeypatch.setenv("PJRT_NPROC", "1")  # read first, as XLA does
     assert cpu_runtime.runtime_info()["xla_cpu_pool_threads"] == 1
+    monkeypatch.setenv("PJRT_NPROC", "two")  # not an integer: XLA goes on to NPROC
+    assert cpu_runtime.runtime_info()["xla_cpu_pool_threads"] == 3
     monkeypatch.delenv("PJRT_NPROC")
     monkeypatch.delenv("NPROC")
-    import os
-
     assert cpu_runtime.runtime_info()["xla_cpu_pool_threads"] == len(os.sched_getaffinity(0))

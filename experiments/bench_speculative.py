@@ -32,6 +32,7 @@ import time
 
 from absl import app, flags
 
+from experiments import engine_flags
 from experiments.common import chat_prompt, workload, write_record
 from paged.speculative import ACCEPTANCE_RULES
 
@@ -60,10 +61,7 @@ flags.DEFINE_string("json_out", None, "write the record here")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
-if "cpu_dispatch" not in flags.FLAGS:  # (the same flag as experiments.engine_flags')
-    flags.DEFINE_enum("cpu_dispatch", "async", ["async", "sync"], "how XLA's CPU client runs the step's programs: "
-                      "async (JAX's default: in a worker thread) or sync (in the calling thread), one mode for the "
-                      "whole run; no effect on a GPU; see paged/cpu_runtime.py")
+engine_flags.define_cpu_dispatch()
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
@@ -75,13 +73,8 @@ def main(argv):
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
-    from paged.cpu_runtime import set_cpu_dispatch
-    from paged.errors import InvalidConfigError
 
-    try:  # before anything starts JAX (the record's device says which mode ran)
-        set_cpu_dispatch(FLAGS.cpu_dispatch)
-    except InvalidConfigError as e:
-        raise app.UsageError(f"--cpu_dispatch={FLAGS.cpu_dispatch}: {e}") from None
+    engine_flags.apply_cpu_dispatch()  # before anything starts JAX (the record's device says which mode ran)
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None}

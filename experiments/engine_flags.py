@@ -57,10 +57,19 @@ def define() -> None:
     flags.DEFINE_integer("seed", None, "seed (generate: sampling seed, None = random, job i uses seed + i; "
                          "bench_serving: workload, arrivals and sampling seeds, None = 0)")
     flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
+    define_cpu_dispatch()
+
+
+def define_cpu_dispatch() -> None:
+    """`--cpu_dispatch` alone, for a script with model flags of its own (`bench_speculative`); `define()` includes
+    it. A second call is a no-op. `apply_cpu_dispatch()` sets the mode it names."""
+    if "cpu_dispatch" in FLAGS:
+        return
     flags.DEFINE_enum("cpu_dispatch", "async", list(CPU_DISPATCH_MODES), "how XLA's CPU client runs the step's "
                       "programs: async (JAX's default: in a worker thread) or sync (in the calling thread: 6-7% "
                       "faster batch-1 decoding at --decode_steps=1 on a 2-core CPU, no gain with decode bursts or "
-                      "a draft model; no effect on a GPU); process-wide, see paged/cpu_runtime.py")
+                      "a draft model; no effect on a GPU); process-wide (one mode for the whole run), see "
+                      "paged/cpu_runtime.py")
 
 
 def engine_config(max_batch_size: int, max_penalty_range: int = 0) -> EngineConfig:

@@ -62,6 +62,9 @@ if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same fla
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
 engine_flags.define_cpu_dispatch()
+if "fuse_sampler" not in flags.FLAGS:  # (engine_flags defines it, from EngineConfig, where both are imported)
+    flags.DEFINE_bool("fuse_sampler", False, "decode-only steps (plain and verification) run forward and sampler as "
+                      "one program (EngineConfig.fuse_sampler), for every configuration of the run")
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
@@ -90,7 +93,7 @@ def main(argv):
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
                                                         "draft_token_cost", "draft_acceptance", "rounds",
-                                                        "cpu_dispatch")},
+                                                        "cpu_dispatch", "fuse_sampler")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
     unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
@@ -114,7 +117,7 @@ def main(argv):
             kw.update(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost)
         if kw:
             kw.update(draft_acceptance=FLAGS.draft_acceptance)
-        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes),
+        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), fuse_sampler=FLAGS.fuse_sampler,
                                max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
         t0 = time.perf_counter()
         if FLAGS.warmup:
@@ -174,6 +177,7 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
+            "fuse_sampler": gen.config.fuse_sampler,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
 
 

@@ -46,6 +46,8 @@ def define() -> None:
             help_text += " (default: set by the script)"
         if f.type in ("str", str, "Any"):  # Any: a kernel tuning, given as text ("block_q=16,..." or a JSON file)
             flags.DEFINE_string(f.name, default, help_text)
+        elif f.type in ("bool", bool):
+            flags.DEFINE_bool(f.name, default, help_text)
         else:
             flags.DEFINE_integer(f.name, default, help_text)
     from paged.policies import policy_names

@@ -354,7 +354,7 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
 # Native settings the compat generator passes through (there is no ExLlamaV2 name for them).
 _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "max_embedding_tokens",
                   "max_loras", "max_lora_rank", "mesh",
-                  "decode_steps", "cache_dtype",
+                  "decode_steps", "fuse_sampler", "cache_dtype",
                   "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock",
                   "adaptive_draft", "draft_token_cost", "draft_acceptance")
 

@@ -43,6 +43,11 @@ class EngineConfig:
     decode_steps: int = _field(
         1, "decode steps per device call once every job decodes (1 = one token per iterate(); more = fewer host "
         "round trips, tokens arrive in bursts)")
+    fuse_sampler: bool = _field(
+        False, "run a decode-only step's forward and sampler (plain, or a speculative verification's) as one program: "
+        "one dispatch per step, ~6% faster batch-1 decoding and ~10% faster verification steps on a 2-core CPU, at "
+        "the price of one more sampler compile per decode bucket (~3 s each there) and its memory maps "
+        "(docs/performance.md, \"One program per decode step\")")
     cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
     max_embedding_tokens: int = _field(
         1024, "rows of the device table for injected embeddings (Job(embeddings=...), multimodal input); 0: none")
@@ -71,6 +76,7 @@ class EngineConfig:
         c.int_("max_prefill_rows", self.max_prefill_rows, 1, mb, f"an int in [1, max_batch_size={mb}]")
         c.int_("max_penalty_range", self.max_penalty_range, 0)
         c.int_("decode_steps", self.decode_steps, 1)
+        c.bool_("fuse_sampler", self.fuse_sampler)
         c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
         c.int_("max_embedding_tokens", self.max_embedding_tokens, 0)
         c.int_("max_loras", self.max_loras, 0)

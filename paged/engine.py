@@ -29,6 +29,8 @@ from paged.step import (
     draft_burst_jit,
     forward_inputs,
     forward_shape,
+    fused_step_jit,
+    fuses_sampler,
     lm_head,
     sample_inputs,
     step_forward,
@@ -299,10 +301,20 @@ class Engine:
                                       matmul_impl=self.matmul_impl)
         return hs
 
+    def fused(self, shape: BatchShape) -> bool:
+        """Whether a step of `shape`'s bucket runs forward and sampler as one program (`fuse_sampler`, a bucket that
+        `paged.step.fuses_sampler`, and not a draft engine, whose rows never sample through `run`)."""
+        return self.config.fuse_sampler and not self.draft_len and fuses_sampler(shape)
+
     def _dispatch(self, batch: Batch, shape: BatchShape, want_top_k: bool, num_steps: int) -> Results:
         """Run the jitted step (or `num_steps` decode steps) on `batch`; returns the device results of its sampled
         rows."""
         want = np.bool_(want_top_k)
+        if num_steps == 1 and self.fused(shape):
+            self.state, res = fused_step_jit(self.model.params, self.state, batch, want, cfg=self.cfg,
+                                             shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                             matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
+            return res
         if num_steps > 1:
             self.state, res = decode_burst_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
                                                top_k_width=TOP_K_WIDTH, cfg=self.cfg, shape=forward_shape(shape),
@@ -383,7 +395,7 @@ class Engine:
 
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
                     draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None) -> StepOutput:
-        from paged.speculative import verify_sample
+        from paged.speculative import verify_sample, verify_step_jit
 
         if not self.spec.verify_len:
             raise InvalidConfigError("verification rows need enable_verification() on the engine")
@@ -402,11 +414,17 @@ class Engine:
             feed = (draft_tokens, _feed_index(batch, self.fed_rows))
             verify = dict(verify, drafts=draft_tokens)  # verify_sample reads its first S' rows
         t0 = time.perf_counter()
-        h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
         q = draft_logprobs if self.verify_probs else None
-        res = verify_sample(self._head, h, sample_inputs(batch), verify, np.bool_(0 < k <= TOP_K_WIDTH),
-                            q, cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
-                            match=self.verify_match)
+        want = np.bool_(0 < k <= TOP_K_WIDTH)
+        if self.fused(shape):
+            self.state, res = verify_step_jit(self.model.params, self.state, batch, feed, verify, want, q,
+                                              cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                              matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                                              match=self.verify_match)
+        else:
+            h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
+            res = verify_sample(self._head, h, sample_inputs(batch), verify, want, q, cfg=self.cfg,
+                                matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH, match=self.verify_match)
         t_dispatched = time.perf_counter()
         idx = np.asarray(slots)
         got = _to_host(res, k, return_logits, wide, num_accepted=res.num_accepted)
@@ -445,15 +463,21 @@ class Engine:
 
     def variants(self, decode_steps: int = 1) -> list[tuple[str, BatchShape, int]]:
         """Every compiled variant `run` can use with this configuration, as (entry point, bucket, n): the forward
-        ("step") of each bucket; the sampler ("sample") of each row count n it is run on (with the first bucket that
-        samples n rows); with `decode_steps` > 1 the burst ("decode_burst", n = steps) of each decode-only bucket.
-        With speculation: the verification sampler ("verify") of each row count of the verification buckets, and on
+        ("step") of each bucket that runs it alone, and the sampler ("sample") of each row count n such a bucket
+        samples (with the first bucket that samples n rows); forward and sampler in one program ("fused", n = its
+        row count) of each bucket that fuses them (`fused`: the decode-only ones); with `decode_steps` > 1 the burst
+        ("decode_burst", n = steps) of each decode-only bucket. With speculation: the verification sampler
+        ("verify") of each row count of the verification buckets that run it alone, forward and verification
+        sampler in one program ("fused_verify") of the decode-only verification buckets, and on
         a draft engine the proposal bursts ("draft_burst", n = steps: drafts + 1 with a catch-up token, drafts
         without) of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
-        out = [("step", s, 1) for s in shapes]
+        out = [(("fused_verify" if s.verify_len else "fused"), s, s.sampled_row_counts[0]) if self.fused(s)
+               else ("step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
         for s in shapes:
+            if self.fused(s):  # its sampler is inside its program
+                continue
             kind = "verify" if s.verify_len else "sample"
             if kind == "sample" and self.draft_len:  # a draft engine never samples through `run` (see warmup)
                 continue
@@ -471,13 +495,14 @@ class Engine:
     @_under_mesh
     def warmup(self, shapes: Sequence[BatchShape] | None = None, progress: bool = False, decode_steps: int = 1) -> int:
         """Compile every variant `run` can hit (`variants`; default: for the buckets of `spec.all_shapes()`): the
-        forward of each bucket, the sampler of each row count, with `decode_steps` > 1 the burst of each
+        forward of each bucket and the sampler of each row count (one program per decode-only bucket where they are
+        `fused`), with `decode_steps` > 1 the burst of each
         decode-only bucket, with speculation the verification sampler of each row count and a draft engine's
         proposal burst of each decode-only bucket. Returns the number of step variants (buckets, plus bursts); the
         samplers come with them.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
-        from paged.speculative import verify_sample
+        from paged.speculative import verify_sample, verify_step_jit
 
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
         work = [(shape, 1, "step") for shape in shapes]
@@ -513,6 +538,20 @@ class Engine:
             if verify and self.fed_rows:
                 fed = jnp.zeros((self.fed_rows, shape.verify_len - 1), jnp.int32)  # on the device, as `draft`'s
                 fed = (fed, _feed_index(batch, self.fed_rows))
+            if self.fused(shape) and not verify:
+                outs.append(self._dispatch(batch, shape, False, 1).token)
+                continue
+            if self.fused(shape):
+                q = None
+                if self.verify_probs:
+                    q = jnp.zeros((shape.num_rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
+                vin = _verify_inputs(batch) if fed is None else dict(_verify_inputs(batch), drafts=fed[0])
+                self.state, res = verify_step_jit(self.model.params, self.state, batch, fed, vin, no, q, cfg=self.cfg,
+                                                  shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                                  matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                                                  match=self.verify_match)
+                outs.append(res.token)
+                continue
             hs = self._forward(batch, shape, fed)
             if not verify and self.draft_len:  # a draft engine's rows: `run_forward` (mirror) and `draft` (its burst
                 continue  # has its own sampler), never `run`: no plain sampler (~6 s of compile each on the CPU)

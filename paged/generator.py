@@ -85,6 +85,7 @@ class DynamicGenerator:
         max_prefill_rows: int | None = None,
         max_penalty_range: int | None = None,
         decode_steps: int | None = None,
+        fuse_sampler: bool | None = None,
         cache_dtype: str | None = None,
         attn_impl: str | None = None,
         matmul_impl: str | None = None,
@@ -139,7 +140,8 @@ class DynamicGenerator:
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
-            decode_steps=decode_steps, cache_dtype=cache_dtype, attn_impl=attn_impl, matmul_impl=matmul_impl,
+            decode_steps=decode_steps, fuse_sampler=fuse_sampler, cache_dtype=cache_dtype,
+            attn_impl=attn_impl, matmul_impl=matmul_impl,
             max_embedding_tokens=max_embedding_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank, mesh=mesh,
         ).items() if v is not None}
         if config is not None and not isinstance(config, EngineConfig):

@@ -66,8 +66,16 @@ from models.weights import Weights
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.sampling import row_keys
-from paged.state import Results
-from paged.step import TOP_K_WIDTH, _sample_rows
+from paged.state import Batch, BatchShape, EngineState, Results
+from paged.step import (
+    TOP_K_WIDTH,
+    _sample_rows,
+    forward_inputs,
+    forward_points,
+    fuses_sampler,
+    lm_head,
+    sample_inputs,
+)
 
 # how sampled rows accept drafts: rejection sampling; sample-then-match with a draft model's draws coupled to the
 # target's; sample-then-match against greedy drafts, as ExLlamaV2 (`accept_drafts`, `paged.draft`)
@@ -181,6 +189,42 @@ def verify_sample(
     logprob [S', W] (see `accept_drafts`; logprob under p), top_ids / top_logprobs [S', W, K], logits and final
     [S', W, V], num_accepted [S']. `match`: sample-then-match acceptance for sampling rows (`accept_drafts`).
     Compiles once per S' (and per presence of `draft_logprobs`)."""
+    return _verify_rows(head, h, inputs, verify, want_top_k, draft_logprobs, cfg, matmul_impl, top_k_width, match)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl", "top_k_width", "match"),
+                   donate_argnames=("state",))
+def verify_step_jit(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    draft_feed: tuple[jax.Array, jax.Array] | None,
+    verify: dict[str, jax.Array],
+    want_top_k: jax.Array,
+    draft_logprobs: jax.Array | None,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+    top_k_width: int = TOP_K_WIDTH,
+    match: bool = False,
+) -> tuple[EngineState, Results]:
+    """`step_forward` (with its `draft_feed`) then `verify_sample` in one program, for a decode-only verification
+    bucket (`paged.step.fuses_sampler(shape)`; `shape` is `forward_shape` of it, `batch` the whole batch): the same
+    results, one dispatch. Compiles once per bucket (and per presence of `draft_feed` and `draft_logprobs`)."""
+    if not fuses_sampler(shape):
+        raise ValueError(f"verify_step_jit needs a decode-only verification bucket, got {shape}")
+    state, (h,) = forward_points(params, state, forward_inputs(batch), draft_feed, cfg, shape, attn_impl,
+                                 matmul_impl)
+    return state, _verify_rows(lm_head(params), h, sample_inputs(batch), verify, want_top_k, draft_logprobs, cfg,
+                               matmul_impl, top_k_width, match)
+
+
+def _verify_rows(head: Weights, h: jax.Array, inputs: dict[str, Any], verify: dict[str, jax.Array],
+                 want_top_k: jax.Array, draft_logprobs: jax.Array | None, cfg: ModelConfig, matmul_impl: str,
+                 top_k_width: int, match: bool) -> Results:
+    """`verify_sample`'s body (not jitted: `verify_step_jit` puts it in one program with the forward)."""
     num_drafts = verify["num_drafts"]
     s = num_drafts.shape[0]
     drafts = verify["drafts"][:s]

@@ -19,6 +19,10 @@ What compiles, and why it is split in two (docs/performance.md, "Compilation"; t
   asked). The sampler costs as much to compile as the 30-layer forward (it is ~150 small kernels), so keeping it
   out of the per-layout variants halves the compile time of each.
 
+With the `fuse_sampler` setting a decode-only bucket runs forward and sampler as one program (`fused_step_jit`;
+verification buckets `paged.speculative.verify_step_jit`): one dispatch and no hand-off between two programs per
+step, at the price of compiling the sampler into each such bucket's program (`fuses_sampler`).
+
 The `decode_steps` setting runs several decode steps in one call (`decode_burst`, a `lax.scan` over forward +
 sampler), feeding each sampled token back in: fewer dispatches per token, at the price of the host seeing stop
 conditions only every n tokens. It compiles once per decode layout and burst length.
@@ -291,6 +295,14 @@ def step_forward(
     `draft_burst_jit`), written into the batch's token slots before the forward: `token_ids[index] = tokens`, an
     index past the last slot writes nothing. A verification step then needs no host round trip between the
     draft's burst and the target's forward (`paged.engine.Engine.run(draft_tokens=)`)."""
+    return forward_points(params, state, batch, draft_feed, cfg, shape, attn_impl, matmul_impl)
+
+
+def forward_points(params: Weights, state: EngineState, batch: Batch,
+                   draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None, cfg: ModelConfig, shape: BatchShape,
+                   attn_impl: str | Tuned, matmul_impl: str | Tuned) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
+    """`step_forward`'s body (not jitted: `fused_step_jit` and `paged.speculative.verify_step_jit` put it in one
+    program with a sampler)."""
     if draft_feed is not None:
         tokens, index = draft_feed
         batch = batch.replace(token_ids=jnp.asarray(batch.token_ids).at[index.reshape(-1)].set(
@@ -314,6 +326,40 @@ def step_sample(
     """The sampling half of a step: logits of `h` [S', H] through `head` (`lm_head(params)`), and the sampler over
     `inputs` (`sample_inputs(batch)`). Compiles once per row count S' (R, B and V are fixed per engine)."""
     return _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
+
+
+def fuses_sampler(shape: BatchShape) -> bool:
+    """Whether a bucket can run its forward and its sampler as one program (`fused_step_jit`,
+    `paged.speculative.verify_step_jit`): it samples a single row count, as every decode-only bucket does (plain and
+    verification), so the program compiles once for it. Buckets with prefill windows sample one of several row
+    counts and keep the two halves apart (the sampler compiles once per row count, shared by those buckets)."""
+    decode_only = shape.step_rows_in_windows if shape.verify_len else not shape.layout.num_prefill_rows
+    return decode_only and len(shape.sampled_row_counts) == 1
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl", "top_k_width"),
+                   donate_argnames=("state",))
+def fused_step_jit(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    want_top_k: jnp.ndarray,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+    top_k_width: int = TOP_K_WIDTH,
+) -> tuple[EngineState, Results]:
+    """`step_forward` then `step_sample` in one program, for a bucket where `fuses_sampler(shape)` (`shape` is
+    `forward_shape` of it; `batch` the whole batch, sampler inputs included): the same results, one dispatch and
+    no hand-off between two programs (docs/performance.md, "One program per decode step"). Compiles once per
+    bucket."""
+    if not fuses_sampler(shape):
+        raise ValueError(f"fused_step_jit needs a bucket that samples one row count without prefill windows, got "
+                         f"{shape}")
+    state, (h,) = forward_points(params, state, forward_inputs(batch), None, cfg, shape, attn_impl, matmul_impl)
+    return state, _sample_rows(lm_head(params), cfg, h, sample_inputs(batch), want_top_k, top_k_width, matmul_impl)
 
 
 def step(
@@ -473,15 +519,18 @@ def decode_burst(
 
 
 def count_compiles() -> dict[str, int]:
-    """Compiled variants held by each jitted entry point: "step" the forward (one per layout), "sample" the sampler
-    (one per row count), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
+    """Compiled variants held by each jitted entry point: "step" the forward (one per layout that runs it alone),
+    "sample" the sampler (one per row count), "fused" forward and sampler in one program (one per decode layout,
+    `fused_step_jit`), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
     decode layout: with and without a catch-up token), "verify" the speculative verification sampler (one per row
-    count)."""
-    from paged.speculative import verify_sample
+    count), "fused_verify" forward and verification sampler in one program (one per decode-only verification
+    layout, `paged.speculative.verify_step_jit`)."""
+    from paged.speculative import verify_sample, verify_step_jit
 
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
-            "decode_burst": decode_burst_jit._cache_size(), "draft_burst": draft_burst_jit._cache_size(),
-            "verify": verify_sample._cache_size()}
+            "fused": fused_step_jit._cache_size(), "decode_burst": decode_burst_jit._cache_size(),
+            "draft_burst": draft_burst_jit._cache_size(), "verify": verify_sample._cache_size(),
+            "fused_verify": verify_step_jit._cache_size()}
 
 
 __all__ = [
@@ -492,7 +541,10 @@ __all__ = [
     "decode_burst_jit",
     "draft_burst_jit",
     "forward_inputs",
+    "forward_points",
     "forward_shape",
+    "fused_step_jit",
+    "fuses_sampler",
     "lm_head",
     "page_bucket_index",
     "sample_inputs",

@@ -40,13 +40,15 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
     assert runs[("ngram", 1)]["draft_acceptance"] == "rejection" and runs[("none", 1)]["draft_acceptance"] is None
     assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.cpu_runtime)
+    assert rec["flags"]["fuse_sampler"] is False and not any(r["fuse_sampler"] for r in rec["runs"])
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=ngram", "--batch_sizes=1", "--num_prompts=1",
                   "--workloads=copy", "--max_new_tokens=4", "--nowarmup", "--temperature=1",
-                  "--draft_acceptance=match", "--cpu_dispatch=sync", f"--json_out={out}")
+                  "--draft_acceptance=match", "--cpu_dispatch=sync", "--fuse_sampler", f"--json_out={out}")
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["flags"]["draft_acceptance"] == "match" and rec["runs"][0]["draft_acceptance"] == "match"
     assert rec["flags"]["cpu_dispatch"] == rec["device"]["cpu_dispatch"] == "sync"
+    assert rec["flags"]["fuse_sampler"] is True and rec["runs"][0]["fuse_sampler"] is True  # the generator's config
     bad = run_bench(f"--model={model_dir}", "--drafters=none,bogus")
     assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr
 

@@ -80,7 +80,8 @@ def main(argv):
         dt = time.perf_counter() - t0
         lay = shape.layout
         new = {k: v - before.get(k, 0) for k, v in count_compiles().items()}
-        fresh = [r for r in shape.sampled_row_counts if r not in seen] if n == 1 else []
+        # a fused bucket's sampler is inside its own program: no shared sampler variant comes with it
+        fresh = [r for r in shape.sampled_row_counts if r not in seen] if kind == "step" else []
         seen.update(fresh)
         rows.append(dict(kind=kind, prefill_rows=lay.num_prefill_rows, window=lay.max_q_len,
                          decode_rows=shape.num_decode_rows, steps=n, new_samplers=fresh, seconds=dt,

@@ -46,7 +46,7 @@ class EngineConfig:
     fuse_sampler: bool = _field(
         False, "run a decode-only step's forward and sampler (plain, or a speculative verification's) as one program: "
         "one dispatch per step, ~6% faster batch-1 decoding and ~10% faster verification steps on a 2-core CPU, at "
-        "the price of one more sampler compile per decode bucket (~3 s each there) and its memory maps "
+        "the price of one more sampler compile per decode bucket (~2 s each there) and its memory maps "
         "(docs/performance.md, \"One program per decode step\")")
     cache_dtype: str = _field("float32", f"KV-cache dtype: one of {CACHE_DTYPES} (int8 keeps per-token scales)")
     max_embedding_tokens: int = _field(

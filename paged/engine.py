@@ -464,16 +464,15 @@ class Engine:
     def variants(self, decode_steps: int = 1) -> list[tuple[str, BatchShape, int]]:
         """Every compiled variant `run` can use with this configuration, as (entry point, bucket, n): the forward
         ("step") of each bucket that runs it alone, and the sampler ("sample") of each row count n such a bucket
-        samples (with the first bucket that samples n rows); forward and sampler in one program ("fused", n = its
-        row count) of each bucket that fuses them (`fused`: the decode-only ones); with `decode_steps` > 1 the burst
+        samples (with the first bucket that samples n rows); forward and sampler in one program ("fused", n = 1) of
+        each bucket that fuses them (`fused`: the decode-only ones); with `decode_steps` > 1 the burst
         ("decode_burst", n = steps) of each decode-only bucket. With speculation: the verification sampler
         ("verify") of each row count of the verification buckets that run it alone, forward and verification
         sampler in one program ("fused_verify") of the decode-only verification buckets, and on
         a draft engine the proposal bursts ("draft_burst", n = steps: drafts + 1 with a catch-up token, drafts
         without) of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
-        out = [(("fused_verify" if s.verify_len else "fused"), s, s.sampled_row_counts[0]) if self.fused(s)
-               else ("step", s, 1) for s in shapes]
+        out = [(("fused_verify" if s.verify_len else "fused") if self.fused(s) else "step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
         for s in shapes:
             if self.fused(s):  # its sampler is inside its program

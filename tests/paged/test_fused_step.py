@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import collections
 
+import jax
 import numpy as np
 import pytest
 
 import paged.engine as engine_mod
 import paged.speculative as spec_mod
+from models.draft import truncated_model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidConfigError
 from paged.step import count_compiles
@@ -99,17 +101,28 @@ def test_one_program_gives_the_two_programs_results(drafter, monkeypatch):
     assert any("logits" in r for r in one["sampled"]) and any("top_k_tokens" in r for r in one["greedy"])
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
 def test_warmup_compiles_the_fused_variants_and_serving_compiles_nothing(drafter):
-    gen = DynamicGenerator(MODEL, **{**SETTINGS, "max_batch_size": 2}, fuse_sampler=True,
-                           **SPECS[drafter])
-    kinds = [v[0] for v in gen.engine.variants()]
+    """warmup() compiles exactly `variants()` (a draft model's engine never fuses: its rows do not sample through
+    `run`), and serving then compiles nothing: the fused programs see the same arguments from `run` as from warmup,
+    drafts fed from the device and the draft's distributions included."""
+    jax.clear_caches()  # count this test's compilations alone
+    spec = SPECS[drafter] if drafter != "model" else dict(SPECS["model"], draft_model=truncated_model(MODEL, 1))
+    # (a draft of another config than the target's: the two engines compile apart, every variant counted once)
+    gen = DynamicGenerator(MODEL, **{**SETTINGS, "max_batch_size": 2}, fuse_sampler=True, **spec)
+    target = [v[0] for v in gen.engine.variants()]
     decode = [s for s in gen.engine.spec.all_shapes()  # decode-only: plain, and verification rows alone
               if (s.step_rows_in_windows if s.verify_len else not s.layout.num_prefill_rows)]
-    assert kinds.count("fused") == sum(not s.verify_len for s in decode) > 0
-    assert kinds.count("fused_verify") == sum(bool(s.verify_len) for s in decode) == (0 if drafter == "none" else 2)
-    assert kinds.count("step") == len(gen.engine.spec.all_shapes()) - len(decode)
+    assert target.count("fused") == sum(not s.verify_len for s in decode) > 0
+    assert target.count("fused_verify") == sum(bool(s.verify_len) for s in decode) == (drafter != "none") * 2
+    assert target.count("step") == len(gen.engine.spec.all_shapes()) - len(decode)
+    engines = [gen.engine] + ([gen.speculation.speculator.draft.engine] if drafter == "model" else [])
+    kinds = [v[0] for e in engines for v in e.variants()]
+    assert ("fused" in kinds[len(target):]) is False  # the draft engine's variants
+    before = count_compiles()
     gen.warmup()
+    compiled = {k: count_compiles()[k] - before[k] for k in before}
+    assert compiled == {k: kinds.count(k) for k in before}
     warm = count_compiles()
     with count_jax_compiles() as seen:
         gen.enqueue(jobs())
@@ -117,6 +130,8 @@ def test_warmup_compiles_the_fused_variants_and_serving_compiles_nothing(drafter
     assert all(f["eos_reason"] != "error" for f in c.finals.values())
     assert count_compiles() == warm
     assert seen == {"/jax/core/compile/jaxpr_trace_duration": 0, "/jax/core/compile/backend_compile_duration": 0}
+    if drafter != "none":
+        assert gen.metrics()["drafted_tokens"] > 0
 
 
 def test_fuse_sampler_is_validated():

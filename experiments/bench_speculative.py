@@ -62,9 +62,7 @@ if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same fla
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
 engine_flags.define_cpu_dispatch()
-if "fuse_sampler" not in flags.FLAGS:  # (engine_flags defines it, from EngineConfig, where both are imported)
-    flags.DEFINE_bool("fuse_sampler", False, "decode-only steps (plain and verification) run forward and sampler as "
-                      "one program (EngineConfig.fuse_sampler), for every configuration of the run")
+engine_flags.define_config_flag("fuse_sampler")  # EngineConfig's, for every configuration of the run
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS

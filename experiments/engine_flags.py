@@ -40,16 +40,7 @@ def define() -> None:
     flags.DEFINE_string("quant", "keep", "weights: keep (a GGUF's Q4_0/Q4_1/Q8_0 blocks stay quantized; float "
                         "checkpoints load as float), int8, int4, or none (dequantize everything to --dtype)")
     for f in config_fields():
-        default = EXPERIMENT_DEFAULTS.get(f.name, f.default)
-        help_text = f.metadata["help"]
-        if f.name in EXPERIMENT_DEFAULTS and default is None:
-            help_text += " (default: set by the script)"
-        if f.type in ("str", str, "Any"):  # Any: a kernel tuning, given as text ("block_q=16,..." or a JSON file)
-            flags.DEFINE_string(f.name, default, help_text)
-        elif f.type in ("bool", bool):
-            flags.DEFINE_bool(f.name, default, help_text)
-        else:
-            flags.DEFINE_integer(f.name, default, help_text)
+        define_config_flag(f.name)
     from paged.policies import policy_names
 
     flags.DEFINE_string("policy", "exllamav2", f"scheduling policy: one of {policy_names()}, or 'module:Class' for "
@@ -60,6 +51,25 @@ def define() -> None:
                          "bench_serving: workload, arrivals and sampling seeds, None = 0)")
     flags.DEFINE_float("temperature", 0.0, "sampling temperature (0 = greedy)")
     define_cpu_dispatch()
+
+
+def define_config_flag(name: str) -> None:
+    """The flag of `EngineConfig` field `name`: same name, type, default (unless `EXPERIMENT_DEFAULTS` says
+    otherwise) and help text; for a script with flags of its own (`bench_speculative --fuse_sampler`). A second call
+    is a no-op."""
+    if name in FLAGS:
+        return
+    f = next(f for f in config_fields() if f.name == name)
+    default = EXPERIMENT_DEFAULTS.get(f.name, f.default)
+    help_text = f.metadata["help"]
+    if f.name in EXPERIMENT_DEFAULTS and default is None:
+        help_text += " (default: set by the script)"
+    if f.type in ("str", str, "Any"):  # Any: a kernel tuning, given as text ("block_q=16,..." or a JSON file)
+        flags.DEFINE_string(f.name, default, help_text)
+    elif f.type in ("bool", bool):
+        flags.DEFINE_bool(f.name, default, help_text)
+    else:
+        flags.DEFINE_integer(f.name, default, help_text)
 
 
 def define_cpu_dispatch() -> None:

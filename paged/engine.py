@@ -393,10 +393,26 @@ class Engine:
         self.timings["build_s"] += t0 - t_build
         self.timings["dispatch_s"] += time.perf_counter() - t0
 
-    def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
-                    draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None) -> StepOutput:
+    def _verify(self, batch: Batch, shape: BatchShape, sampled: int, feed: tuple[jax.Array, np.ndarray] | None,
+                want: np.bool_, q: jax.Array | None) -> Results:
+        """The device work of a verification step over `batch` (`sampled` rows; `feed` the device drafts and their
+        token slots, `q` the draft's distributions or None): forward and verification sampler, in one program
+        where the bucket is `fused`."""
         from paged.speculative import verify_sample, verify_step_jit
 
+        verify = _verify_inputs(batch, feed)
+        if self.fused(shape):
+            self.state, res = verify_step_jit(self.model.params, self.state, batch, feed, verify, want, q,
+                                              cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
+                                              matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                                              match=self.verify_match)
+            return res
+        h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
+        return verify_sample(self._head, h, sample_inputs(batch), verify, want, q, cfg=self.cfg,
+                             matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH, match=self.verify_match)
+
+    def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
+                    draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None) -> StepOutput:
         if not self.spec.verify_len:
             raise InvalidConfigError("verification rows need enable_verification() on the engine")
         if self.verify_probs and draft_logprobs is None:
@@ -409,22 +425,10 @@ class Engine:
         t_build = time.perf_counter()
         shape, sampled, _ = self.verify_plan(rows)
         batch, slots = build_batch(rows, shape, self.page_size, self.vocab_size, sample_rows=sampled)
-        feed, verify = None, _verify_inputs(batch)
-        if draft_tokens is not None:
-            feed = (draft_tokens, _feed_index(batch, self.fed_rows))
-            verify = dict(verify, drafts=draft_tokens)  # verify_sample reads its first S' rows
+        feed = None if draft_tokens is None else (draft_tokens, _feed_index(batch, self.fed_rows))
         t0 = time.perf_counter()
-        q = draft_logprobs if self.verify_probs else None
-        want = np.bool_(0 < k <= TOP_K_WIDTH)
-        if self.fused(shape):
-            self.state, res = verify_step_jit(self.model.params, self.state, batch, feed, verify, want, q,
-                                              cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                              matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
-                                              match=self.verify_match)
-        else:
-            h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
-            res = verify_sample(self._head, h, sample_inputs(batch), verify, want, q, cfg=self.cfg,
-                                matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH, match=self.verify_match)
+        res = self._verify(batch, shape, sampled, feed, np.bool_(0 < k <= TOP_K_WIDTH),
+                           draft_logprobs if self.verify_probs else None)
         t_dispatched = time.perf_counter()
         idx = np.asarray(slots)
         got = _to_host(res, k, return_logits, wide, num_accepted=res.num_accepted)
@@ -501,7 +505,7 @@ class Engine:
         samplers come with them.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
-        from paged.speculative import verify_sample, verify_step_jit
+        from paged.speculative import verify_sample
 
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
         work = [(shape, 1, "step") for shape in shapes]
@@ -516,6 +520,11 @@ class Engine:
 
             it = tqdm(work, desc="compiling step buckets", unit="shape")
         no = np.bool_(False)
+
+        def warm_q(rows: int, shape: BatchShape) -> jax.Array | None:  # a draft's distributions, as `draft` gives
+            return (jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32) if self.verify_probs
+                    else None)
+
         sampled: dict[bool, set[int]] = {False: set(), True: set()}
         outs = []
         # Nothing waits for the warm-up steps to finish (async dispatch): they run while the next variant traces
@@ -537,18 +546,9 @@ class Engine:
             if verify and self.fed_rows:
                 fed = jnp.zeros((self.fed_rows, shape.verify_len - 1), jnp.int32)  # on the device, as `draft`'s
                 fed = (fed, _feed_index(batch, self.fed_rows))
-            if self.fused(shape) and not verify:
-                outs.append(self._dispatch(batch, shape, False, 1).token)
-                continue
-            if self.fused(shape):
-                q = None
-                if self.verify_probs:
-                    q = jnp.zeros((shape.num_rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
-                vin = _verify_inputs(batch) if fed is None else dict(_verify_inputs(batch), drafts=fed[0])
-                self.state, res = verify_step_jit(self.model.params, self.state, batch, fed, vin, no, q, cfg=self.cfg,
-                                                  shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                                  matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
-                                                  match=self.verify_match)
+            if self.fused(shape):  # forward and sampler in one program, as `run` calls it
+                res = (self._verify(batch, shape, shape.num_rows, fed, no, warm_q(shape.num_rows, shape)) if verify
+                       else self._dispatch(batch, shape, False, 1))
                 outs.append(res.token)
                 continue
             hs = self._forward(batch, shape, fed)
@@ -562,15 +562,9 @@ class Engine:
                 if not verify:
                     outs.append(self._sample(h, small, no).token)
                     continue
-                q = None
-                if self.verify_probs:
-                    q = jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32)
-                vin = _verify_inputs(small)
-                if fed is not None:
-                    vin = dict(vin, drafts=fed[0])
-                outs.append(verify_sample(self._head, h, sample_inputs(small), vin, no, q,
-                                          cfg=self.cfg, matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
-                                          match=self.verify_match).token)
+                outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small, fed), no,
+                                          warm_q(rows, shape), cfg=self.cfg, matmul_impl=self.matmul_impl,
+                                          top_k_width=TOP_K_WIDTH, match=self.verify_match).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
 
@@ -603,9 +597,11 @@ def _to_host(res, k: int, return_logits: bool, wide: bool, **extra) -> dict:
     return to_host(want)
 
 
-def _verify_inputs(batch: Batch) -> dict:
-    """The verification inputs of a batch: the drafts of each row and how many there are."""
-    return dict(drafts=batch.drafts, num_drafts=batch.num_drafts)
+def _verify_inputs(batch: Batch, feed: tuple[jax.Array, np.ndarray] | None = None) -> dict:
+    """The verification inputs of a batch: the drafts of each row and how many there are; with `feed` (drafts
+    still on the device and their token slots) the drafts are those (the verification sampler reads their first
+    S' rows)."""
+    return dict(drafts=batch.drafts if feed is None else feed[0], num_drafts=batch.num_drafts)
 
 
 def host_top_k(final: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from paged import DynamicGenerator, Job, SamplingSettings
 from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsync
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain
+from pallas_kernels.native import unavailable_reason as native_unavailable
 
 TOK = ByteTokenizer()
 GREEDY = SamplingSettings.greedy()
@@ -456,6 +457,62 @@ def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference
     assert gen.metrics()["acceptance_rate"] == 1.0
 
 
+def quantized_model() -> Model:
+    """A tiny random model whose projections and LM head are Q4_1 (group 32), as SmolLM2's GGUF: on the CPU they run
+    through the native kernel, which quantizes the activations to int8."""
+    from models import quant
+
+    cfg = ModelConfig(model_type="llama", vocab_size=258, hidden_size=128, intermediate_size=96, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10000.0, tie_word_embeddings=False)
+    w = init_random_weights(cfg, seed=0, scale=0.05)
+
+    def q4(a):  # [L, in, out] stacked, or one [in, out]
+        if a.ndim == 2:
+            return quant.quantize(a, "q4_1", 32)
+        return quant.stack([quant.quantize(a[i], "q4_1", 32) for i in range(a.shape[0])])
+
+    layers = w.layers.replace(wqkv=q4(w.layers.wqkv), wo=q4(w.layers.wo), w_gate_up=q4(w.layers.w_gate_up),
+                              w_down=q4(w.layers.w_down))
+    return Model(config=cfg, params=w.replace(layers=layers, lm_head=q4(w.lm_head)), tokenizer=TOK,
+                 source="tiny-q4_1")
+
+
+@pytest.mark.skipif(native_unavailable() is not None, reason=f"native kernels: {native_unavailable()}")
+@pytest.mark.parametrize("spec", [dict(use_ngram_draft=True, max_ngram=3),
+                                  pytest.param(dict(draft="self"), marks=pytest.mark.slow)],
+                         ids=["ngram", "self-draft"])
+def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
+    """With the native matmul (int8 activations) and attention, a verification row's logits are the decode step's,
+    bit for bit, at every position, next to other rows or alone: so greedy outputs with speculation are the plain
+    ones token for token on the CPU default path too, not just with float matmuls. (A rotary embedding rounded
+    differently in the two kinds of step, one fused multiply-add apart, once made 9 of 16 SmolLM2 copy prompts part at
+    near-ties: `models.rope._rounded_product`.)"""
+    model = quantized_model()
+    if spec.get("draft") == "self":
+        spec = dict(draft_model=model)
+
+    def run(kw, max_batch_size):
+        gen = DynamicGenerator(model, **{**SETTINGS, "max_batch_size": max_batch_size}, matmul_impl="native",
+                               attn_impl="native", **kw)
+        jobs = [Job(TOK.encode(p), 24, gen_settings=GREEDY, identifier=i, return_logits=True)
+                for i, p in enumerate(PROMPTS)]
+        gen.enqueue(jobs)
+        c = drain(gen)
+        logits = {i: np.concatenate([np.asarray(r["logits"]).reshape(-1, model.config.vocab_size)
+                                     for r in c.results if r["identifier"] == i and r.get("logits") is not None])
+                  for i in range(len(PROMPTS))}
+        return gen, {j.identifier: list(np.asarray(j.sequence).ravel()) for j in jobs}, logits
+
+    for batch in (1, 4):
+        _, ref_tokens, ref_logits = run({}, batch)
+        gen, tokens, logits = run(dict(num_draft_tokens=3, **spec), batch)
+        assert tokens == ref_tokens
+        for i in ref_logits:
+            assert np.array_equal(logits[i], ref_logits[i]), (batch, i, np.abs(logits[i] - ref_logits[i]).max())
+        m = gen.metrics()
+        assert m["accepted_draft_tokens"] > 10, m
+
+
 # ---------------------------------------------------------------------------------------------- SmolLM2 (slow)
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
@@ -468,13 +525,12 @@ def test_smollm2_greedy_identity(drafter):
                                                                     "the lazy dog. The quick brown fox"}]),
                tok.apply_chat_template([{"role": "user", "content": "Name three colours."}])]
 
-    # Float matmuls (the kept Q4_1 blocks dequantized): with the native kernel's int8 activations, the float noise
-    # between a row's results alone and next to another row (~4e-4 in the hidden states: XLA's own ops) flips int8
-    # roundings and grows through the layers, so greedy outputs may part at near-ties (docs/speculative.md, "Limits";
-    # on the AMD EPYC host these prompts part at a 0.22-nat gap in a 2 x 5-token verification step).
+    # The default CPU path: the kept Q4_1 blocks through the native kernel (int8 activations), whose rows are
+    # bitwise independent of each other, as the native attention's queries are; with float matmuls XLA's own dot
+    # is not (~4e-4 between a row alone and next to another), so the identity there holds up to near-ties only.
     def run(spec):
         gen = DynamicGenerator(model, max_batch_size=2, max_seq_len=256, max_chunk_size=64, page_size=16,
-                               max_penalty_range=0, matmul_impl="xla", **spec)
+                               max_penalty_range=0, **spec)
         gen.enqueue([Job(tok.encode(p), 24, gen_settings=GREEDY, identifier=i, stop_conditions=[tok.eos_token_id])
                      for i, p in enumerate(prompts)])
         c = drain(gen)

@@ -1,10 +1,10 @@
 """Run by tests/paged/test_smollm2_mesh.py in a fresh process with 3 virtual CPU devices: the embedded SmolLM2-135M
-(Q4_1 GGUF kept quantized; 3 KV heads) greedy on one device, with tp=3 and with dp=3. Prints one JSON object.
+(Q4_1 GGUF kept quantized; 3 KV heads) greedy on one device, with tp=3 and with dp=3, on the CPU's default kernels
+(the native matmul and the native paged attention). Prints one JSON object.
 
-Attention is XLA's partitioned path in all three (`attn_impl="xla"`): with the native CPU kernel (what "auto" runs on
-the CPU since 2026-11-27) the first prompt's greedy output differed between one device and both meshes at a near-tie
-(" Paris.\n\nThe United States ..." against " Paris.\n\nThe answer is: 201"), not yet explained (docs/sharding.md);
-the tiny models' mesh checks (tests/paged/sharding_check.py) pass with it."""
+On 2026-11-27 the first prompt's greedy output differed between one device and both meshes with the native attention
+(" Paris.\n\nThe United States ..." against " Paris.\n\nThe answer is: 201") and this check ran XLA's attention; on
+2026-11-28 all three agree with it (docs/sharding.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main():
     model = load_model("smollm2-135m", quant="keep")
     out = {}
     for mesh in ("", "tp=3", "dp=3"):
-        g = DynamicGenerator(model, mesh=mesh, max_batch_size=2, max_seq_len=256, max_chunk_size=64, attn_impl="xla")
+        g = DynamicGenerator(model, mesh=mesh, max_batch_size=2, max_seq_len=256, max_chunk_size=64)
         out[mesh or "one"] = g.generate(PROMPTS, 12, gen_settings=SamplingSettings.greedy())
         if mesh == "tp=3":
             wo = g.engine.model.params.layers.wo

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.fused import TP_SPLIT, gate_up_parts, grouped_order, qkv_parts, split_columns
+from models.invariant import opaque_zero, rounded, row_sum
 from models.linear import matmul
 from models.lora import LoraStack, lora_delta
 from models.quant import gather_out
@@ -32,8 +33,12 @@ AttendFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], t
 
 
 def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis, in float32, with the same bits for a row whatever the batch:
+    the squares rounded and summed in one fixed order (`models.invariant`), then a correctly rounded square root and
+    division (XLA:CPU's `rsqrt` and its row reductions round differently for one row and for sixteen)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    mean = row_sum(rounded(xf * xf, opaque_zero(xf))) / xf.shape[-1]
+    xf = xf * (1.0 / jnp.sqrt(mean + eps))[..., None]
     return (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 

@@ -6,9 +6,9 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from models.config import ModelConfig
+from models.invariant import opaque_zero, rounded
 
 
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -40,25 +40,13 @@ def rope_cos_sin(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray,
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x: `[N, heads, D]`; cos/sin: `[N, D]` float32. `x * cos + rotate_half(x) * sin` in float32 with each product
-    rounded before the sum, as HF's torch ops compute it, in every program (see `_rounded_product`)."""
+    """x: `[N, heads, D]`; cos/sin: `[N, D]`. `x * cos + rotate_half(x) * sin` in float32, each product rounded
+    before the sum (as HF's torch ops compute it) in every program: `models.invariant.rounded`. (Left to LLVM, a decode
+    step's rotated keys were fused into a multiply-add and a verification row's were not, and greedy speculation on
+    the native CPU kernels parted from plain decoding at near-ties: 9 of 16 SmolLM2 copy prompts.)"""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     c, s = cos.astype(jnp.float32)[:, None, :], sin.astype(jnp.float32)[:, None, :]
-    return (_rounded_product(xf, c, c) + _rounded_product(rotated, s, c)).astype(x.dtype)
-
-
-def _rounded_product(a: jnp.ndarray, b: jnp.ndarray, cos: jnp.ndarray) -> jnp.ndarray:
-    """a * b (float32), rounded to float32 whatever the compiler fuses it with.
-
-    Left to itself, LLVM may contract `a * b + c * d` into a fused multiply-add (one rounding fewer), and whether it
-    does depends on the loop XLA emits around it: on the CPU a decode step writes a token's rotated key in an in-place
-    update of the cache and a verification step computes its rows' keys in a loop of their own, so the same token at
-    the same position got keys a rounding apart. The native kernel's int8 activations turn such a difference into
-    whole quantization steps, and greedy decoding with speculation then parted from plain greedy decoding at
-    near-ties (9 of 16 SmolLM2 copy prompts). ORing the product's bits with bit 30 of a cosine (always 0: |cos| <= 1
-    keeps the exponent below 128), which the compiler cannot prove zero, leaves the value alone and leaves no
-    multiply for an add to absorb."""
-    zero = lax.bitcast_convert_type(cos, jnp.int32) & jnp.int32(0x40000000)
-    return lax.bitcast_convert_type(lax.bitcast_convert_type(a * b, jnp.int32) | zero, jnp.float32)
+    zero = opaque_zero(c)
+    return (rounded(xf * c, zero) + rounded(rotated * s, zero)).astype(x.dtype)

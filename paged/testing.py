@@ -248,3 +248,26 @@ def drain(gen, limit=10_000):
     else:
         raise AssertionError("generator did not finish")
     return Collected(results, texts, finals)
+
+
+def quantized_tiny_model(tokenizer=None, seed: int = 0, scale: float = 0.05):
+    """A tiny random Llama (2 layers, hidden 128, 6 query and 2 KV heads of SmolLM2's head size 64, vocabulary 258)
+    whose projections and LM head are Q4_1 in groups of 32, as SmolLM2's GGUF: on the CPU they run through the native
+    kernel (int8 activations), where a rounding's difference anywhere grows into whole quantization steps, so tests of
+    bitwise output identity use it (`models.invariant`)."""
+    from models import ModelConfig, init_random_weights, quant
+    from models.loader import Model
+
+    cfg = ModelConfig(model_type="llama", vocab_size=258, hidden_size=128, intermediate_size=96, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10000.0, tie_word_embeddings=False)
+    w = init_random_weights(cfg, seed=seed, scale=scale)
+
+    def q4(a):  # one [in, out] matrix, or a stack [L, in, out]
+        if a.ndim == 2:
+            return quant.quantize(a, "q4_1", 32)
+        return quant.stack([quant.quantize(a[i], "q4_1", 32) for i in range(a.shape[0])])
+
+    layers = w.layers.replace(wqkv=q4(w.layers.wqkv), wo=q4(w.layers.wo), w_gate_up=q4(w.layers.w_gate_up),
+                              w_down=q4(w.layers.w_down))
+    return Model(config=cfg, params=w.replace(layers=layers, lm_head=q4(w.lm_head)), tokenizer=tokenizer,
+                 source="tiny-q4_1")

@@ -23,7 +23,7 @@ from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsync
 from paged.errors import InvalidConfigError
-from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain
+from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain, quantized_tiny_model
 from pallas_kernels.native import unavailable_reason as native_unavailable
 
 TOK = ByteTokenizer()
@@ -457,26 +457,6 @@ def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference
     assert gen.metrics()["acceptance_rate"] == 1.0
 
 
-def quantized_model() -> Model:
-    """A tiny random model whose projections and LM head are Q4_1 (group 32), as SmolLM2's GGUF: on the CPU they run
-    through the native kernel, which quantizes the activations to int8."""
-    from models import quant
-
-    cfg = ModelConfig(model_type="llama", vocab_size=258, hidden_size=128, intermediate_size=96, num_layers=2,
-                      num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10000.0, tie_word_embeddings=False)
-    w = init_random_weights(cfg, seed=0, scale=0.05)
-
-    def q4(a):  # [L, in, out] stacked, or one [in, out]
-        if a.ndim == 2:
-            return quant.quantize(a, "q4_1", 32)
-        return quant.stack([quant.quantize(a[i], "q4_1", 32) for i in range(a.shape[0])])
-
-    layers = w.layers.replace(wqkv=q4(w.layers.wqkv), wo=q4(w.layers.wo), w_gate_up=q4(w.layers.w_gate_up),
-                              w_down=q4(w.layers.w_down))
-    return Model(config=cfg, params=w.replace(layers=layers, lm_head=q4(w.lm_head)), tokenizer=TOK,
-                 source="tiny-q4_1")
-
-
 @pytest.mark.skipif(native_unavailable() is not None, reason=f"native kernels: {native_unavailable()}")
 @pytest.mark.parametrize("spec", [dict(use_ngram_draft=True, max_ngram=3),
                                   pytest.param(dict(draft="self"), marks=pytest.mark.slow)],
@@ -487,7 +467,7 @@ def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
     ones token for token on the CPU default path too, not just with float matmuls. (A rotary embedding rounded
     differently in the two kinds of step, one fused multiply-add apart, once made 9 of 16 SmolLM2 copy prompts part at
     near-ties: `models.rope._rounded_product`.)"""
-    model = quantized_model()
+    model = quantized_tiny_model(TOK)
     if spec.get("draft") == "self":
         spec = dict(draft_model=model)
 

@@ -34,7 +34,8 @@ def test_native_matches_the_reference(case):
     testing.check_attention("native", case)
 
 
-# windows longer than MAX_QUERY_LEN (32): XLA takes them, the decode rows (if any) stay native
+# with MAX_QUERY_LEN = 32 (the split of 2026-11-27; None by default): XLA takes the longer windows, the decode rows (if
+# any) stay native
 LONG_WINDOWS = [
     AttentionCase("long-windows-and-decode", "Ppdd0d", 40, 120, 16, 2, 3, 16, layout=True),
     AttentionCase("long-windows-int8-window", "Pp", 48, 100, 8, 1, 2, 32, layout=True, cache="int8", window=30),
@@ -46,6 +47,7 @@ LONG_WINDOWS = [
 
 @pytest.mark.parametrize("case", LONG_WINDOWS, ids=lambda c: c.name)
 def test_long_prefill_windows_go_to_xla_and_decode_rows_stay_native(monkeypatch, case):
+    monkeypatch.setattr(native_attention, "MAX_QUERY_LEN", 32)
     jax.clear_caches()  # traced afresh, so the spies see the calls
     xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
     native_calls = spy(monkeypatch, native_attention, ["_call"])
@@ -57,9 +59,12 @@ def test_long_prefill_windows_go_to_xla_and_decode_rows_stay_native(monkeypatch,
     assert len(native_calls) == (1 if decode_rows else 0)
 
 
-def test_long_windows_with_decode_rows_past_the_layout(monkeypatch):
+@pytest.mark.parametrize("split", [32, None])
+def test_long_windows_with_decode_rows_past_the_layout(monkeypatch, split):
     """The engine's prefill buckets: more rows than the layout's (`tail_decode_rows`), a decode row's token sitting in
-    a window's padding. The windows still go to XLA, and every row's tokens are right."""
+    a window's padding. Every row's tokens are right, with the windows split off to XLA (`MAX_QUERY_LEN` 32) and
+    without (the default)."""
+    monkeypatch.setattr(native_attention, "MAX_QUERY_LEN", split)
     jax.clear_caches()
     xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
     case = AttentionCase("tail-rows", "Pd", 40, 90, 8, 2, 2, 16, layout=True)
@@ -75,7 +80,7 @@ def test_long_windows_with_decode_rows_past_the_layout(monkeypatch):
     want = testing.reference_attention(i)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     assert np.abs(got[tail_slot]).max() > 0
-    assert names_of(xla_calls) == ["ragged_paged_attention_xla"]
+    assert names_of(xla_calls) == (["ragged_paged_attention_xla"] if split else [])
 
 
 def test_float16_cache():
@@ -89,11 +94,22 @@ def test_float16_cache():
 
 
 def test_short_windows_stay_native(monkeypatch):
-    case = AttentionCase("short-windows", "Ppd", native_attention.MAX_QUERY_LEN, 80, 16, 2, 2, 16, layout=True)
+    monkeypatch.setattr(native_attention, "MAX_QUERY_LEN", 32)
+    case = AttentionCase("short-windows", "Ppd", 32, 80, 16, 2, 2, 16, layout=True)
     jax.clear_caches()
     xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
     testing.check_attention("native", case)
     assert xla_calls == []
+
+
+@pytest.mark.parametrize("case", LONG_WINDOWS[:2], ids=lambda c: c.name)
+def test_by_default_every_window_stays_native(monkeypatch, case):
+    """`MAX_QUERY_LEN` None (the default): windows of any length run here, in one call with the decode rows."""
+    jax.clear_caches()
+    xla_calls = spy(monkeypatch, pa, ["ragged_paged_attention_xla"])
+    native_calls = spy(monkeypatch, native_attention, ["_call"])
+    testing.check_attention("native", case)
+    assert xla_calls == [] and len(native_calls) == 1
 
 
 def test_auto_picks_native_on_the_cpu_and_xla_where_it_cannot_run(monkeypatch):

@@ -8,8 +8,8 @@ drafting over it step by step: the prefill step emits the first token; every lat
 min(k, max_new_tokens - new_tokens - 1) tokens from `paged.ngram.NgramIndex` over prompt + output so far (a step
 with no match is a plain decode step), accepts the longest prefix that the output continues with, and emits it plus
 one token. Greedy verification accepts exactly that prefix, so these are the steps a fixed n-gram drafter takes on
-that output (with the native CPU kernel, greedy outputs under speculation can differ at near-ties: see
-docs/speculative.md, "Limits").
+that output (greedy outputs under speculation are plain decoding's, bit for bit on the native CPU kernels since
+2026-11-28; with float matmuls up to near-ties: docs/speculative.md, "Limits").
 
 Reported per workload, k and policy: steps, verification steps, tokens per step (the speed-up if verification cost
 nothing and prefill as much as a decode step), tokens per verification, and the predicted speed-up when a

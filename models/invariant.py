@@ -7,7 +7,8 @@ a verification row against a decode step, a batch of 16 against a job alone, one
 another. XLA:CPU compiles the same jnp code differently by shape in two ways that matter here:
 
 - a row's reduction (`jnp.mean(x * x, -1)` of RMSNorm) is summed in an order that depends on how many rows the
-  array has: `row_sum` adds in one fixed pairwise order, as elementwise adds, whatever the shape;
+  array has (SmolLM2's 576 from 8 rows up): `row_sum` adds in one fixed pairwise order, as elementwise adds,
+  whatever the shape;
 - LLVM may fuse `a * b + c` into one multiply-add (one rounding fewer) in one loop and not in another (a decode
   step writes a token's rotated key inside an in-place update of the cache, a verification step in a loop of its
   own): `rounded` leaves no multiply for an add to absorb.
@@ -18,6 +19,7 @@ another. XLA:CPU compiles the same jnp code differently by shape in two ways tha
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -28,10 +30,18 @@ def opaque_zero(x: jnp.ndarray) -> jnp.ndarray:
     return ((bits & 0x7F800000) == 0x7F800000).astype(jnp.int32)
 
 
+@jax.custom_jvp
 def rounded(p: jnp.ndarray, zero: jnp.ndarray) -> jnp.ndarray:
     """float32 `p` itself (its bits ORed with `zero`, `opaque_zero` of a finite operand): a product passed through
-    this is rounded to float32 before any add that follows, in every program."""
+    this is rounded to float32 before any add that follows, in every program. Differentiable as the identity in `p`
+    (a bitcast alone has no derivative: training through the forward, `experiments/distill_draft.py`, needs one)."""
     return lax.bitcast_convert_type(lax.bitcast_convert_type(p.astype(jnp.float32), jnp.int32) | zero, jnp.float32)
+
+
+@rounded.defjvp
+def _rounded_jvp(primals, tangents):
+    p, zero = primals
+    return rounded(p, zero), tangents[0].astype(jnp.float32)
 
 
 def row_sum(v: jnp.ndarray) -> jnp.ndarray:

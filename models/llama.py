@@ -33,12 +33,12 @@ AttendFn = Callable[[jnp.ndarray, jnp.ndarray, jnp.ndarray, jnp.ndarray, Any], t
 
 
 def rms_norm(x: jnp.ndarray, w: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """x / sqrt(mean(x^2) + eps) * w over the last axis, in float32, with the same bits for a row whatever the batch:
-    the squares rounded and summed in one fixed order (`models.invariant`), then a correctly rounded square root and
-    division (XLA:CPU's `rsqrt` and its row reductions round differently for one row and for sixteen)."""
+    """x * rsqrt(mean(x^2) + eps) * w over the last axis, in float32, with the same bits for a row whatever the
+    batch: the squares rounded and summed in one fixed order (`models.invariant`; XLA:CPU's row reduction sums one row
+    in another order than sixteen)."""
     xf = x.astype(jnp.float32)
     mean = row_sum(rounded(xf * xf, opaque_zero(xf))) / xf.shape[-1]
-    xf = xf * (1.0 / jnp.sqrt(mean + eps))[..., None]
+    xf = xf * jax.lax.rsqrt(mean + eps)[..., None]
     return (w.astype(jnp.float32) * xf.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
 
 

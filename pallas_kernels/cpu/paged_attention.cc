@@ -7,8 +7,9 @@
 // [L, KH, N, page_size, D] at `layer` (float32, bfloat16, float16, or int8 with per-token float32 scales: the
 // scores are multiplied by the key's scale, the softmax weights by the value's, as the reference does). Keys stop at
 // the end of the page table (P * page_size) even where kv_lens runs past it, as in the reference. Tokens of no row are
-// zero, or, with `has_base`, what `base` holds there (the output aliases it: the Python side passes the XLA path's
-// output of the long prefill windows and the decode rows' tokens are written over it, with no second pass).
+// zero, or, with `has_base`, what `base` holds there (the output aliases it: where `native_attention.MAX_QUERY_LEN` is
+// set, the Python side passes the XLA path's output of the long prefill windows and the decode rows' tokens are
+// written over it, with no second pass).
 //
 // What XLA:CPU does instead is gather every row's pages into one contiguous block per layer and call (a transposing
 // copy of K and V per layer and step, ~27 us each at one row of 256 keys: more than the arithmetic) before two

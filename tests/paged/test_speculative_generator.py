@@ -466,7 +466,7 @@ def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
     bit for bit, at every position, next to other rows or alone: so greedy outputs with speculation are the plain
     ones token for token on the CPU default path too, not just with float matmuls. (A rotary embedding rounded
     differently in the two kinds of step, one fused multiply-add apart, once made 9 of 16 SmolLM2 copy prompts part at
-    near-ties: `models.rope._rounded_product`.)"""
+    near-ties: `models.invariant.rounded`.)"""
     model = quantized_tiny_model(TOK)
     if spec.get("draft") == "self":
         spec = dict(draft_model=model)

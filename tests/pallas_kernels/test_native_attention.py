@@ -1,7 +1,7 @@
 """The native CPU paged attention (`pallas_kernels.native_attention`, `cpu/paged_attention.cc`): the whole conformance
-case space against the reference; prefill windows longer than `MAX_QUERY_LEN` going to XLA while the decode rows
-stay native; "auto" choosing it on the CPU (and "xla" where it cannot run); the engine generating the same tokens
-with it as with the XLA path."""
+case space against the reference; every window in the kernel by default, and with `MAX_QUERY_LEN` set, longer
+windows going to XLA while the decode rows stay native; "auto" choosing it on the CPU (and "xla" where it cannot
+run); the engine generating the same tokens with it as with the XLA path."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ EXTRA_CASES = [
     AttentionCase("hd24-ragged-bf16", "pdd-", 7, 50, 8, 2, 2, 24, cache="bfloat16"),
     AttentionCase("ragged-long-chunks-window", "pdPd", 40, 120, 8, 2, 2, 16, window=20),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_traces():
+    """`MAX_QUERY_LEN` is read at trace time: traces made while a test patches it must not outlive the test."""
+    yield
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("case", testing.attention_cases("full") + EXTRA_CASES, ids=lambda c: c.name)

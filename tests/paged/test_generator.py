@@ -33,19 +33,21 @@ def tokens_of(c, ident):
 @pytest.mark.skipif(native_unavailable() is not None or native_attention.unavailable_reason(64) is not None,
                     reason="needs the native matmul and attention")
 def test_a_job_gets_the_same_bits_alone_and_in_a_crowd():
-    """On the CPU default path (native matmul with int8 activations, native attention) a job's logits do not depend on
-    the batch around it: each job run alone, prompt in chunks of 64, against the four together, prompts in chunks of
-    24 sharing steps with the others' decode rows, bit for bit at every token. (XLA's row reduction sums one row
-    in another order than many, and XLA's attention for long prefill windows differently from the
-    native kernel's per query; with either, most SmolLM2 prompts' greedy text changed with the batch: 13 of 16 copy
-    prompts at batch 16 against batch 1. `models.invariant`.)"""
+    """On the CPU default path (native matmul with int8 activations, native attention) a job's logits and tokens (a
+    seeded sampled job's draws too) do not depend on the batch around it: each job run alone, prompt in chunks of
+    64, against the four together, prompts in chunks of 24 sharing steps with the others' decode rows, bit for bit
+    at every token. (XLA's row reduction sums one row in another order than many, and XLA's attention for long
+    prefill windows differs from the native kernel's per query; with either, most SmolLM2 prompts' greedy text
+    changed with the batch: 13 of 16 copy prompts at batch 16 against batch 1. `models.invariant`.)"""
     model = quantized_tiny_model()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, 258, size=n)] for n in (3, 41, 17, 70)]
 
+    sampled = SamplingSettings(temperature=0.8)  # job 2 samples, seeded: its draws must not move either
+
     def jobs(idx):
-        return [Job(prompts[i], 12, gen_settings=SamplingSettings.greedy(), identifier=i, return_logits=True)
-                for i in idx]
+        return [Job(prompts[i], 12, gen_settings=sampled if i == 2 else SamplingSettings.greedy(), identifier=i,
+                    return_logits=True, seed=7 if i == 2 else None) for i in idx]
 
     def logits_of(c, i):
         return np.concatenate([np.asarray(r["logits"]).reshape(-1, 258) for r in c.results
@@ -53,10 +55,11 @@ def test_a_job_gets_the_same_bits_alone_and_in_a_crowd():
 
     small = DynamicGenerator(model, num_pages=64, page_size=16, max_batch_size=4, max_chunk_size=64, max_seq_len=128,
                              max_penalty_range=0, matmul_impl="native", attn_impl="native")
-    alone = {}
+    alone, alone_tokens = {}, {}
     for i in range(len(prompts)):
         small.enqueue(jobs([i]))
-        alone[i] = logits_of(drain(small), i)
+        one = drain(small)
+        alone[i], alone_tokens[i] = logits_of(one, i), tokens_of(one, i)
     crowd = DynamicGenerator(model, num_pages=64, page_size=16, max_batch_size=4, max_chunk_size=24, max_seq_len=128,
                              max_penalty_range=0, matmul_impl="native", attn_impl="native")
     crowd.enqueue(jobs(range(len(prompts))))
@@ -64,6 +67,7 @@ def test_a_job_gets_the_same_bits_alone_and_in_a_crowd():
     for i in range(len(prompts)):
         got = logits_of(c, i)
         assert got.shape == alone[i].shape and np.array_equal(got, alone[i]), (i, np.abs(got - alone[i]).max())
+        assert tokens_of(c, i) == alone_tokens[i], i
 
 
 @pytest.mark.slow  # fast tier: a lighter test covers the same path

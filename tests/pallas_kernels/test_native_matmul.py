@@ -244,6 +244,7 @@ def test_the_prefetch_hint_reaches_the_kernel_and_changes_no_bit(monkeypatch, ki
     np.testing.assert_array_equal(out["nta"], out["t0"])
 
 
+@needs_native
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or this build) has no usable AMX")
 @pytest.mark.parametrize("kind,group,rows", [("q4_1", 32, 6), ("q4_1", 32, 16), ("q4_0", 32, 23), ("int8", 32, 40),
                                              ("int8", None, 9), ("q4_1", 64, 33), ("q4_1", 32, 130),

@@ -28,6 +28,7 @@ mode for every configuration of the run; `paged/cpu_runtime.py`); the record's `
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from absl import app, flags
@@ -62,7 +63,10 @@ if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same fla
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
 engine_flags.define_cpu_dispatch()
-engine_flags.define_config_flag("fuse_sampler")  # EngineConfig's, for every configuration of the run
+# EngineConfig's, for every configuration of the run (the kernels and their tunings: e.g. a GPU's attention with a
+# key split, --attn_tuning=k_splits=8, against the default)
+for _name in ("fuse_sampler", "attn_impl", "matmul_impl", "attn_tuning", "matmul_tuning"):
+    engine_flags.define_config_flag(_name)
 flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmup: a quick smoke run, timings then "
                   "include compilation and mean nothing)")
 FLAGS = flags.FLAGS
@@ -74,6 +78,7 @@ def main(argv):
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
+    from paged.config import EngineConfig
 
     engine_flags.apply_cpu_dispatch()  # before anything starts JAX (the record's device says which mode ran)
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
@@ -91,7 +96,8 @@ def main(argv):
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
                                                         "draft_token_cost", "draft_acceptance", "rounds",
-                                                        "cpu_dispatch", "fuse_sampler")},
+                                                        "cpu_dispatch", "fuse_sampler", "attn_impl",
+                                                        "matmul_impl", "attn_tuning", "matmul_tuning")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
     unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
@@ -116,6 +122,8 @@ def main(argv):
         if kw:
             kw.update(draft_acceptance=FLAGS.draft_acceptance)
         gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), fuse_sampler=FLAGS.fuse_sampler,
+                               attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl,
+                               config=EngineConfig(attn_tuning=FLAGS.attn_tuning, matmul_tuning=FLAGS.matmul_tuning),
                                max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
         t0 = time.perf_counter()
         if FLAGS.warmup:
@@ -135,6 +143,10 @@ def main(argv):
                           f"{'-' if mal is None else f'{mal:.2f}'}" + (f"  (round {rnd + 1})" if FLAGS.rounds > 1
                                                                       else ""), flush=True)
     record["summary"] = summarize(record["runs"])
+    for c in record["summary"]:
+        if c["drafter"] != "none" and c["identical_to_none"] is not None:
+            print(f"{c['drafter']:>18} {c['workload']:>5} bs={c['batch_size']:<3} outputs identical to none: "
+                  f"{c['identical_to_none']}/{c['jobs']}" + (" (fewest of any round)" if FLAGS.rounds > 1 else ""))
     if FLAGS.rounds > 1:
         for c in record["summary"]:
             ratio = c["speedup_vs_none"]
@@ -163,6 +175,7 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
         finals += [r for r in gen.iterate() if r["eos"]]
     dt = time.perf_counter() - t0
     new = sum(r["new_tokens"] for r in finals)
+    outputs = [hashlib.sha1(str(j.sequence[len(j.input_ids):]).encode()).hexdigest()[:12] for j in jobs]
     acc = sum(r.get("accepted_draft_tokens", 0) for r in finals)
     rej = sum(r.get("rejected_draft_tokens", 0) for r in finals)
     after = gen.metrics()
@@ -175,22 +188,25 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
-            "fuse_sampler": gen.config.fuse_sampler,
+            "fuse_sampler": gen.config.fuse_sampler, "output_hashes": outputs,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
     """Sets each run's `speedup_vs_none` (against the `none` run of the same workload, batch size and round) and
-    returns, per (drafter, workload, batch size) in first-seen order, the median tokens/s and the median, lowest and
-    highest of those ratios over the rounds (None where no `none` run pairs with it)."""
+    `identical_to_none` (how many of its jobs emitted exactly that run's tokens: all of them for greedy decoding and
+    for seeded sampling with `--draft_acceptance=match`; None without a `none` run) and returns, per (drafter,
+    workload, batch size) in first-seen order, the median tokens/s, the median, lowest and highest of those ratios
+    over the rounds (None where no `none` run pairs with it) and the fewest identical outputs of any round."""
     import statistics
 
-    base = {(r["workload"], r["batch_size"], r.get("round", 0)): r["tokens_per_s"] for r in runs
-            if r["drafter"] == "none"}
+    base = {(r["workload"], r["batch_size"], r.get("round", 0)): r for r in runs if r["drafter"] == "none"}
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         b = base.get((r["workload"], r["batch_size"], r.get("round", 0)))
-        r["speedup_vs_none"] = r["tokens_per_s"] / b if b else None
+        r["speedup_vs_none"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+        r["identical_to_none"] = (sum(x == y for x, y in zip(r["output_hashes"], b["output_hashes"])) if b
+                                  else None)
         groups.setdefault((r["drafter"], r["workload"], r["batch_size"]), []).append(r)
     out = []
     for (drafter, wl, bs), rs in groups.items():
@@ -198,7 +214,9 @@ def summarize(runs: list[dict]) -> list[dict]:
         out.append({"drafter": drafter, "workload": wl, "batch_size": bs, "rounds": len(rs),
                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                     "speedup_vs_none": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-                    if ratios else None})
+                    if ratios else None,
+                    "identical_to_none": None if rs[0]["identical_to_none"] is None
+                    else min(r["identical_to_none"] for r in rs), "jobs": rs[0]["jobs"]})
     return out
 
 

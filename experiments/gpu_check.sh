@@ -6,6 +6,10 @@
 # to $OUT (default experiments/results/tmp).
 #
 #   bash experiments/gpu_check.sh [stage ...]      stages: facts build gpu_tier bench bench_large fast_tier (default: all)
+#                                                   and, on SmolLM2 (MODEL: a .gguf path, default the embedded name):
+#                                                   speculative (bench_speculative at batch 1 and 4, with each
+#                                                   drafter's outputs compared with plain decoding's) and price
+#                                                   (ngram_bound --price: a verification's cost by width)
 #
 # Needs the project's dependencies importable (pip install -e ".[cuda12,test]"); wheels placed in .whl/ are
 # installed first into /tmp/site (for a machine without a package index).
@@ -26,6 +30,7 @@ stages=("$@")
 FAST_MODULES=${FAST_MODULES:-tests}
 FAST_TIMEOUT=${FAST_TIMEOUT:-330}
 FAST_WORKERS=${FAST_WORKERS:-14}
+MODEL=${MODEL:-smollm2-135m}
 
 for stage in "${stages[@]}"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
@@ -56,6 +61,15 @@ for stage in "${stages[@]}"; do
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout $FAST_TIMEOUT "${PYTEST[@]}" -vv -n $FAST_WORKERS -m "not slow" \
         $FAST_MODULES --maxfail=30 >"$OUT/fast_tier.log" 2>&1
       echo "fast_tier rc=$?"; grep -E "FAILED|ERROR" "$OUT/fast_tier.log" | head -40; tail -5 "$OUT/fast_tier.log"
+      ;;
+    speculative)
+      timeout 200 $PY -m experiments.bench_speculative --model "$MODEL" --drafters none,ngram,ngram_adaptive \
+        --batch_sizes 1,4 --num_prompts 16 --max_new_tokens 96 --json_out "$OUT/speculative_gpu.json" 2>&1 \
+        | tee "$OUT/speculative.log" | tail -20
+      ;;
+    price)
+      timeout 160 $PY -m experiments.ngram_bound --model "$MODEL" --price --json_out "$OUT/ngram_bound_gpu.json" 2>&1 \
+        | tee "$OUT/price.log" | tail -12
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -1,9 +1,18 @@
 """Tuning of the ragged paged attention kernel: the `AttentionTuning` block sizes and the default table.
 
 The defaults are measured entries of `pallas_kernels.tuned_tables` where a sweep has filled one in
-(`experiments.bench_kernels --sweep`), otherwise heuristics: no GPU was available when they were written, so they
-follow the usual shape rules (keys per compute block near 64, one token per program for decode with the context
-split over enough programs to fill an H100's 132 SMs twice, 16 query tokens per program for prefill).
+(`experiments.bench_kernels --sweep`), otherwise heuristics: keys per compute block near 64, one token per program
+for decode, 16 query tokens per program for prefill, and no key split.
+
+No default splits a row's keys (`k_splits=1`): every query then folds its keys block by block from key 0 in one
+online softmax, whether it is a decode token, a verification row's or a prefill chunk's, and however many other
+rows share the step. A split (flash-decoding: parts of the key range in separate programs, merged afterwards)
+rounds differently, and the earlier default split only decode steps, by a count that depended on the step's tokens
+and the page table's width, so a decode token got other bits than the same query in a verification row or next
+to another row's prefill (`test_a_query_gets_the_same_bits_in_every_kind_of_step`); on an H200 greedy outputs with
+prompt lookup then differed from plain decoding's (2026-11-28, docs/kernels.md). `k_splits > 1` stays available as
+an explicit tuning (`attn_tuning="k_splits=8"`) for long contexts at small batch, where it fills more of the GPU,
+at the cost of that invariance.
 """
 
 from __future__ import annotations
@@ -49,7 +58,6 @@ class AttentionTuning:
 
 
 TARGET_KEYS_PER_BLOCK = 64
-TARGET_DECODE_PROGRAMS = 2 * 132  # two waves on an H100 (132 SMs)
 
 
 def default_tuning(
@@ -69,11 +77,8 @@ def default_tuning(
     ppb = 1
     while ppb * 2 * page_size <= TARGET_KEYS_PER_BLOCK and ppb * 2 <= max(pages_per_row, 1):
         ppb *= 2
-    if max_query_len <= 1:  # decode: one token per program, split the context to fill the GPU
-        programs = max(num_tokens, 1) * num_kv_heads
-        blocks_per_row = -(-max(pages_per_row, 1) // ppb)
-        k_splits = max(1, min(blocks_per_row, TARGET_DECODE_PROGRAMS // max(programs, 1)))
-        return AttentionTuning(block_q=1, pages_per_block=ppb, k_splits=k_splits)
+    if max_query_len <= 1:  # decode: one token per program
+        return AttentionTuning(block_q=1, pages_per_block=ppb)
     block_q = 1
     while block_q < 16 and block_q < max_query_len:
         block_q *= 2

@@ -37,6 +37,13 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
         assert r["jobs"] == 3 and r["new_tokens"] > 0 and r["speedup_vs_none"] > 0
     assert runs[("none", 1)]["gated_steps"] == runs[("ngram", 1)]["gated_steps"] == 0
     assert runs[("none", 1)]["verification_rows"] == 0
+    for r in runs.values():  # greedy: speculation emits plain decoding's tokens, job for job
+        assert len(r["output_hashes"]) == 3 and r["identical_to_none"] == 3, r
+    assert runs[("ngram", 1)]["output_hashes"] == runs[("none", 2)]["output_hashes"]
+    assert len(set(runs[("none", 1)]["output_hashes"])) == 3  # the jobs' outputs, not one value for all
+    assert "ngram  copy bs=1   outputs identical to none: 3/3" in p.stdout
+    assert {c["drafter"]: c["identical_to_none"] for c in rec["summary"] if c["batch_size"] == 1} == {
+        "none": 3, "ngram": 3, "ngram_adaptive": 3}
     assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
     assert runs[("ngram", 1)]["draft_acceptance"] == "rejection" and runs[("none", 1)]["draft_acceptance"] is None
     assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.cpu_runtime)
@@ -49,8 +56,11 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert rec["flags"]["draft_acceptance"] == "match" and rec["runs"][0]["draft_acceptance"] == "match"
     assert rec["flags"]["cpu_dispatch"] == rec["device"]["cpu_dispatch"] == "sync"
     assert rec["flags"]["fuse_sampler"] is True and rec["runs"][0]["fuse_sampler"] is True  # the generator's config
+    assert rec["runs"][0]["identical_to_none"] is None  # no plain run to compare with
     bad = run_bench(f"--model={model_dir}", "--drafters=none,bogus")
     assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr
+    bad = run_bench(f"--model={model_dir}", "--drafters=none", "--attn_impl=xla", "--attn_tuning=block_q=8")
+    assert bad.returncode != 0 and "attn_tuning" in bad.stderr  # the kernel flags reach the generator's config
 
 
 def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round(model_dir, tmp_path):  # noqa: F811

@@ -406,8 +406,46 @@ def test_default_tuning_is_valid(max_q, page_size, pages_per_row):
                          pages_per_row=pages_per_row)
     assert cfg.block_q == (1 if max_q == 1 else min(16, 1 << (max_q - 1).bit_length()))
     assert cfg.pages_per_block * page_size <= 64
-    assert 1 <= cfg.k_splits <= -(-pages_per_row // cfg.pages_per_block)
-    assert (cfg.k_splits > 1) == (max_q == 1 and pages_per_row > cfg.pages_per_block)
+    assert cfg.k_splits == 1  # no default splits a row's keys: see the next test
+
+
+@pytest.mark.parametrize("where", ["interpret", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")])])
+def test_a_query_gets_the_same_bits_in_every_kind_of_step(where):
+    """With the default tunings a query's output does not depend on the step it is in: a decode token alone, among
+    other decode rows, or the same query in a 5-token verification row fold the row's 600 keys (10 key blocks) in the
+    same order; on a GPU in a prefill chunk next to another row's tokens too (in interpret mode the kernel's dots
+    are XLA:CPU dots, whose rounding of a row can depend on its place in the block). A default that split decode
+    steps' keys over programs (flash-decoding, by a count that depended on the step's tokens) gave a decode token
+    other bits than the verification row, and greedy speculation on a GPU parted from plain decoding."""
+    rng = np.random.default_rng(5)
+    kh, g, d, ps, p, kv = 3, 3, 64, 16, 64, 600
+    k = jnp.asarray(rng.standard_normal((kh, 2 * p + 1, ps, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((kh, 2 * p + 1, ps, d)), jnp.float32)
+    row = np.arange(1, p + 1)  # the row under test; the others use the pool's other pages
+    other = np.arange(p + 1, 2 * p + 1)
+    q = jnp.asarray(rng.standard_normal((40, kh * g, d)), jnp.float32)  # q[0:5]: the row's last 5 positions
+
+    def attend(qq, rows):  # rows: [(query_len, kv_len, pages)]
+        ql = [r[0] for r in rows]
+        return np.asarray(ragged_paged_attention_pallas(
+            qq, k, v, jnp.asarray(np.cumsum([0] + ql[:-1]), jnp.int32), jnp.asarray(ql, jnp.int32),
+            jnp.asarray([r[1] for r in rows], jnp.int32), jnp.asarray(np.stack([r[2] for r in rows]), jnp.int32),
+            sm_scale=0.125, interpret=where == "interpret"))
+
+    verification = attend(q[:5], [(5, kv, row)])
+    for i in range(5):  # the query at position kv - 5 + i
+        pos_kv = kv - 4 + i
+        alone = attend(q[i : i + 1], [(1, pos_kv, row)])[0]
+        crowd = attend(jnp.concatenate([q[20:23], q[i : i + 1], q[23:27]]),
+                       [(1, 300, other), (1, 17, other), (1, 580, other), (1, pos_kv, row)]
+                       + [(1, 64 * j + 9, other) for j in range(4)])[3]
+        cases = [("among decode rows", crowd), ("verification row", verification[i])]
+        if where == "gpu":
+            cases.append(("prefill chunk", attend(jnp.concatenate([q[30:37], q[: i + 1]]),
+                                                  [(7, 90, other), (i + 1, pos_kv, row)])[7 + i]))
+        for name, got in cases:
+            assert np.array_equal(got, alone), (i, name, np.abs(got - alone).max())
 
 
 def test_gpu_shape_limits_are_checked_before_lowering():

@@ -493,6 +493,51 @@ def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
         assert m["accepted_draft_tokens"] > 10, m
 
 
+def pallas_path_identity() -> None:
+    """The body of the next test, run in a process of its own: plain and prompt-lookup greedy decoding of four jobs
+    at batch 4 through the GPU path's kernels (Pallas attention and matmul, interpreted), logits compared bit for
+    bit. Contexts reach 130 keys of pages of 8 (two and more key blocks), prefill chunks share steps with decode and
+    verification rows."""
+    model = quantized_tiny_model(TOK)
+
+    def run(kw):
+        gen = DynamicGenerator(model, **{**SETTINGS, "max_seq_len": 160, "num_pages": 96, "max_chunk_size": 24},
+                               matmul_impl="pallas", attn_impl="pallas", **kw)
+        jobs = [Job(TOK.encode(p * 2), 48, gen_settings=GREEDY, identifier=i, return_logits=True)
+                for i, p in enumerate(PROMPTS)]
+        gen.enqueue(jobs)
+        c = drain(gen)
+        return gen, [np.concatenate([np.asarray(r["logits"]).reshape(-1, model.config.vocab_size)
+                                     for r in c.results if r["identifier"] == i and r.get("logits") is not None])
+                     for i in range(len(PROMPTS))]
+
+    _, ref = run({})
+    gen, got = run(dict(num_draft_tokens=3, use_ngram_draft=True, max_ngram=3))
+    assert gen.metrics()["accepted_draft_tokens"] > 20, gen.metrics()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.shape == b.shape == (48, model.config.vocab_size), (i, a.shape, b.shape)
+        differ = np.nonzero(np.any(a != b, axis=1))[0]
+        assert not differ.size, f"job {i}: logits differ from position {differ[0]} on"
+
+
+@pytest.mark.slow
+def test_greedy_identity_is_bitwise_on_the_gpu_paths_kernels_interpreted():
+    """Greedy speculation gives plain decoding's bits through the GPU path's algorithms too: the Pallas kernels in
+    interpret mode, with XLA's backend optimisations off so that LLVM's code generation (which fuses and contracts
+    the interpreted kernel bodies differently per shape) does not mask what the kernels compute. It caught the
+    attention's old default of splitting decode steps' keys over programs (`pallas_kernels/tuning.py`), which gave a
+    decode token other bits than the same query in a verification row. What it cannot show is the rounding of the
+    compiled Triton dots: the `gpu` tier checks those on a GPU."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    code = "from tests.paged.test_speculative_generator import pallas_path_identity; pallas_path_identity()"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------- SmolLM2 (slow)
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "self"])

@@ -68,7 +68,14 @@ class MatmulTuning:
 def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
     """The tuning used when the caller passes none: a measured entry of `pallas_kernels.tuned_tables` for this
     device and shape if there is one, else one that fits the shape: power-of-two blocks that divide `in`/`out`,
-    `split_in` for small outputs."""
+    `split_in` for small outputs.
+
+    The heuristics choose the reduction over `in` (`block_in` steps, `split_in` partial sums) from the matrix alone,
+    never from the row count `n` (which sets only `block_n`), so a row of x gets the same bits however many rows
+    share the call: a decode token next to a long prefill chunk as in a decode step. (`split_in` used to shrink as
+    the row blocks grew: SmolLM2's down projection summed in 4 parts up to 128 rows and in 2 or 1 above.) A measured
+    table entry applies to its own row bucket (`tuned_tables.matmul_key`) and gives up that invariance between
+    buckets."""
     from pallas_kernels.tuned_tables import lookup_matmul
 
     k, out = qa.shape
@@ -90,7 +97,7 @@ def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
         g = qa.group_size
         block_in = g * largest_pow2_divisor(k // g, max(1, 128 // g))
     steps = k // block_in
-    tiles = -(-n // block_n) * (out // block_out)
+    tiles = out // block_out  # of one row block: the split must not depend on n (see above)
     split = 1
     while tiles * split < 64 and steps % (split * 2) == 0 and steps // (split * 2) >= 2:
         split *= 2

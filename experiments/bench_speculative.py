@@ -28,6 +28,7 @@ mode for every configuration of the run; `paged/cpu_runtime.py`); the record's `
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 
@@ -121,9 +122,11 @@ def main(argv):
             kw.update(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost)
         if kw:
             kw.update(draft_acceptance=FLAGS.draft_acceptance)
-        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), fuse_sampler=FLAGS.fuse_sampler,
-                               attn_impl=FLAGS.attn_impl, matmul_impl=FLAGS.matmul_impl,
-                               config=EngineConfig(attn_tuning=FLAGS.attn_tuning, matmul_tuning=FLAGS.matmul_tuning),
+        # one config: a tuning is checked against its own kernel, so the kernels and tunings go in together
+        config = EngineConfig(fuse_sampler=FLAGS.fuse_sampler, attn_impl=FLAGS.attn_impl,
+                              matmul_impl=FLAGS.matmul_impl, attn_tuning=FLAGS.attn_tuning,
+                              matmul_tuning=FLAGS.matmul_tuning)
+        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), config=config,
                                max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
         t0 = time.perf_counter()
         if FLAGS.warmup:
@@ -188,8 +191,19 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
-            "fuse_sampler": gen.config.fuse_sampler, "output_hashes": outputs,
+            "fuse_sampler": gen.config.fuse_sampler, "attn_impl": gen.config.attn_impl,
+            "matmul_impl": gen.config.matmul_impl, "attn_tuning": _text(gen.config.attn_tuning),
+            "matmul_tuning": _text(gen.config.matmul_tuning), "output_hashes": outputs,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
+
+
+def _text(tuning) -> str | None:
+    """A config's tuning (a dataclass after normalisation) as the record's text."""
+    if tuning is None:
+        return None
+    if dataclasses.is_dataclass(tuning):
+        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(tuning).items())
+    return str(tuning)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

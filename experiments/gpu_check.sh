@@ -5,7 +5,7 @@
 # "auto" implementation). Each stage has its own time limit, so one hang does not eat the rest; logs and JSON go
 # to $OUT (default experiments/results/tmp).
 #
-#   bash experiments/gpu_check.sh [stage ...]      stages: facts build gpu_tier bench bench_large fast_tier (default: all)
+#   bash experiments/gpu_check.sh [stage ...]      stages: facts build gpu_tier bench bench_large fast_tier (the default)
 #                                                   and, on SmolLM2 (MODEL: a .gguf path, default the embedded name):
 #                                                   speculative (bench_speculative at batch 1 and 4, with each
 #                                                   drafter's outputs compared with plain decoding's) and price

@@ -29,7 +29,7 @@ with the AVX512-VNNI kernel on another host: 1.56x, 16.1 -> 25.1 ms, rho ~= 0.16
 rho ~= 0.02. On the AMD EPYC host with the native kernels of 2026-11-27 (later: the folded q4 epilogue, finer attention
 tasks; `experiments.ngram_bound --price`) verifications of 2 / 3 / 5 / 9 / 17 tokens cost 1.16 / 1.21 / 1.39 / 1.91 /
 2.63 plain steps (5.7-6.2 ms): rho ~= 0.11-0.13 from 3 tokens on, the CPU's default since. On an H200 the same
-pricing (2026-11-28) gave 1.05 / 1.06 / 1.09 / 1.10 / 1.25 plain steps (4.1-4.6 ms): rho ~= 0.012-0.024 from 5
+pricing (2026-11-28) gave 1.05 / 1.06 / 1.09 / 1.10 / 1.24 plain steps (4.1-4.6 ms): rho ~= 0.012-0.024 from 5
 tokens on, which the GPU's 0.02 matches. `draft_token_cost=` overrides it.
 
 After `explore_every` gated steps in a row, one step verifies anyway, so that alpha keeps learning after a bad start.

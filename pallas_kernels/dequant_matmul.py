@@ -70,18 +70,20 @@ def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
     device and shape if there is one, else one that fits the shape: power-of-two blocks that divide `in`/`out`,
     `split_in` for small outputs.
 
-    The heuristics choose the reduction over `in` (`block_in` steps, `split_in` partial sums) from the matrix alone,
-    never from the row count `n` (which sets only `block_n`), so a row of x gets the same bits however many rows
-    share the call: a decode token next to a long prefill chunk as in a decode step. (`split_in` used to shrink as
-    the row blocks grew: SmolLM2's down projection summed in 4 parts up to 128 rows and in 2 or 1 above.) A measured
-    table entry applies to its own row bucket (`tuned_tables.matmul_key`) and gives up that invariance between
-    buckets."""
+    The reduction over `in` (`block_in` steps, `split_in` partial sums) is chosen from the matrix alone, never from
+    the row count `n` (which sets only `block_n`), so a row of x gets the same bits however many rows share the call:
+    a decode token next to a long prefill chunk as in a decode step. (`split_in` used to shrink as the row blocks
+    grew: SmolLM2's down projection summed in 4 parts up to 192 rows, in 2 up to 448 and in 1 above.) A measured
+    table entry is one per matrix (`tuned_tables.matmul_key`): its tiles and reduction apply to every row count, its
+    `block_n` up to that many rows."""
     from pallas_kernels.tuned_tables import lookup_matmul
 
     k, out = qa.shape
-    measured = lookup_matmul(jax.devices()[0].device_kind, kind=qa.kind, group_size=qa.group_size, k=k, out=out, n=n)
+    block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
+    measured = lookup_matmul(jax.devices()[0].device_kind, kind=qa.kind, group_size=qa.group_size, k=k, out=out)
     if measured is not None:
-        return MatmulTuning(**measured)
+        t = MatmulTuning(**measured)
+        return t if n <= t.block_n else dataclasses.replace(t, block_n=max(block_n, t.block_n))
 
     def largest_pow2_divisor(size: int, cap: int, floor: int = 1) -> int:
         b = cap
@@ -89,7 +91,6 @@ def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
             b //= 2
         return b
 
-    block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
     block_out = largest_pow2_divisor(out, 128)
     if qa.per_channel:
         block_in = largest_pow2_divisor(k, 128)

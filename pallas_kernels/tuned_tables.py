@@ -9,6 +9,11 @@ spread; the record is `experiments/results/kernels_h100.json` (docs/kernels.md, 
 
 Attention: the H100 sweep (decode 64 x 4096 and prefill 2048 x 2048, 8 KV heads x 4 x 128, bf16 pages of 16) found
 the heuristic default within 2% of the best of 96 / 24 tunings, so there is no attention entry.
+
+An entry must keep a row's arithmetic the same in every kind of step, or a token's bits come to depend on the step
+it is in (greedy speculation then parts from plain decoding): an attention entry has `k_splits=1` and, for one
+(KV heads, page size, pages) class, the same `pages_per_block` for decode and every query bucket; a matmul entry is
+one per matrix, whatever the rows (`matmul_key`). `check_entries` says where a table breaks that.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ H100 = "NVIDIA H100 80GB HBM3"
 # device_kind -> attention_key -> tuning
 ATTENTION: dict[str, dict[tuple, AttentionTuning]] = {}
 
-# device_kind -> matmul_key -> MatmulTuning fields. H100, 2026-11-24 (bench_kernels --sweep, 64 / 12 candidates):
-# the 4096 x 14336 q4_1 GEMV 0.147 -> 0.075 ms, SmolLM2's 576 x 1536 q4_1 GEMV 0.061 -> 0.049 ms.
+# device_kind -> matmul_key -> MatmulTuning fields. H100, 2026-11-24 (bench_kernels --sweep, 64 / 12 candidates, at
+# 1-16 rows): the 4096 x 14336 q4_1 GEMV 0.147 -> 0.075 ms, SmolLM2's 576 x 1536 q4_1 GEMV 0.061 -> 0.049 ms. Since
+# 2026-11-28 an entry's tiles and split also serve larger row counts (not timed there; a 2048-row prefill through the
+# first writes 4 partial sums, ~470 MB of float32, where the heuristic would write one).
 MATMUL: dict[str, dict[tuple, dict[str, int]]] = {
     H100: {
-        ("q4_1", 32, 4096, 14336, 16): dict(block_n=16, block_out=256, block_in=128, split_in=4),
-        ("q4_1", 32, 576, 1536, 16): dict(block_n=16, block_out=256, block_in=32, split_in=2),
+        ("q4_1", 32, 4096, 14336): dict(block_n=16, block_out=256, block_in=128, split_in=4),
+        ("q4_1", 32, 576, 1536): dict(block_n=16, block_out=256, block_in=32, split_in=2),
     },
 }
 
@@ -46,11 +53,32 @@ def lookup_attention(device_kind: str, **shape) -> AttentionTuning | None:
     return ATTENTION.get(device_kind, {}).get(attention_key(**shape))
 
 
-def matmul_key(*, kind: str, group_size: int, k: int, out: int, n: int) -> tuple:
-    """The shape class a matmul tuning applies to: the weight's kind, group, in and out, and x's rows rounded up to
-    the 16-row block (a GEMV and a batch of up to 16 run the same tiles)."""
-    return (kind, group_size, k, out, max(16, _bucket(n)))
+def matmul_key(*, kind: str, group_size: int, k: int, out: int) -> tuple:
+    """The shape class a matmul tuning applies to: the weight's kind, group, in and out. Not x's rows: an entry's
+    reduction over `in` (`block_in`, `split_in`) serves every row count, so that a row gets the same bits however
+    many rows share the call (`dequant_matmul.default_tuning`); its `block_n` serves up to that many rows."""
+    return (kind, group_size, k, out)
 
 
 def lookup_matmul(device_kind: str, **shape: Any) -> dict[str, int] | None:
     return MATMUL.get(device_kind, {}).get(matmul_key(**shape))
+
+
+def check_entries(attention: dict | None = None, matmul: dict | None = None) -> None:
+    """Raise ValueError where a table (default: this module's) would give a row other arithmetic in another kind of
+    step: an attention entry that splits keys, or two attention entries of one (KV heads, page size, pages) class
+    with different key blocks, or a matmul key that is not one per matrix."""
+    attention = ATTENTION if attention is None else attention
+    matmul = MATMUL if matmul is None else matmul
+    for device, tunings in attention.items():
+        blocks: dict[tuple, int] = {}
+        for (_, *cls), t in tunings.items():
+            if t.k_splits != 1:
+                raise ValueError(f"{device}: attention entry {t} splits keys (k_splits must be 1)")
+            if blocks.setdefault(tuple(cls), t.pages_per_block) != t.pages_per_block:
+                raise ValueError(f"{device}: attention entries of class {tuple(cls)} use pages_per_block "
+                                 f"{blocks[tuple(cls)]} and {t.pages_per_block}; use one for every query bucket")
+    for device, tunings in matmul.items():
+        for key in tunings:
+            if len(key) != 4:
+                raise ValueError(f"{device}: matmul key {key} is not (kind, group_size, k, out)")

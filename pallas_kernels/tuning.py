@@ -33,7 +33,8 @@ class AttentionTuning:
     pages_per_block: pages loaded and scored per inner-loop step (a power of two); keys per step is
         `pages_per_block * page_size`.
     k_splits: the key range of every row is split into this many parts, attended by separate programs and merged
-        afterwards (split-K / flash-decoding); 1 for prefill, more for decode with long contexts.
+        afterwards (split-K / flash-decoding). 1 in every default; more only as an explicit tuning, for long contexts
+        at small batch, and then a row's bits depend on the kind of step it is in (see the module docstring).
     num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
     """
 
@@ -65,7 +66,8 @@ def default_tuning(
 ) -> AttentionTuning:
     """The tuning used when the caller passes none: a measured entry of `pallas_kernels.tuned_tables` for this
     device and shape class if there is one, else the heuristics below. Everything here is static (shapes, not
-    values)."""
+    values). `num_tokens` no longer changes the answer (it set the old decode key split); it stays in the signature
+    for callers."""
     import jax
 
     from pallas_kernels.tuned_tables import lookup_attention

@@ -496,8 +496,8 @@ def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
 def pallas_path_identity() -> None:
     """The body of the next test, run in a process of its own: plain and prompt-lookup greedy decoding of four jobs
     at batch 4 through the GPU path's kernels (Pallas attention and matmul, interpreted), logits compared bit for
-    bit. Contexts reach 130 keys of pages of 8 (two and more key blocks), prefill chunks share steps with decode and
-    verification rows."""
+    bit. Contexts reach ~120 keys (pages of 8, key blocks of 64: two blocks), prefill chunks share steps with decode
+    and verification rows."""
     model = quantized_tiny_model(TOK)
 
     def run(kw):
@@ -534,7 +534,8 @@ def test_greedy_identity_is_bitwise_on_the_gpu_paths_kernels_interpreted():
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
     code = "from tests.paged.test_speculative_generator import pallas_path_identity; pallas_path_identity()"
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
 
 

@@ -198,12 +198,12 @@ def test_default_tuning_fits_smollm2_shapes(k, out, group_size, n):
 def test_a_row_gets_the_same_bits_beside_any_number_of_rows(where):
     """With the default tuning the reduction over `in` depends on the matrix alone, so a row's output bits do not
     depend on how many rows share the call (a decode token next to a long prefill chunk, or in a decode step). The
-    down projection of SmolLM2 (1536 x 576) used to sum in 4 parts up to 128 rows and in 2 above, and 300 rows gave
-    row 0 other bits than one row did."""
-    qa, x = _qa("q4_1", 32, k=1536, out=576), _x(300, k=1536)
+    down projection of SmolLM2 (1536 x 576) used to sum in 4 parts up to 192 rows, in 2 up to 448 and in 1 above,
+    and 300 rows gave row 0 other bits than one row did. 20 rows: a verification step of 4 rows at k = 4."""
+    qa, x = _qa("q4_1", 32, k=1536, out=576), _x(500, k=1536)
     assert len({(default_tuning(n, qa).block_in, default_tuning(n, qa).split_in) for n in (1, 17, 65, 300, 4096)}) == 1
     alone = np.asarray(dequant_matmul(x[:1], qa, impl="pallas", interpret=where == "interpret"))
-    for n in (5, 80, 300):
+    for n in (5, 20, 80, 300, 500):
         got = np.asarray(dequant_matmul(x[:n], qa, impl="pallas", interpret=where == "interpret"))
         assert np.array_equal(got[0], alone[0]), (n, np.abs(got[0] - alone[0]).max())
 

@@ -198,14 +198,34 @@ def test_matmul_default_tuning_prefers_a_measured_table_entry(monkeypatch):
     monkeypatch.setattr(tuned_tables, "MATMUL", {})  # the heuristic (on an H100 the shipped table has this shape)
     heuristic = default_tuning(1, qa)
     entry = dict(block_n=16, block_out=256, block_in=32, split_in=2)
-    key = tuned_tables.matmul_key(kind="q4_1", group_size=32, k=576, out=1536, n=1)
-    assert key == tuned_tables.matmul_key(kind="q4_1", group_size=32, k=576, out=1536, n=16)  # one 16-row block
+    key = tuned_tables.matmul_key(kind="q4_1", group_size=32, k=576, out=1536)  # one entry per matrix
     monkeypatch.setitem(tuned_tables.MATMUL, jax.devices()[0].device_kind, {key: entry})
-    assert default_tuning(1, qa) == MatmulTuning(**entry) != heuristic
-    assert default_tuning(32, qa).block_n == 32  # 32 rows: another shape class, no entry
+    assert default_tuning(1, qa) == default_tuning(16, qa) == MatmulTuning(**entry) != heuristic
+    # more rows: the entry's tiles and reduction (a row's bits the same beside any number of rows), larger row blocks
+    assert default_tuning(32, qa) == MatmulTuning(**{**entry, "block_n": 32})
+    assert default_tuning(2048, qa) == MatmulTuning(**{**entry, "block_n": 64})
     for tunings in tuned_tables.MATMUL.values():  # every recorded entry is a valid tuning
         for fields in tunings.values():
             MatmulTuning(**fields)
+
+
+def test_table_entries_keep_a_rows_arithmetic_the_same_in_every_step():
+    """A measured entry must not give a row other arithmetic in another kind of step (`tuned_tables.check_entries`):
+    no attention key split, one key block per (KV heads, page size, pages) class for decode and prefill alike, one
+    matmul entry per matrix. The shipped tables pass; tables that break each rule do not."""
+    from pallas_kernels import tuned_tables
+
+    tuned_tables.check_entries()
+    cls = (2, 16, 64)
+    with pytest.raises(ValueError, match="splits keys"):
+        tuned_tables.check_entries(attention={"gpu": {("decode", *cls): AttentionTuning(block_q=1, k_splits=4)}})
+    with pytest.raises(ValueError, match="pages_per_block 4 and 2"):
+        tuned_tables.check_entries(attention={"gpu": {("decode", *cls): AttentionTuning(block_q=1),
+                                                      (16, *cls): AttentionTuning(block_q=16, pages_per_block=2)}})
+    tuned_tables.check_entries(attention={"gpu": {("decode", *cls): AttentionTuning(block_q=1),
+                                                  (16, *cls): AttentionTuning(block_q=16)}})
+    with pytest.raises(ValueError, match="not \\(kind, group_size, k, out\\)"):
+        tuned_tables.check_entries(matmul={"gpu": {("q4_1", 32, 576, 1536, 16): {}}})
 
 
 # ------------------------------------------------------------------------------------- the conformance suite

@@ -496,14 +496,14 @@ def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
 def pallas_path_identity() -> None:
     """The body of the next test, run in a process of its own: plain and prompt-lookup greedy decoding of four jobs
     at batch 4 through the GPU path's kernels (Pallas attention and matmul, interpreted), logits compared bit for
-    bit. Contexts reach ~120 keys (pages of 8, key blocks of 64: two blocks), prefill chunks share steps with decode
+    bit. Contexts reach ~105 keys (pages of 8, key blocks of 64: two blocks), prefill chunks share steps with decode
     and verification rows."""
     model = quantized_tiny_model(TOK)
 
     def run(kw):
         gen = DynamicGenerator(model, **{**SETTINGS, "max_seq_len": 160, "num_pages": 96, "max_chunk_size": 24},
                                matmul_impl="pallas", attn_impl="pallas", **kw)
-        jobs = [Job(TOK.encode(p * 2), 48, gen_settings=GREEDY, identifier=i, return_logits=True)
+        jobs = [Job(TOK.encode(p * 2), 32, gen_settings=GREEDY, identifier=i, return_logits=True)
                 for i, p in enumerate(PROMPTS)]
         gen.enqueue(jobs)
         c = drain(gen)
@@ -513,9 +513,9 @@ def pallas_path_identity() -> None:
 
     _, ref = run({})
     gen, got = run(dict(num_draft_tokens=3, use_ngram_draft=True, max_ngram=3))
-    assert gen.metrics()["accepted_draft_tokens"] > 20, gen.metrics()
+    assert gen.metrics()["accepted_draft_tokens"] > 15, gen.metrics()
     for i, (a, b) in enumerate(zip(ref, got)):
-        assert a.shape == b.shape == (48, model.config.vocab_size), (i, a.shape, b.shape)
+        assert a.shape == b.shape == (32, model.config.vocab_size), (i, a.shape, b.shape)
         differ = np.nonzero(np.any(a != b, axis=1))[0]
         assert not differ.size, f"job {i}: logits differ from position {differ[0]} on"
 

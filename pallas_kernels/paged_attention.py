@@ -515,8 +515,8 @@ def ragged_paged_attention_pallas(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if config is None:
-        config = default_tuning(num_tokens=t_count, max_query_len=1 if t_count <= s_count else t_count,
-                                num_kv_heads=kh, page_size=ps, pages_per_row=p)
+        config = default_tuning(max_query_len=1 if t_count <= s_count else t_count, num_kv_heads=kh, page_size=ps,
+                                pages_per_row=p)
     interpret = _should_interpret(interpret)
     g = nh // kh
     bq, ppb, ks = config.block_q, config.pages_per_block, config.k_splits
@@ -644,9 +644,8 @@ def _pallas_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_tab
                  soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, interpret=None):
     """The Pallas kernel; without a `tuning`, the default for the shape (knowing the longest query from `layout`)."""
     if tuning is None and layout is not None:
-        tuning = default_tuning(num_tokens=q.shape[0], max_query_len=layout.max_q_len,
-                                num_kv_heads=k_pages.shape[0], page_size=k_pages.shape[2],
-                                pages_per_row=page_table.shape[1])
+        tuning = default_tuning(max_query_len=layout.max_q_len, num_kv_heads=k_pages.shape[0],
+                                page_size=k_pages.shape[2], pages_per_row=page_table.shape[1])
     return ragged_paged_attention_pallas(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
                                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                          k_scales=k_scales, v_scales=v_scales, config=tuning, interpret=interpret)

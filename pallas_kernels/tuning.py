@@ -62,12 +62,11 @@ TARGET_KEYS_PER_BLOCK = 64
 
 
 def default_tuning(
-    *, num_tokens: int, max_query_len: int, num_kv_heads: int, page_size: int, pages_per_row: int
+    *, max_query_len: int, num_kv_heads: int, page_size: int, pages_per_row: int
 ) -> AttentionTuning:
     """The tuning used when the caller passes none: a measured entry of `pallas_kernels.tuned_tables` for this
     device and shape class if there is one, else the heuristics below. Everything here is static (shapes, not
-    values). `num_tokens` no longer changes the answer (it set the old decode key split); it stays in the signature
-    for callers."""
+    values)."""
     import jax
 
     from pallas_kernels.tuned_tables import lookup_attention

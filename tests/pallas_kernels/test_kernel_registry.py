@@ -182,7 +182,7 @@ def test_default_tuning_prefers_a_measured_table_entry(monkeypatch):
     from pallas_kernels import tuned_tables
     from pallas_kernels.tuning import default_tuning
 
-    shape = dict(num_tokens=16, max_query_len=1, num_kv_heads=2, page_size=16, pages_per_row=40)
+    shape = dict(max_query_len=1, num_kv_heads=2, page_size=16, pages_per_row=40)
     heuristic = default_tuning(**shape)
     measured = AttentionTuning(block_q=2, pages_per_block=8, k_splits=5)
     key = tuned_tables.attention_key(max_query_len=1, num_kv_heads=2, page_size=16, pages_per_row=40)

@@ -378,8 +378,8 @@ def test_paged_attention_impl_switch(monkeypatch):
         np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5, rtol=2e-5, err_msg=f"{impl} {lay}")
         assert impls(calls) == [want], (impl, lay)
         if want == "pallas" and lay is not None:  # the layout's longest query picks the kernel's default tuning
-            assert calls[0][2]["config"] == default_tuning(num_tokens=layout.num_tokens, max_query_len=8,
-                                                           num_kv_heads=2, page_size=8, pages_per_row=table.shape[1])
+            assert calls[0][2]["config"] == default_tuning(max_query_len=8, num_kv_heads=2, page_size=8,
+                                                           pages_per_row=table.shape[1])
     with pytest.raises(ValueError, match="'triton'"):
         paged_attention(*args, sm_scale=0.3, impl="triton")
 
@@ -402,8 +402,7 @@ def test_invalid_tuning_raises(kwargs, message):
 
 @pytest.mark.parametrize("max_q, page_size, pages_per_row", [(1, 8, 64), (1, 16, 3), (7, 16, 40), (64, 32, 100)])
 def test_default_tuning_is_valid(max_q, page_size, pages_per_row):
-    cfg = default_tuning(num_tokens=4 * max_q, max_query_len=max_q, num_kv_heads=2, page_size=page_size,
-                         pages_per_row=pages_per_row)
+    cfg = default_tuning(max_query_len=max_q, num_kv_heads=2, page_size=page_size, pages_per_row=pages_per_row)
     assert cfg.block_q == (1 if max_q == 1 else min(16, 1 << (max_q - 1).bit_length()))
     assert cfg.pages_per_block * page_size <= 64
     assert cfg.k_splits == 1  # no default splits a row's keys: see the next test

@@ -28,7 +28,6 @@ mode for every configuration of the run; `paged/cpu_runtime.py`); the record's `
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 
@@ -191,19 +190,8 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
-            "fuse_sampler": gen.config.fuse_sampler, "attn_impl": gen.config.attn_impl,
-            "matmul_impl": gen.config.matmul_impl, "attn_tuning": _text(gen.config.attn_tuning),
-            "matmul_tuning": _text(gen.config.matmul_tuning), "output_hashes": outputs,
+            "fuse_sampler": gen.config.fuse_sampler, "engine": gen.config.to_dict(), "output_hashes": outputs,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
-
-
-def _text(tuning) -> str | None:
-    """A config's tuning (a dataclass after normalisation) as the record's text."""
-    if tuning is None:
-        return None
-    if dataclasses.is_dataclass(tuning):
-        return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(tuning).items())
-    return str(tuning)
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -68,9 +68,10 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
                   "--workloads=copy", "--max_new_tokens=2", "--nowarmup", "--attn_impl=pallas",
                   "--attn_tuning=block_q=8,k_splits=2", "--matmul_impl=xla", f"--json_out={out}")
     assert p.returncode == 0, p.stderr[-3000:]
-    run = json.loads(out.read_text())["runs"][0]
-    assert run["attn_impl"] == "pallas" and run["matmul_impl"] == "xla"
-    assert "block_q=8" in run["attn_tuning"] and "k_splits=2" in run["attn_tuning"] and run["matmul_tuning"] is None
+    engine = json.loads(out.read_text())["runs"][0]["engine"]  # the generator's own config, per run
+    assert engine["attn_impl"] == "pallas" and engine["matmul_impl"] == "xla"
+    assert engine["attn_tuning"]["block_q"] == 8 and engine["attn_tuning"]["k_splits"] == 2
+    assert engine["matmul_tuning"] is None
 
 
 def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round(model_dir, tmp_path):  # noqa: F811

@@ -5,8 +5,11 @@ every test module keeps the process's mappings bounded.
 
 Compiled programs persist on disk (JAX's compilation cache in `.pytest_cache/jax-compilation-cache`, shared by the
 xdist workers), so a module that needs a program another module or worker compiled loads it instead of compiling it
-again, and a second run of the suite skips compilation. `PAGED_TEST_COMPILATION_CACHE=0` turns this off (every
-program compiled afresh); any other value is the directory to use."""
+again, and a second run of the suite skips compilation. The same settings go into the environment
+(`JAX_COMPILATION_CACHE_DIR` and the two thresholds), so the scripts that tests run in processes of their own (the
+experiments' end-to-end tests, the mesh checks) share the cache too: on six such test files, 249 s -> 211 s from an
+empty cache. `PAGED_TEST_COMPILATION_CACHE=0` turns this off (every program compiled afresh); any other value is the
+directory to use."""
 
 from __future__ import annotations
 
@@ -23,9 +26,11 @@ def pytest_configure(config):
         return
     path = where or str(config.rootpath / ".pytest_cache" / "jax-compilation-cache")
     os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0.1,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)  # inherited by the subprocesses that tests start
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -23,6 +23,7 @@ from paged.errors import InvalidConfigError  # noqa: E402
 from paged.step import forward_inputs, step_forward  # noqa: E402
 from paged.testing import ByteTokenizer, drain  # noqa: E402
 from pallas_kernels import native  # noqa: E402
+from tests.paged.test_sharding import QUANT_MESHES  # noqa: E402
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
@@ -170,7 +171,7 @@ def quantized_checks(greedy, real_shard_map) -> dict:
     for name, model in (("q4_1", quantized("q4_1", 32)), ("int8pc", quantized("int8", None))):
         for impl in impls:
             _, ref, _, _ = run("", greedy, model=model, matmul_impl=impl)
-            for mesh in ("tp=2", "dp=2,tp=2", "dp=2"):
+            for mesh in QUANT_MESHES[name]:
                 traced.clear()
                 g, fin, _, _ = run(mesh, greedy, model=model, matmul_impl=impl)
                 layers = g.engine.model.params.layers

@@ -11,6 +11,14 @@ warms up and is discarded), greedy, one job at a time:
     python -m experiments.profile_speculative --drafter=ngram
     python -m experiments.profile_speculative --drafter=distilled --draft_dir=/tmp/smollm2-draft \
         --json_out=experiments/results/profile_speculative_cpu.json   (appends one record per call)
+
+`--ops` adds a third pass of the same prompt under `jax.profiler.trace` and breaks each part down by the XLA
+operations its program ran (the CPU runtime's thunks: fusions, custom calls such as the native matmul and
+attention, copies), in milliseconds per call of the part. A loop over layers counts as the operations inside it,
+summed over its iterations; an operation is labelled with its custom call target and result shape from the
+compiled program's HLO where it has them. The traced pass's own timings are not reported (tracing slows the host).
+
+    python -m experiments.profile_speculative --drafter=ngram --ops
 """
 
 from __future__ import annotations
@@ -18,9 +26,12 @@ from __future__ import annotations
 import collections
 import json
 import os
+import tempfile
 import time
 
 from absl import app, flags
+
+from experiments.trace_ops import op_breakdown
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("quant", "keep", "target weights: keep (GGUF blocks as stored, as bench_speculative), none, int8")
@@ -33,16 +44,31 @@ flags.DEFINE_bool("adaptive", False, "adaptive_draft=True")
 flags.DEFINE_integer("prompt", 0, "which prompt of the seeded copy workload")
 flags.DEFINE_integer("max_new_tokens", 96, "tokens per run")
 flags.DEFINE_string("json_out", None, "append the record to this JSON list")
+flags.DEFINE_bool("ops", False, "also break each part down by XLA operation (a traced third pass)")
+flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the record keeps all)")
 FLAGS = flags.FLAGS
 
 PARTS = {"step_forward": "paged.engine", "step_sample": "paged.engine", "verify_sample": "paged.speculative",
          "draft_burst_jit": "paged.engine"}
 
 
-def wrap_parts(times: dict) -> None:
+def abstract(a: tuple, k: dict) -> tuple[tuple, dict]:
+    """Positional and keyword arguments with every array replaced by its shape and dtype (enough to lower a jitted
+    function again; holds no buffer, and a donated one may be gone)."""
+    import jax
+    import numpy as np
+
+    def shape_of(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray)) else x
+
+    return jax.tree.map(shape_of, a), jax.tree.map(shape_of, k)
+
+
+def wrap_parts(times: dict, calls: list | None = None) -> None:
     """Replace each entry point of `PARTS` in its module by a timed, waiting copy; times land in
     `times[(part, detail)]` (detail: the layer count and token layout of a forward, so that the draft's mirror
-    and the target's forward are told apart)."""
+    and the target's forward are told apart). `calls`, when given, gets (part, detail, function, args, kwargs) of
+    every call in order, the arguments for a part's first call only and as shapes (`op_breakdown` reads it)."""
     import importlib
 
     import jax
@@ -63,6 +89,9 @@ def wrap_parts(times: dict) -> None:
             elif _name == "draft_burst_jit":  # k + 1 steps with a catch-up token, k without
                 detail = "catch-up" if k.get("catch_up", True) else "no catch-up"
             times[(_name, detail)].append(time.perf_counter() - t)
+            if calls is not None:  # the arguments of a part's first call only, as shapes (no buffers held)
+                first = all((c[0], c[1]) != (_name, detail) for c in calls)
+                calls.append((_name, detail, _fn, *(abstract(a, k) if first else (None, None))))
             return out
 
         setattr(mod, name, timed)
@@ -79,7 +108,8 @@ def main(argv):
     from paged import DynamicGenerator, Job, SamplingSettings
 
     times: dict = collections.defaultdict(list)
-    wrap_parts(times)
+    calls: list | None = [] if FLAGS.ops else None
+    wrap_parts(times, calls)
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     kw: dict = {}
@@ -112,6 +142,21 @@ def main(argv):
         wall = time.perf_counter() - t0
     after = gen.metrics()
     tokens = after["tokens_generated"] - before["tokens_generated"]
+    ops = None
+    if FLAGS.ops:  # a third pass, traced (the timings above stay untraced)
+        import jax
+
+        saved = {key: list(v) for key, v in times.items()}  # (the wrapper appends to these lists)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            calls.clear()
+            with jax.profiler.trace(trace_dir):
+                gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=SamplingSettings.greedy(),
+                                stop_conditions=[tok.eos_token_id]))
+                while gen.num_remaining_jobs():
+                    gen.iterate()
+            ops = op_breakdown(trace_dir, calls)
+        times.clear()
+        times.update(saved)
     parts = {f"{n} ({d})" if d else n: {"calls": len(v), "median_ms": 1e3 * float(np.median(v)),
                                          "total_s": float(sum(v))} for (n, d), v in sorted(times.items())}
     host = wall - sum(p["total_s"] for p in parts.values())
@@ -123,11 +168,17 @@ def main(argv):
            "tokens_per_s": tokens / wall, "host_s": host, "parts": parts,
            "drafted_tokens": after["drafted_tokens"] - before["drafted_tokens"],
            "accepted_draft_tokens": after["accepted_draft_tokens"] - before["accepted_draft_tokens"]}
+    if ops is not None:
+        rec["ops"] = ops
     print(f"{FLAGS.drafter}: {tokens} tokens in {iterates} iterates, {rec['ms_per_iterate']:.2f} ms per iterate, "
           f"{rec['tokens_per_s']:.1f} tok/s")
     for name, p in parts.items():
         print(f"  {name:75s} {p['calls']:5d} calls  median {p['median_ms']:7.2f} ms  total {p['total_s']:.3f} s")
     print(f"  {'host (the rest)':75s} {'':5s}        {'':7s}      total {host:.3f} s")
+    for part, b in sorted((ops or {}).items()):
+        print(f"{part}: by operation, ms per call ({b['calls']} calls traced)")
+        for row in b["ops"][:FLAGS.ops_top]:
+            print(f"  {row['ms_per_call']:8.3f}  {row['op']:32s} {row['label']}")
     if FLAGS.json_out:
         old = []
         if os.path.exists(FLAGS.json_out):

@@ -18,10 +18,11 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     pytest.importorskip("torch")
     out = tmp_path / "prof.json"
     runs = 2 if drafter == "none" else 1  # a second call appends (checked once: each call is a process's compile)
+    ops = ["--ops"] if drafter == "ngram" else []  # the per-operation breakdown (a traced third pass), once
     for _ in range(runs):
         p = subprocess.run([sys.executable, "-m", "experiments.profile_speculative", f"--model={model_dir}",
                             "--quant=none", f"--drafter={drafter}", "--self_draft_layers=1", "--max_new_tokens=12",
-                            "--num_draft_tokens=2", f"--json_out={out}"], capture_output=True, text=True,
+                            "--num_draft_tokens=2", f"--json_out={out}", *ops], capture_output=True, text=True,
                            env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -43,3 +44,13 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
         assert bursts and bursts <= {"draft_burst_jit (catch-up)", "draft_burst_jit (no catch-up)"}
     for v in parts.values():
         assert v["calls"] > 0 and v["median_ms"] > 0
+    if not ops:
+        assert "ops" not in r
+        return
+    # every part traced, each call matched with an execution of its own program, its operations timed
+    assert set(r["ops"]) == set(parts)
+    for key, b in r["ops"].items():
+        assert b["calls"] == parts[key]["calls"], key
+        assert b["ops"] and all(o["ms_per_call"] > 0 for o in b["ops"])
+        assert sum(o["ms_per_call"] for o in b["ops"]) < 20 * parts[key]["median_ms"] + 50
+    assert "by operation" in p.stdout

@@ -22,11 +22,12 @@ def test_leaf_times_counts_what_ran_inside_loops_and_conditionals():
 
 
 def test_hlo_labels_names_custom_calls_by_target_and_result():
-    text = """
-  %ffi_call.17 = f32[5,3072]{1,0} custom-call(f32[5,576]{1,0} %a, u8[30,288,3072]{2,1,0} %b), custom_call_target="jpg_quant_matmul", api_version=API_VERSION_TYPED_FFI
-  %ffi_call.11 = (f32[5,49152]{1,0}, s32[5]{0}) custom-call(f32[5,49152]{1,0} %x), custom_call_target="jpg_greedy_final"
-  %add.3 = f32[5,576]{1,0} add(f32[5,576]{1,0} %p, f32[5,576]{1,0} %q)
-"""
+    text = "\n".join([
+        '  %ffi_call.17 = f32[5,3072]{1,0} custom-call(f32[5,576]{1,0} %a, u8[30,288,3072]{2,1,0} %b), '
+        'custom_call_target="jpg_quant_matmul", api_version=API_VERSION_TYPED_FFI',
+        '  %ffi_call.11 = (f32[5,49152]{1,0}, s32[5]{0}) custom-call(f32[5,49152]{1,0} %x), '
+        'custom_call_target="jpg_greedy_final"',
+        "  %add.3 = f32[5,576]{1,0} add(f32[5,576]{1,0} %p, f32[5,576]{1,0} %q)"])
     assert hlo_labels(text) == {"ffi_call.17": "jpg_quant_matmul -> f32[5,3072]{1,0}",
                                 "ffi_call.11": "jpg_greedy_final -> (f32[5,49152]{1,0}, s32[5]{0})"}
 

@@ -129,37 +129,37 @@ def main(argv):
     prompt = chat_prompt(tok, workload("copy", FLAGS.prompt + 1, 0)[FLAGS.prompt])
     ids = tok.encode(prompt, encode_special_tokens=True)
     load_before = load_average("profile_speculative")
-    for _ in range(2):  # the first run compiles; the second is measured
-        times.clear()
+
+    def run_prompt() -> int:
+        """The prompt once, to the end; returns the iterates it took."""
         gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=SamplingSettings.greedy(),
                         stop_conditions=[tok.eos_token_id]))
-        before = gen.metrics()
-        t0 = time.perf_counter()
-        iterates = 0
+        n = 0
         while gen.num_remaining_jobs():
             gen.iterate()
-            iterates += 1
+            n += 1
+        return n
+
+    for _ in range(2):  # the first run compiles; the second is measured
+        times.clear()
+        before = gen.metrics()
+        t0 = time.perf_counter()
+        iterates = run_prompt()
         wall = time.perf_counter() - t0
     after = gen.metrics()
     tokens = after["tokens_generated"] - before["tokens_generated"]
-    ops = None
-    if FLAGS.ops:  # a third pass, traced (the timings above stay untraced)
-        import jax
-
-        saved = {key: list(v) for key, v in times.items()}  # (the wrapper appends to these lists)
-        with tempfile.TemporaryDirectory() as trace_dir:
-            calls.clear()
-            with jax.profiler.trace(trace_dir):
-                gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=SamplingSettings.greedy(),
-                                stop_conditions=[tok.eos_token_id]))
-                while gen.num_remaining_jobs():
-                    gen.iterate()
-            ops = op_breakdown(trace_dir, calls)
-        times.clear()
-        times.update(saved)
     parts = {f"{n} ({d})" if d else n: {"calls": len(v), "median_ms": 1e3 * float(np.median(v)),
                                          "total_s": float(sum(v))} for (n, d), v in sorted(times.items())}
     host = wall - sum(p["total_s"] for p in parts.values())
+    ops = None
+    if FLAGS.ops:  # a third pass, traced (the parts above are the untraced pass's)
+        import jax
+
+        with tempfile.TemporaryDirectory() as trace_dir:
+            calls.clear()
+            with jax.profiler.trace(trace_dir):
+                run_prompt()
+            ops = op_breakdown(trace_dir, calls)
     names = ("model", "quant", "drafter", "draft_dir", "draft_quant", "num_draft_tokens", "adaptive", "prompt",
              "max_new_tokens")
     rec = {"flags": {k: getattr(FLAGS, k) for k in names},

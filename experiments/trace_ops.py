@@ -40,7 +40,7 @@ def op_breakdown(trace_dir: str, calls: list) -> dict:
     function, its args, its kwargs) in call order): milliseconds per call of each XLA operation its program ran,
     from the `jax.profiler` trace in `trace_dir` of exactly those calls. A part's executions are the trace's runs of
     the module `jit_<part>`, in time order, matched one to one with its calls; each operation is labelled
-    (`hlo_labels`) from the HLO of the part compiled again (from the cache) for the first of its calls whose
+    (`hlo_labels`) from the HLO of the part compiled again for the first of its calls whose
     arguments `calls` holds (None elsewhere)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as fh:

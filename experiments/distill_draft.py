@@ -15,7 +15,10 @@ pool with `MORE_TASKS` and `MORE_TOPICS`: 2860 distinct requests), then copy-sty
 Neither the benchmark's texts nor its chat prompts (`experiments.common`) are in it. Each example is one prompt +
 answer, so a copy request keeps the text it copies in context. Loss (`--loss`): "ce", cross-entropy on the answer
 tokens (with greedy text they are the target's argmax: what greedy acceptance checks; no teacher forward, so a step
-is cheap), or "kl", the KL divergence from the target's full next-token distribution at every position (full head
+is cheap); "topk" (the default), cross-entropy against the target's distribution over its `--topk` most likely
+tokens at each answer token, which the generator returns with the text (`return_top_tokens`: no teacher forward
+either; the tokens outside the reduced head dropped and the rest renormalised), a richer signal per token than its
+argmax alone; or "kl", the KL divergence from the target's full next-token distribution at every position (full head
 only; a target forward per step). optax AdamW with warm-up and cosine decay; the weights are the project's flax
 `Weights` pytree.
 
@@ -47,8 +50,13 @@ flags.DEFINE_integer("layers", 4, "decoder layers of the draft")
 flags.DEFINE_enum("init", "first", ["first", "spread"], "initialise from the target's first layers, or spread evenly")
 flags.DEFINE_integer("head_vocab", 8192, "tokens of the draft's reduced LM head (the target's most frequent in the "
                      "training text); 0: the target's full tied head")
-flags.DEFINE_enum("loss", "ce", ["ce", "kl"], "ce: cross-entropy on the target's answer tokens; kl: KL to the "
-                  "target's distribution at every position (needs --head_vocab=0)")
+flags.DEFINE_enum("loss", "topk", ["ce", "topk", "kl"], "ce: cross-entropy on the target's answer tokens; topk: "
+                  "cross-entropy against the target's distribution over its --topk most likely tokens at each "
+                  "answer token, recorded while it generates (those in the draft's head, renormalised); kl: KL to "
+                  "the target's full distribution at every position (a teacher forward per step; needs "
+                  "--head_vocab=0)")
+flags.DEFINE_integer("topk", 32, "--loss=topk: tokens of the target's distribution kept per answer token (at most "
+                     "paged.step.TOP_K_WIDTH, 64)")
 flags.DEFINE_integer("num_prompts", 4000, "prompts in the seeded prompt set (half open requests, half copy "
                      "requests); generation stops at --gen_minutes")
 flags.DEFINE_integer("gen_tokens", 128, "tokens the target generates per prompt (at most)")
@@ -144,10 +152,16 @@ def copy_prompts(texts: list[str], n: int, seed: int, max_words: int = 60) -> li
 
 
 def generate_answers(target, prompts: list[str], max_new: int, temperature: float, seed: int,
-                     deadline: float, desc: str, batch: int = 32) -> list[tuple[list[int], list[int]]]:
+                     deadline: float, desc: str, batch: int = 32, top_k: int = 0) -> list[tuple]:
     """The target's answers to `prompts` (chat template) as (prompt ids, answer ids incl. the stop token), in
     order, until `deadline`: continuous batching of up to `batch` jobs (a finished answer's slot takes the next
-    prompt at once), `deadline` checked between chunks of 8 x `batch` prompts. Job i's seed is `seed * 100003 + i`."""
+    prompt at once), `deadline` checked between chunks of 8 x `batch` prompts. Job i's seed is `seed * 100003 + i`.
+
+    `top_k` > 0 adds a third item per answer, the target's distribution at each answer token: its `top_k` most
+    likely tokens and their probabilities (i32 / f32 `[len(answer), top_k]`, the generator's `return_top_tokens`,
+    free of the sampling settings). The stop token, which the generator holds back without them, gets a one-hot
+    row (its id, then -1 ids at probability 0)."""
+    import numpy as np
     from tqdm import tqdm
 
     from experiments.common import chat_prompt
@@ -168,18 +182,28 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
         ids = [tok.encode(chat_prompt(tok, p), encode_special_tokens=True)[-(seq - max_new - 1):]
                for p in prompts[i : i + chunk]]
         jobs = [Job(x, max_new, gen_settings=settings, stop_conditions=stops, seed=seed * 100003 + i + j,
-                    identifier=j) for j, x in enumerate(ids)]
+                    identifier=j, return_top_tokens=top_k) for j, x in enumerate(ids)]
         got: dict[int, list[int]] = {j: [] for j in range(len(jobs))}
+        dists: dict[int, list[tuple[list[int], list[float]]]] = {j: [] for j in range(len(jobs))}
         gen.enqueue(jobs)
         while gen.num_remaining_jobs():
             for r in gen.iterate():
                 if r.get("stage") != "streaming":
                     continue
                 got[r["identifier"]] += r.get("token_ids", [])
+                if top_k:
+                    dists[r["identifier"]] += zip(r.get("top_k_tokens", []), r.get("top_k_probs", []))
                 if r.get("eos"):
-                    got[r["identifier"]] += (r.get("held") or {}).get("token_ids", [])
+                    held = (r.get("held") or {}).get("token_ids", [])
+                    got[r["identifier"]] += held
+                    dists[r["identifier"]] += [([t] + [-1] * (top_k - 1), [1.0] + [0.0] * (top_k - 1)) for t in held]
                     bar.update(1)
-        out += [(ids[j], got[j]) for j in range(len(jobs))]
+        if top_k:
+            out += [(ids[j], got[j], (np.asarray([d for d, _ in dists[j]], np.int32).reshape(-1, top_k),
+                                      np.asarray([p for _, p in dists[j]], np.float32).reshape(-1, top_k)))
+                    for j in range(len(jobs))]
+        else:
+            out += [(ids[j], got[j]) for j in range(len(jobs))]
     bar.close()
     return out
 
@@ -194,21 +218,62 @@ def head_token_ids(answers: list[list[int]], n: int, always: list[int]) -> list[
     return sorted(keep)
 
 
-def make_examples(pairs: list[tuple[list[int], list[int]]], seq_len: int):
+def make_examples(pairs: list[tuple], seq_len: int, soft_k: int = 0):
     """Pad/truncate each prompt + answer to `seq_len`: tokens i32 [N, T], labels i32 [N, T] (the next token),
-    mask f32 [N, T] (1 where the label is an answer token)."""
+    mask f32 [N, T] (1 where the label is an answer token).
+
+    `soft_k` > 0 (items with the target's distributions, `generate_answers(top_k=)`) also returns the teacher at
+    each label: soft_ids i32 [N, T, soft_k] and soft_probs f32 [N, T, soft_k] (its first `soft_k` tokens; zero
+    probability off the answer)."""
     import numpy as np
 
     n = len(pairs)
     tokens = np.zeros((n, seq_len), np.int32)
     labels = np.zeros((n, seq_len), np.int32)
     mask = np.zeros((n, seq_len), np.float32)
-    for i, (p, a) in enumerate(pairs):
+    if soft_k:
+        soft_ids = np.zeros((n, seq_len, soft_k), np.int32)
+        soft_probs = np.zeros((n, seq_len, soft_k), np.float32)
+    for i, item in enumerate(pairs):
+        p, a = item[0], item[1]
         seq = (list(p) + list(a))[: seq_len + 1]
         tokens[i, : min(len(seq), seq_len)] = seq[:seq_len]
         labels[i, : len(seq) - 1] = seq[1:]
-        mask[i, max(0, len(p) - 1) : len(seq) - 1] = 1.0
+        start = max(0, len(p) - 1)
+        mask[i, start : len(seq) - 1] = 1.0
+        if soft_k:
+            if len(item) < 3 or item[2][0].shape[1] < soft_k:
+                raise ValueError(f"make_examples(soft_k={soft_k}) needs each answer's top-{soft_k} distributions "
+                                 "(generate_answers(top_k=))")
+            n_ans = max(0, len(seq) - 1 - start)
+            first = start - (len(p) - 1)  # answer tokens whose label position fell before 0 (an empty prompt)
+            soft_ids[i, start : start + n_ans] = item[2][0][first : first + n_ans, :soft_k]
+            soft_probs[i, start : start + n_ans] = item[2][1][first : first + n_ans, :soft_k]
+    if soft_k:
+        return tokens, labels, mask, soft_ids, soft_probs
     return tokens, labels, mask
+
+
+def teacher_columns(soft_ids, soft_probs, remap=None):
+    """The teacher's top tokens (`make_examples(soft_k=)`: ids, -1 for none, and probabilities `[..., K]`) as
+    columns of the draft's head (`remap[token]`: its column, -1 if the head lacks it; None: the full head) and
+    weights renormalised over the tokens the head has (all zero where it has none of them)."""
+    import numpy as np
+
+    cols = remap[np.maximum(soft_ids, 0)] if remap is not None else soft_ids
+    valid = (soft_ids >= 0) & (cols >= 0)
+    w = np.where(valid, soft_probs, 0.0)
+    tot = w.sum(-1, keepdims=True)
+    return (np.where(valid, cols, 0).astype(np.int32),
+            np.where(tot > 0, w / np.maximum(tot, 1e-12), 0.0).astype(np.float32))
+
+
+def soft_cross_entropy(logq, cols, weights):
+    """-sum_k weights[..., k] * logq[..., cols[..., k]]: the cross-entropy of the draft's log-probabilities `logq`
+    `[..., N]` against the teacher's top tokens (`teacher_columns`), per position `[...]`."""
+    import jax.numpy as jnp
+
+    return -jnp.sum(weights * jnp.take_along_axis(logq, cols, axis=-1), axis=-1)
 
 
 def draft_params(target, layers: int, init: str):
@@ -221,7 +286,7 @@ def draft_params(target, layers: int, init: str):
     return target.params.replace(layers=sliced), idx
 
 
-FLAG_NAMES = ("target", "target_quant", "layers", "init", "head_vocab", "loss", "num_prompts", "gen_tokens",
+FLAG_NAMES = ("target", "target_quant", "layers", "init", "head_vocab", "loss", "topk", "num_prompts", "gen_tokens",
               "gen_temperature", "gen_minutes", "steps", "batch_size", "seq_len", "lr", "kl_temperature", "holdout",
               "eval_workloads", "eval_prompts", "eval_tokens", "seed", "max_minutes")
 
@@ -232,6 +297,8 @@ def main(argv):
         raise app.UsageError("--out is required")
     if FLAGS.loss == "kl" and FLAGS.head_vocab:
         raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
+    if FLAGS.loss == "topk" and not 1 <= FLAGS.topk <= 64:
+        raise app.UsageError(f"--topk={FLAGS.topk}: give 1 to 64 (the generator's top tokens)")
     if FLAGS.loss == "ce" and FLAGS.gen_temperature > 0:
         print("note: --loss=ce on sampled text learns the target's samples, not its argmax")
     import dataclasses
@@ -263,14 +330,15 @@ def main(argv):
     # 1. training text: the target's answers to open requests, then to copy requests over those answers
     gen_deadline = min(deadline - reserve - 60, t_start + FLAGS.gen_minutes * 60)
     n_open = max(1, FLAGS.num_prompts // 2)
+    soft_k = FLAGS.topk if FLAGS.loss == "topk" else 0
     pairs = generate_answers(speaker, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
                              FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)",
-                             FLAGS.gen_batch)
+                             FLAGS.gen_batch, top_k=soft_k)
     groups = list(range(len(pairs)))  # an example's group: the open answer it is, or copies (no leak across splits)
-    texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
+    texts = [tok.decode(item[1], decode_special_tokens=False) for item in pairs]
     copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
     got = generate_answers(speaker, [c for c, _ in copies], FLAGS.gen_tokens, FLAGS.gen_temperature, FLAGS.seed + 1,
-                           gen_deadline, "generating answers (copy)", FLAGS.gen_batch)
+                           gen_deadline, "generating answers (copy)", FLAGS.gen_batch, top_k=soft_k)
     pairs += got
     groups += [src for _, src in copies[: len(got)]]
     gen_s = time.perf_counter() - t_start
@@ -282,7 +350,7 @@ def main(argv):
     train = [p for p, g in zip(pairs, groups) if g not in held_groups]
     if not train:
         raise app.UsageError("no training text was generated in the time given: raise --max_minutes / --gen_minutes")
-    tokens, labels, mask = make_examples(train, FLAGS.seq_len)
+    tokens, labels, mask, *soft = make_examples(train, FLAGS.seq_len, soft_k)
     # 2. the draft: target layers; frozen input embedding; the tied head, or a reduced trainable one
     params, idx = draft_params(target, FLAGS.layers, FLAGS.init)
     dcfg = dataclasses.replace(target.config, num_layers=FLAGS.layers)
@@ -296,13 +364,15 @@ def main(argv):
 
     if FLAGS.head_vocab:
         stops = [tok.eos_token_id, *(target.config.eos_token_ids or ())]
-        ids = np.asarray(head_token_ids([a for _, a in train], FLAGS.head_vocab, stops), np.int32)
+        ids = np.asarray(head_token_ids([item[1] for item in train], FLAGS.head_vocab, stops), np.int32)
         trainable["head"] = reduced_head(target, ids).params.lm_head.T  # the target's head at those tokens [N, H]
         remap = np.full(target.config.vocab_size, -1, np.int32)
         remap[ids] = np.arange(len(ids), dtype=np.int32)
         head_labels, head_mask = to_head(labels, mask)
         covered = float(head_mask.sum() / max(1.0, mask.sum()))
         labels, mask = head_labels, head_mask
+    if soft:
+        soft = teacher_columns(*soft, remap if ids is not None else None)
     total_steps = FLAGS.steps
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, min(100, total_steps // 20)), total_steps,
                                                FLAGS.lr / 10)
@@ -321,11 +391,12 @@ def main(argv):
     def teacher(toks):
         return jax.nn.log_softmax(forward(target.params, target.config, toks) / tau, axis=-1)
 
-    def loss_fn(tr, toks, labs, msk, teacher_logp):
+    def loss_fn(tr, toks, labs, msk, teacher_logp, top=None):
         logits = draft_logits(tr, toks)
-        if teacher_logp is None:  # cross-entropy on the answer tokens
+        if teacher_logp is None:  # cross-entropy on the answer tokens, or against the teacher's top tokens
             logq = jax.nn.log_softmax(logits, axis=-1)
-            nll = -jnp.take_along_axis(logq, labs[..., None], axis=-1)[..., 0]
+            nll = (-jnp.take_along_axis(logq, labs[..., None], axis=-1)[..., 0] if top is None
+                   else soft_cross_entropy(logq, *top))
             agree = (jnp.argmax(logits, -1) == labs) * msk
             return jnp.sum(nll * msk) / jnp.maximum(1.0, msk.sum()), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
         logq = jax.nn.log_softmax(logits / tau, axis=-1)
@@ -334,8 +405,8 @@ def main(argv):
         return jnp.sum(kl * msk) / jnp.maximum(1.0, msk.sum()), jnp.sum(agree) / jnp.maximum(1.0, msk.sum())
 
     @jax.jit
-    def train_step(tr, opt_state, toks, labs, msk, teacher_logp):
-        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(tr, toks, labs, msk, teacher_logp)
+    def train_step(tr, opt_state, toks, labs, msk, teacher_logp, top):
+        (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(tr, toks, labs, msk, teacher_logp, top)
         updates, opt_state = opt.update(grads, opt_state, tr)
         return optax.apply_updates(tr, updates), opt_state, loss, agree
 
@@ -349,8 +420,9 @@ def main(argv):
         pick = rng.integers(0, len(tokens), size=FLAGS.batch_size)
         toks = jnp.asarray(tokens[pick])
         tl = teacher(toks) if FLAGS.loss == "kl" else None
+        top = (jnp.asarray(soft[0][pick]), jnp.asarray(soft[1][pick])) if soft else None
         trainable, opt_state, loss, agree = train_step(trainable, opt_state, toks, jnp.asarray(labels[pick]),
-                                                       jnp.asarray(mask[pick]), tl)
+                                                       jnp.asarray(mask[pick]), tl, top)
         history.append((float(loss), float(agree)))
         bar.set_postfix(loss=f"{history[-1][0]:.3f}", top1=f"{history[-1][1]:.2f}")
 

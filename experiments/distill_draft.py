@@ -196,7 +196,9 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
                 if r.get("eos"):
                     held = (r.get("held") or {}).get("token_ids", [])
                     got[r["identifier"]] += held
-                    dists[r["identifier"]] += [([t] + [-1] * (top_k - 1), [1.0] + [0.0] * (top_k - 1)) for t in held]
+                    if top_k:
+                        dists[r["identifier"]] += [([t] + [-1] * (top_k - 1), [1.0] + [0.0] * (top_k - 1))
+                                                   for t in held]
                     bar.update(1)
         if top_k:
             out += [(ids[j], got[j], (np.asarray([d for d, _ in dists[j]], np.int32).reshape(-1, top_k),
@@ -297,8 +299,11 @@ def main(argv):
         raise app.UsageError("--out is required")
     if FLAGS.loss == "kl" and FLAGS.head_vocab:
         raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
-    if FLAGS.loss == "topk" and not 1 <= FLAGS.topk <= 64:
-        raise app.UsageError(f"--topk={FLAGS.topk}: give 1 to 64 (the generator's top tokens)")
+    from paged.step import TOP_K_WIDTH
+
+    if FLAGS.loss == "topk" and not 1 <= FLAGS.topk <= TOP_K_WIDTH:  # wider top tokens come from the host: slow
+        raise app.UsageError(f"--topk={FLAGS.topk}: give 1 to {TOP_K_WIDTH} (the generator's top tokens on the "
+                             "device)")
     if FLAGS.loss == "ce" and FLAGS.gen_temperature > 0:
         print("note: --loss=ce on sampled text learns the target's samples, not its argmax")
     import dataclasses

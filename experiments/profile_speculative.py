@@ -86,8 +86,8 @@ def wrap_parts(times: dict, calls: list | None = None) -> None:
                 lay = k["shape"].layout
                 detail = (f"{k['cfg'].num_layers} layers, {lay.num_prefill_rows} prefill rows x {lay.max_q_len}, "
                           f"{lay.num_decode_rows} decode rows")
-            elif _name == "draft_burst_jit":  # k + 1 steps with a catch-up token, k without
-                detail = "catch-up" if k.get("catch_up", True) else "no catch-up"
+            elif _name == "draft_burst_jit":  # with a catch-up window (a two-token first forward) or without
+                detail = "catch-up" if (a[3] if len(a) > 3 else k.get("window")) is not None else "no catch-up"
             times[(_name, detail)].append(time.perf_counter() - t)
             if calls is not None:  # the arguments of a part's first call only, as shapes (no buffers held)
                 first = all((c[0], c[1]) != (_name, detail) for c in calls)

@@ -69,7 +69,6 @@ class DraftModel:
         target.enable_fed_drafts()  # the target's verification reads the burst's drafts on the device (`propose`)
         self.engine.enable_drafting(num_draft_tokens, pad_rows=target.fed_rows)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
-        self._wrote_last_draft = False  # the last burst ran k + 1 steps (`propose`)
 
     def warmup(self, progress: bool = False) -> int:
         return self.engine.warmup(progress=progress)
@@ -96,12 +95,13 @@ class DraftModel:
                 self.kv[key] = r.start_pos + len(r.tokens)
 
     def propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True
-                ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], list[int], jax.Array | None]:
+                ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], jax.Array | None]:
         """Mirror the step's other rows, then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
-        call laid out like the target's verification batch. Returns (drafts per row, on the host: None unless
-        `host`, and then nothing waits for the burst; the draft distributions [S', k, V] by target batch row, the
-        catch-up offset of each row, the drafts to verify per row, the drafts on the device [R, k] by target batch
-        row for `target.run(draft_tokens=)`)."""
+        call laid out like the target's verification batch (a row whose token before its own has no KV in the draft
+        cache yet feeds it in the same forward: `Engine.draft(catch_up=)`). Returns (drafts per row, on the host:
+        None unless `host`, and then nothing waits for the burst; the draft distributions [S', k, V] by target batch
+        row, the drafts to verify per row, the drafts on the device [R, k] by target batch row for
+        `target.run(draft_tokens=)`)."""
         from paged.speculative import DRAFT_SEED_SALT, verification_row
 
         mirror: list[tuple[Hashable, RowInput]] = []
@@ -124,10 +124,10 @@ class DraftModel:
             self._mirror(mirror)
         drafting = [i for i, n in enumerate(want) if n]
         if not drafting:
-            return [[] for _ in specs], None, offsets, want, None
+            return [[] for _ in specs], None, want, None
         placeholder = [verification_row(s, [0] * n) if n else s.row for s, n in zip(specs, want)]
         _, sampled, slots = target.verify_plan(placeholder)
-        drows, feed = [], []
+        drows, catch_up = [], []
         for i in drafting:
             s = specs[i]
             row = s.row
@@ -136,35 +136,23 @@ class DraftModel:
                 sampling["seed"] = (int(sampling.get("seed", 0)) ^ DRAFT_SEED_SALT) & 0xFFFFFFFF
             if self.greedy:
                 sampling["temperature"] = 0.0
-            if offsets[i]:  # the token before the row's is missing too: feed it first, then the row's
-                hist = list(s.sequence[: row.start_pos])[-len(row.history) :] if len(row.history) else ()
-                drows.append(RowInput(tokens=[s.sequence[row.start_pos - 1]], start_pos=row.start_pos - 1,
-                                      pages=row.pages, sampling=sampling, history=hist, bias=row.bias,
-                                      dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
-                feed.append(int(row.tokens[0]))
-            else:
-                drows.append(RowInput(tokens=list(row.tokens), start_pos=row.start_pos, pages=row.pages,
-                                      sampling=sampling, history=row.history, bias=row.bias,
-                                      dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
-                feed.append(-1)
-        tokens, q, on_device = self.engine.draft(drows, [slots[i] for i in drafting], sampled, feed, host=host)
-        # a burst with a catch-up row runs k + 1 steps, so that rows without one also feed (write the KV of) d_k;
-        # a burst without runs k (`paged.step.draft_burst_jit`)
-        self._wrote_last_draft = any(f >= 0 for f in feed)
+            drows.append(RowInput(tokens=list(row.tokens), start_pos=row.start_pos, pages=row.pages,
+                                  sampling=sampling, history=row.history, bias=row.bias,
+                                  dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
+            # the token before the row's is missing too: fed first, in the same forward
+            catch_up.append(int(s.sequence[row.start_pos - 1]) if offsets[i] else -1)
+        tokens, q, on_device = self.engine.draft(drows, [slots[i] for i in drafting], sampled, catch_up, host=host)
         if tokens is None:
-            return None, q, offsets, want, on_device
+            return None, q, want, on_device
         drafts: list[list[int]] = [[] for _ in specs]
         for j, i in enumerate(drafting):
             drafts[i] = [int(t) for t in tokens[j]]
-        return drafts, q, offsets, want, on_device
+        return drafts, q, want, on_device
 
-    def accepted(self, spec: Any, item: Any, num_drafts: int, offset: int) -> None:
+    def accepted(self, spec: Any, item: Any, num_drafts: int) -> None:
         """Record what the draft cache holds of the job after the step (see the module docstring)."""
         if not num_drafts:
             return
-        a = item.num_accepted
-        # The draft fed the row's token and its drafts d_1 .. d_k (d_k only for a row without catch-up in a burst
-        # of k + 1 steps: a catch-up row's drafts start a step later, and a burst without catch-up rows runs k
-        # steps): the accepted ones have valid KV.
-        wrote_last = offset == 0 and self._wrote_last_draft
-        self.kv[spec.key] = spec.row.start_pos + 1 + (a if wrote_last else min(a, self.k - 1))
+        # The burst fed the row's token (after its catch-up token, if any) and its drafts d_1 .. d_(k-1), not d_k:
+        # the accepted ones have valid KV.
+        self.kv[spec.key] = spec.row.start_pos + 1 + min(item.num_accepted, self.k - 1)

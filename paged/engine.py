@@ -25,6 +25,7 @@ from paged.sharding import make_mesh, shard_params, shard_state, to_host
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
+    catch_up_shape,
     decode_burst_jit,
     draft_burst_jit,
     forward_inputs,
@@ -233,12 +234,12 @@ class Engine:
 
     @_under_mesh
     def draft(self, rows: Sequence[RowInput], slots: Sequence[int], num_rows: int,
-              then_feed: Sequence[int], *, host: bool = True) -> tuple[np.ndarray | None, jax.Array, jax.Array]:
+              catch_up: Sequence[int], *, host: bool = True) -> tuple[np.ndarray | None, jax.Array, jax.Array]:
         """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
         jitted call (`paged.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
-        `num_rows` rows (the target's verification rows, so that the distributions line up with them), and feeds
-        `then_feed[i]` after its token when that is >= 0 (see `draft_burst_jit`; a burst where no row feeds one runs
-        k steps instead of k + 1, which `paged.draft.DraftModel` accounts for). Returns the drafts (host, i32
+        `num_rows` rows (the target's verification rows, so that the distributions line up with them); where
+        `catch_up[i] >= 0` the cache lacks that token, at position `rows[i].start_pos - 1`, and the burst's first
+        forward feeds it before the row's token (`draft_burst_jit(window=)`). Returns the drafts (host, i32
         `[len(rows), draft_len]`; None unless `host`: then nothing waits for the burst, and the burst's time
         shows in the target's `timings["wait_s"]` instead of this engine's), their distributions
         (device, f32 log-probs `[num_rows, draft_len, V]`, by batch row), and the drafts on the device (i32
@@ -249,13 +250,17 @@ class Engine:
         t0 = time.perf_counter()
         shape = self.spec.shape(PrefillDecodeLayout(0, 1, num_rows))
         batch, got_slots = build_batch(rows, shape, self.page_size, self.vocab_size, slots=slots)
-        feed = np.full(num_rows, -1, np.int32)
-        feed[list(got_slots)] = list(then_feed)
+        window = None
+        if any(t >= 0 for t in catch_up):
+            wrows = [RowInput(tokens=[t, *r.tokens], start_pos=r.start_pos - 1, pages=r.pages, verify=True) if t >= 0
+                     else RowInput(tokens=list(r.tokens), start_pos=r.start_pos, pages=r.pages)
+                     for r, t in zip(rows, catch_up, strict=True)]
+            window = forward_inputs(build_batch(wrows, catch_up_shape(shape), self.page_size, slots=slots)[0])
         t1 = time.perf_counter()
-        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, feed, cfg=self.cfg,
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, window, cfg=self.cfg,
                                                 shape=forward_shape(shape), num_drafts=self.draft_len,
-                                                catch_up=bool((feed >= 0).any()), attn_impl=self.attn_impl,
-                                                matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
+                                                attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
+                                                pad_rows=self.draft_rows)
         t2 = time.perf_counter()
         got = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)] if host else None
         self.timings["build_s"] += t1 - t0
@@ -473,8 +478,8 @@ class Engine:
         ("decode_burst", n = steps) of each decode-only bucket. With speculation: the verification sampler
         ("verify") of each row count of the verification buckets that run it alone, forward and verification
         sampler in one program ("fused_verify") of the decode-only verification buckets, and on
-        a draft engine the proposal bursts ("draft_burst", n = steps: drafts + 1 with a catch-up token, drafts
-        without) of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
+        a draft engine the proposal bursts ("draft_burst", n = 1 with a catch-up window, 0 without) of each
+        decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
         out = [(("fused_verify" if s.verify_len else "fused") if self.fused(s) else "step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
@@ -492,7 +497,7 @@ class Engine:
         if decode_steps > 1:
             out += [("decode_burst", s, decode_steps) for s in plain_decode]
         if self.draft_len:
-            out += [("draft_burst", s, n) for s in plain_decode for n in (self.draft_len + 1, self.draft_len)]
+            out += [("draft_burst", s, n) for s in plain_decode for n in (1, 0)]
         return out
 
     @_under_mesh
@@ -512,7 +517,7 @@ class Engine:
         plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
             work += [(shape, decode_steps, "burst") for shape in plain_decode]
-        if self.draft_len:  # both proposal bursts: with a catch-up token (k + 1 steps) and without (k)
+        if self.draft_len:  # both proposal bursts: with a catch-up window and without
             work += [(shape, self.draft_len, kind) for shape in plain_decode for kind in ("draft", "draft_no_catch_up")]
         it = work
         if progress:
@@ -535,10 +540,11 @@ class Engine:
                 outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
             if kind.startswith("draft"):
+                window = (forward_inputs(build_batch([], catch_up_shape(shape), self.page_size)[0])
+                          if kind == "draft" else None)
                 self.state, tokens, _ = draft_burst_jit(
-                    self.model.params, self.state, batch, np.full(shape.num_rows, -1, np.int32), cfg=self.cfg,
-                    shape=forward_shape(shape), num_drafts=n, catch_up=kind == "draft", attn_impl=self.attn_impl,
-                    matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
+                    self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
+                    num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
                 outs.append(tokens)
                 continue
             verify = bool(shape.verify_len)

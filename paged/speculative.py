@@ -269,7 +269,6 @@ class SpecPlan:
     draft_logprobs: jax.Array | None
     inputs: list[SpecRow]
     num_drafts: list[int]  # drafts verified per row (0: an ordinary row)
-    draft_offsets: list[int]  # model drafter: the catch-up (0 or 1) of each drafted row, else 0
     classes: list[int] | None = None  # adaptive: each row's evidence class (n-gram match length; 0 for a model)
     draft_tokens: jax.Array | None = None  # a draft model's drafts on the device (`engine.run(draft_tokens=)`)
 
@@ -395,15 +394,14 @@ class Speculator:
         index.sync(spec.sequence)
         return index.propose_match(n)
 
-    def _plain(self, specs: Sequence[SpecRow], offsets: list[int]) -> SpecPlan:
+    def _plain(self, specs: Sequence[SpecRow]) -> SpecPlan:
         return SpecPlan(rows=[s.row for s in specs], draft_logprobs=None, inputs=list(specs),
-                        num_drafts=[0] * len(specs), draft_offsets=offsets)
+                        num_drafts=[0] * len(specs))
 
     def plan(self, specs: Sequence[SpecRow]) -> SpecPlan:
         """Draft for every decode row with `max_drafts > 0` and lay the step's rows out for verification (see the
         module docstring for the call sequence)."""
         want = [min(self.k, s.max_drafts) if (s.row.is_decode and s.row.sample) else 0 for s in specs]
-        offsets = [0] * len(specs)
         sampling_rows = sum(bool(s.row.sample) for s in specs)
         if self.draft is None:
             found = [self._propose_ngram(s, n) if n else ([], 0) for s, n in zip(specs, want)]
@@ -411,24 +409,24 @@ class Speculator:
             classes = [length for _, length in found]
             if not any(drafts) or (self.gate is not None and not self.gate.decide(
                     [(s.key, c, len(d)) for s, d, c in zip(specs, drafts, classes)], sampling_rows)):
-                return self._plain(specs, offsets)
+                return self._plain(specs)
             vrows = [verification_row(s, d) if d else s.row for s, d in zip(specs, drafts)]
             return SpecPlan(rows=vrows, draft_logprobs=None, inputs=list(specs), num_drafts=[len(d) for d in drafts],
-                            draft_offsets=offsets, classes=classes)
+                            classes=classes)
         if self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
                                                           sampling_rows):
             want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
         # The drafts stay on the device (the target's forward writes them into the rows' token slots) unless a row
         # needs them on the host before the step: its penalty history or its grammar masks follow them.
         host = any(s.host_drafts or s.penalty_window or len(s.row.history) for s, n in zip(specs, want) if n)
-        drafts, q, offsets, want, on_device = self.draft.propose(self.target, specs, want, host=host)
+        drafts, q, want, on_device = self.draft.propose(self.target, specs, want, host=host)
         if not any(want):
-            return self._plain(specs, offsets)
+            return self._plain(specs)
         if drafts is None:
             drafts = [[0] * n for n in want]  # placeholders: the forward reads `on_device`
         vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, want)]
         return SpecPlan(rows=vrows, draft_logprobs=q, inputs=list(specs), num_drafts=list(want),
-                        draft_offsets=offsets, classes=[0] * len(specs), draft_tokens=on_device)
+                        classes=[0] * len(specs), draft_tokens=on_device)
 
     def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
         """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""
@@ -459,7 +457,7 @@ class Speculator:
                 item = Accepted(tokens=[], logprobs=np.zeros(0, np.float32), top_ids=np.zeros((0, 0), np.int32),
                                 top_logprobs=np.zeros((0, 0), np.float32), logits=None, kv_advance=len(row.tokens))
             if self.draft is not None:
-                self.draft.accepted(spec, item, m, plan.draft_offsets[i])
+                self.draft.accepted(spec, item, m)
             res.append(item)
         return res
 

@@ -434,65 +434,85 @@ def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.nd
         res = _sample_rows(head, cfg, h, sample_inputs(b), want_top_k, top_k_width, matmul_impl,
                            keep_logits=return_logits, keep_final=keep_final)
         tok = res.token if forced_t is None else jnp.where(forced_t >= 0, forced_t, res.token)
-        tok = jnp.where(active, tok, 0)
-        history = b.history
-        if history.shape[1]:
-            history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
-        nb = b.replace(token_ids=tok, positions=b.positions + active, kv_lens=b.kv_lens + active,
-                       sample_positions=b.sample_positions + active, history=history)
-        return (state, nb), res
+        return (state, _advance(b, tok, active)), res
 
     (state, _), res = jax.lax.scan(body, (state, batch), forced, length=num_steps)
     return state, res
 
 
+def _advance(b: Batch, tok: jnp.ndarray, active: jnp.ndarray) -> Batch:
+    """A decode-only batch one step on: each active row's token is `tok` (i32 [S]), one position later, with it at
+    the end of the row's penalty history."""
+    tok = jnp.where(active, tok, 0)
+    history = b.history
+    if history.shape[1]:
+        history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
+    return b.replace(token_ids=tok, positions=b.positions + active, kv_lens=b.kv_lens + active,
+                     sample_positions=b.sample_positions + active, history=history)
+
+
+def catch_up_shape(shape: BatchShape) -> BatchShape:
+    """The bucket of a draft burst's catch-up forward for the decode-only bucket `shape`: one window of two token
+    slots per row (`paged.buckets.BucketSpec.window_shape`), window s holding row s's catch-up token and its token
+    (or the token alone)."""
+    return dataclasses.replace(shape, layout=PrefillDecodeLayout(shape.num_rows, 2, 0), tail_decode_rows=0,
+                               sample_rows=(shape.num_rows,), verify_len=2)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "catch_up", "attn_impl", "matmul_impl", "pad_rows"),
+    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl", "pad_rows"),
     donate_argnames=("state",),
 )
 def draft_burst_jit(
     params: Weights,
     state: EngineState,
     batch: Batch,
-    then_feed: jnp.ndarray,
+    window: Batch | None = None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
     num_drafts: int,
-    catch_up: bool = True,
     attn_impl: str = "auto",
     matmul_impl: str = "auto",
     pad_rows: int = 0,
 ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
     """A draft model's proposal for every row of a decode-only `batch` (`shape` is `forward_shape` of its bucket):
-    `num_drafts + 1` steps of the `decode_burst_jit` scan. Row s feeds its batch token; where `then_feed[s] >= 0`
-    (the draft cache lacked one more token: the row's last draft was accepted and the target added the bonus
-    token) that token is fed after step 0 instead of step 0's sample, and the row's drafts start one step later.
-    So the drafts of row s are the samples of steps `c .. c + num_drafts - 1`, c = (then_feed[s] >= 0); a row with
-    c = 0 runs one step more than its drafts need, which writes its last draft's KV (counted by
-    `paged.draft.DraftModel.accepted` when every draft is accepted).
-    `catch_up=False` (the caller's promise that no row feeds a token: `then_feed` all -1) runs `num_drafts` steps
-    only: the same drafts, one draft forward fewer (at k = 1 half the burst), and the last draft's KV is not written
-    (the caller's bookkeeping knows: `paged.draft.DraftModel.accepted`).
+    `num_drafts` steps of the `decode_burst_jit` scan, each feeding the previous step's sample; row s's drafts are
+    the samples of the steps, and the last draft's KV is not written (`paged.draft.DraftModel.accepted` counts it).
+
+    `window` (forward inputs of a `catch_up_shape(shape)` batch, window s for batch row s): where the draft cache
+    lacks the token before a row's (the row's last draft was accepted and the target added the bonus token),
+    step 0 runs this forward instead of the batch's, feeding that token and the row's in one window (rows without
+    one feed their token alone), and samples at each row's last token with the batch's sampler inputs: the same
+    drafts a decode step after the catch-up token would draw, for one draft forward of two tokens instead of two of
+    one. Compiles once per bucket with a window and once without.
 
     Returns the new state, the drafts i32 `[S, num_drafts]` (`[max(S, pad_rows), num_drafts]`, zero rows after the
     S-th: the fixed row count of a target's `step_forward(draft_feed=)`, whatever S), and the distributions they
     were drawn from, f32 `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection
     sampling), on the device."""
-    if not catch_up:
-        then_feed = jnp.full_like(then_feed, -1)
-    steps = num_drafts + int(catch_up)
-    forced = jnp.full((steps, shape.num_rows), -1, jnp.int32).at[0].set(then_feed)
-    state, res = _burst(params, state, batch, jnp.asarray(False), forced, cfg, shape, steps, attn_impl, matmul_impl,
-                        TOP_K_WIDTH, return_logits=False, keep_final=True)
-    c = (then_feed >= 0).astype(jnp.int32)  # [S]
-    idx = c[:, None] + jnp.arange(num_drafts, dtype=jnp.int32)  # [S, k]: the step of each draft
-    tokens = jnp.take_along_axis(res.token.T, idx, axis=1)  # res.token [steps, S]
-    final = jnp.swapaxes(res.final, 0, 1)  # [S, steps, V]
-    q = jnp.take_along_axis(final, idx[:, :, None], axis=1)
+    if window is None:
+        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
+                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
+        tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
+    else:
+        if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
+            raise ValueError("draft_burst_jit needs a decode-only batch shape sampling every row")
+        s = shape.num_rows
+        state, h = _forward(params, state, window, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [S * 2, H]
+        last = jnp.arange(s, dtype=jnp.int32) * 2 + jnp.maximum(window.query_lens - 1, 0)
+        first = _sample_rows(lm_head(params), cfg, h[last], sample_inputs(batch), jnp.asarray(False), TOP_K_WIDTH,
+                             matmul_impl, keep_logits=False, keep_final=True)
+        tokens, final = first.token[:, None], first.final[:, None]
+        if num_drafts > 1:
+            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
+                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
+                                return_logits=False, keep_final=True)
+            tokens = jnp.concatenate([tokens, res.token.T], axis=1)
+            final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
     if pad_rows > tokens.shape[0]:
         tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
-    return state, tokens, q
+    return state, tokens, final
 
 
 def decode_burst(
@@ -538,6 +558,7 @@ __all__ = [
     "TOP_K_WIDTH",
     "count_compiles",
     "decode_burst",
+    "catch_up_shape",
     "decode_burst_jit",
     "draft_burst_jit",
     "forward_inputs",

@@ -381,33 +381,34 @@ def test_invalid_speculation_configs():
                                              source="small"))
 
 
-def test_a_burst_without_catch_up_drafts_what_the_full_burst_drafts():
-    """`draft_burst_jit(catch_up=False)`, what `Engine.draft` runs when no row feeds a catch-up token, takes k steps
-    instead of k + 1: the same drafts and distributions (a sampled row and a greedy one), one draft forward fewer."""
+def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_drafts():
+    """Where the draft cache lacks the token before a row's (its last draft was accepted), `Engine.draft(catch_up=)`
+    feeds that token and the row's in one two-token forward (`draft_burst_jit(window=)`): the same drafts and
+    distributions, and the same cache, as feeding the missing token in a forward of its own and then drafting; a
+    row without a catch-up token in the same burst drafts as before. Rows sit at slots with gaps (the target's
+    verification rows), one sampled with penalties, one greedy."""
     import jax
-
-    from paged.batch import build_batch
-    from paged.step import draft_burst_jit, forward_shape
-    from pallas_kernels.paged_attention import PrefillDecodeLayout
 
     engine = Engine(MODEL, **SETTINGS)
     engine.enable_drafting(3, pad_rows=4)
-    rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED)),
-            RowInput(tokens=[9], start_pos=3, pages=[2], sampling={"temperature": 0.0})]
+    engine.run_forward([RowInput(tokens=[3, 1, 4, 1], start_pos=0, pages=[1], sample=False)])
+    engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
+    rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED), history=[3, 1, 4, 1, 6]),
+            RowInput(tokens=[9], start_pos=3, pages=[2], sampling={"temperature": 0.0}, history=[5, 9, 2])]
     saved = jax.tree.map(jnp.copy, engine.state)
-    tokens, q, on_device = engine.draft(rows, [0, 1], 2, [-1, -1])
-    again = jax.tree.map(jnp.copy, saved)
+    engine.run_forward([RowInput(tokens=[6], start_pos=4, pages=[1], sample=False)])  # the missing token alone
+    ref_tokens, ref_q, ref_dev = engine.draft(rows, [2, 0], 4, [-1, -1])
+    ref_state = engine.state
     engine.state = jax.tree.map(jnp.copy, saved)
-    none, _, on_device2 = engine.draft(rows, [0, 1], 2, [-1, -1], host=False)
-    assert none is None  # no host copy
+    tokens, q, on_device = engine.draft(rows, [2, 0], 4, [6, -1])
+    assert tokens.shape == (2, 3) and np.asarray(on_device).shape == (4, 3)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+    np.testing.assert_array_equal(np.asarray(on_device)[[2, 0]], tokens)  # (the padding rows' drafts are unused)
+    np.testing.assert_array_equal(np.asarray(ref_dev)[[2, 0]], tokens)
+    np.testing.assert_allclose(np.asarray(q)[[2, 0]], np.asarray(ref_q)[[2, 0]], rtol=0, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(engine.state), jax.tree.leaves(ref_state)):  # d_3's KV written by neither
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+    engine.state = jax.tree.map(jnp.copy, saved)
+    none, _, on_device2 = engine.draft(rows, [2, 0], 4, [6, -1], host=False)
+    assert none is None  # no host copy, nothing waited for
     np.testing.assert_array_equal(np.asarray(on_device2), np.asarray(on_device))
-    np.testing.assert_array_equal(np.asarray(on_device), np.concatenate([tokens, np.zeros((2, 3), np.int32)]))
-    saved = again
-    shape = engine.spec.shape(PrefillDecodeLayout(0, 1, 2))
-    batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, slots=[0, 1])
-    _, full_tokens, full_q = draft_burst_jit(MODEL.params, saved, batch, np.full(2, -1, np.int32), cfg=engine.cfg,
-                                             shape=forward_shape(shape), num_drafts=3, catch_up=True,
-                                             attn_impl=engine.attn_impl, matmul_impl=engine.matmul_impl)
-    assert tokens.shape == (2, 3)
-    np.testing.assert_array_equal(tokens, np.asarray(full_tokens))
-    np.testing.assert_array_equal(np.asarray(q), np.asarray(full_q))

@@ -6,7 +6,10 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 
 Drafter names: `none`, `ngram`, `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
 (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
-`paged/draft_gate.py`). Each configuration warms up (compiles) first; then, per workload and batch size b, the same
+`paged/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive` where
+both): its proposal bursts wait for each verification's results on the host instead of going ahead
+(`paged.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration warms up
+(compiles) first; then, per workload and batch size b, the same
 `--num_prompts` seeded prompts run with at most b jobs in the generator at once (a finished job's slot takes the
 next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
 record carries the flags, git state, device and versions (`experiments.serving.env`).
@@ -43,7 +46,7 @@ flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft
 flags.DEFINE_enum("draft_quant", "int8", ["int8", "int4", "none"], "the distilled draft's weights (a float "
                   "checkpoint): int8 / int4 quantized at load (the native CPU kernel runs them), or none (float32)")
 flags.DEFINE_list("drafters", ["none", "ngram", "self", "distilled"], "configurations to run (each may take the "
-                  "suffix _adaptive: adaptive_draft=True)")
+                  "suffix _adaptive: adaptive_draft=True; a draft model then _late: no burst dispatched ahead)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs in the generator at once")
 flags.DEFINE_integer("num_prompts", 0, "prompts per workload and batch size (0: the largest batch size)")
 flags.DEFINE_float("draft_token_cost", None, "_adaptive drafters: the step-cost model's rho (None: the backend's)")
@@ -84,7 +87,7 @@ def main(argv):
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None}
-    if any(d.removesuffix("_adaptive") == "self" for d in FLAGS.drafters):
+    if any(drafter_name(d)[0] == "self" for d in FLAGS.drafters):
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if FLAGS.draft_dir:
         drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False,
@@ -100,15 +103,16 @@ def main(argv):
                                                         "matmul_impl", "attn_tuning", "matmul_tuning")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
-    unknown = [d for d in FLAGS.drafters if d.removesuffix("_adaptive") not in ("none", "ngram", "self", "distilled")]
+    unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in ("none", "ngram", "self", "distilled")
+               or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")]
     if unknown:
         raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, self, distilled (each may end in "
-                             "_adaptive)")
+                             "_adaptive; self and distilled then in _late)")
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     num_prompts = FLAGS.num_prompts or max(batch_sizes)
     gens = {}  # drafter -> (generator, compile seconds): every configuration built and warmed up first
     for drafter in FLAGS.drafters:
-        base, adaptive = drafter.removesuffix("_adaptive"), drafter.endswith("_adaptive")
+        base, adaptive, late = drafter_name(drafter)
         if base not in drafts:
             print(f"skipping {drafter} (no --draft_dir)")
             continue
@@ -127,6 +131,8 @@ def main(argv):
                               matmul_tuning=FLAGS.matmul_tuning)
         gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), config=config,
                                max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
+        if late:
+            gen.speculation.speculator.draft.pipeline = False
         t0 = time.perf_counter()
         if FLAGS.warmup:
             gen.warmup()
@@ -159,6 +165,13 @@ def main(argv):
     write_record(FLAGS.json_out, record)
 
 
+def drafter_name(name: str) -> tuple[str, bool, bool]:
+    """(drafter, adaptive, late) of a `--drafters` entry: the suffixes `_late` and `_adaptive` taken off."""
+    late = name.endswith("_late")
+    name = name.removesuffix("_late")
+    return name.removesuffix("_adaptive"), name.endswith("_adaptive"), late
+
+
 def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, tok) -> dict:
     """One run: the workload's `num_prompts` seeded prompts through `gen`, at most `bs` jobs at once."""
     from paged import Job
@@ -189,6 +202,7 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "mean_accepted_length": 1 + acc / rows if rows else None, "verification_rows": rows,
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
+            "draft_bursts_ahead_used": after["draft_bursts_ahead_used"] - before["draft_bursts_ahead_used"],
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
             "fuse_sampler": gen.config.fuse_sampler, "engine": gen.config.to_dict(), "output_hashes": outputs,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}

@@ -49,7 +49,7 @@ flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the reco
 FLAGS = flags.FLAGS
 
 PARTS = {"step_forward": "paged.engine", "step_sample": "paged.engine", "verify_sample": "paged.speculative",
-         "draft_burst_jit": "paged.engine"}
+         "draft_burst_jit": "paged.engine", "draft_ahead_jit": "paged.engine"}
 
 
 def abstract(a: tuple, k: dict) -> tuple[tuple, dict]:

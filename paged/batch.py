@@ -153,11 +153,11 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
     bias: up to `shape.num_bias` entries of a row go in the sparse arrays; a row with more goes in the dense
     `[S', V]` bias, which needs `vocab_size` (without it, `Batch.bias_dense` is None and such a row is an error).
     Returns the batch and, for each input row, its row index in the batch (where its results come out).
-    `slots` (decode-only buckets only, plain or verification): put input row i in batch row `slots[i]` instead (rows
-    in between are padding), so that a draft model's batch lines up with the target's verification batch.
+    `slots` (decode-only buckets only): put input row i in batch row `slots[i]` instead (rows in between are
+    padding), so that a draft model's batch lines up with the target's verification batch.
     """
     if shape.verify_len:
-        return _build_verify_batch(rows, shape, page_size, vocab_size, sample_rows, slots)
+        return _build_verify_batch(rows, shape, page_size, vocab_size, sample_rows)
     if any(r.verify for r in rows):
         raise ValueError(f"verification rows need a verification bucket (verify_len > 0), got {shape}")
     lay = shape.layout
@@ -266,12 +266,11 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
 
 
 def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None,
-                        sample_rows: int | None, slots: Sequence[int] | None = None) -> tuple[Batch, list[int]]:
+                        sample_rows: int | None) -> tuple[Batch, list[int]]:
     """`build_batch` for a verification bucket (`shape.verify_len` W > 0; see `paged.state`): step rows (verification
     rows, 1-token rows) own W slots each, in input order: windows of a decode-only bucket, or the tail of the last
     prefill window at a stride of W; multi-token non-verification rows are prefill chunks in the windows (the
-    longest first). Every row has W sample points; the sampler inputs have `sample_rows * W` rows. `slots`: as
-    `build_batch`'s, in a decode-only bucket (row i in window `slots[i]`)."""
+    longest first). Every row has W sample points; the sampler inputs have `sample_rows * W` rows."""
     w = shape.verify_len
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
@@ -313,14 +312,9 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     sampling_rows: list[Mapping] = [{} for _ in range(n_pts)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)
-    if slots is not None and (not shape.step_rows_in_windows or len(slots) != len(rows)
-                              or len(set(slots)) != len(slots) or any(not 0 <= x < sp for x in slots)):
-        raise ValueError(f"slots={list(slots)} must place {len(rows)} step rows in distinct windows of a decode-only "
-                         f"verification bucket, got {shape}")
     if shape.step_rows_in_windows:
         for j, i in enumerate(steps):
-            x = j if slots is None else slots[i]
-            slot_of[i], start[i] = x, x * qm
+            slot_of[i], start[i] = j, j * qm
     else:
         for j, i in enumerate(pre):
             slot_of[i], start[i] = j, j * qm

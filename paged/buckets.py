@@ -160,16 +160,11 @@ class BucketSpec:
                           tail_decode_rows=self.max_batch_size - sp if sp else 0,
                           sample_rows=tuple(n for n in self.sample_rows if sp and sp <= n < rows) + (rows,))
 
-    def window_shape(self, n: int, width: int) -> BatchShape:
-        """A decode-only bucket of `n` step rows owning a window of `width` >= 2 token slots each (row s: slots
-        s * width ..): the layout of the decode-only verification buckets (`width` = `verify_len`), and of a draft
-        model's burst that feeds a catch-up token and a row's token in one forward (`paged.step.catch_up_shape`)."""
-        return BatchShape(layout=PrefillDecodeLayout(n, width, 0), pages_per_row=self.max_pages_per_row,
-                          history_len=self.history_len, num_bias=BIAS_WIDTH,
-                          page_buckets=self.pages if self.page_switch else (), sample_rows=(n,), verify_len=width)
-
     def _verify_decode_shape(self, n: int) -> BatchShape:
-        return self.window_shape(n, self.verify_len)
+        w = self.verify_len
+        return BatchShape(layout=PrefillDecodeLayout(n, w, 0), pages_per_row=self.max_pages_per_row,
+                          history_len=self.history_len, num_bias=BIAS_WIDTH,
+                          page_buckets=self.pages if self.page_switch else (), sample_rows=(n,), verify_len=w)
 
     def _verify_mixed_shape(self, sp: int, window: int) -> BatchShape:
         shape = dataclasses.replace(self.shape(PrefillDecodeLayout(sp, window, 0)), verify_len=self.verify_len)

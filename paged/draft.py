@@ -69,12 +69,18 @@ class DraftModel:
         target.enable_fed_drafts()  # the target's verification reads the burst's drafts on the device (`propose`)
         self.engine.enable_drafting(num_draft_tokens, pad_rows=target.fed_rows)
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
+        self.pipeline = True  # dispatch the next step's burst ahead where the step allows (`ahead`)
+        self._can_ahead: tuple | None = None  # the last burst's rows, when `ahead` may follow it
+        self._ahead: tuple | None = None  # a burst dispatched ahead: (keys, next positions, slots, rows, q, drafts)
+        self._next: dict[Hashable, tuple[int, int]] = {}  # per job after a verification: (position, token) of its row
+        self.ahead_bursts = [0, 0]  # bursts dispatched ahead, and of them used by the next step
 
     def warmup(self, progress: bool = False) -> int:
         return self.engine.warmup(progress=progress)
 
     def release(self, key: Hashable) -> None:
         self.kv.pop(key, None)
+        self._next.pop(key, None)
 
     def _mirror(self, items: list[tuple[Hashable, RowInput]]) -> None:
         """Run the forward of `items` on the draft engine (K/V only: no sampler, no wait for the device), in as few
@@ -104,6 +110,11 @@ class DraftModel:
         `target.run(draft_tokens=)`)."""
         from paged.speculative import DRAFT_SEED_SALT, verification_row
 
+        ahead, self._ahead, self._can_ahead = self._ahead, None, None
+        if ahead is not None and self.pipeline and not host:
+            got = self._take_ahead(ahead, target, specs, want)
+            if got is not None:
+                return got
         mirror: list[tuple[Hashable, RowInput]] = []
         chunk = self.engine.config.max_chunk_size
         offsets = [0] * len(specs)
@@ -142,6 +153,14 @@ class DraftModel:
             # the token before the row's is missing too: fed first, in the same forward
             catch_up.append(int(s.sequence[row.start_pos - 1]) if offsets[i] else -1)
         tokens, q, on_device = self.engine.draft(drows, [slots[i] for i in drafting], sampled, catch_up, host=host)
+        # The next step's burst may be dispatched ahead when every row of this one drafts with its drafts on the
+        # device, has no penalty history (which would follow the verified tokens) and holds pages for all the burst
+        # may write: up to 2k positions past its token (k accepted, the target's token, k - 1 drafts' KV).
+        ps = self.engine.config.page_size
+        if self.pipeline and not host and not mirror and len(drafting) == len(specs) and all(
+                not len(specs[i].row.history) and len(specs[i].row.pages) * ps > specs[i].row.start_pos + 2 * self.k
+                for i in drafting):
+            self._can_ahead = ([specs[i].key for i in drafting], [slots[i] for i in drafting], sampled)
         if tokens is None:
             return None, q, want, on_device
         drafts: list[list[int]] = [[] for _ in specs]
@@ -156,3 +175,42 @@ class DraftModel:
         # The burst fed the row's token (after its catch-up token, if any) and its drafts d_1 .. d_(k-1), not d_k:
         # the accepted ones have valid KV.
         self.kv[spec.key] = spec.row.start_pos + 1 + min(item.num_accepted, self.k - 1)
+        self._next[spec.key] = (spec.row.start_pos + 1 + item.num_accepted, int(item.tokens[-1]))
+
+    def ahead(self, results: Any) -> None:
+        """Dispatch the next step's burst for this step's rows now, before the host has seen `results` (the
+        verification's device results; `Engine.draft_ahead`), where `propose` allowed it: the burst then runs while
+        the host takes in this step and lays out the next. `propose` uses it if the next step has exactly these rows,
+        each continuing where the verification left it (no job finished, rewound or joined); otherwise it is
+        dropped: it only wrote KV past what the draft cache is known to hold."""
+        can, self._can_ahead = self._can_ahead, None
+        if can is None or results.num_accepted is None:
+            return
+        q, on_device = self.engine.draft_ahead(results.token, results.num_accepted)
+        self._ahead = (*can, q, on_device)
+        self.ahead_bursts[0] += 1
+
+    def _take_ahead(self, ahead: tuple, target: Any, specs: Sequence[Any], want: list[int]
+                    ) -> tuple[None, jax.Array, list[int], jax.Array] | None:
+        """`propose`'s answer from a burst dispatched ahead (`ahead`), or None when this step's rows are not the
+        ones it drafted for, each at the token and position the verification left it."""
+        from paged.speculative import verification_row
+
+        keys, slots, sampled, q, on_device = ahead
+        if len(specs) != len(keys) or not all(want) or any(s.key is not k for s, k in zip(specs, keys)):
+            return None
+        for s in specs:
+            nxt = self._next.get(s.key)
+            if nxt is None or nxt != (s.row.start_pos, int(s.row.tokens[0])):
+                return None
+        placeholder = [verification_row(s, [0] * n) for s, n in zip(specs, want)]
+        _, now_sampled, now_slots = target.verify_plan(placeholder)
+        if now_sampled != sampled or list(now_slots) != list(slots):
+            return None
+        for s in specs:  # the burst fed the row's token (and the token before it where the cache lacked it)
+            self.kv[s.key] = s.row.start_pos + 1
+        self.engine.advance_burst(slots, [s.row.start_pos for s in specs], [int(s.row.tokens[0]) for s in specs])
+        self.ahead_bursts[1] += 1
+        self._can_ahead = (keys, slots, sampled) if all(
+            len(s.row.pages) * self.engine.config.page_size > s.row.start_pos + 2 * self.k for s in specs) else None
+        return None, q, want, on_device

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,8 +25,8 @@ from paged.sharding import make_mesh, shard_params, shard_state, to_host
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
-    catch_up_shape,
     decode_burst_jit,
+    draft_ahead_jit,
     draft_burst_jit,
     forward_inputs,
     forward_shape,
@@ -212,6 +212,7 @@ class Engine:
             raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.draft_len = num_draft_tokens
         self.draft_rows = pad_rows
+        self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
 
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
@@ -250,23 +251,52 @@ class Engine:
         t0 = time.perf_counter()
         shape = self.spec.shape(PrefillDecodeLayout(0, 1, num_rows))
         batch, got_slots = build_batch(rows, shape, self.page_size, self.vocab_size, slots=slots)
-        window = None
+        feed = None
         if any(t >= 0 for t in catch_up):
-            wrows = [RowInput(tokens=[t, *r.tokens], start_pos=r.start_pos - 1, pages=r.pages, verify=True) if t >= 0
-                     else RowInput(tokens=list(r.tokens), start_pos=r.start_pos, pages=r.pages)
-                     for r, t in zip(rows, catch_up, strict=True)]
-            window = forward_inputs(build_batch(wrows, catch_up_shape(shape), self.page_size, slots=slots)[0])
+            feed = np.full(num_rows, -1, np.int32)
+            feed[list(got_slots)] = list(catch_up)
         t1 = time.perf_counter()
-        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, window, cfg=self.cfg,
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, feed, cfg=self.cfg,
                                                 shape=forward_shape(shape), num_drafts=self.draft_len,
                                                 attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
                                                 pad_rows=self.draft_rows)
+        self._last_burst = (batch, shape)
         t2 = time.perf_counter()
         got = np.asarray(to_host(tokens))[np.asarray(got_slots, np.int64)] if host else None
         self.timings["build_s"] += t1 - t0
         self.timings["dispatch_s"] += t2 - t1
         self.timings["wait_s"] += time.perf_counter() - t2
         return got, q, tokens
+
+    @_under_mesh
+    def draft_ahead(self, emitted: jax.Array, num_accepted: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Propose the next `draft_len` tokens for the rows of the last proposal burst (`draft`, or this after
+        `advance_burst`), before their verification's results reach the host: `emitted` (i32 `[S', W]`) and
+        `num_accepted` (i32 `[S']`) are that verification's results by batch row, on the device
+        (`paged.step.draft_ahead_jit`: each row continues after its accepted drafts and the target's token).
+        Nothing waits. Returns the distributions and the drafts on the device, as `draft(host=False)`."""
+        if self._last_burst is None:
+            raise InvalidConfigError("draft_ahead() follows a proposal burst: call draft() first")
+        t0 = time.perf_counter()
+        batch, shape = self._last_burst
+        self.state, tokens, q = draft_ahead_jit(
+            self.model.params, self.state, batch, emitted, num_accepted, cfg=self.cfg, shape=forward_shape(shape),
+            num_drafts=self.draft_len, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
+            pad_rows=self.draft_rows)
+        self.timings["dispatch_s"] += time.perf_counter() - t0
+        return q, tokens
+
+    def advance_burst(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
+        """Move the last proposal burst's rows at batch rows `slots` to their next token: `tokens` at `positions`
+        (what a burst dispatched ahead fed, learnt from the verification's results), so that a `draft_ahead` after
+        it drafts for the rows' next step."""
+        batch, shape = self._last_burst
+        idx = np.asarray(slots, np.int64)
+        tid, pos, kv, sp = (np.array(a) for a in (batch.token_ids, batch.positions, batch.kv_lens,
+                                                    batch.sample_positions))
+        tid[idx], pos[idx] = tokens, positions
+        kv[idx] = sp[idx] = np.asarray(positions, np.int32) + 1
+        self._last_burst = (batch.replace(token_ids=tid, positions=pos, kv_lens=kv, sample_positions=sp), shape)
 
     @property
     def page_size(self) -> int:
@@ -336,6 +366,7 @@ class Engine:
     def run(
         self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False, num_steps: int = 1,
         draft_logprobs: jax.Array | None = None, draft_tokens: jax.Array | None = None,
+        after_dispatch: Callable[[Results], None] | None = None,
     ) -> StepOutput:
         """One step (or `num_steps` decode steps, results `[num_steps, n]`) over `rows`.
 
@@ -348,11 +379,13 @@ class Engine:
         `StepOutput`); `draft_logprobs` (device f32 `[S', k, V]` by batch row, from the draft engine's `draft()`
         laid out by `verify_plan`) is then required if the engine verifies a draft model's proposals, and
         `draft_tokens` (device i32 `[fed_rows, k]` by batch row, `draft(pad_rows=fed_rows)`) if it takes its drafts
-        from the device (`enable_fed_drafts`; the verification rows' draft tokens are then placeholders)."""
+        from the device (`enable_fed_drafts`; the verification rows' draft tokens are then placeholders).
+        `after_dispatch` (a verification step only) is called with the step's device results, by batch row, once the
+        step is dispatched and before anything waits for it (a draft model's next burst: `paged.draft.DraftModel`)."""
         if any(r.verify for r in rows):
             if num_steps != 1:
                 raise ValueError("a verification step is a single step (num_steps=1)")
-            return self._run_verify(rows, return_top_k, return_logits, draft_logprobs, draft_tokens)
+            return self._run_verify(rows, return_top_k, return_logits, draft_logprobs, draft_tokens, after_dispatch)
         k = min(return_top_k, self.vocab_size)
         wide = k > TOP_K_WIDTH
         if num_steps > 1 and (return_logits or wide):
@@ -417,7 +450,8 @@ class Engine:
                              matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH, match=self.verify_match)
 
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
-                    draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None) -> StepOutput:
+                    draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None,
+                    after_dispatch: Callable[[Results], None] | None = None) -> StepOutput:
         if not self.spec.verify_len:
             raise InvalidConfigError("verification rows need enable_verification() on the engine")
         if self.verify_probs and draft_logprobs is None:
@@ -435,6 +469,8 @@ class Engine:
         res = self._verify(batch, shape, sampled, feed, np.bool_(0 < k <= TOP_K_WIDTH),
                            draft_logprobs if self.verify_probs else None)
         t_dispatched = time.perf_counter()
+        if after_dispatch is not None:
+            after_dispatch(res)
         idx = np.asarray(slots)
         got = _to_host(res, k, return_logits, wide, num_accepted=res.num_accepted)
         t_done = time.perf_counter()
@@ -478,8 +514,8 @@ class Engine:
         ("decode_burst", n = steps) of each decode-only bucket. With speculation: the verification sampler
         ("verify") of each row count of the verification buckets that run it alone, forward and verification
         sampler in one program ("fused_verify") of the decode-only verification buckets, and on
-        a draft engine the proposal bursts ("draft_burst", n = 1 with a catch-up window, 0 without) of each
-        decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
+        a draft engine the proposal bursts ("draft_burst", n = 1 with catch-up tokens, 0 without; "draft_ahead")
+        of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
         out = [(("fused_verify" if s.verify_len else "fused") if self.fused(s) else "step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
@@ -497,7 +533,8 @@ class Engine:
         if decode_steps > 1:
             out += [("decode_burst", s, decode_steps) for s in plain_decode]
         if self.draft_len:
-            out += [("draft_burst", s, n) for s in plain_decode for n in (1, 0)]
+            out += [(kind, s, n) for s in plain_decode for kind, n in (("draft_burst", 1), ("draft_burst", 0),
+                                                                      ("draft_ahead", 1))]
         return out
 
     @_under_mesh
@@ -517,8 +554,9 @@ class Engine:
         plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
             work += [(shape, decode_steps, "burst") for shape in plain_decode]
-        if self.draft_len:  # both proposal bursts: with a catch-up window and without
-            work += [(shape, self.draft_len, kind) for shape in plain_decode for kind in ("draft", "draft_no_catch_up")]
+        if self.draft_len:  # the proposal bursts: with catch-up tokens, without, and dispatched ahead
+            work += [(shape, self.draft_len, kind) for shape in plain_decode
+                     for kind in ("draft", "draft_no_catch_up", "draft_ahead")]
         it = work
         if progress:
             from tqdm import tqdm
@@ -539,11 +577,17 @@ class Engine:
             if kind == "burst":
                 outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
+            if kind == "draft_ahead":
+                self.state, tokens, _ = draft_ahead_jit(
+                    self.model.params, self.state, batch, jnp.zeros((shape.num_rows, n + 1), jnp.int32),
+                    jnp.zeros(shape.num_rows, jnp.int32), cfg=self.cfg, shape=forward_shape(shape), num_drafts=n,
+                    attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
+                outs.append(tokens)
+                continue
             if kind.startswith("draft"):
-                window = (forward_inputs(build_batch([], catch_up_shape(shape), self.page_size)[0])
-                          if kind == "draft" else None)
+                feed = np.full(shape.num_rows, -1, np.int32) if kind == "draft" else None
                 self.state, tokens, _ = draft_burst_jit(
-                    self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
+                    self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
                     num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
                 outs.append(tokens)
                 continue

@@ -131,6 +131,7 @@ class SpeculativeStep:
         kw = {} if plan.draft_logprobs is None else {"draft_logprobs": plan.draft_logprobs}
         if plan.draft_tokens is not None:
             kw["draft_tokens"] = plan.draft_tokens
+            kw["after_dispatch"] = self.speculator.draft.ahead  # the next step's burst, where it may go ahead
         out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
         items = self.speculator.accept(plan, out)
         for job, item in zip(owners, items):
@@ -152,7 +153,8 @@ class SpeculativeStep:
                 "rejected_draft_tokens": s["rejected_draft_tokens"], "acceptance_rate": s["acceptance_rate"],
                 "mean_accepted_length": s["mean_accepted_length"], "verification_rows": self.speculator.rounds,
                 "accepted_at_position": s["accepted_at_position"], "gated_steps": s.get("gated_steps", 0),
-                "explored_steps": s.get("explored_steps", 0)}
+                "explored_steps": s.get("explored_steps", 0), "draft_bursts_ahead": s["draft_bursts_ahead"],
+                "draft_bursts_ahead_used": s["draft_bursts_ahead_used"]}
 
 
 def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
@@ -177,4 +179,4 @@ def empty_metrics() -> dict:
     """`SpeculativeStep.metrics()` of a generator that does not speculate."""
     return {"drafted_tokens": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0, "acceptance_rate": 0.0,
             "mean_accepted_length": 0.0, "verification_rows": 0, "accepted_at_position": [], "gated_steps": 0,
-            "explored_steps": 0}
+            "explored_steps": 0, "draft_bursts_ahead": 0, "draft_bursts_ahead_used": 0}

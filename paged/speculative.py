@@ -381,6 +381,8 @@ class Speculator:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": 1 + self.accepted / self.rounds if self.rounds else 0.0,
                 "accepted_at_position": self.accepted_at.tolist(),
+                "draft_bursts_ahead": self.draft.ahead_bursts[0] if self.draft is not None else 0,
+                "draft_bursts_ahead_used": self.draft.ahead_bursts[1] if self.draft is not None else 0,
                 **({} if self.gate is None else self.gate.stats())}
 
     # ------------------------------------------------------------------ per step

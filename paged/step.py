@@ -453,10 +453,56 @@ def _advance(b: Batch, tok: jnp.ndarray, active: jnp.ndarray) -> Batch:
 
 def catch_up_shape(shape: BatchShape) -> BatchShape:
     """The bucket of a draft burst's catch-up forward for the decode-only bucket `shape`: one window of two token
-    slots per row (`paged.buckets.BucketSpec.window_shape`), window s holding row s's catch-up token and its token
-    (or the token alone)."""
+    slots per row (the layout of a decode-only verification bucket of width 2), window s holding row s's catch-up
+    token and its token, or its token alone."""
     return dataclasses.replace(shape, layout=PrefillDecodeLayout(shape.num_rows, 2, 0), tail_decode_rows=0,
                                sample_rows=(shape.num_rows,), verify_len=2)
+
+
+def _catch_up_window(batch: Batch, catch_up: jnp.ndarray) -> Batch:
+    """The forward inputs of `catch_up_shape`'s bucket for a decode-only `batch` (row s's token in slot s): window s
+    feeds `catch_up[s]` at the position before the row's token, then the token, where `catch_up[s] >= 0`; the token
+    alone where not."""
+    s = batch.query_lens.shape[0]
+    rows = jnp.arange(s, dtype=jnp.int32)
+    active = batch.query_lens > 0
+    c = active & (catch_up >= 0)
+    tok, pos = batch.token_ids[:s], batch.positions[:s]
+    pair = lambda a, b: jnp.stack([a, b], axis=1).reshape(-1)  # noqa: E731  [S, 2] -> [2S]: window s is 2s, 2s + 1
+    qlen = active.astype(jnp.int32) + c
+    return Batch(token_ids=pair(jnp.where(c, catch_up, tok), jnp.where(c, tok, 0)), positions=pair(pos - c, pos),
+                 token_rows=pair(jnp.where(active, rows, s), jnp.where(c, rows, s)), query_lens=qlen,
+                 kv_lens=batch.kv_lens, page_table=batch.page_table, decode_tokens=jnp.zeros(0, jnp.int32),
+                 last_tokens=rows * 2 + jnp.maximum(qlen - 1, 0), sample_tokens=jnp.stack([rows * 2, rows * 2 + 1], 1),
+                 sample_positions=None, history=None, bias_ids=None, bias_values=None, sampling=None,
+                 lora_slots=batch.lora_slots)
+
+
+def _draft(params: Weights, state: EngineState, batch: Batch, catch_up: jnp.ndarray | None, cfg: ModelConfig,
+           shape: BatchShape, num_drafts: int, attn_impl: str, matmul_impl: str, pad_rows: int
+           ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
+    """`draft_burst_jit`'s body."""
+    if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
+        raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
+    if catch_up is None:
+        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
+                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
+        tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
+    else:
+        window = _catch_up_window(batch, catch_up)
+        state, h = _forward(params, state, window, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
+        first = _sample_rows(lm_head(params), cfg, h[window.last_tokens], sample_inputs(batch), jnp.asarray(False),
+                             TOP_K_WIDTH, matmul_impl, keep_logits=False, keep_final=True)
+        tokens, final = first.token[:, None], first.final[:, None]
+        if num_drafts > 1:
+            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
+                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
+                                return_logits=False, keep_final=True)
+            tokens = jnp.concatenate([tokens, res.token.T], axis=1)
+            final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
+    if pad_rows > tokens.shape[0]:
+        tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
+    return state, tokens, final
 
 
 @functools.partial(
@@ -467,7 +513,7 @@ def draft_burst_jit(
     params: Weights,
     state: EngineState,
     batch: Batch,
-    window: Batch | None = None,
+    catch_up: jnp.ndarray | None = None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -480,39 +526,55 @@ def draft_burst_jit(
     `num_drafts` steps of the `decode_burst_jit` scan, each feeding the previous step's sample; row s's drafts are
     the samples of the steps, and the last draft's KV is not written (`paged.draft.DraftModel.accepted` counts it).
 
-    `window` (forward inputs of a `catch_up_shape(shape)` batch, window s for batch row s): where the draft cache
-    lacks the token before a row's (the row's last draft was accepted and the target added the bonus token),
-    step 0 runs this forward instead of the batch's, feeding that token and the row's in one window (rows without
-    one feed their token alone), and samples at each row's last token with the batch's sampler inputs: the same
-    drafts a decode step after the catch-up token would draw, for one draft forward of two tokens instead of two of
-    one. Compiles once per bucket with a window and once without.
+    `catch_up` (i32 [S], -1: none): where the draft cache lacks the token before a row's (the row's last draft was
+    accepted and the target added the bonus token), step 0 feeds that token and the row's in one forward, a window
+    of two token slots per row (`catch_up_shape`; rows without one feed their token alone), and samples at each
+    row's token with the batch's sampler inputs: the drafts a decode step after the catch-up token would draw, for
+    one draft forward of two tokens instead of two of one. Compiles once per bucket with `catch_up` and once without.
 
     Returns the new state, the drafts i32 `[S, num_drafts]` (`[max(S, pad_rows), num_drafts]`, zero rows after the
     S-th: the fixed row count of a target's `step_forward(draft_feed=)`, whatever S), and the distributions they
     were drawn from, f32 `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection
     sampling), on the device."""
-    if window is None:
-        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
-                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
-        tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
-    else:
-        if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
-            raise ValueError("draft_burst_jit needs a decode-only batch shape sampling every row")
-        s = shape.num_rows
-        state, h = _forward(params, state, window, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [S * 2, H]
-        last = jnp.arange(s, dtype=jnp.int32) * 2 + jnp.maximum(window.query_lens - 1, 0)
-        first = _sample_rows(lm_head(params), cfg, h[last], sample_inputs(batch), jnp.asarray(False), TOP_K_WIDTH,
-                             matmul_impl, keep_logits=False, keep_final=True)
-        tokens, final = first.token[:, None], first.final[:, None]
-        if num_drafts > 1:
-            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
-                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
-                                return_logits=False, keep_final=True)
-            tokens = jnp.concatenate([tokens, res.token.T], axis=1)
-            final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
-    if pad_rows > tokens.shape[0]:
-        tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
-    return state, tokens, final
+    return _draft(params, state, batch, catch_up, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl", "pad_rows"),
+    donate_argnames=("state",),
+)
+def draft_ahead_jit(
+    params: Weights,
+    state: EngineState,
+    batch: Batch,
+    emitted: jnp.ndarray,
+    num_accepted: jnp.ndarray,
+    *,
+    cfg: ModelConfig,
+    shape: BatchShape,
+    num_drafts: int,
+    attn_impl: str = "auto",
+    matmul_impl: str = "auto",
+    pad_rows: int = 0,
+) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
+    """The burst of the step after a verification, dispatched before the host has seen the verification's results
+    (`paged.draft.DraftModel.ahead`): `batch` is the burst batch that drafted the verified rows
+    (`draft_burst_jit`'s, or one this drafted from, moved on by the host: `paged.engine.Engine.advance_burst`),
+    `emitted` (i32 [S, W]) and `num_accepted` (i32 [S]) the verification's results by batch row, still on the
+    device. Row s continues with a = num_accepted[s]: its next token is emitted[s, a], at a + 1 positions past its
+    last one; where a == num_drafts the draft cache lacks the last draft's KV too (no burst writes it), and the
+    token before, emitted[s, a - 1], is fed first (`draft_burst_jit(catch_up=)`). The rows keep their sampler inputs
+    (settings, bias; the caller's rows have no penalty history). Returns what `draft_burst_jit` does."""
+    s = shape.num_rows
+    active = batch.query_lens > 0
+    a = jnp.where(active, num_accepted[:s], 0)
+    rows = jnp.arange(s, dtype=jnp.int32)
+    tok = emitted[rows, a]
+    catch_up = jnp.where(active & (a == num_drafts), emitted[rows, jnp.maximum(a - 1, 0)], -1)
+    adv = jnp.where(active, a + 1, 0)
+    nb = batch.replace(token_ids=jnp.where(active, tok, 0), positions=batch.positions + adv,
+                       kv_lens=batch.kv_lens + adv, sample_positions=batch.sample_positions + adv)
+    return _draft(params, state, nb, catch_up, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
 
 
 def decode_burst(
@@ -542,14 +604,16 @@ def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout that runs it alone),
     "sample" the sampler (one per row count), "fused" forward and sampler in one program (one per decode layout,
     `fused_step_jit`), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
-    decode layout: with and without a catch-up token), "verify" the speculative verification sampler (one per row
+    decode layout: with and without catch-up tokens), "draft_ahead" its proposals dispatched before the host has
+    seen a verification's results (one per decode layout), "verify" the speculative verification sampler (one per row
     count), "fused_verify" forward and verification sampler in one program (one per decode-only verification
     layout, `paged.speculative.verify_step_jit`)."""
     from paged.speculative import verify_sample, verify_step_jit
 
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
             "fused": fused_step_jit._cache_size(), "decode_burst": decode_burst_jit._cache_size(),
-            "draft_burst": draft_burst_jit._cache_size(), "verify": verify_sample._cache_size(),
+            "draft_burst": draft_burst_jit._cache_size(), "draft_ahead": draft_ahead_jit._cache_size(),
+            "verify": verify_sample._cache_size(),
             "fused_verify": verify_step_jit._cache_size()}
 
 
@@ -560,6 +624,7 @@ __all__ = [
     "decode_burst",
     "catch_up_shape",
     "decode_burst_jit",
+    "draft_ahead_jit",
     "draft_burst_jit",
     "forward_inputs",
     "forward_points",

@@ -74,6 +74,23 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert engine["matmul_tuning"] is None
 
 
+def test_a_late_draft_model_waits_for_the_results(model_dir, tmp_path):  # noqa: F811
+    """`_late`: the draft model's bursts wait for each verification's results on the host (none dispatched ahead);
+    without it most steps of a single stream use a burst dispatched ahead; both emit plain decoding's tokens."""
+    out = tmp_path / "spec.json"
+    p = run_bench(f"--model={model_dir}", "--quant=int8", "--drafters=none,self,self_late", "--self_draft_layers=1",
+                  "--batch_sizes=1", "--num_prompts=2", "--workloads=copy", "--max_new_tokens=10",
+                  "--num_draft_tokens=2", "--nowarmup", f"--json_out={out}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = {r["drafter"]: r for r in json.loads(out.read_text())["runs"]}
+    assert runs["self_late"]["draft_bursts_ahead_used"] == 0 and runs["none"]["draft_bursts_ahead_used"] == 0
+    assert runs["self"]["draft_bursts_ahead_used"] >= runs["self"]["verification_rows"] - 2 * 2
+    assert runs["self"]["verification_rows"] > 4
+    assert runs["self"]["identical_to_none"] == runs["self_late"]["identical_to_none"] == 2
+    bad = run_bench(f"--model={model_dir}", "--drafters=none,ngram_late")
+    assert bad.returncode != 0 and "unknown ['ngram_late']" in bad.stderr
+
+
 def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "spec.json"
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=none,ngram", "--batch_sizes=1",

@@ -412,3 +412,55 @@ def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_dr
     none, _, on_device2 = engine.draft(rows, [2, 0], 4, [6, -1], host=False)
     assert none is None  # no host copy, nothing waited for
     np.testing.assert_array_equal(np.asarray(on_device2), np.asarray(on_device))
+
+
+def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
+    """`Engine.draft_ahead` drafts for the rows of the last burst from their verification's device results (each
+    row continues after its accepted drafts with the target's token; a row whose every draft was accepted feeds its
+    last draft first, which no burst wrote): the same drafts, distributions and cache as `Engine.draft` over the
+    next rows laid out on the host; and again after the host moved the burst's rows on to what the first burst ahead
+    fed (`Engine.advance_burst`: two steps ahead in a row)."""
+    import jax
+
+    engine = Engine(MODEL, **SETTINGS)
+    engine.enable_drafting(2, pad_rows=4)
+    engine.run_forward([RowInput(tokens=[3, 1, 4, 1, 6], start_pos=0, pages=[1, 3], sample=False)])
+    engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
+    sampled = {k: v for k, v in SAMPLED.items() if "penalty" not in k}  # (rows without a penalty history go ahead)
+    rows = [RowInput(tokens=[7], start_pos=5, pages=[1, 3], sampling=sampled),
+            RowInput(tokens=[9], start_pos=3, pages=[2], sampling={"temperature": 0.0})]
+    drafts, _, _ = engine.draft(rows, [2, 0], 4, [-1, -1])
+    start = jax.tree.map(jnp.copy, engine.state)
+    # the verification: row 0 (batch row 2) accepts both drafts, the target adds 11; row 1 (batch row 0) accepts
+    # none, the target says 13; then row 0 accepts one draft and says 21, row 1 accepts both and says 23
+    steps = [({2: [*drafts[0], 11], 0: [13, 0, 0]}, {2: 2, 0: 0}), (None, {2: 1, 0: 2})]
+    ahead, emitted_rows = [], []
+    for emitted, acc in steps:
+        if emitted is None:  # drafts of the first burst ahead, then the target's token
+            d = np.asarray(ahead[-1][1])
+            emitted = {2: [d[2, 0], 21, 0], 0: [d[0, 0], d[0, 1], 23]}
+        e = np.zeros((4, 3), np.int32)
+        a = np.zeros(4, np.int32)
+        for s in emitted:
+            e[s], a[s] = emitted[s], acc[s]
+        emitted_rows.append((emitted, acc))
+        if ahead:  # the host has the first verification's results: the rows' next tokens
+            engine.advance_burst([2, 0], [5 + 3, 3 + 1], [11, 13])
+        q, on_device = engine.draft_ahead(jnp.asarray(e), jnp.asarray(a))
+        ahead.append((q, on_device, jax.tree.map(jnp.copy, engine.state)))
+    # the same two steps laid out on the host
+    engine.state = start
+    pos = {2: 5, 0: 3}
+    for (emitted, acc), (q, on_device, state) in zip(emitted_rows, ahead):
+        nxt, catch = [], []
+        for s, pages in ((2, [1, 3]), (0, [2])):
+            a = acc[s]
+            pos[s] += a + 1
+            nxt.append(RowInput(tokens=[int(emitted[s][a])], start_pos=pos[s], pages=pages,
+                                sampling=sampled if s == 2 else {"temperature": 0.0}))
+            catch.append(int(emitted[s][a - 1]) if a == 2 else -1)
+        tokens, ref_q, _ = engine.draft(nxt, [2, 0], 4, catch)
+        np.testing.assert_array_equal(np.asarray(on_device)[[2, 0]], tokens)
+        np.testing.assert_allclose(np.asarray(q)[[2, 0]], np.asarray(ref_q)[[2, 0]], rtol=0, atol=1e-4)
+        for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-4)

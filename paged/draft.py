@@ -9,6 +9,11 @@ tracks, per job, how many of the job's tokens have KV in its cache, and feeds th
 one or two after a verification step (the bonus token, and the last draft when every draft was accepted), any
 number as a catch-up chunk in the rare other cases.
 
+Where a step allows it (`DraftModel.ahead`: every row drafting, no penalty history, room in the pages), the next
+step's burst is dispatched right after the target's verification, from its results on the device, and runs while
+the host takes in the step; the next `propose` uses it if its rows are those, each where the verification left it,
+and drops it otherwise (docs/speculative.md, "How a step works").
+
 The draft samples its drafts with the job's seed salted (`DRAFT_SEED_SALT`), so its draws are independent of the
 target's, except when `coupled` (sample-then-match acceptance): it then draws with the target's own keys, so at
 each position the draft and the target add the same Gumbel noise to their log-probabilities, and a draft whose
@@ -71,7 +76,7 @@ class DraftModel:
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
         self.pipeline = True  # dispatch the next step's burst ahead where the step allows (`ahead`)
         self._can_ahead: tuple | None = None  # the last burst's rows, when `ahead` may follow it
-        self._ahead: tuple | None = None  # a burst dispatched ahead: (keys, next positions, slots, rows, q, drafts)
+        self._ahead: tuple | None = None  # a burst dispatched ahead: (keys, slots, sampled rows, q, drafts)
         self._next: dict[Hashable, tuple[int, int]] = {}  # per job after a verification: (position, token) of its row
         self.ahead_bursts = [0, 0]  # bursts dispatched ahead, and of them used by the next step
 
@@ -184,7 +189,7 @@ class DraftModel:
         each continuing where the verification left it (no job finished, rewound or joined); otherwise it is
         dropped: it only wrote KV past what the draft cache is known to hold."""
         can, self._can_ahead = self._can_ahead, None
-        if can is None or results.num_accepted is None:
+        if can is None or not self.pipeline or results.num_accepted is None:
             return
         q, on_device = self.engine.draft_ahead(results.token, results.num_accepted)
         self._ahead = (*can, q, on_device)

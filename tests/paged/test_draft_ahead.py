@@ -4,6 +4,9 @@ programs are released after it (tests/conftest.py), and these generators compile
 
 from __future__ import annotations
 
+import gc
+
+import jax
 import pytest
 
 from paged import DynamicGenerator, Job
@@ -74,3 +77,12 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
         assert ahead_on[1] < ahead_on[0]  # some went ahead for rows the next step did not have
     if draft == "self":
         assert m_on["acceptance_rate"] == 1.0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_after_each_test():
+    """Each test here builds generators with draft models, whose compiled programs (a sampler each, ~700 memory
+    maps) would otherwise pile up until the module ends (tests/conftest.py) and pass the process's map limit."""
+    yield
+    jax.clear_caches()
+    gc.collect()

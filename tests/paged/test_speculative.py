@@ -4,6 +4,9 @@ generator wiring comes in phase 2)."""
 
 from __future__ import annotations
 
+import gc
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -464,3 +467,12 @@ def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
         np.testing.assert_allclose(np.asarray(q)[[2, 0]], np.asarray(ref_q)[[2, 0]], rtol=0, atol=1e-4)
         for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_after_each_test():
+    """Each test here builds generators with draft models, whose compiled programs (a sampler each, ~700 memory
+    maps) would otherwise pile up until the module ends (tests/conftest.py) and pass the process's map limit."""
+    yield
+    jax.clear_caches()
+    gc.collect()

@@ -161,10 +161,7 @@ class DraftModel:
         # The next step's burst may be dispatched ahead when every row of this one drafts with its drafts on the
         # device, has no penalty history (which would follow the verified tokens) and holds pages for all the burst
         # may write: up to 2k positions past its token (k accepted, the target's token, k - 1 drafts' KV).
-        ps = self.engine.config.page_size
-        if self.pipeline and not host and not mirror and len(drafting) == len(specs) and all(
-                not len(specs[i].row.history) and len(specs[i].row.pages) * ps > specs[i].row.start_pos + 2 * self.k
-                for i in drafting):
+        if self.pipeline and not host and not mirror and len(drafting) == len(specs) and self._room_ahead(specs):
             self._can_ahead = ([specs[i].key for i in drafting], [slots[i] for i in drafting], sampled)
         if tokens is None:
             return None, q, want, on_device
@@ -216,6 +213,11 @@ class DraftModel:
             self.kv[s.key] = s.row.start_pos + 1
         self.engine.advance_burst(slots, [s.row.start_pos for s in specs], [int(s.row.tokens[0]) for s in specs])
         self.ahead_bursts[1] += 1
-        self._can_ahead = (keys, slots, sampled) if all(
-            len(s.row.pages) * self.engine.config.page_size > s.row.start_pos + 2 * self.k for s in specs) else None
+        self._can_ahead = (keys, slots, sampled) if self._room_ahead(specs) else None
         return None, q, want, on_device
+
+    def _room_ahead(self, specs: Sequence[Any]) -> bool:
+        """Whether a burst may go ahead for these rows: none has a penalty history (which would follow the verified
+        tokens) and each holds pages for all the burst may write, up to 2k positions past its token."""
+        ps = self.engine.config.page_size
+        return all(not len(s.row.history) and len(s.row.pages) * ps > s.row.start_pos + 2 * self.k for s in specs)

@@ -4,9 +4,6 @@ programs are released after it (tests/conftest.py), and these generators compile
 
 from __future__ import annotations
 
-import gc
-
-import jax
 import pytest
 
 from paged import DynamicGenerator, Job
@@ -22,6 +19,9 @@ from tests.paged.test_speculative_generator import (
     model_jobs,
     same_stream,
 )
+
+# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
 
 
 def test_a_rewind_drops_the_burst_dispatched_ahead():
@@ -77,12 +77,3 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
         assert ahead_on[1] < ahead_on[0]  # some went ahead for rows the next step did not have
     if draft == "self":
         assert m_on["acceptance_rate"] == 1.0
-
-
-@pytest.fixture(autouse=True)
-def _release_compiled_programs_after_each_test():
-    """Each test here builds generators with draft models, whose compiled programs (a sampler each, ~700 memory
-    maps) would otherwise pile up until the module ends (tests/conftest.py) and pass the process's map limit."""
-    yield
-    jax.clear_caches()
-    gc.collect()

@@ -4,8 +4,6 @@ generator wiring comes in phase 2)."""
 
 from __future__ import annotations
 
-import gc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,9 @@ from paged.engine import Engine
 from paged.errors import InvalidConfigError
 from paged.speculative import SpecRow, Speculator, accept_drafts
 from paged.token_sets import pack
+
+# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -390,7 +391,6 @@ def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_dr
     distributions, and the same cache, as feeding the missing token in a forward of its own and then drafting; a
     row without a catch-up token in the same burst drafts as before. Rows sit at slots with gaps (the target's
     verification rows), one sampled with penalties, one greedy."""
-    import jax
 
     engine = Engine(MODEL, **SETTINGS)
     engine.enable_drafting(3, pad_rows=4)
@@ -423,7 +423,6 @@ def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
     last draft first, which no burst wrote): the same drafts, distributions and cache as `Engine.draft` over the
     next rows laid out on the host; and again after the host moved the burst's rows on to what the first burst ahead
     fed (`Engine.advance_burst`: two steps ahead in a row)."""
-    import jax
 
     engine = Engine(MODEL, **SETTINGS)
     engine.enable_drafting(2, pad_rows=4)
@@ -467,12 +466,3 @@ def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
         np.testing.assert_allclose(np.asarray(q)[[2, 0]], np.asarray(ref_q)[[2, 0]], rtol=0, atol=1e-4)
         for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state)):
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-4)
-
-
-@pytest.fixture(autouse=True)
-def _release_compiled_programs_after_each_test():
-    """Each test here builds generators with draft models, whose compiled programs (a sampler each, ~700 memory
-    maps) would otherwise pile up until the module ends (tests/conftest.py) and pass the process's map limit."""
-    yield
-    jax.clear_caches()
-    gc.collect()

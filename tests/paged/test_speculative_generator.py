@@ -10,10 +10,8 @@ result."""
 from __future__ import annotations
 
 import collections
-import gc
 import random
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +25,9 @@ from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsy
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain, quantized_tiny_model
 from pallas_kernels.native import unavailable_reason as native_unavailable
+
+# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
 
 TOK = ByteTokenizer()
 GREEDY = SamplingSettings.greedy()
@@ -638,12 +639,3 @@ def check_draft_cache(gen, jobs) -> int:
             np.testing.assert_allclose(mirrored, target, atol=1e-4, rtol=1e-4)
         checked += 1
     return checked
-
-
-@pytest.fixture(autouse=True)
-def _release_compiled_programs_after_each_test():
-    """Each test here builds generators with draft models, whose compiled programs (a sampler each, ~700 memory
-    maps) would otherwise pile up until the module ends (tests/conftest.py) and pass the process's map limit."""
-    yield
-    jax.clear_caches()
-    gc.collect()

@@ -49,7 +49,7 @@ flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the reco
 FLAGS = flags.FLAGS
 
 PARTS = {"step_forward": "paged.engine", "step_sample": "paged.engine", "verify_sample": "paged.speculative",
-         "draft_burst_jit": "paged.engine", "draft_ahead_jit": "paged.engine"}
+         "draft_burst_jit": "paged.engine"}
 
 
 def abstract(a: tuple, k: dict) -> tuple[tuple, dict]:
@@ -86,8 +86,9 @@ def wrap_parts(times: dict, calls: list | None = None) -> None:
                 lay = k["shape"].layout
                 detail = (f"{k['cfg'].num_layers} layers, {lay.num_prefill_rows} prefill rows x {lay.max_q_len}, "
                           f"{lay.num_decode_rows} decode rows")
-            elif _name == "draft_burst_jit":  # with a catch-up window (a two-token first forward) or without
-                detail = "catch-up" if (a[3] if len(a) > 3 else k.get("window")) is not None else "no catch-up"
+            elif _name == "draft_burst_jit":  # with a window (a two-slot first forward: catch-up tokens, or rows
+                # moved on from a verification on the device: a burst dispatched ahead) or without
+                detail = "window" if (a[3] if len(a) > 3 else k.get("window")) is not None else "no catch-up"
             times[(_name, detail)].append(time.perf_counter() - t)
             if calls is not None:  # the arguments of a part's first call only, as shapes (no buffers held)
                 first = all((c[0], c[1]) != (_name, detail) for c in calls)

@@ -26,7 +26,6 @@ from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
     decode_burst_jit,
-    draft_ahead_jit,
     draft_burst_jit,
     forward_inputs,
     forward_shape,
@@ -213,6 +212,7 @@ class Engine:
         self.draft_len = num_draft_tokens
         self.draft_rows = pad_rows
         self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
+        self._stay: dict[int, tuple] = {}  # by bucket rows: a burst window's verification inputs that move no row
 
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
@@ -251,12 +251,13 @@ class Engine:
         t0 = time.perf_counter()
         shape = self.spec.shape(PrefillDecodeLayout(0, 1, num_rows))
         batch, got_slots = build_batch(rows, shape, self.page_size, self.vocab_size, slots=slots)
-        feed = None
+        window = None
         if any(t >= 0 for t in catch_up):
-            feed = np.full(num_rows, -1, np.int32)
+            feed = np.full(shape.num_rows, -1, np.int32)
             feed[list(got_slots)] = list(catch_up)
+            window = (feed, *self._no_move(shape))
         t1 = time.perf_counter()
-        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, feed, cfg=self.cfg,
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, window, cfg=self.cfg,
                                                 shape=forward_shape(shape), num_drafts=self.draft_len,
                                                 attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
                                                 pad_rows=self.draft_rows)
@@ -273,18 +274,27 @@ class Engine:
         """Propose the next `draft_len` tokens for the rows of the last proposal burst (`draft`, or this after
         `advance_burst`), before their verification's results reach the host: `emitted` (i32 `[S', W]`) and
         `num_accepted` (i32 `[S']`) are that verification's results by batch row, on the device
-        (`paged.step.draft_ahead_jit`: each row continues after its accepted drafts and the target's token).
-        Nothing waits. Returns the distributions and the drafts on the device, as `draft(host=False)`."""
+        (`paged.step.draft_burst_jit(window=)`: each row continues after its accepted drafts and the target's
+        token). Nothing waits. Returns the distributions and the drafts on the device, as `draft(host=False)`."""
         if self._last_burst is None:
             raise InvalidConfigError("draft_ahead() follows a proposal burst: call draft() first")
         t0 = time.perf_counter()
         batch, shape = self._last_burst
-        self.state, tokens, q = draft_ahead_jit(
-            self.model.params, self.state, batch, emitted, num_accepted, cfg=self.cfg, shape=forward_shape(shape),
+        window = (np.full(shape.num_rows, -1, np.int32), emitted, num_accepted)
+        self.state, tokens, q = draft_burst_jit(
+            self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
             num_drafts=self.draft_len, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
             pad_rows=self.draft_rows)
         self.timings["dispatch_s"] += time.perf_counter() - t0
         return q, tokens
+
+    def _no_move(self, shape: BatchShape) -> tuple[jax.Array, jax.Array]:
+        """(emitted, num_accepted) of a burst window that moves no row (`draft`'s catch-up tokens): device arrays,
+        as a verification's results are in `draft_ahead`, so that both calls run the one compiled window."""
+        if shape.num_rows not in self._stay:
+            self._stay[shape.num_rows] = (jnp.zeros((shape.num_rows, self.draft_len + 1), jnp.int32),
+                                          jnp.full(shape.num_rows, -1, jnp.int32))
+        return self._stay[shape.num_rows]
 
     def advance_burst(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """Move the last proposal burst's rows at batch rows `slots` to their next token: `tokens` at `positions`
@@ -513,9 +523,10 @@ class Engine:
         each bucket that fuses them (`fused`: the decode-only ones); with `decode_steps` > 1 the burst
         ("decode_burst", n = steps) of each decode-only bucket. With speculation: the verification sampler
         ("verify") of each row count of the verification buckets that run it alone, forward and verification
-        sampler in one program ("fused_verify") of the decode-only verification buckets, and on
-        a draft engine the proposal bursts ("draft_burst", n = 1 with catch-up tokens, 0 without; "draft_ahead")
-        of each decode-only bucket, and no plain sampler (its rows run through `run_forward` and `draft`)."""
+        sampler in one program ("fused_verify") of the decode-only verification buckets, and on a draft engine the
+        proposal bursts ("draft_burst", n = 1 with a window for catch-up tokens and rows moved on from a
+        verification on the device, 0 without) of each decode-only bucket, and no plain sampler (its rows run
+        through `run_forward` and `draft`)."""
         shapes = self.spec.all_shapes()
         out = [(("fused_verify" if s.verify_len else "fused") if self.fused(s) else "step", s, 1) for s in shapes]
         seen: dict[str, set[int]] = {"sample": set(), "verify": set()}
@@ -533,8 +544,7 @@ class Engine:
         if decode_steps > 1:
             out += [("decode_burst", s, decode_steps) for s in plain_decode]
         if self.draft_len:
-            out += [(kind, s, n) for s in plain_decode for kind, n in (("draft_burst", 1), ("draft_burst", 0),
-                                                                      ("draft_ahead", 1))]
+            out += [("draft_burst", s, n) for s in plain_decode for n in (1, 0)]
         return out
 
     @_under_mesh
@@ -554,9 +564,8 @@ class Engine:
         plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
         if decode_steps > 1:
             work += [(shape, decode_steps, "burst") for shape in plain_decode]
-        if self.draft_len:  # the proposal bursts: with catch-up tokens, without, and dispatched ahead
-            work += [(shape, self.draft_len, kind) for shape in plain_decode
-                     for kind in ("draft", "draft_no_catch_up", "draft_ahead")]
+        if self.draft_len:  # the proposal bursts: with a window (catch-up tokens, bursts dispatched ahead) and without
+            work += [(shape, self.draft_len, kind) for shape in plain_decode for kind in ("draft", "draft_no_catch_up")]
         it = work
         if progress:
             from tqdm import tqdm
@@ -577,17 +586,10 @@ class Engine:
             if kind == "burst":
                 outs.append(self._dispatch(batch, shape, False, n).token)
                 continue
-            if kind == "draft_ahead":
-                self.state, tokens, _ = draft_ahead_jit(
-                    self.model.params, self.state, batch, jnp.zeros((shape.num_rows, n + 1), jnp.int32),
-                    jnp.zeros(shape.num_rows, jnp.int32), cfg=self.cfg, shape=forward_shape(shape), num_drafts=n,
-                    attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
-                outs.append(tokens)
-                continue
             if kind.startswith("draft"):
-                feed = np.full(shape.num_rows, -1, np.int32) if kind == "draft" else None
+                window = (np.full(shape.num_rows, -1, np.int32), *self._no_move(shape)) if kind == "draft" else None
                 self.state, tokens, _ = draft_burst_jit(
-                    self.model.params, self.state, batch, feed, cfg=self.cfg, shape=forward_shape(shape),
+                    self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
                     num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
                 outs.append(tokens)
                 continue

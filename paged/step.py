@@ -478,20 +478,21 @@ def _catch_up_window(batch: Batch, catch_up: jnp.ndarray) -> Batch:
                  lora_slots=batch.lora_slots)
 
 
-def _draft(params: Weights, state: EngineState, batch: Batch, catch_up: jnp.ndarray | None, cfg: ModelConfig,
+def _draft(params: Weights, state: EngineState, batch: Batch, window: tuple | None, cfg: ModelConfig,
            shape: BatchShape, num_drafts: int, attn_impl: str, matmul_impl: str, pad_rows: int
            ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
     """`draft_burst_jit`'s body."""
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
         raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
-    if catch_up is None:
+    if window is None:
         state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
                             matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
         tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
     else:
-        window = _catch_up_window(batch, catch_up)
-        state, h = _forward(params, state, window, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
-        first = _sample_rows(lm_head(params), cfg, h[window.last_tokens], sample_inputs(batch), jnp.asarray(False),
+        batch, catch_up = _moved_on(batch, *window, shape.num_rows, num_drafts)
+        win = _catch_up_window(batch, catch_up)
+        state, h = _forward(params, state, win, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
+        first = _sample_rows(lm_head(params), cfg, h[win.last_tokens], sample_inputs(batch), jnp.asarray(False),
                              TOP_K_WIDTH, matmul_impl, keep_logits=False, keep_final=True)
         tokens, final = first.token[:, None], first.final[:, None]
         if num_drafts > 1:
@@ -505,6 +506,22 @@ def _draft(params: Weights, state: EngineState, batch: Batch, catch_up: jnp.ndar
     return state, tokens, final
 
 
+def _moved_on(batch: Batch, catch_up: jnp.ndarray, emitted: jnp.ndarray, num_accepted: jnp.ndarray, s: int,
+              num_drafts: int) -> tuple[Batch, jnp.ndarray]:
+    """`draft_burst_jit(window=)`'s rows: (the batch with each moved row at its next token, the catch-up tokens)."""
+    active = batch.query_lens > 0
+    a = num_accepted[:s]
+    moved = active & (a >= 0)
+    a = jnp.where(moved, a, 0)
+    rows = jnp.arange(s, dtype=jnp.int32)
+    tok = emitted[rows, a]
+    catch_up = jnp.where(moved, jnp.where(a == num_drafts, emitted[rows, jnp.maximum(a - 1, 0)], -1), catch_up[:s])
+    adv = jnp.where(moved, a + 1, 0)
+    token_ids = batch.token_ids.at[:s].set(jnp.where(moved, tok, batch.token_ids[:s]))
+    return batch.replace(token_ids=token_ids, positions=batch.positions + adv, kv_lens=batch.kv_lens + adv,
+                         sample_positions=batch.sample_positions + adv), catch_up
+
+
 @functools.partial(
     jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl", "pad_rows"),
     donate_argnames=("state",),
@@ -513,7 +530,7 @@ def draft_burst_jit(
     params: Weights,
     state: EngineState,
     batch: Batch,
-    catch_up: jnp.ndarray | None = None,
+    window: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None = None,
     *,
     cfg: ModelConfig,
     shape: BatchShape,
@@ -526,55 +543,27 @@ def draft_burst_jit(
     `num_drafts` steps of the `decode_burst_jit` scan, each feeding the previous step's sample; row s's drafts are
     the samples of the steps, and the last draft's KV is not written (`paged.draft.DraftModel.accepted` counts it).
 
-    `catch_up` (i32 [S], -1: none): where the draft cache lacks the token before a row's (the row's last draft was
-    accepted and the target added the bonus token), step 0 feeds that token and the row's in one forward, a window
-    of two token slots per row (`catch_up_shape`; rows without one feed their token alone), and samples at each
-    row's token with the batch's sampler inputs: the drafts a decode step after the catch-up token would draw, for
-    one draft forward of two tokens instead of two of one. Compiles once per bucket with `catch_up` and once without.
+    `window` (catch_up i32 [S], emitted i32 [S, W], num_accepted i32 [S]): step 0 runs as a window of two token
+    slots per row (`catch_up_shape`), which feeds a token the draft cache lacks before the row's, and rows can move
+    on from a verification whose results are still on the device:
+    - where `num_accepted[s] = a >= 0`, row s continues after that verification (`emitted`, `num_accepted`: its
+      results by batch row; `batch` the burst batch that drafted the verified rows): its token is emitted[s, a],
+      a + 1 positions past the batch's; where a == num_drafts the draft cache lacks the last draft's KV too (no
+      burst writes it), and emitted[s, a - 1] is fed before it. This is the burst dispatched before the host has
+      seen the verification (`paged.draft.DraftModel.ahead`); the rows keep their sampler inputs (settings, bias;
+      the caller's rows have no penalty history).
+    - where a < 0, row s drafts from the batch's token, fed after `catch_up[s]` where that is >= 0 (the row's last
+      draft was accepted and the target added the bonus token), alone where not.
+    Step 0 samples at each row's token with the batch's sampler inputs: the drafts a decode step after the catch-up
+    token would draw, for one draft forward of two tokens instead of two of one. Without `window` step 0 is a
+    decode step of one token per row (cheaper where no row needs a catch-up token). Compiles once per bucket with a
+    window and once without.
 
     Returns the new state, the drafts i32 `[S, num_drafts]` (`[max(S, pad_rows), num_drafts]`, zero rows after the
     S-th: the fixed row count of a target's `step_forward(draft_feed=)`, whatever S), and the distributions they
     were drawn from, f32 `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection
     sampling), on the device."""
-    return _draft(params, state, batch, catch_up, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
-
-
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl", "pad_rows"),
-    donate_argnames=("state",),
-)
-def draft_ahead_jit(
-    params: Weights,
-    state: EngineState,
-    batch: Batch,
-    emitted: jnp.ndarray,
-    num_accepted: jnp.ndarray,
-    *,
-    cfg: ModelConfig,
-    shape: BatchShape,
-    num_drafts: int,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
-    pad_rows: int = 0,
-) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
-    """The burst of the step after a verification, dispatched before the host has seen the verification's results
-    (`paged.draft.DraftModel.ahead`): `batch` is the burst batch that drafted the verified rows
-    (`draft_burst_jit`'s, or one this drafted from, moved on by the host: `paged.engine.Engine.advance_burst`),
-    `emitted` (i32 [S, W]) and `num_accepted` (i32 [S]) the verification's results by batch row, still on the
-    device. Row s continues with a = num_accepted[s]: its next token is emitted[s, a], at a + 1 positions past its
-    last one; where a == num_drafts the draft cache lacks the last draft's KV too (no burst writes it), and the
-    token before, emitted[s, a - 1], is fed first (`draft_burst_jit(catch_up=)`). The rows keep their sampler inputs
-    (settings, bias; the caller's rows have no penalty history). Returns what `draft_burst_jit` does."""
-    s = shape.num_rows
-    active = batch.query_lens > 0
-    a = jnp.where(active, num_accepted[:s], 0)
-    rows = jnp.arange(s, dtype=jnp.int32)
-    tok = emitted[rows, a]
-    catch_up = jnp.where(active & (a == num_drafts), emitted[rows, jnp.maximum(a - 1, 0)], -1)
-    adv = jnp.where(active, a + 1, 0)
-    nb = batch.replace(token_ids=jnp.where(active, tok, 0), positions=batch.positions + adv,
-                       kv_lens=batch.kv_lens + adv, sample_positions=batch.sample_positions + adv)
-    return _draft(params, state, nb, catch_up, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
+    return _draft(params, state, batch, window, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
 
 
 def decode_burst(
@@ -604,15 +593,15 @@ def count_compiles() -> dict[str, int]:
     """Compiled variants held by each jitted entry point: "step" the forward (one per layout that runs it alone),
     "sample" the sampler (one per row count), "fused" forward and sampler in one program (one per decode layout,
     `fused_step_jit`), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
-    decode layout: with and without catch-up tokens), "draft_ahead" its proposals dispatched before the host has
-    seen a verification's results (one per decode layout), "verify" the speculative verification sampler (one per row
+    decode layout: with a two-slot window for catch-up tokens and rows moved on from a verification on the device,
+    and without), "verify" the speculative verification sampler (one per row
     count), "fused_verify" forward and verification sampler in one program (one per decode-only verification
     layout, `paged.speculative.verify_step_jit`)."""
     from paged.speculative import verify_sample, verify_step_jit
 
     return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
             "fused": fused_step_jit._cache_size(), "decode_burst": decode_burst_jit._cache_size(),
-            "draft_burst": draft_burst_jit._cache_size(), "draft_ahead": draft_ahead_jit._cache_size(),
+            "draft_burst": draft_burst_jit._cache_size(),
             "verify": verify_sample._cache_size(),
             "fused_verify": verify_step_jit._cache_size()}
 
@@ -624,7 +613,6 @@ __all__ = [
     "decode_burst",
     "catch_up_shape",
     "decode_burst_jit",
-    "draft_ahead_jit",
     "draft_burst_jit",
     "forward_inputs",
     "forward_points",

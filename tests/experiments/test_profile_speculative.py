@@ -40,8 +40,8 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
         assert "verify_sample" in names
     if drafter == "self":  # the draft's burst and its mirror (a 1-layer forward) are timed apart
         assert "draft_burst_jit" in names and any(k.startswith("step_forward (1 layers") for k in parts)
-        bursts = {k for k in parts if k.startswith("draft_burst_jit")}  # told apart: with a catch-up window or not
-        assert bursts and bursts <= {"draft_burst_jit (catch-up)", "draft_burst_jit (no catch-up)"}
+        bursts = {k for k in parts if k.startswith("draft_burst_jit")}  # told apart: with a window or not
+        assert bursts and bursts <= {"draft_burst_jit (window)", "draft_burst_jit (no catch-up)"}
     for v in parts.values():
         assert v["calls"] > 0 and v["median_ms"] > 0
     if not ops:

@@ -55,16 +55,25 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
     step allows it (every row drafting, no penalty history). One job at a time (every step after the first few
     goes ahead; the self-draft accepts every draft, so each burst ahead feeds a catch-up token) and then four at
     once (jobs finish and join, so bursts ahead are dropped): the same streams and the same acceptance as with the
-    bursts after the results, pages exact."""
+    bursts after the results, pages exact. One job at a time after `warmup()`: the bursts that go ahead run the
+    compiled window that warm-up made for the catch-up bursts (`draft_burst_jit(window=)`), and nothing compiles."""
+    from paged.step import count_compiles
+
     spec = dict(draft_model=MODEL if draft == "self" else OTHER, num_draft_tokens=2)
     out = {}
     for pipeline in (True, False):
         gen = DynamicGenerator(MODEL, **{**SETTINGS, "max_batch_size": max_batch}, **spec)
         draft_model = gen.speculation.speculator.draft
         draft_model.pipeline = pipeline
+        warm = None
+        if pipeline and max_batch == 1 and draft == "self":
+            gen.warmup()
+            warm = count_compiles()
         gen.enqueue(model_jobs(max_new=20)[:num_jobs])
         out[pipeline] = (drain(gen), gen.metrics(), list(draft_model.ahead_bursts))
         gen.pool.check({})
+        if warm is not None:
+            assert count_compiles() == warm
     (c_on, m_on, ahead_on), (c_off, m_off, ahead_off) = out[True], out[False]
     same_stream(c_on, c_off)
     for key in ("drafted_tokens", "accepted_draft_tokens", "accepted_at_position"):

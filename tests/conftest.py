@@ -52,8 +52,9 @@ def release_compiled_programs_after_each_test():
 
 # The heaviest test files, longest first (wall seconds of their tests in a clean-clone run on the 2-core host,
 # 2026-11-29: ~430, 350 (one subprocess), 210, 140, 130, 90, 70, 65, 60, 60). The suite hands whole files to its
-# two workers (`--dist loadfile`) in collection order, so a heavy file reached near the end leaves the other worker
-# idle; started first, the rest of the files fill in around them.
+# two workers (`--dist loadfile`) in collection order (`--no-loadscope-reorder`: xdist would otherwise sort the
+# files by their number of tests), so a heavy file reached near the end leaves the other worker idle; started first,
+# the rest of the files fill in around them.
 HEAVY_FIRST = ("tests/paged/test_speculative_generator.py", "tests/paged/test_sharding.py",
                "tests/paged/test_fused_step.py", "tests/paged/test_speculative.py", "tests/paged/test_warmup.py",
                "tests/paged/test_step.py", "tests/experiments/test_distill_draft.py",

@@ -5,6 +5,7 @@ on a tiny random Llama (8 query heads, 4 KV heads). Prints one JSON object of fi
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import re
 
@@ -68,6 +69,14 @@ def hlo_of(engine) -> tuple[str, float]:
     return compiled.as_text(), float(cost["flops"])
 
 
+def release() -> None:
+    """Drop the compiled programs of the configuration just checked: this one process runs ~30 engine
+    configurations, and their programs' memory maps (hundreds each) reached ~57,000 of Linux's 65,530 per process
+    (`vm.max_map_count`) when they were kept to the end."""
+    jax.clear_caches()
+    gc.collect()
+
+
 def main():
     out = {"devices": len(jax.devices())}
     greedy = SamplingSettings.greedy()
@@ -99,12 +108,15 @@ def main():
             "flops_per_device_vs_one": flops / ref_flops,
             "mesh_shape": dict(g.engine.mesh.shape),
         }
+        release()
     g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")
     _, ref8, _, _ = run("", greedy, cache_dtype="int8")
     out["int8"] = {"greedy_equal": fin == ref8, "k_scale_spec": str(g.engine.state.k_scale.sharding.spec)}
     g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
     out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
+    release()
     out["draft_model"] = draft_model_check(greedy, ref)
+    release()
     errors = {}
     for mesh in ("tp=8", "dp=4,tp=2", "tp=3", "pp=2", "tp=two"):
         try:
@@ -126,6 +138,7 @@ def main():
         gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")
         out[f"pallas {mesh}"] = {"greedy_equal": fin == ref_p, "equal_to_xla": fin == ref,
                                  "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
+        release()
     out["quantized"] = quantized_checks(greedy, real_shard_map)
     print("SHARDING_CHECK " + json.dumps(out))
 
@@ -189,6 +202,7 @@ def quantized_checks(greedy, real_shard_map) -> dict:
                                        for s in traced),
                     "weight_gathers": len(gathers),
                 }
+                release()
     jax.shard_map = real_shard_map
     res["impls"] = impls
     return res

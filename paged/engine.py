@@ -212,7 +212,7 @@ class Engine:
         self.draft_len = num_draft_tokens
         self.draft_rows = pad_rows
         self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
-        self._stay: dict[int, tuple] = {}  # by bucket rows: a burst window's verification inputs that move no row
+        self._no_move_arrays: dict[int, tuple] = {}  # by bucket rows: the `_no_move` window inputs
 
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
@@ -291,10 +291,10 @@ class Engine:
     def _no_move(self, shape: BatchShape) -> tuple[jax.Array, jax.Array]:
         """(emitted, num_accepted) of a burst window that moves no row (`draft`'s catch-up tokens): device arrays,
         as a verification's results are in `draft_ahead`, so that both calls run the one compiled window."""
-        if shape.num_rows not in self._stay:
-            self._stay[shape.num_rows] = (jnp.zeros((shape.num_rows, self.draft_len + 1), jnp.int32),
-                                          jnp.full(shape.num_rows, -1, jnp.int32))
-        return self._stay[shape.num_rows]
+        if shape.num_rows not in self._no_move_arrays:
+            self._no_move_arrays[shape.num_rows] = (jnp.zeros((shape.num_rows, self.draft_len + 1), jnp.int32),
+                                                    jnp.full(shape.num_rows, -1, jnp.int32))
+        return self._no_move_arrays[shape.num_rows]
 
     def advance_burst(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
         """Move the last proposal burst's rows at batch rows `slots` to their next token: `tokens` at `positions`

@@ -478,34 +478,6 @@ def _catch_up_window(batch: Batch, catch_up: jnp.ndarray) -> Batch:
                  lora_slots=batch.lora_slots)
 
 
-def _draft(params: Weights, state: EngineState, batch: Batch, window: tuple | None, cfg: ModelConfig,
-           shape: BatchShape, num_drafts: int, attn_impl: str, matmul_impl: str, pad_rows: int
-           ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
-    """`draft_burst_jit`'s body."""
-    if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
-        raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
-    if window is None:
-        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
-                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
-        tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
-    else:
-        batch, catch_up = _moved_on(batch, *window, shape.num_rows, num_drafts)
-        win = _catch_up_window(batch, catch_up)
-        state, h = _forward(params, state, win, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
-        first = _sample_rows(lm_head(params), cfg, h[win.last_tokens], sample_inputs(batch), jnp.asarray(False),
-                             TOP_K_WIDTH, matmul_impl, keep_logits=False, keep_final=True)
-        tokens, final = first.token[:, None], first.final[:, None]
-        if num_drafts > 1:
-            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
-                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
-                                return_logits=False, keep_final=True)
-            tokens = jnp.concatenate([tokens, res.token.T], axis=1)
-            final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
-    if pad_rows > tokens.shape[0]:
-        tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
-    return state, tokens, final
-
-
 def _moved_on(batch: Batch, catch_up: jnp.ndarray, emitted: jnp.ndarray, num_accepted: jnp.ndarray, s: int,
               num_drafts: int) -> tuple[Batch, jnp.ndarray]:
     """`draft_burst_jit(window=)`'s rows: (the batch with each moved row at its next token, the catch-up tokens)."""
@@ -563,7 +535,28 @@ def draft_burst_jit(
     S-th: the fixed row count of a target's `step_forward(draft_feed=)`, whatever S), and the distributions they
     were drawn from, f32 `[S, num_drafts, V]` log-probabilities (`processed_logprobs`: the q of rejection
     sampling), on the device."""
-    return _draft(params, state, batch, window, cfg, shape, num_drafts, attn_impl, matmul_impl, pad_rows)
+    if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
+        raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
+    if window is None:
+        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
+                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
+        tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
+    else:
+        batch, catch_up = _moved_on(batch, *window, shape.num_rows, num_drafts)
+        win = _catch_up_window(batch, catch_up)
+        state, h = _forward(params, state, win, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
+        first = _sample_rows(lm_head(params), cfg, h[win.last_tokens], sample_inputs(batch), jnp.asarray(False),
+                             TOP_K_WIDTH, matmul_impl, keep_logits=False, keep_final=True)
+        tokens, final = first.token[:, None], first.final[:, None]
+        if num_drafts > 1:
+            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
+                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
+                                return_logits=False, keep_final=True)
+            tokens = jnp.concatenate([tokens, res.token.T], axis=1)
+            final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
+    if pad_rows > tokens.shape[0]:
+        tokens = jnp.pad(tokens, ((0, pad_rows - tokens.shape[0]), (0, 0)))
+    return state, tokens, final
 
 
 def decode_burst(

@@ -7,7 +7,11 @@ too: every row the target runs (prefill chunks, plain decode rows) is run on the
 cached or free in both caches at once. The draft may lag the target by the tokens it has not been fed yet; it
 tracks, per job, how many of the job's tokens have KV in its cache, and feeds the missing ones before drafting:
 one or two after a verification step (the bonus token, and the last draft when every draft was accepted), any
-number as a catch-up chunk in the rare other cases.
+number as a catch-up chunk otherwise. Prefill chunks are mirrored in their step (a prompt's pages may be shared);
+a decode row that does not draft in a step (the adaptive gate closed it, it has no room for drafts, or its job never
+drafts) is not: its tokens are fed as a catch-up chunk when the job next drafts, or in the step whose token fills
+their page, whichever comes first, so a page is whole in the draft cache before the prompt cache can share it, and a
+step that verifies nothing runs no draft forward over its decode rows but those chunks.
 
 Where a step allows it (`DraftModel.ahead`: every row drafting, no penalty history, room in the pages), the next
 step's burst is dispatched right after the target's verification, from its results on the device, and runs while
@@ -122,15 +126,25 @@ class DraftModel:
                 return got
         mirror: list[tuple[Hashable, RowInput]] = []
         chunk = self.engine.config.max_chunk_size
+        page = self.engine.config.page_size
         offsets = [0] * len(specs)
         for i, (s, n) in enumerate(zip(specs, want)):
             row = s.row
-            if not n:  # (a CFG row's guidance is the target's business: the draft's samples are unused)
+            if not n and not (row.is_decode and row.sample):  # a prefill chunk: mirrored now (its pages may be
+                # shared); a CFG row's guidance is the target's business: the draft's samples are unused
                 mirror.append((s.key, row if row.cfg_negative is None else dataclasses.replace(row, cfg_negative=None)))
                 continue
+            # what the draft holds of the job (a job first seen here: its prefix came mirrored); a rewind since
+            # moved the job back below what it held
             have = min(self.kv.get(s.key, row.start_pos), row.start_pos)
-            while row.start_pos - have > 1:  # lagging: catch up to one token before the row's (rare)
-                end = min(row.start_pos - 1, have + chunk)
+            if n:  # a drafting row catches up to the token before its own (the burst feeds that one and its own)
+                upto = row.start_pos - 1
+            elif (row.start_pos + 1) % page == 0:  # a decode row that does not draft waits, unless its token fills
+                upto = row.start_pos + 1  # its page (which the prompt cache may then share): fed up to that token
+            else:
+                upto = have
+            while have < upto:
+                end = min(upto, have + chunk)
                 mirror.append((s.key, RowInput(tokens=list(s.sequence[have:end]), start_pos=have, pages=row.pages,
                                                sample=False)))
                 have = end
@@ -191,6 +205,11 @@ class DraftModel:
         q, on_device = self.engine.draft_ahead(results.token, results.num_accepted)
         self._ahead = (*can, q, on_device)
         self.ahead_bursts[0] += 1
+
+    def drop_ahead(self) -> None:
+        """Forget a burst dispatched ahead (and the step it could follow): the step it went ahead from failed, so the
+        jobs are not where that burst assumed (`paged.spec_step.SpeculativeStep.run`)."""
+        self._ahead = self._can_ahead = None
 
     def _take_ahead(self, ahead: tuple, target: Any, specs: Sequence[Any], want: list[int]
                     ) -> tuple[None, jax.Array, list[int], jax.Array] | None:

@@ -86,3 +86,40 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
         assert ahead_on[1] < ahead_on[0]  # some went ahead for rows the next step did not have
     if draft == "self":
         assert m_on["acceptance_rate"] == 1.0
+
+
+def test_a_failed_step_does_not_hand_its_burst_ahead_to_the_retry(monkeypatch):
+    """A verification step that fails after its dispatch (`StepError`: the generator retries the same rows) had
+    already sent the next burst ahead from its results; that burst drafted a whole verification further on, so the
+    retry must not take it (`DraftModel.drop_ahead`): with the target drafting for itself every draft is still
+    accepted, and the stream is plain decoding's."""
+    import paged.engine as engine_mod
+    from paged.errors import StepError
+
+    def run(fail_at=None):
+        gen = DynamicGenerator(MODEL, **{**SETTINGS, "max_batch_size": 1}, draft_model=MODEL, num_draft_tokens=2)
+        job = Job(TOK.encode("hello world"), 40, gen_settings=GREEDY)
+        gen.enqueue(job)
+        draft = gen.speculation.speculator.draft
+        real, steps = engine_mod._to_host, 0
+        while gen.num_remaining_jobs():
+            steps += 1
+            if steps == fail_at:
+                assert draft.ahead_bursts[1] > 0  # bursts go ahead by now
+
+                def lost(*a, **k):  # the results cannot be read back, after the burst went ahead from them
+                    raise RuntimeError("device lost")
+
+                monkeypatch.setattr(engine_mod, "_to_host", lost)
+                with pytest.raises(StepError):
+                    gen.iterate()
+                monkeypatch.setattr(engine_mod, "_to_host", real)
+                continue
+            gen.iterate()
+            check_draft_cache(gen, [job])
+        return job.sequence, gen.metrics()
+
+    ref, _ = run()
+    got, m = run(fail_at=6)
+    assert got == ref
+    assert m["acceptance_rate"] == 1.0, (m["accepted_draft_tokens"], m["drafted_tokens"])

@@ -134,3 +134,51 @@ def test_invalid_adaptive_arguments():
     g = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), use_ngram_draft=True, adaptive_draft=True,
                          draft_token_cost=0.5)
     assert g.speculation.speculator.gate.rho == 0.5
+
+
+def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
+    """With a draft model, a decode row that does not draft in a step is not mirrored on the draft (`paged.draft`): a
+    step the gate closes runs no draft forward over its decode rows (but for a row whose token fills its page), and
+    when the job next drafts, the draft feeds the tokens it missed as catch-up chunks. With the target drafting for
+    itself every draft is then accepted, and the draft cache holds the target's K/V wherever it records it as
+    written (mirroring a row right after a full acceptance, as before, left the last draft's KV missing there); the
+    stream is plain decoding's. The gate is scripted here: closed for three steps, open for one."""
+    from itertools import cycle
+
+    from paged.testing import drain
+    from tests.paged.test_speculative_generator import check_draft_cache
+
+    ref = run_model()[1]
+    gen = DynamicGenerator(MODEL, **SETTINGS, draft_model=MODEL, num_draft_tokens=2, adaptive_draft=True)
+    spec = gen.speculation.speculator
+    draft = spec.draft
+    script = cycle([False, False, False, True])
+    spec.gate.decide = lambda rows, sampling_rows: next(script)
+    calls = []
+    for name in ("run_forward", "draft"):  # every forward the draft engine runs goes through one of these
+        fn = getattr(draft.engine, name)
+        setattr(draft.engine, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
+    jobs = model_jobs()
+    seen = {"gated decode steps": 0, "checked": 0}
+    iterate = gen.iterate
+
+    def checked_iterate():
+        before, rows_before = len(calls), gen.metrics()["verification_rows"]
+        prefilling = any(len(j.sequence) == len(j.input_ids) for j in jobs)  # a prompt's chunks may run (mirrored)
+        # a row whose token fills its page feeds the draft what it lacks of the page (the prompt cache may share it)
+        fills = any(j.pages and (j.kv_position + 1) % SETTINGS["page_size"] == 0 for j in jobs)
+        out = iterate()
+        if gen.metrics()["verification_rows"] == rows_before and not prefilling and not fills:
+            seen["gated decode steps"] += 1
+            assert len(calls) == before, "a step that verified nothing ran the draft over its decode rows"
+        seen["checked"] += check_draft_cache(gen, jobs)
+        return out
+
+    gen.iterate = checked_iterate
+    gen.enqueue(jobs)
+    c = drain(gen)
+    gen.pool.check({})
+    m = gen.metrics()
+    assert seen["gated decode steps"] >= 6 and seen["checked"] > 0, seen
+    assert m["verification_rows"] > 0 and m["acceptance_rate"] == 1.0  # caught up: the drafts are the target's
+    same_stream(c, ref)

@@ -2,16 +2,18 @@
 
 The draft engine is an ordinary `paged.engine.Engine` built with the target's `EngineConfig` (same page size,
 number of pages, batch and chunk limits), so the page ids the target's page pool hands out index the draft's cache
-too: every row the target runs (prefill chunks, plain decode rows) is run on the draft with the same pages
-("mirrored"), so prefix sharing, the prompt cache, cancel and eviction need nothing more: a page is valid, shared,
-cached or free in both caches at once. The draft may lag the target by the tokens it has not been fed yet; it
-tracks, per job, how many of the job's tokens have KV in its cache, and feeds the missing ones before drafting:
-one or two after a verification step (the bonus token, and the last draft when every draft was accepted), any
-number as a catch-up chunk otherwise. Prefill chunks are mirrored in their step (a prompt's pages may be shared);
-a decode row that does not draft in a step (the adaptive gate closed it, it has no room for drafts, or its job never
-drafts) is not: its tokens are fed as a catch-up chunk when the job next drafts, or in the step whose token fills
-their page, whichever comes first, so a page is whole in the draft cache before the prompt cache can share it, and a
-step that verifies nothing runs no draft forward over its decode rows but those chunks.
+too: the tokens the target writes reach the draft's cache in the same pages ("mirrored"), so prefix sharing, the
+prompt cache, cancel and eviction need nothing more: a page is valid, shared, cached or free in both caches at once.
+The draft may lag the target by the tokens it has not been fed yet; it tracks, per job, how many of the job's tokens
+have KV in its cache, and feeds the missing ones before drafting: one or two after a verification step (the bonus
+token, and the last draft when every draft was accepted), any number as a catch-up chunk otherwise. Prefill chunks
+are mirrored in their step (a prompt's pages may be shared); a decode row that does not draft in a step (the
+adaptive gate closed it, it has no room for drafts, or its job never drafts) is not: its tokens are fed as a
+catch-up chunk when the job next drafts, or in the step whose token fills their page, whichever comes first, and a
+page that a full acceptance completed gets its last draft's KV in the job's next step. So a page is whole in the
+draft cache by the step after the prompt cache may first share it (the catch-up chunks run before that step's
+prefill chunks), but for the last token of a page a job completed in the step it finished; and a step that verifies
+nothing runs no draft forward over its decode rows but those chunks.
 
 Where a step allows it (`DraftModel.ahead`: every row drafting, no penalty history, room in the pages), the next
 step's burst is dispatched right after the target's verification, from its results on the device, and runs while
@@ -111,7 +113,8 @@ class DraftModel:
 
     def propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True
                 ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], jax.Array | None]:
-        """Mirror the step's other rows, then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
+        """Feed the draft what it lacks (the step's prefill chunks, and the catch-up chunks of the module docstring),
+        then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
         call laid out like the target's verification batch (a row whose token before its own has no KV in the draft
         cache yet feeds it in the same forward: `Engine.draft(catch_up=)`). Returns (drafts per row, on the host:
         None unless `host`, and then nothing waits for the burst; the draft distributions [S', k, V] by target batch
@@ -124,32 +127,34 @@ class DraftModel:
             got = self._take_ahead(ahead, target, specs, want)
             if got is not None:
                 return got
-        mirror: list[tuple[Hashable, RowInput]] = []
+        catch_up_chunks: list[tuple[Hashable, RowInput]] = []
+        prefill: list[tuple[Hashable, RowInput]] = []
         chunk = self.engine.config.max_chunk_size
         page = self.engine.config.page_size
         offsets = [0] * len(specs)
         for i, (s, n) in enumerate(zip(specs, want)):
             row = s.row
-            if not n and not (row.is_decode and row.sample):  # a prefill chunk: mirrored now (its pages may be
-                # shared); a CFG row's guidance is the target's business: the draft's samples are unused
-                mirror.append((s.key, row if row.cfg_negative is None else dataclasses.replace(row, cfg_negative=None)))
+            if not n and not (row.is_decode and row.sample):  # a prefill chunk: mirrored now (its pages may be shared)
+                prefill.append((s.key, row))
                 continue
             # what the draft holds of the job (a job first seen here: its prefix came mirrored); a rewind since
-            # moved the job back below what it held
-            have = min(self.kv.get(s.key, row.start_pos), row.start_pos)
-            if n:  # a drafting row catches up to the token before its own (the burst feeds that one and its own)
-                upto = row.start_pos - 1
+            # moved the job back below what it held; `_mirror` moves the record on as the chunks run
+            have = self.kv[s.key] = min(self.kv.get(s.key, row.start_pos), row.start_pos)
+            if n:  # a drafting row catches up to the token before its own (the burst feeds that one and its own), but
+                # for a page its step completed (a job admitted now may share it): that page is fed whole here
+                upto = row.start_pos - 1 if row.start_pos % page else row.start_pos
             elif (row.start_pos + 1) % page == 0:  # a decode row that does not draft waits, unless its token fills
                 upto = row.start_pos + 1  # its page (which the prompt cache may then share): fed up to that token
-            else:
-                upto = have
+            else:  # (a page before the row's that a full acceptance completed lacks its last draft: fed now)
+                upto = max(have, row.start_pos - row.start_pos % page)
             while have < upto:
                 end = min(upto, have + chunk)
-                mirror.append((s.key, RowInput(tokens=list(s.sequence[have:end]), start_pos=have, pages=row.pages,
-                                               sample=False)))
+                catch_up_chunks.append((s.key, RowInput(tokens=list(s.sequence[have:end]), start_pos=have,
+                                                        pages=row.pages, sample=False)))
                 have = end
-            self.kv[s.key] = have
             offsets[i] = row.start_pos - have
+        # catch-up chunks first: a job admitted in this step may share the pages they complete
+        mirror = catch_up_chunks + prefill
         if mirror:
             self._mirror(mirror)
         drafting = [i for i, n in enumerate(want) if n]

@@ -134,11 +134,11 @@ class SpeculativeStep:
             kw["after_dispatch"] = self.speculator.draft.ahead  # the next step's burst, where it may go ahead
         try:
             out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
+            items = self.speculator.accept(plan, out)
         except Exception:
             if self.speculator.draft is not None:  # a burst that went ahead from this step's results is not the
                 self.speculator.draft.drop_ahead()  # retry's: it drafted one verification further on
             raise
-        items = self.speculator.accept(plan, out)
         for job, item in zip(owners, items):
             job.drafted_tokens += item.num_drafted
             job.accepted_draft_tokens += item.num_accepted

@@ -148,7 +148,7 @@ def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
     from paged.testing import drain
     from tests.paged.test_speculative_generator import check_draft_cache
 
-    ref = run_model()[1]
+    ref = run_model(jobs=model_jobs(max_new=24))[1]
     gen = DynamicGenerator(MODEL, **SETTINGS, draft_model=MODEL, num_draft_tokens=2, adaptive_draft=True)
     spec = gen.speculation.speculator
     draft = spec.draft
@@ -158,20 +158,23 @@ def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
     for name in ("run_forward", "draft"):  # every forward the draft engine runs goes through one of these
         fn = getattr(draft.engine, name)
         setattr(draft.engine, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name), _fn(*a, **k))[1])
-    jobs = model_jobs()
-    seen = {"gated decode steps": 0, "checked": 0}
+    jobs = model_jobs(max_new=24)
+    seen, hashed = {"gated decode steps": 0, "checked": 0}, {}
     iterate = gen.iterate
 
     def checked_iterate():
         before, rows_before = len(calls), gen.metrics()["verification_rows"]
         prefilling = any(len(j.sequence) == len(j.input_ids) for j in jobs)  # a prompt's chunks may run (mirrored)
-        # a row whose token fills its page feeds the draft what it lacks of the page (the prompt cache may share it)
-        fills = any(j.pages and (j.kv_position + 1) % SETTINGS["page_size"] == 0 for j in jobs)
+        # a row whose token fills its page feeds the draft what it lacks of the page (the prompt cache may share it),
+        # and so does a row after a page that a full acceptance filled (it lacks its last draft's K/V)
+        ps = SETTINGS["page_size"]
+        fills = any(j.pages and ((j.kv_position + 1) % ps == 0 or draft.kv.get(j, 0) < j.kv_position // ps * ps)
+                    for j in jobs)
         out = iterate()
         if gen.metrics()["verification_rows"] == rows_before and not prefilling and not fills:
             seen["gated decode steps"] += 1
             assert len(calls) == before, "a step that verified nothing ran the draft over its decode rows"
-        seen["checked"] += check_draft_cache(gen, jobs)
+        seen["checked"] += check_draft_cache(gen, jobs, hashed)
         return out
 
     gen.iterate = checked_iterate

@@ -620,14 +620,19 @@ def test_the_draft_cache_mirrors_the_target_cache():
     assert checked >= 9
 
 
-def check_draft_cache(gen, jobs) -> int:
+def check_draft_cache(gen, jobs, hashed: dict | None = None) -> int:
     """Assert that the draft cache holds the target's K/V (draft = the target's weights) at every position of each
-    job that it records as written; returns the number of jobs checked."""
+    job that it records as written; returns the number of jobs checked. With `hashed` (a dict the caller keeps
+    across steps), also over the pages of each running job that were hashed before this step (the prompt cache
+    may share them from this step on), whatever the draft records."""
     draft = gen.speculation.speculator.draft
-    ps = SETTINGS["page_size"]
+    ps = draft.engine.config.page_size
     checked = 0
     for job in jobs:
         n = draft.kv.get(job, 0)
+        if hashed is not None and job in draft.kv:
+            n = max(n, hashed.get(job, 0) * ps)
+            hashed[job] = len(job.page_hashes)
         if not n or not job.pages:
             continue
         pos = np.arange(n)

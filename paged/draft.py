@@ -140,13 +140,15 @@ class DraftModel:
             # what the draft holds of the job (a job first seen here: its prefix came mirrored); a rewind since
             # moved the job back below what it held; `_mirror` moves the record on as the chunks run
             have = self.kv[s.key] = min(self.kv.get(s.key, row.start_pos), row.start_pos)
-            if n:  # a drafting row catches up to the token before its own (the burst feeds that one and its own), but
-                # for a page its step completed (a job admitted now may share it): that page is fed whole here
-                upto = row.start_pos - 1 if row.start_pos % page else row.start_pos
+            # the pages before the row's are fed whole (a job admitted now may share them; one that a full
+            # acceptance completed lacks its last draft's KV)
+            page_start = row.start_pos - row.start_pos % page
+            if n:  # a drafting row: up to the token before its own (the burst feeds that one and its own)
+                upto = max(row.start_pos - 1, page_start)
             elif (row.start_pos + 1) % page == 0:  # a decode row that does not draft waits, unless its token fills
                 upto = row.start_pos + 1  # its page (which the prompt cache may then share): fed up to that token
-            else:  # (a page before the row's that a full acceptance completed lacks its last draft: fed now)
-                upto = max(have, row.start_pos - row.start_pos % page)
+            else:
+                upto = page_start
             while have < upto:
                 end = min(upto, have + chunk)
                 catch_up_chunks.append((s.key, RowInput(tokens=list(s.sequence[have:end]), start_pos=have,

@@ -4,7 +4,8 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 - `copy`: rewrite or quote a given text or code (the output repeats the prompt: n-gram territory);
 - `chat`: open questions (the draft model's territory).
 
-Drafter names: `none`, `ngram`, `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
+Drafter names: `none`, `ngram`, `corpus` (prompt lookup with the corpus table of `--ngram_corpus`,
+`DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
 (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
 `paged/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive` where
 both): its proposal bursts wait for each verification's results on the host instead of going ahead
@@ -42,6 +43,8 @@ from paged.speculative import ACCEPTANCE_RULES
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
+flags.DEFINE_string("ngram_corpus", None, "the corpus drafter's table (experiments.build_ngram_corpus --out); the "
+                    "corpus drafters are skipped when unset")
 flags.DEFINE_integer("self_draft_layers", 4, "layers of the truncated self-draft")
 flags.DEFINE_enum("draft_quant", "int8", ["int8", "int4", "none"], "the distilled draft's weights (a float "
                   "checkpoint): int8 / int4 quantized at load (the native CPU kernel runs them), or none (float32)")
@@ -87,6 +90,10 @@ def main(argv):
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None}
+    if FLAGS.ngram_corpus:
+        from paged.ngram_corpus import NgramCorpus
+
+        drafts["corpus"] = NgramCorpus.load(FLAGS.ngram_corpus)
     if any(drafter_name(d)[0] == "self" for d in FLAGS.drafters):
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if FLAGS.draft_dir:
@@ -94,7 +101,8 @@ def main(argv):
                                          quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant)
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "draft_quant", "self_draft_layers",
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "ngram_corpus", "draft_quant",
+                                                        "self_draft_layers",
                                                         "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
@@ -103,22 +111,24 @@ def main(argv):
                                                         "matmul_impl", "attn_tuning", "matmul_tuning")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
-    unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in ("none", "ngram", "self", "distilled")
+    bases = ("none", "ngram", "corpus", "self", "distilled")
+    unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in bases
                or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")]
     if unknown:
-        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, self, distilled (each may end in "
-                             "_adaptive; self and distilled then in _late)")
+        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, corpus, self, distilled (each may "
+                             "end in _adaptive; self and distilled then in _late)")
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     num_prompts = FLAGS.num_prompts or max(batch_sizes)
     gens = {}  # drafter -> (generator, compile seconds): every configuration built and warmed up first
     for drafter in FLAGS.drafters:
         base, adaptive, late = drafter_name(drafter)
         if base not in drafts:
-            print(f"skipping {drafter} (no --draft_dir)")
+            print(f"skipping {drafter} (no {'--ngram_corpus' if base == 'corpus' else '--draft_dir'})")
             continue
         kw = {}
-        if base == "ngram":
-            kw = dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens)
+        if base in ("ngram", "corpus"):
+            kw = dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens,
+                      ngram_corpus=drafts[base])
         elif drafts[base] is not None:
             kw = dict(draft_model=drafts[base], num_draft_tokens=FLAGS.num_draft_tokens)
         if kw and adaptive:
@@ -203,6 +213,9 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
             "accepted_at_position": hist, "steps": after["steps"] - before["steps"],
             "gated_steps": after["gated_steps"] - before["gated_steps"], "jobs": len(finals),
             "draft_bursts_ahead_used": after["draft_bursts_ahead_used"] - before["draft_bursts_ahead_used"],
+            "corpus_drafted_tokens": after["corpus_drafted_tokens"] - before["corpus_drafted_tokens"],
+            "corpus_accepted_draft_tokens": (after["corpus_accepted_draft_tokens"]
+                                             - before["corpus_accepted_draft_tokens"]),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
             "fuse_sampler": gen.config.fuse_sampler, "engine": gen.config.to_dict(), "output_hashes": outputs,
             "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}

@@ -123,6 +123,8 @@ flags.DEFINE_string("draft_model", None, "speculative decoding with a draft mode
 flags.DEFINE_integer("num_draft_tokens", 4, "tokens drafted per job and step (with --draft_model or --ngram_draft)")
 flags.DEFINE_bool("ngram_draft", False, "speculative decoding with n-gram prompt lookup (no draft model)")
 flags.DEFINE_integer("max_ngram", 4, "--ngram_draft: longest suffix looked up in the prompt and output")
+flags.DEFINE_string("ngram_corpus", None, "--ngram_draft: a corpus table (experiments/build_ngram_corpus.py) that "
+                    "drafts where prompt lookup finds no match of 2 or more tokens")
 flags.DEFINE_bool("adaptive_draft", False, "verify drafts only in steps where they are expected to pay for the "
                   "verification (per-job acceptance against a step-cost model; docs/speculative.md)")
 flags.DEFINE_float("draft_token_cost", None, "--adaptive_draft: the cost model's rho, one query token over a step's "
@@ -358,6 +360,15 @@ def speculation_kwargs(model) -> dict:
                              "--draft_model")
     if FLAGS.draft_token_cost is not None and not FLAGS.adaptive_draft:
         raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
+    if FLAGS.ngram_corpus and not FLAGS.ngram_draft:
+        raise app.UsageError("--ngram_corpus is the n-gram drafter's table: add --ngram_draft")
+    if FLAGS.ngram_corpus:
+        from paged.ngram_corpus import NgramCorpus, NgramCorpusError
+
+        try:
+            extra["ngram_corpus"] = NgramCorpus.load(FLAGS.ngram_corpus)
+        except NgramCorpusError as e:
+            raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
     if FLAGS.ngram_draft:
         return dict(use_ngram_draft=True, max_ngram=FLAGS.max_ngram, num_draft_tokens=FLAGS.num_draft_tokens,
                     **extra)

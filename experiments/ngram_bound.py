@@ -25,7 +25,8 @@ shorter than that unverified. Each run is also priced with a cost per verificati
 k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
 `predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
 and `predicted_speedup_widths`, each at the narrowest of `--widths` below k + 1, or k + 1, that holds its drafts (an
-engine with a verification bucket per width, which the generator does not have).
+engine with a verification bucket per width, which the generator does not have). `--ngram_corpus` replays the
+drafter with a corpus table (`paged.ngram_corpus`), as a generator given `ngram_corpus=` drafts.
 
     python -m experiments.ngram_bound --json_out experiments/results/ngram_bound_cpu.json
     python -m experiments.ngram_bound --workloads copy --num_draft_tokens 4,8,16 --policies all,grow,oracle \
@@ -79,6 +80,9 @@ flags.DEFINE_list("widths", ["2", "3", "5", "9", "17"], "verification widths (dr
 flags.DEFINE_bool("price", False, "time plain and verification steps in the generator for every width (and k + 1)")
 flags.DEFINE_list("cost_model", ["1.12", "0.12"], "A, B: without --price, a verification of width W costs "
                   "A + B (W - 1) plain steps")
+flags.DEFINE_string("ngram_corpus", None, "a saved paged.ngram_corpus.NgramCorpus "
+                    "(experiments/build_ngram_corpus.py) that drafts where prompt lookup's match is shorter than 2 "
+                    "tokens, as the generator's ngram_corpus=")
 flags.DEFINE_string("json_out", None, "write the record here")
 
 
@@ -104,8 +108,14 @@ def main(argv):
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "workloads", "num_prompts", "max_new_tokens",
                                                         "seed", "num_draft_tokens", "max_ngram", "verify_costs",
                                                         "policies", "min_match", "gate_rho", "widths", "price",
-                                                        "cost_model")},
+                                                        "cost_model", "ngram_corpus")},
               "git": git_info(), "device": device_info(), "versions": versions(), "runs": []}
+    corpus = None
+    if FLAGS.ngram_corpus:
+        from paged.ngram_corpus import load_corpus
+
+        corpus = load_corpus(FLAGS.ngram_corpus, model.config.vocab_size)
+        record["ngram_corpus"] = repr(corpus)
     prices = None
     if FLAGS.price:
         from experiments.serving.env import load_average
@@ -135,7 +145,8 @@ def main(argv):
                     from paged.draft_gate import DraftGate
 
                     gate = DraftGate(k, FLAGS.gate_rho)
-                per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match, gate)
+                per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match, gate,
+                              corpus)
                        for p, o in outputs]
                 total = Replay()
                 for r in per:

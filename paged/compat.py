@@ -356,7 +356,7 @@ _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_ran
                   "max_loras", "max_lora_rank", "mesh",
                   "decode_steps", "fuse_sampler", "cache_dtype",
                   "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock",
-                  "adaptive_draft", "draft_token_cost", "draft_acceptance")
+                  "adaptive_draft", "draft_token_cost", "draft_acceptance", "ngram_corpus")
 
 
 # ---------------------------------------------------------------------------------------------- async

@@ -105,6 +105,7 @@ class DynamicGenerator:
         adaptive_draft: bool = False,
         draft_token_cost: float | None = None,
         draft_acceptance: str = "rejection",
+        ngram_corpus: Any = None,
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
@@ -134,9 +135,12 @@ class DynamicGenerator:
         with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it would without
         speculation whatever the drafter, and a draft model's drafts are accepted a little less often than by
         rejection sampling), or "exllamav2" (the same, a draft model proposing its argmax, as ExLlamaV2 does).
+        `ngram_corpus` (with `use_ngram_draft=True`): a `paged.ngram_corpus.NgramCorpus`, or the path of a saved
+        one, that drafts where prompt lookup finds no match of 2 or more tokens (the continuations the model wrote
+        most often in a corpus of its own answers: experiments/build_ngram_corpus.py).
         """
         speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
-                                           draft_token_cost, draft_acceptance)
+                                           draft_token_cost, draft_acceptance, ngram_corpus)
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
@@ -198,7 +202,8 @@ class DynamicGenerator:
             self.speculation = SpeculativeStep(engine, self.scheduler, draft_model=draft_model,
                                                num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
                                                max_ngram=max_ngram, tokenizer=tokenizer, adaptive=adaptive_draft,
-                                               draft_token_cost=draft_token_cost, acceptance=draft_acceptance)
+                                               draft_token_cost=draft_token_cost, acceptance=draft_acceptance,
+                                               ngram_corpus=ngram_corpus)
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)

@@ -103,7 +103,7 @@ class Replay:
 
 
 def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int, max_new_tokens: int,
-           policy: str = "all", min_match: int = 1, gate: Any = None) -> Replay:
+           policy: str = "all", min_match: int = 1, gate: Any = None, corpus: Any = None) -> Replay:
     """The steps an n-gram drafter (up to k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
     after `prompt`, with no model: the prefill step emits the first token; every later step proposes up to
     min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), verifies some of them (`policy`),
@@ -118,6 +118,10 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
       length as the evidence class; it learns from each verification's outcome;
     - "oracle": exactly those the output continues with (a bound: no policy with this drafter verifies better).
 
+    `corpus`: a `paged.ngram_corpus.NgramCorpus` that drafts where prompt lookup's match is short, as in a
+    generator given `ngram_corpus=` (`paged.ngram_corpus.propose_lookup`); its drafts' evidence classes are negative,
+    and `min_match` applies to prompt lookup's only.
+
     Page room never limits drafts here: right for the default `reserve` page allocation, an upper bound under
     `on_demand`. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""
     if policy not in REPLAY_POLICIES:
@@ -128,16 +132,18 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
     r = Replay(tokens=len(output))
     if not output:
         return r
+    from paged.ngram_corpus import propose_lookup
+
     index = NgramIndex(max_ngram)
     index.append(list(prompt) + [output[0]])
     r.steps, i = 1, 1  # the prefill step samples the first token
     grow = 1
     while i < len(output):
-        drafts, n = index.propose_match(max(0, min(k, max_new_tokens - i - 1)))
+        drafts, n = propose_lookup(index, corpus, max(0, min(k, max_new_tokens - i - 1)))
         run = 0  # how many of the proposed drafts the output continues with
         while run < len(drafts) and i + run < len(output) and drafts[run] == output[i + run]:
             run += 1
-        if n < min_match:
+        if 0 <= n < min_match:
             m = 0
         elif policy == "gate":
             m = len(drafts) if drafts and gate.decide([(key, n, len(drafts))], 1) else 0

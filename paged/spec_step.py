@@ -29,7 +29,7 @@ from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator
 
 def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
                            adaptive_draft: Any = False, draft_token_cost: Any = None,
-                           draft_acceptance: Any = "rejection") -> bool:
+                           draft_acceptance: Any = "rejection", ngram_corpus: Any = None) -> bool:
     """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
     given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
@@ -60,6 +60,9 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
     if draft_acceptance != "rejection" and draft_model is None and not use_ngram_draft:
         raise InvalidConfigError("DynamicGenerator: draft_acceptance needs a drafter (draft_model= or "
                                  "use_ngram_draft=True)")
+    if ngram_corpus is not None and not use_ngram_draft:
+        raise InvalidConfigError("DynamicGenerator: ngram_corpus is the n-gram drafter's table: pass it with "
+                                 "use_ngram_draft=True")
     return draft_model is not None or use_ngram_draft
 
 
@@ -72,7 +75,7 @@ class SpeculativeStep:
 
     def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
                  use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None, acceptance: str = "rejection"):
+                 draft_token_cost: float | None = None, acceptance: str = "rejection", ngram_corpus: Any = None):
         if not hasattr(engine, "enable_verification"):
             raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
                                      f"(enable_verification); {type(engine).__name__} does not")
@@ -81,7 +84,8 @@ class SpeculativeStep:
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
         self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                                      use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer,
-                                     adaptive=adaptive, draft_token_cost=draft_token_cost, acceptance=acceptance)
+                                     adaptive=adaptive, draft_token_cost=draft_token_cost, acceptance=acceptance,
+                                     ngram_corpus=ngram_corpus)
         self.k = num_draft_tokens
         self.scheduler = scheduler
         self.page_size = scheduler.config.page_size
@@ -159,7 +163,9 @@ class SpeculativeStep:
                 "mean_accepted_length": s["mean_accepted_length"], "verification_rows": self.speculator.rounds,
                 "accepted_at_position": s["accepted_at_position"], "gated_steps": s.get("gated_steps", 0),
                 "explored_steps": s.get("explored_steps", 0), "draft_bursts_ahead": s["draft_bursts_ahead"],
-                "draft_bursts_ahead_used": s["draft_bursts_ahead_used"]}
+                "draft_bursts_ahead_used": s["draft_bursts_ahead_used"],
+                "corpus_drafted_tokens": s["corpus_drafted_tokens"],
+                "corpus_accepted_draft_tokens": s["corpus_accepted_draft_tokens"]}
 
 
 def _position_masks(state: Any, first: Any, drafts: list[int]) -> list:
@@ -184,4 +190,5 @@ def empty_metrics() -> dict:
     """`SpeculativeStep.metrics()` of a generator that does not speculate."""
     return {"drafted_tokens": 0, "accepted_draft_tokens": 0, "rejected_draft_tokens": 0, "acceptance_rate": 0.0,
             "mean_accepted_length": 0.0, "verification_rows": 0, "accepted_at_position": [], "gated_steps": 0,
-            "explored_steps": 0, "draft_bursts_ahead": 0, "draft_bursts_ahead_used": 0}
+            "explored_steps": 0, "draft_bursts_ahead": 0, "draft_bursts_ahead_used": 0, "corpus_drafted_tokens": 0,
+            "corpus_accepted_draft_tokens": 0}

@@ -65,6 +65,7 @@ from models.config import ModelConfig
 from models.weights import Weights
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
+from paged.ngram_corpus import load_corpus
 from paged.sampling import row_keys
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
@@ -269,7 +270,7 @@ class SpecPlan:
     draft_logprobs: jax.Array | None
     inputs: list[SpecRow]
     num_drafts: list[int]  # drafts verified per row (0: an ordinary row)
-    classes: list[int] | None = None  # adaptive: each row's evidence class (n-gram match length; 0 for a model)
+    classes: list[int] | None = None  # each row's evidence class (n-gram match length, < 0 a corpus's; 0 a model)
     draft_tokens: jax.Array | None = None  # a draft model's drafts on the device (`engine.run(draft_tokens=)`)
 
     @property
@@ -315,7 +316,7 @@ class Speculator:
 
     def __init__(self, target: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
                  use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None, acceptance: str = "rejection"):
+                 draft_token_cost: float | None = None, acceptance: str = "rejection", ngram_corpus: Any = None):
         if draft_model is not None and use_ngram_draft:
             raise InvalidConfigError("speculative decoding takes one drafter: pass draft_model= or "
                                      "use_ngram_draft=True, not both")
@@ -331,6 +332,11 @@ class Speculator:
         self.acceptance = acceptance
         self.k = num_draft_tokens
         self.max_ngram = max_ngram
+        self.corpus = None
+        if ngram_corpus is not None:
+            if not use_ngram_draft:
+                raise InvalidConfigError("ngram_corpus= is the n-gram drafter's: pass it with use_ngram_draft=True")
+            self.corpus = load_corpus(ngram_corpus, target.vocab_size)
         self.draft = None
         if draft_model is not None:
             from paged.draft import DraftModel
@@ -361,6 +367,8 @@ class Speculator:
         self.accepted = 0
         self.rounds = 0  # verification rows run
         self.accepted_at = np.zeros(num_draft_tokens, np.int64)  # rows whose draft j was accepted
+        self.corpus_drafted = 0  # drafts the n-gram corpus proposed (evidence class < 0), verified
+        self.corpus_accepted = 0
 
     # ------------------------------------------------------------------ per job
     def release(self, key: Hashable) -> None:
@@ -383,18 +391,21 @@ class Speculator:
                 "accepted_at_position": self.accepted_at.tolist(),
                 "draft_bursts_ahead": self.draft.ahead_bursts[0] if self.draft is not None else 0,
                 "draft_bursts_ahead_used": self.draft.ahead_bursts[1] if self.draft is not None else 0,
+                "corpus_drafted_tokens": self.corpus_drafted, "corpus_accepted_draft_tokens": self.corpus_accepted,
                 **({} if self.gate is None else self.gate.stats())}
 
     # ------------------------------------------------------------------ per step
     def _propose_ngram(self, spec: SpecRow, n: int) -> tuple[list[int], int]:
-        """Up to `n` drafts by prompt lookup, and the length of the suffix that matched."""
+        """Up to `n` drafts by prompt lookup (or the corpus, `paged.ngram_corpus.propose_lookup`), and their
+        evidence class (the length of the suffix that matched; a corpus draft's is negative)."""
         from paged.ngram import NgramIndex
+        from paged.ngram_corpus import propose_lookup
 
         index = self._ngrams.get(spec.key)
         if index is None:
             index = self._ngrams[spec.key] = NgramIndex(self.max_ngram)
         index.sync(spec.sequence)
-        return index.propose_match(n)
+        return propose_lookup(index, self.corpus, n)
 
     def _plain(self, specs: Sequence[SpecRow]) -> SpecPlan:
         return SpecPlan(rows=[s.row for s in specs], draft_logprobs=None, inputs=list(specs),
@@ -448,6 +459,9 @@ class Speculator:
                 self.accepted += a
                 self.rounds += 1
                 self.accepted_at[:a] += 1
+                if plan.classes is not None and plan.classes[i] < 0:  # a corpus's draft (ngram_corpus.corpus_class)
+                    self.corpus_drafted += m
+                    self.corpus_accepted += a
                 if self.gate is not None:
                     self.gate.record(spec.key, plan.classes[i], m, a)
             elif row.sample:

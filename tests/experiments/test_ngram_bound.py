@@ -105,8 +105,14 @@ def check_predictions(r, width_costs, widths):
 
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     pytest.importorskip("torch")
+    from paged.ngram_corpus import NgramCorpus
+
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    NgramCorpus.build([list(range(40)) * 3], vocab).save(tmp_path / "corpus.npz")
     rec = run_script(model_dir, tmp_path / "bound.json", "--num_draft_tokens=2,4", "--verify_costs=1,2",
-                     "--policies=all,grow,oracle", "--widths=2,3", "--cost_model=1.5,0.25")
+                     "--policies=all,grow,oracle", "--widths=2,3", "--cost_model=1.5,0.25",
+                     f"--ngram_corpus={tmp_path / 'corpus.npz'}")
+    assert rec["flags"]["ngram_corpus"] == str(tmp_path / "corpus.npz") and "NgramCorpus(" in rec["ngram_corpus"]
     assert [(r["num_draft_tokens"], r["policy"]) for r in rec["runs"]] == [
         (k, p) for k in (2, 4) for p in ("all", "grow", "oracle")]
     # without --price: c(W) = A + B (W - 1), for the widths asked, k + 1, and k = 4's width added to the variable set

@@ -334,16 +334,26 @@ def greedy_reference():
 
 
 # fast tier: n-gram and an unrelated draft model; the self-draft in the slow tier
-@pytest.mark.parametrize("drafter", [pytest.param("self", marks=pytest.mark.slow), "unrelated", "ngram"])
+@pytest.mark.parametrize("drafter", [pytest.param("self", marks=pytest.mark.slow), "unrelated", "ngram", "corpus"])
 def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
     """Four jobs of different prompt lengths: the long prompts prefill (one chunk per step) while the short ones
-    already speculate, so verification rows and prefill chunks share steps."""
+    already speculate, so verification rows and prefill chunks share steps. "corpus": prompt lookup with a corpus
+    table (`paged.ngram_corpus`) of the model's own outputs on the first two prompts."""
     spec = {"self": dict(draft_model=MODEL), "unrelated": dict(draft_model=OTHER),
-            "ngram": dict(use_ngram_draft=True, max_ngram=3)}[drafter]
+            "ngram": dict(use_ngram_draft=True, max_ngram=3), "corpus": None}[drafter]
+    if drafter == "corpus":
+        from paged.ngram_corpus import NgramCorpus
+
+        outs = {i: [t for r in rs for t in r["token_ids"]] for i, rs in stream_of(greedy_reference.results).items()}
+        corpus = NgramCorpus.build([TOK.encode(PROMPTS[i])[-4:] + outs[i] for i in (0, 1)], CFG.vocab_size,
+                                   min_count=1)
+        spec = dict(use_ngram_draft=True, max_ngram=3, ngram_corpus=corpus)
     gen, c = run_model(dict(num_draft_tokens=3, **spec))
     same_stream(c, greedy_reference)
     m = gen.metrics()
     assert m["drafted_tokens"] > 0
+    if drafter == "corpus":
+        assert m["corpus_drafted_tokens"] > 0 and m["corpus_accepted_draft_tokens"] > 0
     if drafter == "self":
         assert m["acceptance_rate"] == 1.0 and m["mean_accepted_length"] > 3.0
     if drafter == "unrelated":

@@ -1,0 +1,90 @@
+"""Build the n-gram drafter's corpus table (`paged.ngram_corpus.NgramCorpus`) from the model's own answers.
+
+The model answers a seeded prompt set with greedy decoding and continuous batching (`experiments.answers`): open
+requests (none of them a benchmark prompt), then copy requests over those answers (`--num_prompts`, half each,
+as the distilled draft's training text). Every answer, with the last `--max_ngram` tokens of its prompt (the chat
+template's "assistant" header, so the table knows how answers begin), goes into the table; `--text_files` adds
+plain text files of your own, tokenized with the model's tokenizer. The table is written as `.npz` (`--out`), and a
+JSON log next to it (`<out>.json`: flags, answers, tokens, contexts, seconds).
+
+    python -m experiments.build_ngram_corpus --out=/tmp/smollm2-corpus.npz        # ~9 min on the 2-core CPU
+    python -m experiments.build_ngram_corpus --out=/tmp/corpus-smoke.npz --num_prompts=8 --gen_tokens=16
+    python -m experiments.generate --ngram_draft --ngram_corpus=/tmp/smollm2-corpus.npz --adaptive_draft
+
+docs/speculative.md ("A corpus table for the n-gram drafter") has what it gains.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("model", "smollm2-135m", "the model (anything models.load_model accepts)")
+flags.DEFINE_string("quant", "keep", "its weights, as the benchmark runs it: keep (GGUF blocks), none, int8, int4")
+flags.DEFINE_string("out", None, "the table's path (.npz)")
+flags.DEFINE_integer("num_prompts", 4000, "prompts the model answers (half open requests, half copy requests over "
+                     "its open answers); 0: only --text_files")
+flags.DEFINE_integer("gen_tokens", 128, "tokens per answer (at most)")
+flags.DEFINE_integer("gen_batch", 32, "jobs generating at once")
+flags.DEFINE_float("gen_minutes", 30.0, "stop asking new prompts after this long")
+flags.DEFINE_list("text_files", [], "plain text files added to the corpus (one sequence per file)")
+flags.DEFINE_integer("min_ngram", 2, "shortest context kept")
+flags.DEFINE_integer("max_ngram", 6, "longest context kept")
+flags.DEFINE_integer("min_count", 2, "a context is kept when its top continuation was seen at least this often")
+flags.DEFINE_float("min_confidence", 0.3, "a proposal's chain stops where the product of its drafts' confidences "
+                   "falls under this (saved with the table)")
+flags.DEFINE_integer("seed", 0, "seed of the prompt set")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    if not FLAGS.out:
+        raise app.UsageError("--out is required (the table's .npz path)")
+    if FLAGS.num_prompts <= 0 and not FLAGS.text_files:
+        raise app.UsageError("nothing to build from: give --num_prompts > 0 or --text_files")
+    from experiments.answers import copy_prompts, generate_answers, open_prompts
+    from models import load_model
+    from paged.ngram_corpus import NgramCorpus
+
+    t0 = time.perf_counter()
+    model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    tok = model.tokenizer
+    if tok is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: the corpus is the model's own text")
+    sequences: list[list[int]] = []
+    answers = 0
+    if FLAGS.num_prompts > 0:
+        deadline = t0 + FLAGS.gen_minutes * 60
+        n_open = max(1, FLAGS.num_prompts // 2)
+        pairs = generate_answers(model, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, 0.0, FLAGS.seed,
+                                 t0 + FLAGS.gen_minutes * 30, "answering (open)", FLAGS.gen_batch)
+        texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
+        copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
+        if copies:
+            pairs += generate_answers(model, [c for c, _ in copies], FLAGS.gen_tokens, 0.0, FLAGS.seed + 1, deadline,
+                                      "answering (copy)", FLAGS.gen_batch)
+        sequences += [list(p[-FLAGS.max_ngram:]) + list(a) for p, a in pairs]
+        answers = len(pairs)
+    for path in FLAGS.text_files:
+        with open(path, encoding="utf-8") as fh:
+            sequences.append([int(t) for t in tok.encode(fh.read(), encode_special_tokens=False)])
+    corpus = NgramCorpus.build(sequences, model.config.vocab_size, min_ngram=FLAGS.min_ngram,
+                               max_ngram=FLAGS.max_ngram, min_count=FLAGS.min_count,
+                               min_confidence=FLAGS.min_confidence)
+    corpus.save(FLAGS.out)
+    log = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "out", "num_prompts", "gen_tokens", "gen_batch",
+                                                     "gen_minutes", "text_files", "min_ngram", "max_ngram",
+                                                     "min_count", "min_confidence", "seed")},
+           "answers": answers, "corpus_tokens": corpus.corpus_tokens, "contexts": len(corpus),
+           "contexts_by_order": {str(n): len(t) for n, t in corpus.table.items()},
+           "seconds": time.perf_counter() - t0}
+    with open(f"{FLAGS.out}.json", "w") as fh:
+        json.dump(log, fh, indent=2)
+    print(f"{corpus}\nwrote {FLAGS.out} and {FLAGS.out}.json in {log['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,53 @@
+"""experiments/build_ngram_corpus.py end to end on a tiny random chat model (subprocess: its absl flags would clash
+with generate.py's), and the table it writes used by generate.py's --ngram_corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import app
+
+from paged.ngram_corpus import NgramCorpus
+from tests.experiments.test_generate import engine_args, flags_set, generate, model_dir, read_jsonl, run_main  # noqa: F401
+
+pytest.importorskip("torch")
+
+
+def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "corpus.npz"
+    text = tmp_path / "extra.txt"
+    text.write_text("hello hello hello world. " * 20)
+    p = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}",
+                        "--quant=none", f"--out={out}", "--num_prompts=4", "--gen_tokens=8", "--gen_batch=2",
+                        f"--text_files={text}", "--min_count=1"],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    log = json.loads((tmp_path / "corpus.npz.json").read_text())
+    corpus = NgramCorpus.load(out)
+    assert log["answers"] == 4 and log["contexts"] == len(corpus) > 0
+    assert corpus.vocab_size == json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    assert corpus.min_count == 1 and corpus.max_ngram == 6 and corpus.corpus_tokens == log["corpus_tokens"]
+    assert corpus.corpus_tokens > 4 * 6 + 100  # the answers with their prompts' tails, and the text file
+    # generate.py drafts from it; greedy output unchanged
+    res = tmp_path / "o.jsonl"
+    greedy = ("--temperature=0", "--prompt=hello hello hello world.", f"--output={res}", "--max_new_tokens=10")
+    run_main(*engine_args(model_dir, *greedy))
+    [plain] = read_jsonl(res)
+    run_main(*engine_args(model_dir, *greedy, "--ngram_draft", f"--ngram_corpus={out}"))
+    [drafted] = read_jsonl(res)
+    assert drafted["completion"] == plain["completion"]
+    with flags_set(*engine_args(model_dir, "--ngram_draft", f"--ngram_corpus={out}")):
+        kw = generate.speculation_kwargs(generate.load_model_from_flags())
+    assert kw["ngram_corpus"].table == corpus.table and kw["use_ngram_draft"] is True
+    for bad, message in (((f"--ngram_corpus={out}",), "add --ngram_draft"),
+                         (("--ngram_draft", f"--ngram_corpus={tmp_path / 'none.npz'}"), "cannot read")):
+        with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):
+            with pytest.raises(app.UsageError, match=message):
+                generate.main(["generate"])
+    bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}"],
+                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+    assert bad.returncode != 0 and "--out is required" in bad.stderr

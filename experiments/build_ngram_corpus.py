@@ -3,8 +3,9 @@
 The model answers a seeded prompt set with greedy decoding and continuous batching (`experiments.answers`): open
 requests (none of them a benchmark prompt), then copy requests over those answers (`--num_prompts`, half each,
 as the distilled draft's training text). Every answer, with the last `--max_ngram` tokens of its prompt (the chat
-template's "assistant" header, so the table knows how answers begin), goes into the table; `--text_files` adds
-plain text files of your own, tokenized with the model's tokenizer. The table is written as `.npz` (`--out`), and a
+template's "assistant" header, so the table knows how answers begin), goes into the table; `--prompts_file`
+adds the model's answers to prompts of your own (JSONL, a "prompt" per line), `--text_files` plain text files,
+tokenized with the model's tokenizer. The table is written as `.npz` (`--out`), and a
 JSON log next to it (`<out>.json`: flags, answers, tokens, contexts, seconds).
 
     python -m experiments.build_ngram_corpus --out=/tmp/smollm2-corpus.npz        # ~9 min on the 2-core CPU
@@ -29,6 +30,8 @@ flags.DEFINE_integer("num_prompts", 4000, "prompts the model answers (half open 
 flags.DEFINE_integer("gen_tokens", 128, "tokens per answer (at most)")
 flags.DEFINE_integer("gen_batch", 32, "jobs generating at once")
 flags.DEFINE_float("gen_minutes", 30.0, "stop asking new prompts after this long")
+flags.DEFINE_string("prompts_file", None, "JSONL of your own prompts (a \"prompt\" string per line, as generate.py's "
+                    "--prompts_file; other keys ignored) that the model answers too: a table for your domain")
 flags.DEFINE_list("text_files", [], "plain text files added to the corpus (one sequence per file)")
 flags.DEFINE_integer("min_ngram", 2, "shortest context kept")
 flags.DEFINE_integer("max_ngram", 6, "longest context kept")
@@ -39,12 +42,45 @@ flags.DEFINE_integer("seed", 0, "seed of the prompt set")
 FLAGS = flags.FLAGS
 
 
+def read_prompts(path: str) -> list[str]:
+    """The "prompt" of every non-empty line of a JSONL file; every bad line is reported, by number, in one error."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise app.UsageError(f"--prompts_file {path}: cannot read it: {e}") from None
+    prompts, bad = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            bad.append(f"line {n}: invalid JSON ({e.msg})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            bad.append(f"line {n}: needs a non-empty \"prompt\" string")
+            continue
+        prompts.append(obj["prompt"])
+    if bad or not prompts:
+        raise app.UsageError(f"--prompts_file {path}: " + ("; ".join(bad[:10]) if bad else "no prompts"))
+    return prompts
+
+
 def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required (the table's .npz path)")
-    if FLAGS.num_prompts <= 0 and not FLAGS.text_files:
-        raise app.UsageError("nothing to build from: give --num_prompts > 0 or --text_files")
+    if FLAGS.num_prompts <= 0 and not FLAGS.text_files and not FLAGS.prompts_file:
+        raise app.UsageError("nothing to build from: give --num_prompts > 0, --prompts_file or --text_files")
+    own = read_prompts(FLAGS.prompts_file) if FLAGS.prompts_file else []
+    own_texts = []  # read before the model answers anything: a bad path fails at once
+    for path in FLAGS.text_files:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                own_texts.append(fh.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
     from experiments.answers import copy_prompts, generate_answers, open_prompts
     from models import load_model
     from paged.ngram_corpus import NgramCorpus
@@ -68,16 +104,20 @@ def main(argv):
                                       "answering (copy)", FLAGS.gen_batch)
         sequences += [list(p[-FLAGS.max_ngram:]) + list(a) for p, a in pairs]
         answers = len(pairs)
-    for path in FLAGS.text_files:
-        with open(path, encoding="utf-8") as fh:
-            sequences.append([int(t) for t in tok.encode(fh.read(), encode_special_tokens=False)])
+    if own:
+        pairs = generate_answers(model, own, FLAGS.gen_tokens, 0.0, FLAGS.seed + 2, time.perf_counter() + 1e9,
+                                 "answering (--prompts_file)", FLAGS.gen_batch)
+        sequences += [list(p[-FLAGS.max_ngram:]) + list(a) for p, a in pairs]
+        answers += len(pairs)
+    for text in own_texts:
+        sequences.append([int(t) for t in tok.encode(text, encode_special_tokens=False)])
     corpus = NgramCorpus.build(sequences, model.config.vocab_size, min_ngram=FLAGS.min_ngram,
                                max_ngram=FLAGS.max_ngram, min_count=FLAGS.min_count,
                                min_confidence=FLAGS.min_confidence)
     corpus.save(FLAGS.out)
     log = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "out", "num_prompts", "gen_tokens", "gen_batch",
-                                                     "gen_minutes", "text_files", "min_ngram", "max_ngram",
-                                                     "min_count", "min_confidence", "seed")},
+                                                     "gen_minutes", "prompts_file", "text_files", "min_ngram",
+                                                     "max_ngram", "min_count", "min_confidence", "seed")},
            "answers": answers, "corpus_tokens": corpus.corpus_tokens, "contexts": len(corpus),
            "contexts_by_order": {str(n): len(t) for n, t in corpus.table.items()},
            "seconds": time.perf_counter() - t0}

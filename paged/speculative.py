@@ -305,7 +305,8 @@ class Speculator:
     `target`: the generator's `paged.engine.Engine` (its verification buckets are enabled here: construct the
     speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
     tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
-    (prompt lookup, `max_ngram`). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
+    (prompt lookup, `max_ngram`; with `ngram_corpus`, a `paged.ngram_corpus.NgramCorpus` or its path, drafting where
+    prompt lookup's match is short). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
     "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft model's
     draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily); greedy rows
     accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its drafts are

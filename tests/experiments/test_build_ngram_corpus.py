@@ -21,14 +21,16 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "corpus.npz"
     text = tmp_path / "extra.txt"
     text.write_text("hello hello hello world. " * 20)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n\n{"prompt": "Count to three.", "max_new_tokens": 5}\n')
     p = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}",
                         "--quant=none", f"--out={out}", "--num_prompts=4", "--gen_tokens=8", "--gen_batch=2",
-                        f"--text_files={text}", "--min_count=1"],
+                        f"--text_files={text}", f"--prompts_file={prompts}", "--min_count=1"],
                        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     log = json.loads((tmp_path / "corpus.npz.json").read_text())
     corpus = NgramCorpus.load(out)
-    assert log["answers"] == 4 and log["contexts"] == len(corpus) > 0
+    assert log["answers"] == 4 + 2 and log["contexts"] == len(corpus) > 0
     assert corpus.vocab_size == json.loads((model_dir / "config.json").read_text())["vocab_size"]
     assert corpus.min_count == 1 and corpus.max_ngram == 6 and corpus.corpus_tokens == log["corpus_tokens"]
     assert corpus.corpus_tokens > 4 * 6 + 100  # the answers with their prompts' tails, and the text file
@@ -48,6 +50,11 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
         with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):
             with pytest.raises(app.UsageError, match=message):
                 generate.main(["generate"])
-    bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}"],
-                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
-    assert bad.returncode != 0 and "--out is required" in bad.stderr
+    prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\nnot json\n')
+    for args, message in (((), "--out is required"),
+                          ((f"--out={out}", f"--prompts_file={prompts}"), 'line 2: needs a non-empty "prompt" string; '
+                                                                          "line 3: invalid JSON"),
+                          ((f"--out={out}", f"--text_files={tmp_path / 'none.txt'}"), "cannot read it as UTF-8")):
+        bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}", *args],
+                             capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]

@@ -328,6 +328,14 @@ def same_stream(a, b):
         np.testing.assert_allclose(pa, pb, rtol=1e-4, atol=1e-5)
 
 
+def corpus_of(reference, jobs=(0, 1)):
+    """A corpus table (`paged.ngram_corpus`) of a run's outputs for some of its jobs, with their prompts' tails."""
+    from paged.ngram_corpus import NgramCorpus
+
+    outs = {i: [t for r in rs for t in r["token_ids"]] for i, rs in stream_of(reference.results).items()}
+    return NgramCorpus.build([TOK.encode(PROMPTS[i])[-4:] + outs[i] for i in jobs], CFG.vocab_size, min_count=1)
+
+
 @pytest.fixture(scope="module")
 def greedy_reference():
     return run_model()[1]
@@ -342,12 +350,7 @@ def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
     spec = {"self": dict(draft_model=MODEL), "unrelated": dict(draft_model=OTHER),
             "ngram": dict(use_ngram_draft=True, max_ngram=3), "corpus": None}[drafter]
     if drafter == "corpus":
-        from paged.ngram_corpus import NgramCorpus
-
-        outs = {i: [t for r in rs for t in r["token_ids"]] for i, rs in stream_of(greedy_reference.results).items()}
-        corpus = NgramCorpus.build([TOK.encode(PROMPTS[i])[-4:] + outs[i] for i in (0, 1)], CFG.vocab_size,
-                                   min_count=1)
-        spec = dict(use_ngram_draft=True, max_ngram=3, ngram_corpus=corpus)
+        spec = dict(use_ngram_draft=True, max_ngram=3, ngram_corpus=corpus_of(greedy_reference))
     gen, c = run_model(dict(num_draft_tokens=3, **spec))
     same_stream(c, greedy_reference)
     m = gen.metrics()
@@ -419,21 +422,25 @@ def test_same_seed_same_output_at_temperature(drafter):
 
 
 @pytest.mark.parametrize("rule, drafter, temperature", [("match", "model", 0.5), ("match", "ngram", 0.01),
-                                                         ("exllamav2", "self", 0.01)])
+                                                         ("match", "corpus", 0.01), ("exllamav2", "self", 0.01)])
 def test_sample_then_match_emits_the_non_speculative_draws(rule, drafter, temperature):
     """draft_acceptance="match" / "exllamav2": a seeded sampled job emits exactly the tokens it emits without
     speculation (each position's draw uses plain decoding's key), accepted drafts and corrections alike, whatever the
     drafter. The unrelated draft model draws with the target's Gumbel noise ("match"), so on these flat tiny models
     it often draws the target's token; prompt lookup's drafts and the target's own greedy drafts ("exllamav2") are
-    accepted at temperature 0.01 (still sampled: greedy is below 0.01), where the draws are predictable."""
+    accepted at temperature 0.01 (still sampled: greedy is below 0.01), where the draws are predictable; so are a
+    corpus table's (`ngram_corpus`, here of the plain run's own outputs for two of the jobs)."""
     sampled = SamplingSettings(temperature=temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
     ref = run_model(jobs=model_jobs(sampled, seed=5))[1]
     spec = {"model": dict(draft_model=OTHER), "self": dict(draft_model=MODEL),
-            "ngram": dict(use_ngram_draft=True, max_ngram=2)}[drafter]
+            "ngram": dict(use_ngram_draft=True, max_ngram=2),
+            "corpus": dict(use_ngram_draft=True, max_ngram=2, ngram_corpus=corpus_of(ref))}[drafter]
     gen, c = run_model(dict(num_draft_tokens=3, draft_acceptance=rule, **spec), jobs=model_jobs(sampled, seed=5))
     same_stream(c, ref)
     m = gen.metrics()
     assert m["accepted_draft_tokens"] > 0 and m["rejected_draft_tokens"] > 0
+    if drafter == "corpus":
+        assert m["corpus_accepted_draft_tokens"] > 0
 
 
 def test_sample_then_match_with_penalties_and_truncation():

@@ -119,7 +119,7 @@ def main(argv):
                                                      "gen_minutes", "prompts_file", "text_files", "min_ngram",
                                                      "max_ngram", "min_count", "min_confidence", "seed")},
            "answers": answers, "corpus_tokens": corpus.corpus_tokens, "contexts": len(corpus),
-           "contexts_by_order": {str(n): len(t) for n, t in corpus.table.items()},
+           "contexts_by_order": {str(n): len(c) for n, (c, _) in corpus.arrays.items()},
            "seconds": time.perf_counter() - t0}
     with open(f"{FLAGS.out}.json", "w") as fh:
         json.dump(log, fh, indent=2)

@@ -21,7 +21,8 @@ Drafts are token ids, one-hot as prompt lookup's: verification and every accepta
 output is the model's whatever the corpus holds (a corpus only changes how many drafts are accepted).
 
 The table is saved as a `.npz` (`save`, `load`): per order n, the contexts `[M, n]`, their top token, its count and
-the context's total, with the vocabulary size it was built for (the generator checks it against the model's).
+the context's total, with the vocabulary size it was built for (the generator checks it against the model's; a
+table from another tokenizer of the same size would only draft badly).
 """
 
 from __future__ import annotations
@@ -44,30 +45,87 @@ class NgramCorpusError(InvalidConfigError):
     """A corpus file or table that cannot be used (bad format, token ids outside its vocabulary)."""
 
 
+# In memory a context is a 64-bit hash (its tokens in a polynomial, the order mixed in), mapped to one packed int
+# (token | count << 20 | total << 42): 45 MB for the 330k contexts of the default table with their arrays, where
+# tuples of token ids took ~125 MB. Two contexts sharing a hash (~1e-9 for such a table) would only cost a draft: verification decides.
+_MASK = (1 << 64) - 1
+_PRIME = 0x100000001B3
+_MIX = 0x9E3779B97F4A7C15
+_POW = [pow(_PRIME, i, 1 << 64) for i in range(64)]
+_TOKEN_BITS, _COUNT_BITS = 20, 22
+MAX_VOCAB = 1 << _TOKEN_BITS
+
+
+def _context_keys(contexts: np.ndarray) -> np.ndarray:
+    """The hash of each row of `contexts` `[M, n]` (uint64 arithmetic wraps, as `_suffix_keys`'s masking)."""
+    m, n = contexts.shape
+    h = np.zeros(m, np.uint64)
+    for i in range(n):  # the last token gets power 0
+        h += (contexts[:, n - 1 - i].astype(np.uint64) + np.uint64(1)) * np.uint64(_POW[i])
+    return h + np.uint64((n * _MIX) & _MASK)
+
+
+def _pack(values: np.ndarray) -> np.ndarray:
+    """(token, count, total) rows as one int each; counts past 22 bits are scaled down together (the confidence
+    keeps 6 significant digits)."""
+    tok, count, total = (values[:, i].astype(np.int64) for i in range(3))
+    big = total >= (1 << _COUNT_BITS)
+    if big.any():
+        scale = ((1 << _COUNT_BITS) - 1) / total[big]
+        count[big] = np.maximum(1, np.round(count[big] * scale)).astype(np.int64)
+        total[big] = (1 << _COUNT_BITS) - 1
+    tok, count, total = (x.astype(np.uint64) for x in (tok, count, total))  # 20 + 22 + 22 bits: all of a uint64
+    return tok | (count << np.uint64(_TOKEN_BITS)) | (total << np.uint64(_TOKEN_BITS + _COUNT_BITS))
+
+
 class NgramCorpus:
     """The most frequent continuation of every context of `min_ngram`..`max_ngram` tokens of a corpus (see the
     module docstring). Build with `NgramCorpus.build`, or `load` a saved one.
 
-    `table[n]` maps a context (a tuple of n token ids) to `(token, count, total)`. Contexts whose top token was seen
-    fewer than `min_count` times are left out (most contexts are seen once, and a single sighting predicts poorly).
-    `min_confidence`: a proposal's chain stops where the product of its drafts' count / total falls under it."""
+    `arrays[n]` holds the contexts of n tokens (i32 `[M, n]`) and, per context, its top token, that token's count
+    and the context's total (i64 `[M, 3]`); `lookup` reads them through a hashed index. Contexts whose top token was
+    seen fewer than `min_count` times are left out (most contexts are seen once, and a single sighting predicts
+    poorly). `min_confidence`: a proposal's chain stops where the product of its drafts' count / total falls under
+    it."""
 
-    def __init__(self, table: dict[int, dict[tuple[int, ...], tuple[int, int, int]]], vocab_size: int,
-                 min_ngram: int, max_ngram: int, min_count: int, corpus_tokens: int, min_confidence: float = 0.3):
-        if not 1 <= min_ngram <= max_ngram:
-            raise NgramCorpusError(f"NgramCorpus: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    def __init__(self, arrays: dict[int, tuple[np.ndarray, np.ndarray]], vocab_size: int, min_ngram: int,
+                 max_ngram: int, min_count: int, corpus_tokens: int, min_confidence: float = 0.3):
+        if not 1 <= min_ngram <= max_ngram <= len(_POW):
+            raise NgramCorpusError(f"NgramCorpus: need 1 <= min_ngram <= max_ngram <= {len(_POW)}, got {min_ngram}, "
+                                   f"{max_ngram}")
         if not 0.0 <= min_confidence <= 1.0:
             raise NgramCorpusError(f"NgramCorpus: min_confidence must be in [0, 1], got {min_confidence}")
-        self.table = table
+        if not 0 < vocab_size <= MAX_VOCAB:
+            raise NgramCorpusError(f"NgramCorpus: vocab_size must be in 1..{MAX_VOCAB}, got {vocab_size}")
+        if sorted(arrays) != list(range(min_ngram, max_ngram + 1)):
+            raise NgramCorpusError(f"NgramCorpus: arrays for orders {min_ngram}..{max_ngram} expected, got "
+                                   f"{sorted(arrays)}")
+        self.arrays = {n: (np.asarray(c, np.int32).reshape(-1, n), np.asarray(v, np.int64).reshape(-1, 3))
+                       for n, (c, v) in arrays.items()}
         self.vocab_size = int(vocab_size)
         self.min_ngram = int(min_ngram)
         self.max_ngram = int(max_ngram)
         self.min_count = int(min_count)
         self.corpus_tokens = int(corpus_tokens)
         self.min_confidence = float(min_confidence)
+        for n, (c, v) in self.arrays.items():
+            if c.size and (c.min() < 0 or c.max() >= vocab_size or v[:, 0].min() < 0 or v[:, 0].max() >= vocab_size):
+                raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens hold token ids outside the vocabulary "
+                                       f"of {vocab_size}")
+            if v.size and ((v[:, 1] < 1).any() or (v[:, 2] < v[:, 1]).any()):
+                raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens need 1 <= count <= total")
+        self._index: dict[int, int] = {}
+        for c, v in self.arrays.values():
+            self._index.update(zip(_context_keys(c).tolist(), _pack(v).tolist()))
 
     def __len__(self) -> int:
-        return sum(len(t) for t in self.table.values())
+        return sum(len(c) for c, _ in self.arrays.values())
+
+    def entries(self, n: int) -> dict[tuple[int, ...], tuple[int, int, int]]:
+        """The contexts of `n` tokens as a dict, context -> (top token, its count, the context's total): to inspect
+        a table (built on each call)."""
+        c, v = self.arrays.get(n, (np.zeros((0, n), np.int32), np.zeros((0, 3), np.int64)))
+        return dict(zip(map(tuple, c.tolist()), map(tuple, v.tolist())))
 
     def __repr__(self) -> str:
         return (f"NgramCorpus({len(self)} contexts of {self.min_ngram}-{self.max_ngram} tokens from "
@@ -98,24 +156,32 @@ class NgramCorpus:
                 nxt = seq[i]
                 for n in range(min_ngram, min(max_ngram, i) + 1):
                     counts[n][tuple(seq[i - n : i])][nxt] += 1
-        table: dict[int, dict[tuple[int, ...], tuple[int, int, int]]] = {}
+        arrays = {}
         for n, ctxs in counts.items():
-            kept = {}
+            kept_ctx, kept_val = [], []
             for ctx, nexts in ctxs.items():
                 tok, c = min(nexts.items(), key=lambda kv: (-kv[1], kv[0]))
                 if c >= min_count:
-                    kept[ctx] = (tok, c, sum(nexts.values()))
-            table[n] = kept
-        return cls(table, vocab_size, min_ngram, max_ngram, min_count, total_tokens, min_confidence)
+                    kept_ctx.append(ctx)
+                    kept_val.append((tok, c, sum(nexts.values())))
+            arrays[n] = (np.asarray(kept_ctx, np.int32).reshape(-1, n), np.asarray(kept_val, np.int64).reshape(-1, 3))
+        return cls(arrays, vocab_size, min_ngram, max_ngram, min_count, total_tokens, min_confidence)
 
     # ------------------------------------------------------------------ drafting
     def lookup(self, context: Sequence[int]) -> tuple[int, float, int] | None:
         """(token, confidence, n) for the longest suffix of `context` in the table, or None."""
-        for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            hit = self.table[n].get(tuple(context[len(context) - n :]))
-            if hit is not None:
-                return hit[0], hit[1] / hit[2], n
-        return None
+        found, h, last = None, 0, len(context) - 1
+        for i in range(min(self.max_ngram, len(context))):  # suffixes of i + 1 tokens, shortest first
+            h = (h + (context[last - i] + 1) * _POW[i]) & _MASK
+            if i + 1 >= self.min_ngram:
+                v = self._index.get((h + (i + 1) * _MIX) & _MASK)
+                if v is not None:
+                    found = (v, i + 1)
+        if found is None:
+            return None
+        v, n = found
+        count = (v >> _TOKEN_BITS) & ((1 << _COUNT_BITS) - 1)
+        return v & (MAX_VOCAB - 1), count / (v >> (_TOKEN_BITS + _COUNT_BITS)), n
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], float]:
         """Up to `k` chained drafts after `context`, and the first draft's confidence (0.0 when there is none)."""
@@ -142,9 +208,9 @@ class NgramCorpus:
             "meta": np.asarray([self.vocab_size, self.min_ngram, self.max_ngram, self.min_count, self.corpus_tokens],
                                np.int64),
             "min_confidence": np.asarray(self.min_confidence, np.float64)}
-        for n, t in self.table.items():
-            arrays[f"contexts_{n}"] = np.asarray(list(t.keys()), np.int32).reshape(len(t), n)
-            arrays[f"values_{n}"] = np.asarray(list(t.values()), np.int64).reshape(len(t), 3)
+        for n, (c, v) in self.arrays.items():
+            arrays[f"contexts_{n}"] = c
+            arrays[f"values_{n}"] = v
         with open(path, "wb") as fh:  # a file object: numpy would add ".npz" to a name without it
             np.savez_compressed(fh, **arrays)
 
@@ -160,16 +226,15 @@ class NgramCorpus:
                 raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r} is not a corpus that "
                                        f"NgramCorpus.save wrote (format {FORMAT})")
             vocab, lo, hi, min_count, tokens = (int(v) for v in z["meta"])
-            table = {}
-            for n in range(lo, hi + 1):
-                ctx, val = z[f"contexts_{n}"], z[f"values_{n}"]
-                if ctx.size and (ctx.min() < 0 or ctx.max() >= vocab or val[:, 0].min() < 0
-                                 or val[:, 0].max() >= vocab):
-                    raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r} holds token ids outside its "
-                                           f"vocabulary of {vocab}")
-                table[n] = dict(zip(map(tuple, ctx.tolist()), map(tuple, val.tolist())))
+            try:
+                arrays = {n: (z[f"contexts_{n}"], z[f"values_{n}"]) for n in range(lo, hi + 1)}
+            except KeyError as e:
+                raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r} lacks {e}") from None
             conf = float(z["min_confidence"]) if min_confidence is None else min_confidence
-        return cls(table, vocab, lo, hi, min_count, tokens, conf)
+        try:
+            return cls(arrays, vocab, lo, hi, min_count, tokens, conf)
+        except NgramCorpusError as e:
+            raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r}: {e}") from None
 
 
 def load_corpus(corpus: Any, vocab_size: int) -> NgramCorpus:

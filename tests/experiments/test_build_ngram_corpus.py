@@ -44,7 +44,7 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
     assert drafted["completion"] == plain["completion"]
     with flags_set(*engine_args(model_dir, "--ngram_draft", f"--ngram_corpus={out}")):
         kw = generate.speculation_kwargs(generate.load_model_from_flags())
-    assert kw["ngram_corpus"].table == corpus.table and kw["use_ngram_draft"] is True
+    assert kw["ngram_corpus"].entries(3) == corpus.entries(3) and kw["use_ngram_draft"] is True
     for bad, message in (((f"--ngram_corpus={out}",), "add --ngram_draft"),
                          (("--ngram_draft", f"--ngram_corpus={tmp_path / 'none.npz'}"), "cannot read")):
         with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):

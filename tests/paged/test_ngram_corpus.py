@@ -18,15 +18,36 @@ TOK = ByteTokenizer()
 def test_build_keeps_each_contexts_most_frequent_continuation():
     seqs = [[1, 2, 3, 1, 2, 3, 1, 2, 4], [1, 2, 3], [7, 1, 2]]
     c = NgramCorpus.build(seqs, 10, min_ngram=2, max_ngram=3, min_count=1)
-    assert c.table[2][(1, 2)] == (3, 3, 4)  # (1, 2) -> 3 three times, 4 once
-    assert c.table[3][(3, 1, 2)] == (3, 1, 2)  # 3 and 4 once each: the tie goes to the smaller id
-    assert c.table[2][(2, 3)] == (1, 2, 2)
-    assert (3, 7) not in c.table[2]  # no context crosses from one sequence into the next
-    assert (7, 1) in c.table[2] and c.corpus_tokens == 15
-    assert set(c.table) == {2, 3} and (1,) not in c.table.get(1, {})
+    two, three = c.entries(2), c.entries(3)
+    assert two[(1, 2)] == (3, 3, 4)  # (1, 2) -> 3 three times, 4 once
+    assert three[(3, 1, 2)] == (3, 1, 2)  # 3 and 4 once each: the tie goes to the smaller id
+    assert two[(2, 3)] == (1, 2, 2)
+    assert (3, 7) not in two  # no context crosses from one sequence into the next
+    assert (7, 1) in two and c.corpus_tokens == 15
+    assert set(c.arrays) == {2, 3} and c.entries(1) == {} and len(c) == len(two) + len(three)
     pruned = NgramCorpus.build(seqs, 10, min_ngram=2, max_ngram=3, min_count=2)
-    assert (3, 1, 2) not in pruned.table[3] and pruned.table[2][(1, 2)] == (3, 3, 4)
+    assert (3, 1, 2) not in pruned.entries(3) and pruned.entries(2)[(1, 2)] == (3, 3, 4)
     assert len(pruned) < len(c)
+    # every context is found through the hashed index, with its own order and confidence
+    for n, table in ((2, two), (3, three)):
+        for ctx, (tok, count, total) in table.items():
+            hit = c.lookup(list(ctx))
+            assert hit == (tok, count / total, n), ctx
+    assert c.lookup([9, 9]) is None and c.lookup([2]) is None  # unseen; shorter than min_ngram
+
+
+def test_large_counts_keep_their_confidence():
+    """Counts past the packed width are scaled down together: the confidence stays within 1e-6."""
+    ctx = np.asarray([[1, 2]], np.int32)
+    c = NgramCorpus({2: (ctx, np.asarray([[5, 3_000_000, 9_000_001]], np.int64))}, 10, 2, 2, 1, 0)
+    tok, conf, n = c.lookup([1, 2])
+    assert (tok, n) == (5, 2) and conf == pytest.approx(3_000_000 / 9_000_001, abs=1e-6)
+    with pytest.raises(NgramCorpusError, match="count <= total"):
+        NgramCorpus({2: (ctx, np.asarray([[5, 4, 3]], np.int64))}, 10, 2, 2, 1, 0)
+    with pytest.raises(NgramCorpusError, match="orders 2..3"):
+        NgramCorpus({2: (ctx, np.asarray([[5, 1, 1]], np.int64))}, 10, 2, 3, 1, 0)
+    with pytest.raises(NgramCorpusError, match="vocab_size"):
+        NgramCorpus({2: (ctx, np.asarray([[5, 1, 1]], np.int64))}, 1 << 21, 2, 2, 1, 0)
 
 
 def test_build_rejects_what_it_cannot_use():
@@ -59,7 +80,7 @@ def test_save_and_load(tmp_path):
     path = tmp_path / "table"  # no .npz: the name is kept as given
     c.save(path)
     got = NgramCorpus.load(path)
-    assert got.table == c.table and got.min_confidence == 0.25
+    assert all(got.entries(n) == c.entries(n) for n in (2, 3, 4)) and got.min_confidence == 0.25
     assert (got.vocab_size, got.min_ngram, got.max_ngram, got.min_count, got.corpus_tokens) == (10, 2, 4, 2, 18)
     assert NgramCorpus.load(str(path), min_confidence=0.9).min_confidence == 0.9
     np.savez(tmp_path / "other.npz", x=np.zeros(3))
@@ -73,7 +94,7 @@ def test_save_and_load(tmp_path):
     z["values_2"][0, 0] = 10  # a token id outside the saved vocabulary
     with open(tmp_path / "bad.npz", "wb") as fh:
         np.savez(fh, **z)
-    with pytest.raises(NgramCorpusError, match="outside its vocabulary"):
+    with pytest.raises(NgramCorpusError, match="bad.npz.*outside the vocabulary of 10"):
         NgramCorpus.load(tmp_path / "bad.npz")
 
 
@@ -168,5 +189,5 @@ def test_ngram_corpus_arguments_are_checked(tmp_path):
     corpus.save(tmp_path / "c.npz")
     gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), use_ngram_draft=True,
                            ngram_corpus=tmp_path / "c.npz")
-    assert gen.speculation.speculator.corpus.table == corpus.table
+    assert gen.speculation.speculator.corpus.entries(2) == corpus.entries(2) != {}
     assert load_corpus(corpus, 258) is corpus

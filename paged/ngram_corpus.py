@@ -47,7 +47,8 @@ class NgramCorpusError(InvalidConfigError):
 
 # In memory a context is a 64-bit hash (its tokens in a polynomial, the order mixed in), mapped to one packed int
 # (token | count << 20 | total << 42): 45 MB for the 330k contexts of the default table with their arrays, where
-# tuples of token ids took ~125 MB. Two contexts sharing a hash (~1e-9 for such a table) would only cost a draft: verification decides.
+# tuples of token ids took ~125 MB. Two contexts sharing a hash (~1e-9 for such a table) would only cost a draft:
+# verification decides.
 _MASK = (1 << 64) - 1
 _PRIME = 0x100000001B3
 _MIX = 0x9E3779B97F4A7C15

@@ -140,3 +140,21 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
             out += [(ids[j], got[j]) for j in range(len(jobs))]
     bar.close()
     return out
+
+
+def answer_prompt_set(model, num_prompts: int, max_new: int, temperature: float, seed: int, open_deadline: float,
+                      deadline: float, batch: int = 32, top_k: int = 0, desc: str = "generating answers"
+                      ) -> tuple[list[tuple], list[int]]:
+    """The model's answers (`generate_answers` items) to the seeded prompt set: `num_prompts` // 2 open requests
+    (asked until `open_deadline`), then copy requests over those answers for the rest (until `deadline`; job seeds
+    from `seed` and `seed + 1`). Also each answer's group: the index of the open answer it is, or copies (so that a
+    held-out split keeps a text and its copies together); there are as many groups as open answers."""
+    n_open = max(1, num_prompts // 2)
+    pairs = generate_answers(model, open_prompts(n_open, seed), max_new, temperature, seed, open_deadline,
+                             f"{desc} (open)", batch, top_k=top_k)
+    groups = list(range(len(pairs)))
+    texts = [model.tokenizer.decode(item[1], decode_special_tokens=False) for item in pairs]
+    copies = copy_prompts(texts, num_prompts - n_open, seed)
+    got = generate_answers(model, [c for c, _ in copies], max_new, temperature, seed + 1, deadline,
+                           f"{desc} (copy)", batch, top_k=top_k)
+    return pairs + got, groups + [src for _, src in copies[: len(got)]]

@@ -87,13 +87,23 @@ def main(argv):
     from paged.config import EngineConfig
 
     engine_flags.apply_cpu_dispatch()  # before anything starts JAX (the record's device says which mode ran)
+    from paged.errors import InvalidConfigError
+    from paged.ngram_corpus import NgramCorpus, load_corpus
+
+    corpus = None
+    if FLAGS.ngram_corpus:  # read before the model loads: a bad path fails at once
+        try:
+            corpus = NgramCorpus.load(FLAGS.ngram_corpus)
+        except InvalidConfigError as e:
+            raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
     target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
     drafts = {"none": None, "ngram": None}
-    if FLAGS.ngram_corpus:
-        from paged.ngram_corpus import NgramCorpus
-
-        drafts["corpus"] = NgramCorpus.load(FLAGS.ngram_corpus)
+    if corpus is not None:
+        try:
+            drafts["corpus"] = load_corpus(corpus, target.config.vocab_size)
+        except InvalidConfigError as e:
+            raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
     if any(drafter_name(d)[0] == "self" for d in FLAGS.drafters):
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if FLAGS.draft_dir:

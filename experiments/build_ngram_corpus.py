@@ -8,7 +8,7 @@ adds the model's answers to prompts of your own (JSONL, a "prompt" per line), `-
 tokenized with the model's tokenizer. The table is written as `.npz` (`--out`), and a
 JSON log next to it (`<out>.json`: flags, answers, tokens, contexts, seconds).
 
-    python -m experiments.build_ngram_corpus --out=/tmp/smollm2-corpus.npz        # ~9 min on the 2-core CPU
+    python -m experiments.build_ngram_corpus --out=/tmp/smollm2-corpus.npz        # ~10 min on the 2-core CPU
     python -m experiments.build_ngram_corpus --out=/tmp/corpus-smoke.npz --num_prompts=8 --gen_tokens=16
     python -m experiments.generate --ngram_draft --ngram_corpus=/tmp/smollm2-corpus.npz --adaptive_draft
 
@@ -30,8 +30,9 @@ flags.DEFINE_integer("num_prompts", 4000, "prompts the model answers (half open 
 flags.DEFINE_integer("gen_tokens", 128, "tokens per answer (at most)")
 flags.DEFINE_integer("gen_batch", 32, "jobs generating at once")
 flags.DEFINE_float("gen_minutes", 30.0, "stop asking new prompts after this long")
-flags.DEFINE_string("prompts_file", None, "JSONL of your own prompts (a \"prompt\" string per line, as generate.py's "
-                    "--prompts_file; other keys ignored) that the model answers too: a table for your domain")
+flags.DEFINE_string("prompts_file", None, "JSONL of your own prompts that the model answers too (a table for your "
+                    "domain): a \"prompt\" string per line, answered alone in the chat template, greedy, up to "
+                    "--gen_tokens (other keys, such as generate.py's system, messages or stop, are ignored)")
 flags.DEFINE_list("text_files", [], "plain text files added to the corpus (one sequence per file)")
 flags.DEFINE_integer("min_ngram", 2, "shortest context kept")
 flags.DEFINE_integer("max_ngram", 6, "longest context kept")
@@ -58,7 +59,7 @@ def read_prompts(path: str) -> list[str]:
         except json.JSONDecodeError as e:
             bad.append(f"line {n}: invalid JSON ({e.msg})")
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
             bad.append(f"line {n}: needs a non-empty \"prompt\" string")
             continue
         prompts.append(obj["prompt"])
@@ -71,6 +72,8 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required (the table's .npz path)")
+    if not 1 <= FLAGS.min_ngram <= FLAGS.max_ngram or FLAGS.min_count < 1 or not 0 <= FLAGS.min_confidence <= 1:
+        raise app.UsageError("need 1 <= --min_ngram <= --max_ngram, --min_count >= 1 and --min_confidence in [0, 1]")
     if FLAGS.num_prompts <= 0 and not FLAGS.text_files and not FLAGS.prompts_file:
         raise app.UsageError("nothing to build from: give --num_prompts > 0, --prompts_file or --text_files")
     own = read_prompts(FLAGS.prompts_file) if FLAGS.prompts_file else []
@@ -81,7 +84,7 @@ def main(argv):
                 own_texts.append(fh.read())
         except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
-    from experiments.answers import copy_prompts, generate_answers, open_prompts
+    from experiments.answers import answer_prompt_set, generate_answers
     from models import load_model
     from paged.ngram_corpus import NgramCorpus
 
@@ -94,14 +97,8 @@ def main(argv):
     answers = 0
     if FLAGS.num_prompts > 0:
         deadline = t0 + FLAGS.gen_minutes * 60
-        n_open = max(1, FLAGS.num_prompts // 2)
-        pairs = generate_answers(model, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, 0.0, FLAGS.seed,
-                                 t0 + FLAGS.gen_minutes * 30, "answering (open)", FLAGS.gen_batch)
-        texts = [tok.decode(a, decode_special_tokens=False) for _, a in pairs]
-        copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
-        if copies:
-            pairs += generate_answers(model, [c for c, _ in copies], FLAGS.gen_tokens, 0.0, FLAGS.seed + 1, deadline,
-                                      "answering (copy)", FLAGS.gen_batch)
+        pairs, _ = answer_prompt_set(model, FLAGS.num_prompts, FLAGS.gen_tokens, 0.0, FLAGS.seed,
+                                     t0 + FLAGS.gen_minutes * 30, deadline, FLAGS.gen_batch, desc="answering")
         sequences += [list(p[-FLAGS.max_ngram:]) + list(a) for p, a in pairs]
         answers = len(pairs)
     if own:

@@ -48,6 +48,7 @@ from experiments.answers import (  # noqa: F401 (the prompt set and generation, 
     MORE_TOPICS,
     TASKS,
     TOPICS,
+    answer_prompt_set,
     copy_prompts,
     generate_answers,
     open_prompts,
@@ -214,21 +215,14 @@ def main(argv):
     tok = target.tokenizer
     # 1. training text: the target's answers to open requests, then to copy requests over those answers
     gen_deadline = min(deadline - reserve - 60, t_start + FLAGS.gen_minutes * 60)
-    n_open = max(1, FLAGS.num_prompts // 2)
     soft_k = FLAGS.topk if FLAGS.loss == "topk" else 0
-    pairs = generate_answers(speaker, open_prompts(n_open, FLAGS.seed), FLAGS.gen_tokens, FLAGS.gen_temperature,
-                             FLAGS.seed, t_start + (gen_deadline - t_start) / 2, "generating answers (open)",
-                             FLAGS.gen_batch, top_k=soft_k)
-    groups = list(range(len(pairs)))  # an example's group: the open answer it is, or copies (no leak across splits)
-    texts = [tok.decode(item[1], decode_special_tokens=False) for item in pairs]
-    copies = copy_prompts(texts, FLAGS.num_prompts - n_open, FLAGS.seed)
-    got = generate_answers(speaker, [c for c, _ in copies], FLAGS.gen_tokens, FLAGS.gen_temperature, FLAGS.seed + 1,
-                           gen_deadline, "generating answers (copy)", FLAGS.gen_batch, top_k=soft_k)
-    pairs += got
-    groups += [src for _, src in copies[: len(got)]]
+    # an example's group: the open answer it is, or copies (no leak across splits)
+    pairs, groups = answer_prompt_set(speaker, FLAGS.num_prompts, FLAGS.gen_tokens, FLAGS.gen_temperature, FLAGS.seed,
+                                      t_start + (gen_deadline - t_start) / 2, gen_deadline, FLAGS.gen_batch,
+                                      top_k=soft_k)
+    n_groups = max(groups) + 1 if groups else 0  # the open answers (a copy's group is its source's)
     gen_s = time.perf_counter() - t_start
     rng = np.random.default_rng(FLAGS.seed)
-    n_groups = len(texts)
     n_held = min(n_groups - 1, max(1, int(round(FLAGS.holdout * n_groups)))) if n_groups > 1 else 0
     held_groups = set(rng.permutation(n_groups)[:n_held].tolist())
     hold = [p for p, g in zip(pairs, groups) if g in held_groups]

@@ -112,9 +112,13 @@ def main(argv):
               "git": git_info(), "device": device_info(), "versions": versions(), "runs": []}
     corpus = None
     if FLAGS.ngram_corpus:
+        from paged.errors import InvalidConfigError
         from paged.ngram_corpus import load_corpus
 
-        corpus = load_corpus(FLAGS.ngram_corpus, model.config.vocab_size)
+        try:
+            corpus = load_corpus(FLAGS.ngram_corpus, model.config.vocab_size)
+        except InvalidConfigError as e:
+            raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
         record["ngram_corpus"] = repr(corpus)
     prices = None
     if FLAGS.price:

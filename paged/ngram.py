@@ -84,13 +84,16 @@ class Replay:
     drafted: int = 0  # drafts verified
     accepted: int = 0
     verified: dict[int, int] = dataclasses.field(default_factory=dict)  # drafts in a verification -> such steps
+    corpus_drafted: int = 0  # of `drafted`, those a corpus table proposed (`corpus=`)
+    corpus_accepted: int = 0
 
     def add(self, other: Replay) -> Replay:
         counts = dict(self.verified)
         for m, n in other.verified.items():
             counts[m] = counts.get(m, 0) + n
         return Replay(self.tokens + other.tokens, self.steps + other.steps, self.verifications + other.verifications,
-                      self.drafted + other.drafted, self.accepted + other.accepted, counts)
+                      self.drafted + other.drafted, self.accepted + other.accepted, counts,
+                      self.corpus_drafted + other.corpus_drafted, self.corpus_accepted + other.corpus_accepted)
 
     def speedup(self, verify_cost: float) -> float:
         """Plain decoding's steps (one per token) over this drafter's, a verification step costing `verify_cost`."""
@@ -159,6 +162,9 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
         r.steps += 1
         r.drafted += m
         r.accepted += a
+        if n < 0:  # the corpus proposed them
+            r.corpus_drafted += m
+            r.corpus_accepted += a
         emitted = min(a + 1, len(output) - i)
         index.append(output[i : i + emitted])
         i += emitted

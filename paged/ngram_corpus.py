@@ -17,8 +17,10 @@ evidence class the adaptive gate learns per (`paged.draft_gate`) is the prompt-l
 before, or for a corpus draft `-1 - b` with b the bucket of its first draft's confidence (`CONFIDENCE_BUCKETS`): -1
 below 0.3, -2 below 0.6, -3 below 0.9, -4 from 0.9.
 
-Drafts are token ids, one-hot as prompt lookup's: verification and every acceptance rule treat them alike, and the
-output is the model's whatever the corpus holds (a corpus only changes how many drafts are accepted).
+Drafts are token ids, one-hot as prompt lookup's: verification and every acceptance rule treat them alike. Greedy
+output is the model's whatever the corpus holds, token for token; sampled output keeps its distribution, and with
+`draft_acceptance="match"` a seeded job's tokens (under rejection sampling which random draws a token takes
+depends on what was drafted).
 
 The table is saved as a `.npz` (`save`, `load`): per order n, the contexts `[M, n]`, their top token, its count and
 the context's total, with the vocabulary size it was built for (the generator checks it against the model's; a
@@ -47,8 +49,9 @@ class NgramCorpusError(InvalidConfigError):
 
 # In memory a context is a 64-bit hash (its tokens in a polynomial, the order mixed in), mapped to one packed int
 # (token | count << 20 | total << 42): 45 MB for the 330k contexts of the default table with their arrays, where
-# tuples of token ids took ~125 MB. Two contexts sharing a hash (~1e-9 for such a table) would only cost a draft:
-# verification decides.
+# tuples of token ids took ~125 MB. The hash is linear modulo 2**64, so two contexts can share a key (rarely for
+# real text; more easily with vocabularies past ~189k tokens): that only costs a wrong draft, which verification
+# rejects.
 _MASK = (1 << 64) - 1
 _PRIME = 0x100000001B3
 _MIX = 0x9E3779B97F4A7C15
@@ -101,20 +104,29 @@ class NgramCorpus:
         if sorted(arrays) != list(range(min_ngram, max_ngram + 1)):
             raise NgramCorpusError(f"NgramCorpus: arrays for orders {min_ngram}..{max_ngram} expected, got "
                                    f"{sorted(arrays)}")
-        self.arrays = {n: (np.asarray(c, np.int32).reshape(-1, n), np.asarray(v, np.int64).reshape(-1, 3))
-                       for n, (c, v) in arrays.items()}
+        self.arrays = {}
+        for n, (c, v) in arrays.items():
+            c, v = np.asarray(c), np.asarray(v)
+            if any(x.size and not np.issubdtype(x.dtype, np.integer) for x in (c, v)):
+                raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens: integer arrays expected, got "
+                                       f"{c.dtype} and {v.dtype}")
+            c, v = c.astype(np.int64).reshape(-1, n), v.astype(np.int64).reshape(-1, 3)
+            if len(c) != len(v):
+                raise NgramCorpusError(f"NgramCorpus: {len(c)} contexts of {n} tokens but {len(v)} value rows")
+            self.arrays[n] = (c, v)
         self.vocab_size = int(vocab_size)
         self.min_ngram = int(min_ngram)
         self.max_ngram = int(max_ngram)
         self.min_count = int(min_count)
         self.corpus_tokens = int(corpus_tokens)
         self.min_confidence = float(min_confidence)
-        for n, (c, v) in self.arrays.items():
+        for n, (c, v) in list(self.arrays.items()):
             if c.size and (c.min() < 0 or c.max() >= vocab_size or v[:, 0].min() < 0 or v[:, 0].max() >= vocab_size):
                 raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens hold token ids outside the vocabulary "
                                        f"of {vocab_size}")
             if v.size and ((v[:, 1] < 1).any() or (v[:, 2] < v[:, 1]).any()):
                 raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens need 1 <= count <= total")
+            self.arrays[n] = (c.astype(np.int32), v)
         self._index: dict[int, int] = {}
         for c, v in self.arrays.values():
             self._index.update(zip(_context_keys(c).tolist(), _pack(v).tolist()))
@@ -173,7 +185,7 @@ class NgramCorpus:
         """(token, confidence, n) for the longest suffix of `context` in the table, or None."""
         found, h, last = None, 0, len(context) - 1
         for i in range(min(self.max_ngram, len(context))):  # suffixes of i + 1 tokens, shortest first
-            h = (h + (context[last - i] + 1) * _POW[i]) & _MASK
+            h = (h + (int(context[last - i]) + 1) * _POW[i]) & _MASK
             if i + 1 >= self.min_ngram:
                 v = self._index.get((h + (i + 1) * _MIX) & _MASK)
                 if v is not None:
@@ -218,24 +230,27 @@ class NgramCorpus:
     @classmethod
     def load(cls, path: str | os.PathLike, min_confidence: float | None = None) -> NgramCorpus:
         """A table `save` wrote; `min_confidence` overrides the saved one."""
+        name = os.fspath(path)
         try:
             z = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as e:
-            raise NgramCorpusError(f"NgramCorpus.load: cannot read {os.fspath(path)!r} as a saved corpus: {e}") from e
+            raise NgramCorpusError(f"NgramCorpus.load: cannot read {name!r} as a saved corpus: {e}") from e
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote (an .npz)")
         with z:
             if "format" not in z.files or str(z["format"]) != FORMAT:
-                raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r} is not a corpus that "
-                                       f"NgramCorpus.save wrote (format {FORMAT})")
-            vocab, lo, hi, min_count, tokens = (int(v) for v in z["meta"])
+                raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote "
+                                       f"(format {FORMAT})")
             try:
+                vocab, lo, hi, min_count, tokens = (int(v) for v in z["meta"])
                 arrays = {n: (z[f"contexts_{n}"], z[f"values_{n}"]) for n in range(lo, hi + 1)}
-            except KeyError as e:
-                raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r} lacks {e}") from None
-            conf = float(z["min_confidence"]) if min_confidence is None else min_confidence
+                conf = float(z["min_confidence"]) if min_confidence is None else min_confidence
+            except (KeyError, ValueError, TypeError) as e:
+                raise NgramCorpusError(f"NgramCorpus.load: {name!r} is damaged: {e}") from None
         try:
             return cls(arrays, vocab, lo, hi, min_count, tokens, conf)
         except NgramCorpusError as e:
-            raise NgramCorpusError(f"NgramCorpus.load: {os.fspath(path)!r}: {e}") from None
+            raise NgramCorpusError(f"NgramCorpus.load: {name!r}: {e}") from None
 
 
 def load_corpus(corpus: Any, vocab_size: int) -> NgramCorpus:

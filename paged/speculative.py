@@ -65,7 +65,7 @@ from models.config import ModelConfig
 from models.weights import Weights
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
-from paged.ngram_corpus import load_corpus
+from paged.ngram_corpus import load_corpus, propose_lookup
 from paged.sampling import row_keys
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
@@ -400,7 +400,6 @@ class Speculator:
         """Up to `n` drafts by prompt lookup (or the corpus, `paged.ngram_corpus.propose_lookup`), and their
         evidence class (the length of the suffix that matched; a corpus draft's is negative)."""
         from paged.ngram import NgramIndex
-        from paged.ngram_corpus import propose_lookup
 
         index = self._ngrams.get(spec.key)
         if index is None:

@@ -25,20 +25,34 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "spec.json"
+    # the corpus drafter's table: the model's own greedy outputs on the run's prompts, so that its drafts are right
+    import numpy as np
+
+    from experiments.common import chat_prompt, workload
+    from models import load_model
+    from paged import DynamicGenerator, Job, SamplingSettings
     from paged.ngram_corpus import NgramCorpus
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    NgramCorpus.build([list(range(40)) * 3], vocab).save(tmp_path / "corpus.npz")
+    model = load_model(str(model_dir), quant="int8")
+    gen = DynamicGenerator(model, max_batch_size=2, max_seq_len=256)
+    jobs = [Job(model.tokenizer.encode(chat_prompt(model.tokenizer, p), encode_special_tokens=True), 6,
+                gen_settings=SamplingSettings.greedy()) for p in workload("copy", 3, 0)]
+    gen.enqueue(jobs)
+    while gen.num_remaining_jobs():
+        list(gen.iterate())
+    seqs = [np.asarray(j.sequence).ravel().tolist()[-12:] for j in jobs]  # prompt tails and outputs
+    NgramCorpus.build(seqs, model.config.vocab_size, min_count=1).save(tmp_path / "corpus.npz")
     # int8 weights: the CPU's default kind of path (native kernels), whose rows are bitwise independent of the rows
     # beside them, so greedy speculation must reproduce plain decoding exactly (XLA's float dot does not promise it)
-    p = run_bench(f"--model={model_dir}", "--quant=int8", "--drafters=none,ngram,ngram_adaptive,corpus_adaptive",
+    p = run_bench(f"--model={model_dir}", "--quant=int8", "--drafters=none,ngram,ngram_adaptive,corpus",
                   "--batch_sizes=1,2", "--num_prompts=3", "--workloads=copy", "--max_new_tokens=6", "--nowarmup",
                   "--draft_token_cost=0.2", f"--ngram_corpus={tmp_path / 'corpus.npz'}", f"--json_out={out}")
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["flags"]["num_prompts"] == 3 and rec["flags"]["draft_token_cost"] == 0.2
     runs = {(r["drafter"], r["batch_size"]): r for r in rec["runs"]}
-    assert set(runs) == {(d, b) for d in ("none", "ngram", "ngram_adaptive", "corpus_adaptive") for b in (1, 2)}
+    assert set(runs) == {(d, b) for d in ("none", "ngram", "ngram_adaptive", "corpus") for b in (1, 2)}
+    assert runs[("corpus", 1)]["corpus_accepted_draft_tokens"] > 0 and runs[("ngram", 1)]["corpus_drafted_tokens"] == 0
     assert rec["flags"]["ngram_corpus"] == str(tmp_path / "corpus.npz")
     for r in runs.values():
         assert r["jobs"] == 3 and r["new_tokens"] > 0 and r["speedup_vs_none"] > 0
@@ -50,7 +64,7 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert len(set(runs[("none", 1)]["output_hashes"])) == 3  # the jobs' outputs, not one value for all
     assert "ngram  copy bs=1   outputs identical to none: 3/3" in p.stdout
     assert {c["drafter"]: c["identical_to_none"] for c in rec["summary"] if c["batch_size"] == 1} == {
-        "none": 3, "ngram": 3, "ngram_adaptive": 3, "corpus_adaptive": 3}
+        "none": 3, "ngram": 3, "ngram_adaptive": 3, "corpus": 3}
     assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
     assert runs[("ngram", 1)]["draft_acceptance"] == "rejection" and runs[("none", 1)]["draft_acceptance"] is None
     assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.cpu_runtime)

@@ -54,7 +54,8 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
     for args, message in (((), "--out is required"),
                           ((f"--out={out}", f"--prompts_file={prompts}"), 'line 2: needs a non-empty "prompt" string; '
                                                                           "line 3: invalid JSON"),
-                          ((f"--out={out}", f"--text_files={tmp_path / 'none.txt'}"), "cannot read it as UTF-8")):
+                          ((f"--out={out}", f"--text_files={tmp_path / 'none.txt'}"), "cannot read it as UTF-8"),
+                          ((f"--out={out}", "--max_ngram=0"), "need 1 <= --min_ngram <= --max_ngram")):
         bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}", *args],
                              capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]

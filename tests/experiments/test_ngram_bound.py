@@ -105,14 +105,31 @@ def check_predictions(r, width_costs, widths):
 
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     pytest.importorskip("torch")
+    # a corpus table of the model's own greedy outputs on the script's prompts: its drafts are taken and accepted
+    import numpy as np
+
+    from experiments.common import chat_prompt, workload
+    from models import load_model
+    from paged import DynamicGenerator, Job, SamplingSettings
     from paged.ngram_corpus import NgramCorpus
 
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    NgramCorpus.build([list(range(40)) * 3], vocab).save(tmp_path / "corpus.npz")
+    model = load_model(str(model_dir))
+    gen = DynamicGenerator(model, max_batch_size=1, max_seq_len=min(1024, model.config.max_position_embeddings))
+    tok = model.tokenizer
+    seqs = []
+    for p in workload("copy", 2, 0):
+        job = Job(tok.encode(chat_prompt(tok, p), encode_special_tokens=True), 8,
+                  gen_settings=SamplingSettings.greedy(), stop_conditions=[tok.eos_token_id])
+        gen.enqueue(job)
+        while gen.num_remaining_jobs():
+            list(gen.iterate())
+        seqs.append(np.asarray(job.sequence).ravel().tolist()[-14:])
+    NgramCorpus.build(seqs, model.config.vocab_size, min_count=1).save(tmp_path / "corpus.npz")
     rec = run_script(model_dir, tmp_path / "bound.json", "--num_draft_tokens=2,4", "--verify_costs=1,2",
                      "--policies=all,grow,oracle", "--widths=2,3", "--cost_model=1.5,0.25",
                      f"--ngram_corpus={tmp_path / 'corpus.npz'}")
     assert rec["flags"]["ngram_corpus"] == str(tmp_path / "corpus.npz") and "NgramCorpus(" in rec["ngram_corpus"]
+    assert all(r["corpus_accepted"] > 0 for r in rec["runs"] if r["policy"] == "all")
     assert [(r["num_draft_tokens"], r["policy"]) for r in rec["runs"]] == [
         (k, p) for k in (2, 4) for p in ("all", "grow", "oracle")]
     # without --price: c(W) = A + B (W - 1), for the widths asked, k + 1, and k = 4's width added to the variable set

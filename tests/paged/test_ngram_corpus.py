@@ -48,6 +48,13 @@ def test_large_counts_keep_their_confidence():
         NgramCorpus({2: (ctx, np.asarray([[5, 1, 1]], np.int64))}, 10, 2, 3, 1, 0)
     with pytest.raises(NgramCorpusError, match="vocab_size"):
         NgramCorpus({2: (ctx, np.asarray([[5, 1, 1]], np.int64))}, 1 << 21, 2, 2, 1, 0)
+    with pytest.raises(NgramCorpusError, match="2 contexts of 2 tokens but 1 value rows"):
+        NgramCorpus({2: (np.asarray([[1, 2], [3, 4]]), np.asarray([[5, 1, 1]]))}, 10, 2, 2, 1, 0)
+    with pytest.raises(NgramCorpusError, match="outside the vocabulary"):  # checked before any narrowing cast
+        NgramCorpus({2: (np.asarray([[1, 2 + (1 << 32)]]), np.asarray([[5, 1, 1]]))}, 10, 2, 2, 1, 0)
+    with pytest.raises(NgramCorpusError, match="integer arrays"):
+        NgramCorpus({2: (np.asarray([[1.0, 2.0]]), np.asarray([[5, 1, 1]]))}, 10, 2, 2, 1, 0)
+    assert c.lookup(np.asarray([1, 2], np.int64))[0] == 5  # numpy token ids too
 
 
 def test_build_rejects_what_it_cannot_use():
@@ -96,6 +103,14 @@ def test_save_and_load(tmp_path):
         np.savez(fh, **z)
     with pytest.raises(NgramCorpusError, match="bad.npz.*outside the vocabulary of 10"):
         NgramCorpus.load(tmp_path / "bad.npz")
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    with pytest.raises(NgramCorpusError, match="an .npz"):
+        NgramCorpus.load(tmp_path / "array.npy")
+    del z["meta"]
+    with open(tmp_path / "damaged.npz", "wb") as fh:
+        np.savez(fh, **z)
+    with pytest.raises(NgramCorpusError, match="damaged"):
+        NgramCorpus.load(tmp_path / "damaged.npz")
 
 
 def test_the_combined_drafter_prefers_long_prompt_matches():
@@ -124,6 +139,7 @@ def test_replay_with_a_corpus():
     got = replay(prompt, out, k=4, max_ngram=4, max_new_tokens=100, corpus=c)
     # the prefill step emits 2; then (1, 2) -> 3, (1, 2, 3) -> 4, ... -> 6: all accepted, 5 tokens in 2 steps
     assert (got.steps, got.verifications, got.drafted, got.accepted) == (2, 1, 4, 4)
+    assert (got.corpus_drafted, got.corpus_accepted) == (4, 4) and plain.corpus_drafted == 0
 
 
 # ---------------------------------------------------------------------------------------------- the generator

@@ -22,6 +22,8 @@ import time
 
 from absl import app, flags
 
+from experiments.common import read_jsonl
+
 flags.DEFINE_string("model", "smollm2-135m", "the model (anything models.load_model accepts)")
 flags.DEFINE_string("quant", "keep", "its weights, as the benchmark runs it: keep (GGUF blocks), none, int8, int4")
 flags.DEFINE_string("out", None, "the table's path (.npz)")
@@ -43,29 +45,11 @@ flags.DEFINE_integer("seed", 0, "seed of the prompt set")
 FLAGS = flags.FLAGS
 
 
-def read_prompts(path: str) -> list[str]:
-    """The "prompt" of every non-empty line of a JSONL file; every bad line is reported, by number, in one error."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise app.UsageError(f"--prompts_file {path}: cannot read it: {e}") from None
-    prompts, bad = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            bad.append(f"line {n}: invalid JSON ({e.msg})")
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-            bad.append(f"line {n}: needs a non-empty \"prompt\" string")
-            continue
-        prompts.append(obj["prompt"])
-    if bad or not prompts:
-        raise app.UsageError(f"--prompts_file {path}: " + ("; ".join(bad[:10]) if bad else "no prompts"))
-    return prompts
+def prompt_of(obj, lineno: int, index: int) -> str:
+    """A `--prompts_file` line's "prompt" (`experiments.common.read_jsonl`'s parser)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+        raise ValueError('needs a non-empty "prompt" string')
+    return obj["prompt"]
 
 
 def main(argv):
@@ -76,7 +60,7 @@ def main(argv):
         raise app.UsageError("need 1 <= --min_ngram <= --max_ngram, --min_count >= 1 and --min_confidence in [0, 1]")
     if FLAGS.num_prompts <= 0 and not FLAGS.text_files and not FLAGS.prompts_file:
         raise app.UsageError("nothing to build from: give --num_prompts > 0, --prompts_file or --text_files")
-    own = read_prompts(FLAGS.prompts_file) if FLAGS.prompts_file else []
+    own = read_jsonl(FLAGS.prompts_file, "--prompts_file", prompt_of, app.UsageError) if FLAGS.prompts_file else []
     own_texts = []  # read before the model answers anything: a bad path fails at once
     for path in FLAGS.text_files:
         try:

@@ -6,6 +6,8 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 
 def write_record(path: str | None, record: dict) -> None:
@@ -16,6 +18,37 @@ def write_record(path: str | None, record: dict) -> None:
     with open(path, "w") as fh:
         json.dump(record, fh, indent=2)
     print(f"wrote {path}")
+
+
+def read_jsonl(path: str, flag: str, parse: Callable[[Any, int, int], Any], error: type[Exception]) -> list:
+    """Every non-empty line of the JSONL file `path` (the value of `flag`), decoded and passed to
+    `parse(obj, line number, index)` (index: the non-empty lines before it), whose ValueError marks the line bad.
+    All bad lines are reported together in one `error`, each by its number (the first 10 shown); an unreadable file
+    or one without a line is an `error` too."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"cannot read {flag} {path}: {e}") from e
+    items, errors = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        try:
+            items.append(parse(obj, lineno, len(items) + len(errors)))
+        except ValueError as e:
+            errors.append(f"{path}:{lineno}: {e}")
+    if errors:
+        shown = errors[:10] + ([f"... and {len(errors) - 10} more bad lines"] if len(errors) > 10 else [])
+        raise error(f"{len(errors)} bad line(s) in {flag} (line 1 is the first line):\n  " + "\n  ".join(shown))
+    if not items:
+        raise error(f"{flag} {path} has no prompts")
+    return items
 
 
 def load_experiment_model(name: str, *, dtype: str = "float32", quant: str | None = None):

@@ -52,6 +52,7 @@ from typing import IO, Any
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import read_jsonl
 from paged.speculative import ACCEPTANCE_RULES
 
 FLAGS = flags.FLAGS
@@ -509,31 +510,7 @@ def parse_prompt_line(obj: Any, lineno: int, index: int) -> Request:
 def read_prompts_file(path: str) -> list[Request]:
     """Parse and validate every line of a JSONL prompts file (before the model loads). All bad lines are reported
     together in one PromptsFileError, each by its line number."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptsFileError(f"cannot read --prompts_file {path}: {e}") from e
-    requests, errors = [], []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            errors.append(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})")
-            continue
-        try:
-            requests.append(parse_prompt_line(obj, lineno, len(requests) + len(errors)))
-        except ValueError as e:
-            errors.append(f"{path}:{lineno}: {e}")
-    if errors:
-        shown = errors[:10] + ([f"... and {len(errors) - 10} more bad lines"] if len(errors) > 10 else [])
-        raise PromptsFileError(f"{len(errors)} bad line(s) in --prompts_file (line 1 is the first line):\n  "
-                               + "\n  ".join(shown))
-    if not requests:
-        raise PromptsFileError(f"--prompts_file {path} has no prompts")
-    return requests
+    return read_jsonl(path, "--prompts_file", parse_prompt_line, PromptsFileError)
 
 
 # ---------------------------------------------------------------------------------------------------- results

@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paged.ngram_corpus import propose_lookup
+
 
 class NgramIndex:
     def __init__(self, max_ngram: int = 4):
@@ -135,8 +137,6 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
     r = Replay(tokens=len(output))
     if not output:
         return r
-    from paged.ngram_corpus import propose_lookup
-
     index = NgramIndex(max_ngram)
     index.append(list(prompt) + [output[0]])
     r.steps, i = 1, 1  # the prefill step samples the first token

@@ -253,14 +253,19 @@ class NgramCorpus:
             raise NgramCorpusError(f"NgramCorpus.load: {name!r}: {e}") from None
 
 
+def check_corpus_type(corpus: Any) -> None:
+    """The generator's `ngram_corpus=` is an `NgramCorpus` or a path (`InvalidConfigTypeError` otherwise)."""
+    if not isinstance(corpus, (NgramCorpus, str, os.PathLike)):
+        raise InvalidConfigTypeError(f"DynamicGenerator: ngram_corpus must be a paged.ngram_corpus.NgramCorpus or "
+                                     f"the path of a saved one, got {type(corpus).__name__}")
+
+
 def load_corpus(corpus: Any, vocab_size: int) -> NgramCorpus:
     """The generator's `ngram_corpus=`: an `NgramCorpus`, or the path of one `NgramCorpus.save` wrote; its
     vocabulary must be the model's."""
-    if isinstance(corpus, (str, os.PathLike)):
-        corpus = NgramCorpus.load(corpus)
+    check_corpus_type(corpus)
     if not isinstance(corpus, NgramCorpus):
-        raise InvalidConfigTypeError(f"DynamicGenerator: ngram_corpus must be a paged.ngram_corpus.NgramCorpus or "
-                                     f"the path of a saved one, got {type(corpus).__name__}")
+        corpus = NgramCorpus.load(corpus)
     if corpus.vocab_size != vocab_size:
         raise InvalidConfigError(f"DynamicGenerator: ngram_corpus was built for a vocabulary of {corpus.vocab_size} "
                                  f"tokens, the model has {vocab_size}: build it with this model's tokenizer "

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from paged.batch import RowInput
-from paged.errors import InvalidConfigError, InvalidConfigTypeError
+from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
+from paged.ngram_corpus import check_corpus_type
 from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator
 
 
@@ -65,11 +65,7 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
         raise InvalidConfigError("DynamicGenerator: ngram_corpus is the n-gram drafter's table: pass it with "
                                  "use_ngram_draft=True")
     if ngram_corpus is not None:
-        from paged.ngram_corpus import NgramCorpus
-
-        if not isinstance(ngram_corpus, (NgramCorpus, str, os.PathLike)):
-            raise InvalidConfigTypeError(f"DynamicGenerator: ngram_corpus must be a paged.ngram_corpus.NgramCorpus or "
-                                         f"the path of a saved one, got {type(ngram_corpus).__name__}")
+        check_corpus_type(ngram_corpus)
     return draft_model is not None or use_ngram_draft
 
 

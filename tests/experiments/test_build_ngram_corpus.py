@@ -52,8 +52,9 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
                 generate.main(["generate"])
     prompts.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\nnot json\n')
     for args, message in (((), "--out is required"),
-                          ((f"--out={out}", f"--prompts_file={prompts}"), 'line 2: needs a non-empty "prompt" string; '
-                                                                          "line 3: invalid JSON"),
+                          ((f"--out={out}", f"--prompts_file={prompts}"),
+                           f'2 bad line(s) in --prompts_file (line 1 is the first line):\n  {prompts}:2: needs a '
+                           f'non-empty "prompt" string\n  {prompts}:3: invalid JSON'),
                           ((f"--out={out}", f"--text_files={tmp_path / 'none.txt'}"), "cannot read it as UTF-8"),
                           ((f"--out={out}", "--max_ngram=0"), "need 1 <= --min_ngram <= --max_ngram")):
         bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}", *args],

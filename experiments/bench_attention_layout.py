@@ -8,11 +8,12 @@ Prints ms per call (one layer) and writes JSON with --json_out. Run on an idle m
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seqs", 16, "decode rows")
@@ -78,8 +79,7 @@ def main(argv):
     for ctx in FLAGS.contexts:
         bench(int(ctx))
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(device=str(jax.devices()[0]), load_avg=os.getloadavg(), rows=rows), f, indent=1)
+        write_record(FLAGS.json_out, dict(device=str(jax.devices()[0]), load_avg=os.getloadavg(), rows=rows))
 
 
 if __name__ == "__main__":

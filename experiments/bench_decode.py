@@ -9,12 +9,13 @@ and the model-bytes bandwidth it implies (weights read once per step), and write
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -76,10 +77,9 @@ def main(argv):
             print(f"batch {bs:3d}  steps/call {n:2d}: {tps:8.1f} tok/s  {rec['ms_per_step']:7.1f} ms/step  "
                   f"{rec['weight_gb_per_s']:5.1f} GB/s of weights")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(model=FLAGS.model, context=FLAGS.context, device=str(jax.devices()[0]),
-                           machine=platform.machine(), cpus=os.cpu_count(), load_avg=os.getloadavg(),
-                           results=results), f, indent=1)
+        write_record(FLAGS.json_out, dict(model=FLAGS.model, context=FLAGS.context, device=str(jax.devices()[0]),
+                                          machine=platform.machine(), cpus=os.cpu_count(), load_avg=os.getloadavg(),
+                                          results=results))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 
 from absl import app, flags
 
+from experiments.common import write_record
+
 flags.DEFINE_string("model", "smollm2-135m", "model (a name, a .gguf, or an HF directory)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs per run")
 flags.DEFINE_list("fractions", ["0", "0.5", "1"], "fraction of the batch's jobs that are filtered")
@@ -137,9 +139,7 @@ def main(argv):
               "load_avg_before": load_before, "load_avg_after": load_average(), "llguidance_table_s": table_s,
               "warmup_s": warmup_s, "results": rows, "notes": __doc__}
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-        print(f"wrote {FLAGS.json_out}")
+        write_record(FLAGS.json_out, record)
 
 
 if __name__ == "__main__":

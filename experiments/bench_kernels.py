@@ -22,12 +22,13 @@ interpreted (correctness only), so they are timed only when named.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import time
 
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
@@ -317,9 +318,7 @@ def main(argv):
               "load_avg_after": load_average(), "peaks": peaks, "results": rows, "tuned": tuned,
               "notes": __doc__}
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(record, f, indent=1, default=str)
-        print(f"wrote {FLAGS.json_out}")
+        write_record(FLAGS.json_out, record)
     if FLAGS.plot:
         plot_results(rows, FLAGS.plot)
         print(f"wrote {FLAGS.plot}")

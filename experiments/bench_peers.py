@@ -37,6 +37,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model (ours; a .gguf is also given to the peers), --quant, --page_size, --cache_dtype, ...
@@ -332,18 +333,13 @@ def main(argv):
 
         from experiments.serving.env import matmul_auto
 
-        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(flags={k: FLAGS[k].value for k in ("engines", "workloads", "batch_sizes", "prompt_len",
-                                                               "prefill_len", "decode_tokens", "threads", "isolate",
-                                                               "model",
-                                                               "quant", "cache_dtype", "page_size",
-                                                               "decode_steps", "cpu_dispatch")},
-                           git_sha=_git_sha(), machine=platform.machine(), cpus=os.cpu_count(),
-                           matmul_auto=matmul_auto(),
-                           cpu=platform.processor(), jax=jax.__version__, versions=versions,
-                           load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,
-                           table=table), f, indent=1)
+        names = ("engines", "workloads", "batch_sizes", "prompt_len", "prefill_len", "decode_tokens", "threads",
+                 "isolate", "model", "quant", "cache_dtype", "page_size", "decode_steps", "cpu_dispatch")
+        write_record(FLAGS.json_out, dict(
+            flags={k: FLAGS[k].value for k in names}, git_sha=_git_sha(), machine=platform.machine(),
+            cpus=os.cpu_count(), matmul_auto=matmul_auto(), cpu=platform.processor(), jax=jax.__version__,
+            versions=versions, load_avg_before=load_before, load_avg_after=os.getloadavg(), results=results,
+            table=table))
 
 
 if __name__ == "__main__":

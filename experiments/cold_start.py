@@ -10,7 +10,6 @@ first sample); the parent only watches the child's stdout. The child's own timin
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -19,6 +18,8 @@ import tempfile
 import time
 
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", "Give me three facts about octopuses.", "the prompt (the README's)")
@@ -58,11 +59,10 @@ def main(argv):
     if FLAGS.json_out:
         import jax
 
-        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(prompt=FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, extra_args=FLAGS.extra_args,
-                           machine=platform.machine(), cpus=os.cpu_count(), jax=jax.__version__,
-                           load_avg_before=load, load_avg_after=os.getloadavg(), runs=runs), f, indent=1)
+        write_record(FLAGS.json_out, dict(
+            prompt=FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens, extra_args=FLAGS.extra_args,
+            machine=platform.machine(), cpus=os.cpu_count(), jax=jax.__version__, load_avg_before=load,
+            load_avg_after=os.getloadavg(), runs=runs))
 
 
 if __name__ == "__main__":

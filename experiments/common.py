@@ -10,13 +10,22 @@ from collections.abc import Callable
 from typing import Any
 
 
-def write_record(path: str | None, record: dict) -> None:
-    """Write a script's JSON record to `path` (creating its folder) and say so; nothing when `path` is None."""
+def write_record(path: str | None, record: dict, *, append: bool = False) -> None:
+    """Write a script's JSON record to `path` (creating its folder) and say so; nothing when `path` is None. Values
+    JSON cannot hold are written as their `str`. `append`: the file holds a JSON list of records (a missing file: an
+    empty one), and `record` is added to its end."""
     if not path:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    out: Any = record
+    if append:
+        old = []
+        if os.path.exists(path):
+            with open(path) as fh:
+                old = json.load(fh)
+        out = [*old, record]
     with open(path, "w") as fh:
-        json.dump(record, fh, indent=2)
+        json.dump(out, fh, indent=1, default=str)
     print(f"wrote {path}")
 
 

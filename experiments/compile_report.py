@@ -13,13 +13,13 @@ logit bias and penalties (runtime values: must not compile either), counting JAX
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant, --compilation_cache_dir and every EngineConfig field
@@ -115,10 +115,9 @@ def main(argv):
           f"{recompiled} compilations (want 0 and 0)")
     print(f"JAX compile events (s): { {k: round(x, 2) for k, x in events.items() if not k.endswith('_count')} }")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(flags=FLAGS.flag_values_dict(), variants=rows, total_seconds=total, compiled=compiled,
-                           traces_after=retraced, compiles_after=recompiled, load_avg=os.getloadavg()), f, indent=1,
-                      default=str)
+        write_record(FLAGS.json_out, dict(
+            flags=FLAGS.flag_values_dict(), variants=rows, total_seconds=total, compiled=compiled,
+            traces_after=retraced, compiles_after=recompiled, load_avg=os.getloadavg()))
 
 
 if __name__ == "__main__":

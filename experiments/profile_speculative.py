@@ -24,13 +24,12 @@ compiled program's HLO where it has them. The traced pass's own timings are not 
 from __future__ import annotations
 
 import collections
-import json
-import os
 import tempfile
 import time
 
 from absl import app, flags
 
+from experiments.common import write_record
 from experiments.trace_ops import op_breakdown
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
@@ -180,13 +179,7 @@ def main(argv):
         print(f"{part}: by operation, ms per call ({b['calls']} calls traced)")
         for row in b["ops"][:FLAGS.ops_top]:
             print(f"  {row['ms_per_call']:8.3f}  {row['op']:32s} {row['label']}")
-    if FLAGS.json_out:
-        old = []
-        if os.path.exists(FLAGS.json_out):
-            with open(FLAGS.json_out) as fh:
-                old = json.load(fh)
-        with open(FLAGS.json_out, "w") as fh:
-            json.dump(old + [rec], fh, indent=1)
+    write_record(FLAGS.json_out, rec, append=True)
 
 
 if __name__ == "__main__":

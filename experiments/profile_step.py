@@ -25,12 +25,13 @@ adds the generator's host overhead per step (from a short generator run), fits t
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 
 from absl import app, flags
+
+from experiments.common import write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -276,12 +277,11 @@ def main(argv):
               f"{dev['layers_without_attention_ms']:.1f}, attention {dev['attention_ms']:.1f}, logits+sampling "
               f"{dev['logits_sampling_ms']:.1f}")
     if FLAGS.json_out:
-        os.makedirs(os.path.dirname(FLAGS.json_out) or ".", exist_ok=True)
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(dict(model=FLAGS.model, quant=FLAGS.quant, context=FLAGS.context, tokens=FLAGS.tokens,
-                           cache_dtype=FLAGS.cache_dtype, device=str(jax.devices()[0]), machine=platform.machine(),
-                           cpus=os.cpu_count(), load_avg_before=load, load_avg_after=os.getloadavg(),
-                           jax=jax.__version__, results=out), f, indent=1)
+        write_record(FLAGS.json_out, dict(
+            model=FLAGS.model, quant=FLAGS.quant, context=FLAGS.context, tokens=FLAGS.tokens,
+            cache_dtype=FLAGS.cache_dtype, device=str(jax.devices()[0]), machine=platform.machine(),
+            cpus=os.cpu_count(), load_avg_before=load, load_avg_after=os.getloadavg(), jax=jax.__version__,
+            results=out))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture
 @pytest.mark.parametrize("drafter", ["none", "ngram", "self"])
 def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     pytest.importorskip("torch")
-    out = tmp_path / "prof.json"
+    out = tmp_path / "records" / "prof.json"  # a folder that does not exist yet: the script makes it
     runs = 2 if drafter == "none" else 1  # a second call appends (checked once: each call is a process's compile)
     ops = ["--ops"] if drafter == "ngram" else []  # the per-operation breakdown (a traced third pass), once
     for _ in range(runs):

@@ -5,7 +5,7 @@ Each jitted entry point (`step_forward`, `step_sample`, `verify_sample`, `draft_
 that waits for its result (`jax.block_until_ready`), so the parts no longer overlap the host work as they do in a
 normal run: the wall time here is a little above a benchmark's, and "host" (wall minus the parts) is what the
 generator does between device calls. One seeded copy-workload prompt runs twice on one generator (the first run
-warms up and is discarded), greedy, one job at a time:
+warms up and is discarded), greedy (or sampled with `--temperature`, seeded), one job at a time:
 
     python -m experiments.profile_speculative --drafter=none
     python -m experiments.profile_speculative --drafter=ngram
@@ -42,6 +42,8 @@ flags.DEFINE_integer("num_draft_tokens", 4, "drafts per step")
 flags.DEFINE_bool("adaptive", False, "adaptive_draft=True")
 flags.DEFINE_integer("prompt", 0, "which prompt of the seeded copy workload")
 flags.DEFINE_integer("max_new_tokens", 96, "tokens per run")
+flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled, `SamplingSettings(temperature=T)` (its other "
+                   "defaults, as bench_speculative), seeded: both runs draw the same tokens")
 flags.DEFINE_string("json_out", None, "append the record to this JSON list")
 flags.DEFINE_bool("ops", False, "also break each part down by XLA operation (a traced third pass)")
 flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the record keeps all)")
@@ -129,10 +131,12 @@ def main(argv):
     prompt = chat_prompt(tok, workload("copy", FLAGS.prompt + 1, 0)[FLAGS.prompt])
     ids = tok.encode(prompt, encode_special_tokens=True)
     load_before = load_average("profile_speculative")
+    settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
+                else SamplingSettings(temperature=FLAGS.temperature))
 
     def run_prompt() -> int:
         """The prompt once, to the end; returns the iterates it took."""
-        gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=SamplingSettings.greedy(),
+        gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=settings, seed=0,
                         stop_conditions=[tok.eos_token_id]))
         n = 0
         while gen.num_remaining_jobs():
@@ -161,7 +165,7 @@ def main(argv):
                 run_prompt()
             ops = op_breakdown(trace_dir, calls)
     names = ("model", "quant", "drafter", "draft_dir", "draft_quant", "num_draft_tokens", "adaptive", "prompt",
-             "max_new_tokens")
+             "max_new_tokens", "temperature")
     rec = {"flags": {k: getattr(FLAGS, k) for k in names},
            "git": git_info(), "device": device_info(), "load_before": load_before,
            "tokens": tokens, "iterates": iterates, "wall_s": wall, "ms_per_iterate": 1e3 * wall / max(iterates, 1),

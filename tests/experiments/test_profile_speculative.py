@@ -19,15 +19,17 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     out = tmp_path / "records" / "prof.json"  # a folder that does not exist yet: the script makes it
     runs = 2 if drafter == "none" else 1  # a second call appends (checked once: each call is a process's compile)
     ops = ["--ops"] if drafter == "ngram" else []  # the per-operation breakdown (a traced third pass), once
+    sampled = ["--temperature=0.9"] if drafter == "self" else []  # a seeded sampled job, once
     for _ in range(runs):
         p = subprocess.run([sys.executable, "-m", "experiments.profile_speculative", f"--model={model_dir}",
                             "--quant=none", f"--drafter={drafter}", "--self_draft_layers=1", "--max_new_tokens=12",
-                            "--num_draft_tokens=2", f"--json_out={out}", *ops], capture_output=True, text=True,
-                           env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+                            "--num_draft_tokens=2", f"--json_out={out}", *ops, *sampled],
+                           capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
     recs = json.loads(out.read_text())
     assert len(recs) == runs
     r = recs[-1]
+    assert r["flags"]["temperature"] == (0.9 if sampled else 0.0)
     assert 0 < r["tokens"] <= 12 and 0 < r["iterates"] <= r["tokens"] + 1
     parts = r["parts"]
     total = sum(v["total_s"] for v in parts.values())

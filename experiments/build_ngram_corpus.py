@@ -18,6 +18,7 @@ docs/speculative.md ("A corpus table for the n-gram drafter") has what it gains.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from absl import app, flags
@@ -54,10 +55,23 @@ def prompt_of(obj, lineno: int, index: int) -> str:
 
 def main(argv):
     del argv
+    from paged.ngram_corpus import MAX_NGRAM
+
     if not FLAGS.out:
         raise app.UsageError("--out is required (the table's .npz path)")
-    if not 1 <= FLAGS.min_ngram <= FLAGS.max_ngram or FLAGS.min_count < 1 or not 0 <= FLAGS.min_confidence <= 1:
-        raise app.UsageError("need 1 <= --min_ngram <= --max_ngram, --min_count >= 1 and --min_confidence in [0, 1]")
+    if os.path.isdir(FLAGS.out):
+        raise app.UsageError(f"--out {FLAGS.out} is a folder: give the table's file path (e.g. {FLAGS.out}/table.npz)")
+    folder = os.path.dirname(os.path.abspath(FLAGS.out))
+    try:  # made now, and checked writable, so that the table is not lost after the model has answered everything
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise app.UsageError(f"--out {FLAGS.out}: cannot make its folder: {e}") from None
+    if not os.access(folder, os.W_OK):
+        raise app.UsageError(f"--out {FLAGS.out}: its folder {folder} is not writable")
+    if (not 1 <= FLAGS.min_ngram <= FLAGS.max_ngram <= MAX_NGRAM or FLAGS.min_count < 1
+            or not 0 <= FLAGS.min_confidence <= 1):
+        raise app.UsageError(f"need 1 <= --min_ngram <= --max_ngram <= {MAX_NGRAM}, --min_count >= 1 and "
+                             "--min_confidence in [0, 1]")
     if FLAGS.num_prompts <= 0 and not FLAGS.text_files and not FLAGS.prompts_file:
         raise app.UsageError("nothing to build from: give --num_prompts > 0, --prompts_file or --text_files")
     own = read_jsonl(FLAGS.prompts_file, "--prompts_file", prompt_of, app.UsageError) if FLAGS.prompts_file else []

@@ -29,7 +29,10 @@ table from another tokenizer of the same size would only draft badly).
 
 from __future__ import annotations
 
+import operator
 import os
+import zipfile
+import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -56,6 +59,7 @@ _MASK = (1 << 64) - 1
 _PRIME = 0x100000001B3
 _MIX = 0x9E3779B97F4A7C15
 _POW = [pow(_PRIME, i, 1 << 64) for i in range(64)]
+MAX_NGRAM = len(_POW)  # the longest context a table holds
 _TOKEN_BITS, _COUNT_BITS = 20, 22
 MAX_VOCAB = 1 << _TOKEN_BITS
 
@@ -94,8 +98,8 @@ class NgramCorpus:
 
     def __init__(self, arrays: dict[int, tuple[np.ndarray, np.ndarray]], vocab_size: int, min_ngram: int,
                  max_ngram: int, min_count: int, corpus_tokens: int, min_confidence: float = 0.3):
-        if not 1 <= min_ngram <= max_ngram <= len(_POW):
-            raise NgramCorpusError(f"NgramCorpus: need 1 <= min_ngram <= max_ngram <= {len(_POW)}, got {min_ngram}, "
+        if not 1 <= min_ngram <= max_ngram <= MAX_NGRAM:
+            raise NgramCorpusError(f"NgramCorpus: need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got {min_ngram}, "
                                    f"{max_ngram}")
         if not 0.0 <= min_confidence <= 1.0:
             raise NgramCorpusError(f"NgramCorpus: min_confidence must be in [0, 1], got {min_confidence}")
@@ -152,14 +156,18 @@ class NgramCorpus:
         sequence into the next) and keep its most frequent continuation (ties: the smaller token id)."""
         if min_count < 1:
             raise NgramCorpusError(f"NgramCorpus.build: min_count must be >= 1, got {min_count}")
-        if not 1 <= min_ngram <= max_ngram:
-            raise NgramCorpusError(f"NgramCorpus.build: need 1 <= min_ngram <= max_ngram, got {min_ngram}, "
-                                   f"{max_ngram}")
+        if not 1 <= min_ngram <= max_ngram <= MAX_NGRAM:
+            raise NgramCorpusError(f"NgramCorpus.build: need 1 <= min_ngram <= max_ngram <= {MAX_NGRAM}, got "
+                                   f"{min_ngram}, {max_ngram}")
         counts: dict[int, dict[tuple[int, ...], dict[int, int]]] = {
             n: defaultdict(lambda: defaultdict(int)) for n in range(min_ngram, max_ngram + 1)}
         total_tokens = 0
         for seq in sequences:
-            seq = [int(t) for t in seq]
+            try:
+                seq = [operator.index(t) for t in seq]
+            except TypeError:
+                bad = next(t for t in seq if not hasattr(t, "__index__"))
+                raise NgramCorpusError(f"NgramCorpus.build: token ids must be integers, got {bad!r}") from None
             bad = [t for t in seq if not 0 <= t < vocab_size]
             if bad:
                 raise NgramCorpusError(f"NgramCorpus.build: token id {bad[0]} is outside the vocabulary of "
@@ -231,21 +239,29 @@ class NgramCorpus:
     def load(cls, path: str | os.PathLike, min_confidence: float | None = None) -> NgramCorpus:
         """A table `save` wrote; `min_confidence` overrides the saved one."""
         name = os.fspath(path)
+        # what numpy raises for a file that is not a whole .npz: cut short or altered (a bad zip, a failed CRC or
+        # inflate), a member that is not an array or needs pickle, a missing member
+        damaged = (OSError, ValueError, TypeError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
         try:
             z = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
+        except damaged as e:
             raise NgramCorpusError(f"NgramCorpus.load: cannot read {name!r} as a saved corpus: {e}") from e
         if not isinstance(z, np.lib.npyio.NpzFile):
             raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote (an .npz)")
         with z:
-            if "format" not in z.files or str(z["format"]) != FORMAT:
-                raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote "
-                                       f"(format {FORMAT})")
             try:
-                vocab, lo, hi, min_count, tokens = (int(v) for v in z["meta"])
+                if "format" not in z.files or str(z["format"]) != FORMAT:
+                    raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote "
+                                           f"(format {FORMAT})")
+                meta = z["meta"]
+                if meta.shape != (5,) or not np.issubdtype(meta.dtype, np.integer):
+                    raise ValueError(f"its meta is {meta.dtype} {meta.shape}, 5 integers expected")
+                vocab, lo, hi, min_count, tokens = (int(v) for v in meta)
+                if not 1 <= lo <= hi <= MAX_NGRAM:
+                    raise ValueError(f"its orders {lo}..{hi} are outside 1..{MAX_NGRAM}")
                 arrays = {n: (z[f"contexts_{n}"], z[f"values_{n}"]) for n in range(lo, hi + 1)}
                 conf = float(z["min_confidence"]) if min_confidence is None else min_confidence
-            except (KeyError, ValueError, TypeError) as e:
+            except damaged as e:
                 raise NgramCorpusError(f"NgramCorpus.load: {name!r} is damaged: {e}") from None
         try:
             return cls(arrays, vocab, lo, hi, min_count, tokens, conf)

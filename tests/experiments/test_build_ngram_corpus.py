@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 
 def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
-    out = tmp_path / "corpus.npz"
+    out = tmp_path / "tables" / "corpus.npz"  # a folder that does not exist yet: made before the model answers
     text = tmp_path / "extra.txt"
     text.write_text("hello hello hello world. " * 20)
     prompts = tmp_path / "prompts.jsonl"
@@ -28,7 +28,7 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
                         f"--text_files={text}", f"--prompts_file={prompts}", "--min_count=1"],
                        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
-    log = json.loads((tmp_path / "corpus.npz.json").read_text())
+    log = json.loads((tmp_path / "tables" / "corpus.npz.json").read_text())
     corpus = NgramCorpus.load(out)
     assert log["answers"] == 4 + 2 and log["contexts"] == len(corpus) > 0
     assert corpus.vocab_size == json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -45,8 +45,11 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
     with flags_set(*engine_args(model_dir, "--ngram_draft", f"--ngram_corpus={out}")):
         kw = generate.speculation_kwargs(generate.load_model_from_flags())
     assert kw["ngram_corpus"].entries(3) == corpus.entries(3) and kw["use_ngram_draft"] is True
+    cut = tmp_path / "cut.npz"  # a table copied short: a usage error, not zipfile's traceback
+    cut.write_bytes(out.read_bytes()[:100])
     for bad, message in (((f"--ngram_corpus={out}",), "add --ngram_draft"),
-                         (("--ngram_draft", f"--ngram_corpus={tmp_path / 'none.npz'}"), "cannot read")):
+                         (("--ngram_draft", f"--ngram_corpus={tmp_path / 'none.npz'}"), "cannot read"),
+                         (("--ngram_draft", f"--ngram_corpus={cut}"), "cannot read")):
         with flags_set(*engine_args(model_dir, "--prompt=x", *bad)):
             with pytest.raises(app.UsageError, match=message):
                 generate.main(["generate"])
@@ -56,7 +59,9 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
                            f'2 bad line(s) in --prompts_file (line 1 is the first line):\n  {prompts}:2: needs a '
                            f'non-empty "prompt" string\n  {prompts}:3: invalid JSON'),
                           ((f"--out={out}", f"--text_files={tmp_path / 'none.txt'}"), "cannot read it as UTF-8"),
-                          ((f"--out={out}", "--max_ngram=0"), "need 1 <= --min_ngram <= --max_ngram")):
+                          ((f"--out={out}", "--max_ngram=0"), "need 1 <= --min_ngram <= --max_ngram <= 64"),
+                          ((f"--out={out}", "--max_ngram=65"), "need 1 <= --min_ngram <= --max_ngram <= 64"),
+                          ((f"--out={tmp_path}",), "is a folder")):
         bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}", *args],
                              capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]

@@ -9,7 +9,7 @@ import pytest
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidConfigError, InvalidConfigTypeError
 from paged.ngram import NgramIndex, replay
-from paged.ngram_corpus import NgramCorpus, NgramCorpusError, corpus_class, load_corpus, propose_lookup
+from paged.ngram_corpus import FORMAT, NgramCorpus, NgramCorpusError, corpus_class, load_corpus, propose_lookup
 from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()
@@ -64,6 +64,16 @@ def test_build_rejects_what_it_cannot_use():
         NgramCorpus.build([[1, 2]], 10, min_count=0)
     with pytest.raises(NgramCorpusError, match="min_ngram"):
         NgramCorpus.build([[1, 2]], 10, min_ngram=3, max_ngram=2)
+    with pytest.raises(NgramCorpusError, match="max_ngram <= 64"):  # before counting, not after
+        NgramCorpus.build(iter_fails_if_read(), 10, max_ngram=65)
+    with pytest.raises(NgramCorpusError, match="integers, got 1.5"):  # not cut to 1
+        NgramCorpus.build([[1, 2, 1.5]], 10)
+    assert NgramCorpus.build([np.array([1, 2, 3] * 2), [np.int32(1), 2, 3]], 10).entries(2)[(1, 2)] == (3, 3, 3)
+
+
+def iter_fails_if_read():
+    raise AssertionError("read the sequences")
+    yield []
 
 
 def test_proposals_chain_the_longest_context_and_stop_at_low_confidence():
@@ -111,6 +121,24 @@ def test_save_and_load(tmp_path):
         np.savez(fh, **z)
     with pytest.raises(NgramCorpusError, match="damaged"):
         NgramCorpus.load(tmp_path / "damaged.npz")
+    whole = path.read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    with pytest.raises(NgramCorpusError, match="cut.npz"):
+        NgramCorpus.load(tmp_path / "cut.npz")
+    flipped = bytearray(whole)
+    at = whole.index(b"values_2.npy") + 40  # inside that member's compressed data: a failed CRC or inflate
+    flipped[at] ^= 0xFF
+    (tmp_path / "flipped.npz").write_bytes(bytes(flipped))
+    with pytest.raises(NgramCorpusError, match="flipped.npz.*damaged"):
+        NgramCorpus.load(tmp_path / "flipped.npz")
+    np.savez(tmp_path / "object.npz", format=np.array([FORMAT], dtype=object))  # would need pickle to read
+    with pytest.raises(NgramCorpusError, match="object.npz.*damaged"):
+        NgramCorpus.load(tmp_path / "object.npz")
+    for meta in (np.array([10.5, 2, 4, 2, 18]), np.array([10, 2, 99, 2, 18])):  # a float; orders past 64
+        with open(tmp_path / "meta.npz", "wb") as fh:
+            np.savez(fh, **{**z, "meta": meta})
+        with pytest.raises(NgramCorpusError, match="meta.npz.*damaged"):
+            NgramCorpus.load(tmp_path / "meta.npz")
 
 
 def test_the_combined_drafter_prefers_long_prompt_matches():

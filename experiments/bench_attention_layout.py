@@ -13,7 +13,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seqs", 16, "decode rows")
@@ -24,6 +24,7 @@ flags.DEFINE_integer("head_dim", 64, "head dim")
 flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_integer("iters", 20, "timed calls")
 flags.DEFINE_string("json_out", None, "write results here")
+check_out_flag("json_out")
 
 
 def main(argv):

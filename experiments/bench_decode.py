@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -25,6 +25,7 @@ flags.DEFINE_integer("context", 256, "tokens already in each row's cache")
 flags.DEFINE_integer("tokens", 32, "decode tokens per row per measurement")
 flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_string("json_out", None, "write results here")
+check_out_flag("json_out")
 
 
 def timed_decode(engine, pages: list[list[int]], steps_per_call: int, pos: int, tokens: int) -> float:

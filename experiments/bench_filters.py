@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 flags.DEFINE_string("model", "smollm2-135m", "model (a name, a .gguf, or an HF directory)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs per run")
@@ -29,6 +29,7 @@ flags.DEFINE_list("fractions", ["0", "0.5", "1"], "fraction of the batch's jobs 
 flags.DEFINE_integer("max_new_tokens", 160, "tokens per job at most (enough for the schema's object)")
 flags.DEFINE_integer("seed", 0, "sampling seed of job 0 (job i uses seed + i)")
 flags.DEFINE_string("json_out", None, "write the record here")
+check_out_flag("json_out")
 FLAGS = flags.FLAGS
 
 SCHEMA = {

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 
@@ -40,6 +40,7 @@ flags.DEFINE_list("formulations", ["f32", "xla_q4_1", "xla_int8", "xla_intdot_ch
                                    "native_q4_1", "native_int8"], "formulations to time")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
+    check_out_flag("json_out")
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 q heads + 2 x 3 kv heads of 64, vocabulary 49152
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576), "head": (576, 49152)}

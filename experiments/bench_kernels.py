@@ -28,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
@@ -55,6 +55,7 @@ flags.DEFINE_boolean("dense_baseline", True, "also time a dense bfloat16 x @ W o
                      "an int4/int8 GEMV is measured against: 'x bf16' in the output)")
 flags.DEFINE_boolean("check", True, "check every implementation against the reference before timing it")
 flags.DEFINE_string("json_out", None, "write the JSON record here")
+check_out_flag("json_out")
 flags.DEFINE_string("plot", None, "write a per-shape bar chart of median times here (.png)")
 
 

@@ -22,6 +22,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import check_out_flag
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), shared with the other scripts
@@ -32,6 +33,7 @@ flags.DEFINE_integer("lora_context", 128, "position of each row's token (its KV 
 flags.DEFINE_integer("lora_iters", 20, "timed decode steps per configuration")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the figures here as JSON")
+    check_out_flag("json_out")
 
 
 def random_adapter(cfg, rank: int, seed: int):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 
@@ -43,6 +43,7 @@ flags.DEFINE_bool("cold", True, "read a 160 MB buffer before each timing (weight
 flags.DEFINE_integer("weights_seed", 0, "seed of the random weights and inputs")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
+    check_out_flag("json_out")
 
 # SmolLM2-135M: hidden 576, fused QKV 960 (9 + 2 x 3 heads of 64), intermediate 1536 (fused gate-up 3072), vocab 49152
 HIDDEN, QKV, INTER, VOCAB = 576, 960, 1536, 49152

@@ -37,7 +37,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model (ours; a .gguf is also given to the peers), --quant, --page_size, --cache_dtype, ...
@@ -51,6 +51,7 @@ flags.DEFINE_integer("threads", 2, "CPU threads for every engine")
 flags.DEFINE_bool("isolate", True, "run each engine in a fresh process (no thread pool of one engine near another's)")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
+    check_out_flag("json_out")
 
 
 def prompts(tokenizer, n: int, length: int, salt: int = 0) -> list[list[int]]:

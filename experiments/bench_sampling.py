@@ -18,6 +18,8 @@ import time
 
 from absl import app, flags
 
+from experiments.common import check_out_flag
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 64, "batch rows S")
 flags.DEFINE_integer("vocab", 49152, "vocabulary size V")
@@ -30,6 +32,7 @@ flags.DEFINE_list("greedy_final_rows", [], "also time paged.sampling.greedy_fina
                   "(XLA's ops, the native kernel) at these row counts (the installed sampler's, whatever --module)")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the figures here as JSON")
+    check_out_flag("json_out")
 
 BASE = {"temperature": 0.8, "repetition_penalty": 1.025}
 SETTINGS = {

@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from experiments.common import write_record  # noqa: E402
+from experiments.common import check_out_flag, write_record  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 4, "virtual CPU devices (read before JAX starts)")
@@ -49,6 +49,7 @@ flags.DEFINE_integer("max_new_tokens", 64, "tokens per job")
 flags.DEFINE_integer("seed", 0, "prompt seed")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the record here")
+    check_out_flag("json_out")
 
 
 def bench_model(source: str):

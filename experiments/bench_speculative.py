@@ -38,7 +38,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
-from experiments.common import chat_prompt, workload, write_record
+from experiments.common import chat_prompt, check_out_flag, workload, write_record
 from paged.speculative import ACCEPTANCE_RULES
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
@@ -65,6 +65,7 @@ flags.DEFINE_integer("seed", 0, "workload and sampling seed")
 flags.DEFINE_integer("rounds", 1, "runs of every configuration per workload and batch size, interleaved (see above)",
                      lower_bound=1)
 flags.DEFINE_string("json_out", None, "write the record here")
+check_out_flag("json_out")
 if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")

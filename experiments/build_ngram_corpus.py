@@ -23,11 +23,12 @@ import time
 
 from absl import app, flags
 
-from experiments.common import read_jsonl
+from experiments.common import check_out_flag, read_jsonl
 
 flags.DEFINE_string("model", "smollm2-135m", "the model (anything models.load_model accepts)")
 flags.DEFINE_string("quant", "keep", "its weights, as the benchmark runs it: keep (GGUF blocks), none, int8, int4")
 flags.DEFINE_string("out", None, "the table's path (.npz)")
+check_out_flag("out")  # checked when the flags are parsed: not after the model has answered everything
 flags.DEFINE_integer("num_prompts", 4000, "prompts the model answers (half open requests, half copy requests over "
                      "its open answers); 0: only --text_files")
 flags.DEFINE_integer("gen_tokens", 128, "tokens per answer (at most)")
@@ -59,15 +60,6 @@ def main(argv):
 
     if not FLAGS.out:
         raise app.UsageError("--out is required (the table's .npz path)")
-    if os.path.isdir(FLAGS.out):
-        raise app.UsageError(f"--out {FLAGS.out} is a folder: give the table's file path (e.g. {FLAGS.out}/table.npz)")
-    folder = os.path.dirname(os.path.abspath(FLAGS.out))
-    try:  # made now, and checked writable, so that the table is not lost after the model has answered everything
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise app.UsageError(f"--out {FLAGS.out}: cannot make its folder: {e}") from None
-    if not os.access(folder, os.W_OK):
-        raise app.UsageError(f"--out {FLAGS.out}: its folder {folder} is not writable")
     if (not 1 <= FLAGS.min_ngram <= FLAGS.max_ngram <= MAX_NGRAM or FLAGS.min_count < 1
             or not 0 <= FLAGS.min_confidence <= 1):
         raise app.UsageError(f"need 1 <= --min_ngram <= --max_ngram <= {MAX_NGRAM}, --min_count >= 1 and "
@@ -109,6 +101,7 @@ def main(argv):
     corpus = NgramCorpus.build(sequences, model.config.vocab_size, min_ngram=FLAGS.min_ngram,
                                max_ngram=FLAGS.max_ngram, min_count=FLAGS.min_count,
                                min_confidence=FLAGS.min_confidence)
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     corpus.save(FLAGS.out)
     log = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "out", "num_prompts", "gen_tokens", "gen_batch",
                                                      "gen_minutes", "prompts_file", "text_files", "min_ngram",

@@ -19,13 +19,14 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", "Give me three facts about octopuses.", "the prompt (the README's)")
 flags.DEFINE_integer("max_new_tokens", 16, "tokens per run")
 flags.DEFINE_list("extra_args", [], "more flags for experiments.generate, e.g. --quant=none")
 flags.DEFINE_string("json_out", None, "write the record here")
+check_out_flag("json_out")
 
 
 def first_token_seconds(args: list[str]) -> tuple[float, float, str]:

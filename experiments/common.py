@@ -29,6 +29,37 @@ def write_record(path: str | None, record: dict, *, append: bool = False) -> Non
     print(f"wrote {path}")
 
 
+def out_path_problem(path: str, folder: bool = False) -> str | None:
+    """Why a script could not write its output at `path` (a file, or with `folder` a folder it makes), or None:
+    checked before a run, so that a bad path does not fail after the work. Nothing is created."""
+    if not folder and os.path.isdir(path):
+        return f"{path} is a folder: give a file path in it"
+    if folder and os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is a file: give a folder path"
+    probe = os.path.abspath(path if folder else os.path.dirname(os.path.abspath(path)))
+    while not os.path.exists(probe):  # the nearest folder that exists: it must let us make the rest
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{path}: {probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{path}: {probe} is not writable"
+    return None
+
+
+def check_out_flag(name: str, folder: bool = False) -> None:
+    """Have absl check the output path in flag `name` when it parses the flags (`out_path_problem`): a usage error
+    before the script starts its work."""
+    from absl import flags
+
+    def check(value: str | None) -> bool:
+        problem = value and out_path_problem(value, folder)
+        if problem:
+            raise flags.ValidationError(problem)
+        return True
+
+    flags.register_validator(name, check)
+
+
 def read_jsonl(path: str, flag: str, parse: Callable[[Any, int, int], Any], error: type[Exception]) -> list:
     """Every non-empty line of the JSONL file `path` (the value of `flag`), decoded and passed to
     `parse(obj, line number, index)` (index: the non-empty lines before it), whose ValueError marks the line bad.

@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import check_out_flag
 from experiments.serving import flags as workload_flags
 
 FLAGS = flags.FLAGS
@@ -63,6 +64,7 @@ flags.DEFINE_enum("allocation", None, ["reserve", "on_demand"], "override every 
 flags.DEFINE_integer("warmup_requests", 4, "real: unmeasured requests run once after compiling, before all policies")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the JSON record here (gzip-compressed if it ends with .gz)")
+    check_out_flag("json_out")
 flags.DEFINE_bool("save_steps", True, "keep every engine call's shape and time in the JSON record")
 flags.DEFINE_string("plot_dir", "experiments/results/policies", "where plots go without --json_out")
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)

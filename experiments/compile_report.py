@@ -19,7 +19,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant, --compilation_cache_dir and every EngineConfig field
@@ -28,6 +28,7 @@ FLAGS.set_default("decode_steps", 1)
 FLAGS.set_default("quant", "none")
 flags.DEFINE_integer("limit", 0, "compile only the first N variants (0 = all)")
 flags.DEFINE_string("json_out", None, "write the per-variant timings here")
+check_out_flag("json_out")
 
 
 def _compile_events() -> dict[str, float]:

@@ -53,9 +53,11 @@ from experiments.answers import (  # noqa: F401 (the prompt set and generation, 
     generate_answers,
     open_prompts,
 )
+from experiments.common import check_out_flag
 
 flags.DEFINE_string("target", "smollm2-135m", "target model (anything models.load_model accepts)")
 flags.DEFINE_string("out", None, "output directory (model.safetensors + config.json)")
+check_out_flag("out", folder=True)  # checked when the flags are parsed: not after 30 minutes of training
 flags.DEFINE_string("target_quant", "keep", "the target's weights when it generates the training text and the "
                     "evaluation answers: keep (as stored: the Q4_1 model bench_speculative runs), none (float32), int8")
 flags.DEFINE_integer("layers", 4, "decoder layers of the draft")

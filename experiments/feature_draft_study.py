@@ -40,7 +40,7 @@ import time
 from absl import app, flags
 
 from experiments import distill_draft  # noqa: F401  (defines the data and training flags this study shares)
-from experiments.common import price_steps, write_record
+from experiments.common import check_out_flag, price_steps, write_record
 
 flags.DEFINE_integer("chain", 4, "drafts per chain (the largest k evaluated)")
 flags.DEFINE_float("ce_weight", 0.1, "weight of the token cross-entropy next to the feature regression")
@@ -50,6 +50,7 @@ flags.DEFINE_integer("extra_text_tokens", 0, "also train on up to this many toke
                      "descriptions of the installed Python packages), labelled with the target's own argmax: a "
                      "dense forward of the target costs far less per token than generating text with it")
 flags.DEFINE_string("json_out", None, "write the record here")
+check_out_flag("json_out")
 FLAGS = flags.FLAGS
 
 

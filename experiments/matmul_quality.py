@@ -21,7 +21,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import engine_flags
-from experiments.common import CHAT, TEXTS, chat_prompt, write_record
+from experiments.common import CHAT, TEXTS, chat_prompt, check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), ... shared with the other scripts
@@ -32,6 +32,7 @@ flags.DEFINE_integer("greedy_tokens", 64, "greedy check: tokens per prompt")
 flags.DEFINE_integer("greedy_prompts", 8, "greedy check: chat prompts (cycled from the built-in list)")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
+    check_out_flag("json_out")
 
 
 def teacher_forced_sequences(tokenizer, max_len: int = 160) -> list[list[int]]:

@@ -39,7 +39,7 @@ import dataclasses
 
 from absl import app, flags
 
-from experiments.common import chat_prompt, price_steps, workload, write_record
+from experiments.common import chat_prompt, check_out_flag, price_steps, workload, write_record
 from paged.ngram import REPLAY_POLICIES, Replay, replay
 
 
@@ -84,6 +84,7 @@ flags.DEFINE_string("ngram_corpus", None, "a saved paged.ngram_corpus.NgramCorpu
                     "(experiments/build_ngram_corpus.py) that drafts where prompt lookup's match is shorter than 2 "
                     "tokens, as the generator's ngram_corpus=")
 flags.DEFINE_string("json_out", None, "write the record here")
+check_out_flag("json_out")
 
 
 def main(argv):

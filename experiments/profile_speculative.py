@@ -29,7 +29,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 from experiments.trace_ops import op_breakdown
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
@@ -45,6 +45,7 @@ flags.DEFINE_integer("max_new_tokens", 96, "tokens per run")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled, `SamplingSettings(temperature=T)` (its other "
                    "defaults, as bench_speculative), seeded: both runs draw the same tokens")
 flags.DEFINE_string("json_out", None, "append the record to this JSON list")
+check_out_flag("json_out")
 flags.DEFINE_bool("ops", False, "also break each part down by XLA operation (a traced third pass)")
 flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the record keeps all)")
 FLAGS = flags.FLAGS

@@ -31,7 +31,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import write_record
+from experiments.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -43,6 +43,7 @@ flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
 flags.DEFINE_integer("iters", 5, "timed calls per device part")
 flags.DEFINE_string("json_out", None, "write the breakdown here")
+check_out_flag("json_out")
 flags.DEFINE_string("fit_out", None, "fit the simulator's StepTimeModel over the shape grid and write it here "
                     "(instead of the breakdown)")
 flags.DEFINE_list("grid_prefill", ["0", "16", "64", "128", "256"], "fit: prefill chunk tokens (0 = none)")

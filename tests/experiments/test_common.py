@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from experiments.common import write_record
+from experiments.common import out_path_problem, write_record
 
 
 def test_write_record_makes_the_folder_and_writes_what_json_cannot_hold_as_text(tmp_path, capsys):
@@ -24,3 +24,27 @@ def test_write_record_appends_to_a_list(tmp_path):
     write_record(str(path), {"run": 1}, append=True)
     write_record(str(path), {"run": 2}, append=True)
     assert json.loads(path.read_text()) == [{"run": 1}, {"run": 2}]
+
+
+def test_out_path_problem_says_why_a_path_cannot_be_written(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    assert out_path_problem(str(tmp_path / "new" / "deeper" / "rec.json")) is None  # folders made at the end
+    assert out_path_problem(str(tmp_path / "rec.json")) is None
+    assert "is a folder" in out_path_problem(str(tmp_path))
+    assert "a_file is a file, not a folder" in out_path_problem(str(tmp_path / "a_file" / "rec.json"))
+    assert out_path_problem(str(tmp_path / "draft"), folder=True) is None
+    assert out_path_problem(str(tmp_path), folder=True) is None  # an existing folder is written into
+    assert "is a file: give a folder path" in out_path_problem(str(tmp_path / "a_file"), folder=True)
+    assert not (tmp_path / "new").exists() and not (tmp_path / "draft").exists()  # nothing made
+
+
+def test_a_script_rejects_a_bad_json_out_before_it_starts(tmp_path):
+    """The check runs when absl parses the flags (`check_out_flag`), not after the run."""
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--model=tiny", f"--json_out={tmp_path}"],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert p.returncode != 0 and f"{tmp_path} is a folder" in p.stderr, p.stderr[-2000:]
+    assert "tok/s" not in p.stdout  # nothing was measured

@@ -384,7 +384,7 @@ def _unordered(o: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(o < 0, (o - 1) ^ jnp.int32(0x7FFFFFFF), o), jnp.float32)
 
 
-def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k_f32(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k` of an f32 [S, V] along V, kept as XLA:CPU's fast TopK: without the barrier, slicing the result
     (e.g. `vals[:, -1]`) lets XLA fold the slices into the sort+slice that TopK is matched from, and it falls back
     to a full sort of every row (~100x slower). Integer top_k is always a full sort on CPU, so keys here are f32."""
@@ -436,7 +436,7 @@ def _mass_cut(key: jax.Array, weight: Callable[[], jax.Array] | None, target: ja
     `key >= cut` keeps the whole tie group of the last entry taken. Rows not `on` get -inf (keep everything).
 
     key [S, V]; weight() [S, V] >= 0 (0 where key is -inf), or None for 1 per entry (then target is a count); target
-    [S] > 0; cand_key [S, C]: the C largest keys of each row, descending (`_top_k`), cand_weight [S, C] their weights
+    [S] > 0; cand_key [S, C]: the C largest keys of each row, descending (`top_k_f32`), cand_weight [S, C] their weights
     (None with weight None).
     When the candidates' weight reaches the target the cut is among them (exact, and the common case); otherwise
     `_bracket_cut` searches the row, under a `lax.cond` so that it costs nothing when no row needs it.
@@ -508,7 +508,7 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
     def prefix() -> tuple[jax.Array, jax.Array, jax.Array]:
         # top_k -> top_p -> top_a -> min_p -> tfs each keep the tokens above a log-prob cut, so together they keep
         # logp >= one cut.
-        vals, ids = _top_k(logp, c)  # [S, C] descending
+        vals, ids = top_k_f32(logp, c)  # [S, C] descending
         cut_k = _mass_cut(logp, None, params.top_k.astype(jnp.float32), top_k_on, vals, None)
         # top_p on the distribution renormalised over the top_k set: take tokens while the mass before < top_p.
         cand_p = jnp.where(vals >= cut_k[:, None], jnp.exp(vals), 0.0)
@@ -548,7 +548,7 @@ def _truncation(logp: jax.Array, params: SamplingRows, candidates: int) -> tuple
         q = jnp.exp(lq)
         neg_entropy = jnp.sum(jnp.where(q > 0, q * lq, 0.0), axis=-1, keepdims=True)  # [S, 1]; 0 log 0 := 0
         key = jnp.where(q > 0, -jnp.abs(lq - neg_entropy), -jnp.inf)  # minus the score: the walk takes larger first
-        cand_key, cand_ids = _top_k(key, c)
+        cand_key, cand_ids = top_k_f32(key, c)
         cut = _mass_cut(key, lambda: q, params.typical, typical_on, cand_key, jnp.take_along_axis(q, cand_ids, -1))
         inside_t = typical_on & ((cand_key[:, -1] < cut) | (c == v))  # every kept token is a typical candidate
         return keep & (key >= cut[:, None]), jnp.where(inside_t[:, None], cand_ids, ids), inside | inside_t
@@ -747,7 +747,7 @@ def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
-def _threefry_draws_supported() -> bool:
+def threefry_draws_supported() -> bool:
     """Whether `row_key_data` and `gumbel_at` reproduce `row_keys` and `jax.random.gumbel` under the current JAX
     configuration (decided when tracing; otherwise `sample` uses JAX's own functions)."""
     try:
@@ -791,7 +791,7 @@ def gumbel_at(key_data: jax.Array, ids: jax.Array) -> jax.Array:
 
     With partitionable threefry, element j of a 1-D draw hashes the counter (0, j) under the key and xors the two
     output words; then the same uniform in [tiny, 1) and -log(-log(u)) as `jax.random.gumbel` (mode "low"). Valid
-    where `_threefry_draws_supported`; the tests check it bit for bit against `jax.random.gumbel`.
+    where `threefry_draws_supported`; the tests check it bit for bit against `jax.random.gumbel`.
     """
     b0, b1 = _threefry2x32(key_data[:, :1], key_data[:, 1:], jnp.zeros(ids.shape, jnp.uint32), ids.astype(jnp.uint32))
     mantissa = ((b0 ^ b1) >> np.uint32(32 - 23)) | np.uint32(0x3F800000)  # a float in [1, 2)
@@ -942,7 +942,7 @@ def _sample_final(logits, params, positions, history, bias_ids, bias_values, can
     )
 
     def draw() -> jax.Array:
-        supported = _threefry_draws_supported()
+        supported = threefry_draws_supported()
         keys = row_key_data(params.seed, positions) if supported else row_keys(params.seed, positions)
 
         def dense() -> jax.Array:  # Gumbel-max: an exact draw from softmax(final)

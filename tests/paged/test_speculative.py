@@ -15,7 +15,7 @@ from models.loader import Model
 from paged.batch import RowInput
 from paged.engine import Engine
 from paged.errors import InvalidConfigError
-from paged.speculative import SpecRow, Speculator, accept_drafts
+from paged.speculative import SpecRow, Speculator, _gumbel_argmax, _point_keys, accept_drafts
 from paged.token_sets import pack
 
 # each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
@@ -184,6 +184,30 @@ def test_rejection_sampling_is_lossless_and_broken_rules_are_caught(rule, lossle
     want = P0[:, None] * P1
     tv = 0.5 * np.abs(joint - want).sum()
     assert (tv < 0.025) == lossless, tv
+
+
+@pytest.mark.parametrize("kept", [1, 50, 64, 65, 1000])
+def test_the_residual_draw_over_candidates_is_the_full_draw(kept):
+    """The correction after a rejection (`_gumbel_argmax`) draws only the noise of the drawable tokens when a row
+    has at most RESIDUAL_CANDIDATES of them: the same token as argmax(lr + the full draw's noise), rows with more
+    (65, 1000: every token) falling back to the full draw."""
+    s, v = 48, 1000
+    rng = np.random.default_rng(kept)
+    lr = np.full((s, v), -np.inf, np.float32)
+    for i in range(s):
+        ids = rng.choice(v, size=int(rng.integers(1, kept + 1)) if i else kept, replace=False)
+        lr[i, ids] = rng.normal(size=len(ids)).astype(np.float32)
+    lr[-1, :] = np.where(np.isfinite(lr[-1]), 0.5, -np.inf)  # ties: the lowest drawable id wins only if its noise
+    keys = _point_keys(jnp.arange(s, dtype=jnp.uint32), jnp.full((s, 1), 7, jnp.int32), 0x0E51)[:, 0]
+    noise = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys))
+    want = np.argmax(lr + noise, axis=-1)
+    got = np.asarray(jax.jit(_gumbel_argmax)(jnp.asarray(lr), keys, jnp.ones(s, bool)))
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(lr[np.arange(s), got]).all()
+    # rows that need no draw do not force the full one: a wide row left out, the others still exact
+    rows = jnp.asarray(np.isfinite(lr).sum(-1) <= 64)
+    got = np.asarray(jax.jit(_gumbel_argmax)(jnp.asarray(lr), keys, rows))
+    np.testing.assert_array_equal(got[np.asarray(rows)], want[np.asarray(rows)])
 
 
 def test_sample_then_match_keeps_the_drafts_equal_to_the_targets_draws():

@@ -57,6 +57,7 @@ flags.DEFINE_boolean("check", True, "check every implementation against the refe
 flags.DEFINE_string("json_out", None, "write the JSON record here")
 check_out_flag("json_out")
 flags.DEFINE_string("plot", None, "write a per-shape bar chart of median times here (.png)")
+check_out_flag("plot")
 
 
 # ------------------------------------------------------------------------------------------------- shapes

@@ -25,6 +25,7 @@ import time
 from absl import app, flags
 
 from experiments import engine_flags
+from experiments.common import check_out_flag
 from experiments.serving import flags as workload_flags
 
 FLAGS = flags.FLAGS
@@ -45,6 +46,7 @@ flags.DEFINE_integer("num_warmup", None, "unmeasured requests run before each me
 flags.DEFINE_bool("compile_all_buckets", True, "generator.warmup(): compile every step bucket before measuring")
 # output
 flags.DEFINE_string("output_dir", "experiments/results/serving", "where records (and plots) are written")
+check_out_flag("output_dir", folder=True)
 flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")

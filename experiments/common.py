@@ -10,29 +10,53 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _json_default(o: Any) -> Any:
+    """What `json.dump` cannot write itself: numpy scalars and arrays as numbers and lists, anything else (a path, a
+    set) as its `str`."""
+    if hasattr(o, "tolist") and hasattr(o, "dtype"):  # a numpy scalar or array
+        return o.tolist()
+    return str(o)
+
+
+def _record_list(path: str) -> tuple[list | None, str | None]:
+    """(the records of `path`, a JSON list of them; [] where the file does not exist, None with why it cannot be
+    appended to)."""
+    if not os.path.exists(path):
+        return [], None
+    try:
+        with open(path) as fh:
+            old = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"{path} cannot be appended to: not a JSON list of records ({e})"
+    if not isinstance(old, list):
+        return None, f"{path} cannot be appended to: it holds a JSON {type(old).__name__}, not a list of records"
+    return old, None
+
+
 def write_record(path: str | None, record: dict, *, append: bool = False) -> None:
-    """Write a script's JSON record to `path` (creating its folder) and say so; nothing when `path` is None. Values
-    JSON cannot hold are written as their `str`. `append`: the file holds a JSON list of records (a missing file: an
-    empty one), and `record` is added to its end."""
+    """Write a script's JSON record to `path` (creating its folder) and say so; nothing when `path` is None. Numpy
+    values are written as numbers, anything else JSON cannot hold as its `str`. `append`: the file holds a JSON list
+    of records (a missing file: an empty one), and `record` is added to its end (`ValueError` for a file that is not
+    such a list: `check_out_flag(append=True)` finds that before a run)."""
     if not path:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     out: Any = record
     if append:
-        old = []
-        if os.path.exists(path):
-            with open(path) as fh:
-                old = json.load(fh)
+        old, problem = _record_list(path)
+        if problem:
+            raise ValueError(problem)
         out = [*old, record]
     with open(path, "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
+        json.dump(out, fh, indent=1, default=_json_default)
     print(f"wrote {path}")
 
 
-def out_path_problem(path: str, folder: bool = False) -> str | None:
-    """Why a script could not write its output at `path` (a file, or with `folder` a folder it makes), or None:
-    checked before a run, so that a bad path does not fail after the work. Nothing is created."""
-    if not folder and os.path.isdir(path):
+def out_path_problem(path: str, folder: bool = False, append: bool = False) -> str | None:
+    """Why a script could not write its output at `path` (a file, or with `folder` a folder it makes; `append`: a
+    file that `write_record(append=True)` adds to), or None: checked before a run, so that a bad path does not fail
+    after the work. Nothing is created."""
+    if not folder and (os.path.isdir(path) or path.endswith(os.sep)):
         return f"{path} is a folder: give a file path in it"
     if folder and os.path.exists(path) and not os.path.isdir(path):
         return f"{path} is a file: give a folder path"
@@ -43,16 +67,18 @@ def out_path_problem(path: str, folder: bool = False) -> str | None:
         return f"{path}: {probe} is a file, not a folder"
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{path}: {probe} is not writable"
+    if append:
+        return _record_list(path)[1]
     return None
 
 
-def check_out_flag(name: str, folder: bool = False) -> None:
+def check_out_flag(name: str, folder: bool = False, append: bool = False) -> None:
     """Have absl check the output path in flag `name` when it parses the flags (`out_path_problem`): a usage error
     before the script starts its work."""
     from absl import flags
 
     def check(value: str | None) -> bool:
-        problem = value and out_path_problem(value, folder)
+        problem = value and out_path_problem(value, folder, append)
         if problem:
             raise flags.ValidationError(problem)
         return True

@@ -67,6 +67,7 @@ if "json_out" not in FLAGS:  # other experiment scripts define it too (same mean
     check_out_flag("json_out")
 flags.DEFINE_bool("save_steps", True, "keep every engine call's shape and time in the JSON record")
 flags.DEFINE_string("plot_dir", "experiments/results/policies", "where plots go without --json_out")
+check_out_flag("plot_dir", folder=True)
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
 SCHEMA = "compare_policies/1"
 DEFAULT_SLO = "ttft:5000,tpot:500"  # goodput's SLO when --slo is empty

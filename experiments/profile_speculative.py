@@ -46,7 +46,7 @@ flags.DEFINE_integer("max_new_tokens", 96, "tokens per run")
 flags.DEFINE_float("temperature", 0.0, "0: greedy; > 0: sampled, `SamplingSettings(temperature=T)` (its other "
                    "defaults, as bench_speculative), seeded: both runs draw the same tokens")
 flags.DEFINE_string("json_out", None, "append the record to this JSON list")
-check_out_flag("json_out")
+check_out_flag("json_out", append=True)
 flags.DEFINE_bool("ops", False, "also break each part down by XLA operation (a traced third pass)")
 flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the record keeps all)")
 FLAGS = flags.FLAGS
@@ -136,13 +136,17 @@ def main(argv):
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
 
+    emitted: list[int] = []
+
     def run_prompt() -> int:
-        """The prompt once, to the end; returns the iterates it took."""
+        """The prompt once, to the end (its tokens in `emitted`); returns the iterates it took."""
         gen.enqueue(Job(ids, FLAGS.max_new_tokens, gen_settings=settings, seed=0,
                         stop_conditions=[tok.eos_token_id]))
+        emitted.clear()
         n = 0
         while gen.num_remaining_jobs():
-            gen.iterate()
+            for r in gen.iterate():
+                emitted.extend(r.get("token_ids", []) if r.get("stage") == "streaming" else [])
             n += 1
         return n
 
@@ -154,6 +158,7 @@ def main(argv):
         iterates = run_prompt()
         wall = time.perf_counter() - t0
     after = gen.metrics()
+    out_tokens = list(map(int, emitted))  # the measured run's (a traced pass below runs the prompt again)
     tokens = after["tokens_generated"] - before["tokens_generated"]
     parts = {f"{n} ({d})" if d else n: {"calls": len(v), "median_ms": 1e3 * float(np.median(v)),
                                          "total_s": float(sum(v))} for (n, d), v in sorted(times.items())}
@@ -171,7 +176,8 @@ def main(argv):
              "max_new_tokens", "temperature")
     rec = {"flags": {k: getattr(FLAGS, k) for k in names},
            "git": git_info(), "device": device_info(), "load_before": load_before,
-           "tokens": tokens, "iterates": iterates, "wall_s": wall, "ms_per_iterate": 1e3 * wall / max(iterates, 1),
+           "tokens": tokens, "output_tokens": out_tokens, "iterates": iterates, "wall_s": wall,
+           "ms_per_iterate": 1e3 * wall / max(iterates, 1),
            "tokens_per_s": tokens / wall, "host_s": host, "parts": parts,
            "drafted_tokens": after["drafted_tokens"] - before["drafted_tokens"],
            "accepted_draft_tokens": after["accepted_draft_tokens"] - before["accepted_draft_tokens"]}

@@ -46,6 +46,7 @@ flags.DEFINE_string("json_out", None, "write the breakdown here")
 check_out_flag("json_out")
 flags.DEFINE_string("fit_out", None, "fit the simulator's StepTimeModel over the shape grid and write it here "
                     "(instead of the breakdown)")
+check_out_flag("fit_out")
 flags.DEFINE_list("grid_prefill", ["0", "16", "64", "128", "256"], "fit: prefill chunk tokens (0 = none)")
 flags.DEFINE_list("grid_decode", ["0", "1", "2", "4", "8", "15"], "fit: decode rows")
 flags.DEFINE_list("grid_context", ["32", "256", "768"], "fit: context tokens per row before the step")

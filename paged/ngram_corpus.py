@@ -114,6 +114,9 @@ class NgramCorpus:
             if any(x.size and not np.issubdtype(x.dtype, np.integer) for x in (c, v)):
                 raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens: integer arrays expected, got "
                                        f"{c.dtype} and {v.dtype}")
+            if c.size % n or v.size % 3:
+                raise NgramCorpusError(f"NgramCorpus: contexts of {n} tokens: {c.size} context entries (a multiple of "
+                                       f"{n} expected) and {v.size} value entries (a multiple of 3)")
             c, v = c.astype(np.int64).reshape(-1, n), v.astype(np.int64).reshape(-1, 3)
             if len(c) != len(v):
                 raise NgramCorpusError(f"NgramCorpus: {len(c)} contexts of {n} tokens but {len(v)} value rows")
@@ -163,11 +166,11 @@ class NgramCorpus:
             n: defaultdict(lambda: defaultdict(int)) for n in range(min_ngram, max_ngram + 1)}
         total_tokens = 0
         for seq in sequences:
-            try:
-                seq = [operator.index(t) for t in seq]
-            except TypeError:
-                bad = next(t for t in seq if not hasattr(t, "__index__"))
-                raise NgramCorpusError(f"NgramCorpus.build: token ids must be integers, got {bad!r}") from None
+            seq = list(seq)
+            bad = next((t for t in seq if isinstance(t, (bool, np.bool_)) or not hasattr(t, "__index__")), None)
+            if bad is not None:
+                raise NgramCorpusError(f"NgramCorpus.build: token ids must be integers, got {bad!r}")
+            seq = [operator.index(t) for t in seq]
             bad = [t for t in seq if not 0 <= t < vocab_size]
             if bad:
                 raise NgramCorpusError(f"NgramCorpus.build: token id {bad[0]} is outside the vocabulary of "

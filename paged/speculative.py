@@ -94,12 +94,13 @@ def _point_keys(seeds: jax.Array, positions: jax.Array, tag: int) -> jax.Array:
 
 
 def _gumbel_argmax(lr: jax.Array, keys: jax.Array, rows: jax.Array) -> jax.Array:
-    """i32 [S]: argmax(lr + Gumbel noise of each row's key over all V tokens), lr f32 [S, V] (-inf: not drawable),
-    for the `rows` (bool [S]) that need it (the others' tokens are unspecified). Where each of those rows has at most
-    `RESIDUAL_CANDIDATES` drawable tokens (a truncated p: top-k, top-p), only their noise is generated
-    (`paged.sampling.gumbel_at`: the same values as the full draw, so the same token); otherwise, or where JAX's
-    random configuration is not the one `gumbel_at` reproduces, the noise of all V tokens. A full draw took ~1 ms
-    of a batch-1 verification's sampler at V = 49152 on the 2-core CPU."""
+    """i32 [S]: argmax(lr + Gumbel noise of each row's key over all V tokens), lr f32 [S, V] (-inf: not drawable,
+    never NaN), for the `rows` (bool [S]) that need it (the others' tokens are unspecified). Where each of those rows
+    has at most `RESIDUAL_CANDIDATES` drawable tokens (`residual_fits`: a truncated p, top-k or top-p), only the
+    noise of each row's `RESIDUAL_CANDIDATES` largest entries is generated (`paged.sampling.gumbel_at`: the same
+    values as the full draw, so the same token); otherwise (one wide row is enough), or where JAX's random
+    configuration is not the one `gumbel_at` reproduces, the noise of all V tokens. A full draw took ~0.8 ms of a
+    batch-1 verification's sampler at V = 49152 on the 2-core CPU."""
     v = lr.shape[-1]
 
     def dense() -> jax.Array:
@@ -108,15 +109,20 @@ def _gumbel_argmax(lr: jax.Array, keys: jax.Array, rows: jax.Array) -> jax.Array
 
     if not threefry_draws_supported() or v <= RESIDUAL_CANDIDATES:
         return dense()
-    vals, ids = top_k_f32(lr, RESIDUAL_CANDIDATES)  # [S, C], descending
 
     def sparse() -> jax.Array:
+        vals, ids = top_k_f32(lr, RESIDUAL_CANDIDATES)  # [S, C], descending: every drawable token of a fitting row
         score = vals + gumbel_at(jax.random.key_data(keys), ids)
         top = score == jnp.max(score, axis=-1, keepdims=True)
         return jnp.min(jnp.where(top, ids, v), axis=-1).astype(jnp.int32)  # ties -> lowest id, as the argmax
 
-    inside = vals[:, -1] == -jnp.inf  # every drawable token is among the candidates
-    return jax.lax.cond(jnp.all(inside | ~rows), sparse, dense)
+    return jax.lax.cond(residual_fits(lr, rows), sparse, dense)
+
+
+def residual_fits(lr: jax.Array, rows: jax.Array) -> jax.Array:
+    """bool []: every row of `rows` (bool [S]) has at most `RESIDUAL_CANDIDATES` drawable (> -inf) entries in lr
+    [S, V], so `_gumbel_argmax` draws over its candidates alone."""
+    return jnp.all((jnp.sum(lr > -jnp.inf, axis=-1) <= RESIDUAL_CANDIDATES) | ~rows)
 
 
 def accept_drafts(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+import pytest
+
 from experiments.common import out_path_problem, write_record
 
 
@@ -24,6 +27,20 @@ def test_write_record_appends_to_a_list(tmp_path):
     write_record(str(path), {"run": 1}, append=True)
     write_record(str(path), {"run": 2}, append=True)
     assert json.loads(path.read_text()) == [{"run": 1}, {"run": 2}]
+    for name, text in (("object.json", '{"a": 1, "b": 2}'), ("broken.json", "[{"), ("empty.json", "")):
+        (tmp_path / name).write_text(text)  # not a list of records: an error, the file left as it was
+        assert "cannot be appended to" in out_path_problem(str(tmp_path / name), append=True)
+        with pytest.raises(ValueError, match="cannot be appended to"):
+            write_record(str(tmp_path / name), {"run": 3}, append=True)
+        assert (tmp_path / name).read_text() == text
+    assert out_path_problem(str(path), append=True) is None
+    assert out_path_problem(str(tmp_path / "object.json")) is None  # overwritten, not appended to: fine
+
+
+def test_write_record_writes_numpy_values_as_numbers(tmp_path):
+    path = tmp_path / "rec.json"
+    write_record(str(path), {"f": np.float32(0.5), "i": np.int64(3), "a": np.arange(3), "b": np.bool_(True)})
+    assert json.loads(path.read_text()) == {"f": 0.5, "i": 3, "a": [0, 1, 2], "b": True}
 
 
 def test_out_path_problem_says_why_a_path_cannot_be_written(tmp_path):
@@ -31,6 +48,7 @@ def test_out_path_problem_says_why_a_path_cannot_be_written(tmp_path):
     assert out_path_problem(str(tmp_path / "new" / "deeper" / "rec.json")) is None  # folders made at the end
     assert out_path_problem(str(tmp_path / "rec.json")) is None
     assert "is a folder" in out_path_problem(str(tmp_path))
+    assert "is a folder" in out_path_problem(str(tmp_path / "not_yet") + "/")  # a trailing slash names a folder
     assert "a_file is a file, not a folder" in out_path_problem(str(tmp_path / "a_file" / "rec.json"))
     assert out_path_problem(str(tmp_path / "draft"), folder=True) is None
     assert out_path_problem(str(tmp_path), folder=True) is None  # an existing folder is written into

@@ -19,8 +19,8 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     out = tmp_path / "records" / "prof.json"  # a folder that does not exist yet: the script makes it
     runs = 2 if drafter == "none" else 1  # a second call appends (checked once: each call is a process's compile)
     ops = ["--ops"] if drafter == "ngram" else []  # the per-operation breakdown (a traced third pass), once
-    sampled = ["--temperature=0.9"] if drafter == "self" else []  # a seeded sampled job, once
-    for _ in range(runs):
+    for run in range(runs):
+        sampled = ["--temperature=1.5"] if run == 1 else []  # none's second run: a seeded sampled job
         p = subprocess.run([sys.executable, "-m", "experiments.profile_speculative", f"--model={model_dir}",
                             "--quant=none", f"--drafter={drafter}", "--self_draft_layers=1", "--max_new_tokens=12",
                             "--num_draft_tokens=2", f"--json_out={out}", *ops, *sampled],
@@ -29,7 +29,10 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     recs = json.loads(out.read_text())
     assert len(recs) == runs
     r = recs[-1]
-    assert r["flags"]["temperature"] == (0.9 if sampled else 0.0)
+    assert r["flags"]["temperature"] == (1.5 if runs == 2 else 0.0)
+    assert len(r["output_tokens"]) == r["tokens"]
+    if runs == 2:  # the sampled job wrote other tokens than the greedy one
+        assert recs[0]["flags"]["temperature"] == 0.0 and recs[0]["output_tokens"] != r["output_tokens"]
     assert 0 < r["tokens"] <= 12 and 0 < r["iterates"] <= r["tokens"] + 1
     parts = r["parts"]
     total = sum(v["total_s"] for v in parts.values())

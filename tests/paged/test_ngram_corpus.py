@@ -68,6 +68,10 @@ def test_build_rejects_what_it_cannot_use():
         NgramCorpus.build(iter_fails_if_read(), 10, max_ngram=65)
     with pytest.raises(NgramCorpusError, match="integers, got 1.5"):  # not cut to 1
         NgramCorpus.build([[1, 2, 1.5]], 10)
+    with pytest.raises(NgramCorpusError, match="integers, got 1.5"):  # the same from a sequence read once
+        NgramCorpus.build([iter([1, 2, 1.5])], 10)
+    with pytest.raises(NgramCorpusError, match="integers, got True"):
+        NgramCorpus.build([[1, 2, True]], 10)
     assert NgramCorpus.build([np.array([1, 2, 3] * 2), [np.int32(1), 2, 3]], 10).entries(2)[(1, 2)] == (3, 3, 3)
 
 
@@ -134,6 +138,11 @@ def test_save_and_load(tmp_path):
     np.savez(tmp_path / "object.npz", format=np.array([FORMAT], dtype=object))  # would need pickle to read
     with pytest.raises(NgramCorpusError, match="object.npz.*damaged"):
         NgramCorpus.load(tmp_path / "object.npz")
+    short = {**z, "meta": np.array([10, 2, 4, 2, 18]), "contexts_3": z["contexts_3"].ravel()[:-1]}
+    with open(tmp_path / "short.npz", "wb") as fh:  # a member one entry short of whole contexts
+        np.savez(fh, **short)
+    with pytest.raises(NgramCorpusError, match="short.npz.*a multiple of 3"):
+        NgramCorpus.load(tmp_path / "short.npz")
     for meta in (np.array([10.5, 2, 4, 2, 18]), np.array([10, 2, 99, 2, 18])):  # a float; orders past 64
         with open(tmp_path / "meta.npz", "wb") as fh:
             np.savez(fh, **{**z, "meta": meta})

@@ -15,7 +15,7 @@ from models.loader import Model
 from paged.batch import RowInput
 from paged.engine import Engine
 from paged.errors import InvalidConfigError
-from paged.speculative import SpecRow, Speculator, _gumbel_argmax, _point_keys, accept_drafts
+from paged.speculative import SpecRow, Speculator, _gumbel_argmax, _point_keys, accept_drafts, residual_fits
 from paged.token_sets import pack
 
 # each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
@@ -188,9 +188,12 @@ def test_rejection_sampling_is_lossless_and_broken_rules_are_caught(rule, lossle
 
 @pytest.mark.parametrize("kept", [1, 50, 64, 65, 1000])
 def test_the_residual_draw_over_candidates_is_the_full_draw(kept):
-    """The correction after a rejection (`_gumbel_argmax`) draws only the noise of the drawable tokens when a row
-    has at most RESIDUAL_CANDIDATES of them: the same token as argmax(lr + the full draw's noise), rows with more
-    (65, 1000: every token) falling back to the full draw."""
+    """The correction after a rejection (`_gumbel_argmax`) draws only the noise of the candidates when every row
+    has at most RESIDUAL_CANDIDATES (64) drawable tokens: the same token as argmax(lr + the full draw's noise);
+    with a wider row (65, 1000: every token) the full draw. The row with `kept` drawable tokens is the first."""
+    from paged.sampling import threefry_draws_supported
+
+    assert threefry_draws_supported()  # else every draw is the full one and this compares it with itself
     s, v = 48, 1000
     rng = np.random.default_rng(kept)
     lr = np.full((s, v), -np.inf, np.float32)
@@ -204,8 +207,10 @@ def test_the_residual_draw_over_candidates_is_the_full_draw(kept):
     got = np.asarray(jax.jit(_gumbel_argmax)(jnp.asarray(lr), keys, jnp.ones(s, bool)))
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(lr[np.arange(s), got]).all()
-    # rows that need no draw do not force the full one: a wide row left out, the others still exact
-    rows = jnp.asarray(np.isfinite(lr).sum(-1) <= 64)
+    # the draw over the candidates is taken exactly where every row that needs a draw fits in them
+    assert bool(residual_fits(jnp.asarray(lr), jnp.ones(s, bool))) == (kept <= 64)
+    rows = jnp.asarray(np.isfinite(lr).sum(-1) <= 64)  # rows that need no draw do not force the full one
+    assert bool(residual_fits(jnp.asarray(lr), rows))
     got = np.asarray(jax.jit(_gumbel_argmax)(jnp.asarray(lr), keys, rows))
     np.testing.assert_array_equal(got[np.asarray(rows)], want[np.asarray(rows)])
 

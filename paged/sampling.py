@@ -801,6 +801,15 @@ def gumbel_at(key_data: jax.Array, ids: jax.Array) -> jax.Array:
     return -jnp.log(-jnp.log(u))
 
 
+def gumbel_max_at(values: jax.Array, key_data: jax.Array, ids: jax.Array, vocab_size: int) -> jax.Array:
+    """i32 [S]: the Gumbel-max draw over each row's candidates: argmax of `values` [S, C] (the log-probabilities of
+    tokens `ids` [S, C]) plus their noise (`gumbel_at`), ties to the lowest id as `first_argmax`. The token of the
+    draw over all `vocab_size` tokens where every token outside `ids` has -inf."""
+    score = values + gumbel_at(key_data, ids)
+    top = score == jnp.max(score, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(top, ids, vocab_size), axis=-1).astype(jnp.int32)
+
+
 def first_argmax(x: jax.Array, m: jax.Array | None = None) -> jax.Array:
     """i32 [S]: `jnp.argmax(x, axis=-1)` of f32 [S, V] (the first maximal index; the first NaN where a row has one),
     computed as a max and then the first index equal to it. XLA:CPU runs its variadic argmax reduction several
@@ -957,9 +966,7 @@ def _sample_final(logits, params, positions, history, bias_ids, bias_values, can
             return first_argmax(final + noise)
 
         def sparse() -> jax.Array:  # the same, where every kept token is a candidate
-            score = jnp.take_along_axis(final, ids, axis=-1) + gumbel_at(keys, ids)  # [S, C]
-            top = score == jnp.max(score, axis=-1, keepdims=True)
-            return jnp.min(jnp.where(top, ids, v), axis=-1).astype(jnp.int32)  # ties -> lowest id, like argmax
+            return gumbel_max_at(jnp.take_along_axis(final, ids, axis=-1), keys, ids, v)
 
         drawn = jax.lax.cond(jnp.all(inside | greedy), sparse, dense) if supported else dense()
         return jnp.where(greedy, best, drawn)

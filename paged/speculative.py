@@ -66,7 +66,7 @@ from models.weights import Weights
 from paged.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.ngram_corpus import load_corpus, propose_lookup
-from paged.sampling import first_argmax, gumbel_at, row_keys, threefry_draws_supported, top_k_f32
+from paged.sampling import first_argmax, gumbel_max_at, row_keys, threefry_draws_supported, top_k_f32
 from paged.state import Batch, BatchShape, EngineState, Results
 from paged.step import (
     TOP_K_WIDTH,
@@ -112,9 +112,7 @@ def _gumbel_argmax(lr: jax.Array, keys: jax.Array, rows: jax.Array) -> jax.Array
 
     def sparse() -> jax.Array:
         vals, ids = top_k_f32(lr, RESIDUAL_CANDIDATES)  # [S, C], descending: every drawable token of a fitting row
-        score = vals + gumbel_at(jax.random.key_data(keys), ids)
-        top = score == jnp.max(score, axis=-1, keepdims=True)
-        return jnp.min(jnp.where(top, ids, v), axis=-1).astype(jnp.int32)  # ties -> lowest id, as the argmax
+        return gumbel_max_at(vals, jax.random.key_data(keys), ids, v)
 
     return jax.lax.cond(residual_fits(lr, rows), sparse, dense)
 

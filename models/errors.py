@@ -13,6 +13,7 @@ as `__cause__`, never raised bare. The specific classes keep the built-in bases 
     │   ├── ModelConfigError
     │   ├── UnsupportedArchitectureError
     │   ├── WeightShapeError
+    │   ├── NonFiniteWeightError
     │   ├── MissingWeightError (KeyError)
     │   ├── UnsupportedTensorTypeError
     │   ├── InvalidLoadOptionError
@@ -73,6 +74,14 @@ class MissingWeightError(ModelLoadError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class NonFiniteWeightError(ModelLoadError):
+    """A tensor that must hold finite numbers (a LoRA adapter's A or B) holds NaN or infinity."""
+
+    def __init__(self, message: str, *, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
 
 
 class UnsupportedTensorTypeError(ModelLoadError):

@@ -34,6 +34,7 @@ from models.errors import (
     MissingWeightError,
     ModelConfigError,
     ModelFileNotFoundError,
+    NonFiniteWeightError,
     WeightShapeError,
 )
 
@@ -140,8 +141,9 @@ def lora_delta(x: jnp.ndarray, stack: LoraStack, layer: jnp.ndarray, group: str,
                token_slots: jnp.ndarray) -> jnp.ndarray:
     """f32 `[N, out]`: what the adapters add to matmul `group` of layer `layer` for tokens `x` `[N, in]` whose slot
     indices are `token_slots` `[N]` (0: none). Slot by slot, each under a `lax.cond` that skips it when no token uses
-    it: `(x @ a) @ b` with the other tokens' rows zeroed. A step reads the weights of the adapters its tokens use, and
-    a batch without adapters reads none."""
+    it: `(x @ a) @ b`, selected for its own tokens after the product (a masked multiply would let a non-finite
+    weight of one adapter reach every other token as 0 * inf). A step reads the weights of the adapters its tokens
+    use, and a batch without adapters reads none."""
     a_all, b_all = stack.a[group], stack.b[group]  # [L, slots, in, kR], [L, slots, kR, out]
     xf = x.astype(jnp.float32)
     out = jnp.zeros((x.shape[0], b_all.shape[-1]), jnp.float32)
@@ -151,7 +153,8 @@ def lora_delta(x: jnp.ndarray, stack: LoraStack, layer: jnp.ndarray, group: str,
         def add(out=out, s=s, mine=mine) -> jnp.ndarray:
             a = jax.lax.dynamic_index_in_dim(a_all, layer, 0, keepdims=False)[s]  # [in, kR]
             b = jax.lax.dynamic_index_in_dim(b_all, layer, 0, keepdims=False)[s]  # [kR, out]
-            return out + jnp.where(mine[:, None], xf @ a, 0.0) @ b
+            # selected after the product: a NaN or inf in this adapter never reaches another slot's rows (0 * NaN)
+            return out + jnp.where(mine[:, None], (xf @ a) @ b, 0.0)
 
         out = jax.lax.cond(jnp.any(mine), add, lambda out=out: out)
     return out
@@ -214,8 +217,19 @@ def content_digest(rank: int, weights: dict[tuple[int, str], tuple[np.ndarray, n
     return h.digest()
 
 
+def _finite(arr: np.ndarray, where: str, tensor: str) -> np.ndarray:
+    """`arr`, unless it holds NaN or infinity (`NonFiniteWeightError` naming `where` and `tensor`)."""
+    bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+    if bad:
+        raise NonFiniteWeightError(f"LoRA adapter {where}: tensor {tensor!r} holds {bad} non-finite value(s) (NaN "
+                                   "or inf); an adapter's weights must be finite: fix or retrain the adapter",
+                                   tensor=tensor)
+    return arr
+
+
 def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
-    """`WeightShapeError` unless every weight of `adapter` fits a model of `config` (for adapters built in code)."""
+    """`WeightShapeError` unless every weight of `adapter` fits a model of `config` (for adapters built in code);
+    `NonFiniteWeightError` for a NaN or infinity in one."""
     shapes = projection_shapes(config)
     for key, pair in adapter.weights.items():
         if (not isinstance(key, tuple) or len(key) != 2 or isinstance(key[0], bool) or not isinstance(key[0], int)
@@ -223,6 +237,9 @@ def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
             raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: weight key {key!r} is not a "
                                    f"(layer in [0, {config.num_layers}), projection in {list(shapes)}) pair")
         a, b = (np.asarray(x) for x in pair)
+        for name, x in (("a", a), ("b", b)):
+            if np.issubdtype(x.dtype, np.number):
+                _finite(x, adapter.source or "(in memory)", f"{name} of layer {key[0]} {key[1]}")
         fan_in, fan_out = shapes[key[1]]
         if a.shape != (fan_in, adapter.rank) or b.shape != (adapter.rank, fan_out):
             raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: layer {key[0]} {key[1]} has a "
@@ -295,7 +312,7 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
         if t.shape != want:
             raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} has shape {list(t.shape)}; this model "
                                    f"needs {list(want)} (r={r}, {proj} is {fan_in} -> {fan_out})", tensor=name)
-        found[(layer, proj, which)] = np.asarray(t.astype(np.float32))
+        found[(layer, proj, which)] = _finite(np.asarray(t.astype(np.float32)), file, name)
     weights = {}
     for layer, proj in sorted(adapted):
         for which in "AB":
@@ -303,7 +320,10 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
                 raise MissingWeightError(f"LoRA adapter {file}: no lora_{which} tensor for layer {layer} {proj} "
                                          f"(adapted by {CONFIG_FILE})", tensor=f"layers.{layer}.{proj}")
         a, b = found[(layer, proj, "A")], found[(layer, proj, "B")]
-        weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(np.float32(scale) * b.T))
+        with np.errstate(over="ignore"):  # (an overflow is named below)
+            scaled = np.float32(scale) * b.T
+        weights[(layer, proj)] = (np.ascontiguousarray(a.T), np.ascontiguousarray(
+            _finite(scaled, file, f"lora_B of layer {layer} {proj} times lora_alpha / r = {scale:g}")))
     return LoraAdapter(rank=r, scale=float(scale), targets=targets, weights=weights,
                        digest=content_digest(r, weights), source=path)
 

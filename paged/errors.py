@@ -9,6 +9,8 @@ Failures that validation cannot foresee and that belong to one job (a text-decod
 not raise: they end that job alone with a final result whose `eos_reason` is `"error"` (see `paged.generator`).
 """
 
+from models.errors import NonFiniteWeightError
+
 
 class GeneratorError(Exception):
     """Base class for generator errors."""
@@ -40,6 +42,17 @@ class InvalidConfigError(GeneratorError, ValueError):
 
 class InvalidConfigTypeError(InvalidConfigError, TypeError):
     """An engine or generator setting has the wrong type (e.g. `max_batch_size=2.5`)."""
+
+
+class NonFiniteAdapterError(InvalidConfigError, NonFiniteWeightError):
+    """`DynamicGenerator.load_lora` was given an adapter with a NaN or infinity in a weight (`tensor` names it). Also
+    a `models.errors.NonFiniteWeightError`, which `models.lora.load_lora` raises for the same file."""
+
+
+class PolicyError(InvalidConfigError):
+    """A scheduling policy handed back something the scheduler cannot act on (a job to start that is not waiting,
+    does not fit or is repeated, a victim that is not running, a bad token budget) or raised in one of its hooks.
+    The message names the policy and the hook; nothing was changed by the rejected request."""
 
 
 class StepError(GeneratorError, RuntimeError):

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from models.errors import NonFiniteWeightError
 from paged import spec_step
 from paged.batch import mask_words
 from paged.buckets import next_pow2
@@ -40,6 +41,7 @@ from paged.errors import (
     InvalidJobTypeError,
     JobFailure,
     JobTooLargeError,
+    NonFiniteAdapterError,
     StepError,
 )
 from paged.filters import FilterState, compute_masks
@@ -226,7 +228,8 @@ class DynamicGenerator:
         """Load a LoRA adapter under `name` for jobs to use (`Job(lora=name)`): `source` is a PEFT adapter directory
         (`adapter_config.json` + `adapter_model.safetensors`) or a `models.lora.LoraAdapter`. It takes a free slot of
         the engine's stack (`max_loras`; no recompilation). Errors: a name in use, no free slot, an engine without
-        LoRA (`InvalidConfigError`); a bad adapter or one that does not fit the model (`models.ModelLoadError`)."""
+        LoRA (`InvalidConfigError`); a NaN or infinity in a weight (`NonFiniteAdapterError`, an `InvalidConfigError`
+        naming the file and tensor); a bad adapter or one that does not fit the model (`models.ModelLoadError`)."""
         from models.lora import LoraAdapter, check_adapter, content_digest, load_lora
 
         with self.lock:
@@ -244,12 +247,15 @@ class DynamicGenerator:
                 raise InvalidConfigError(f"load_lora: all {capacity} LoRA slots are taken ({sorted(self.loras)}); "
                                          "unload_lora one or raise max_loras")
             model_cfg = getattr(getattr(self.engine, "model", None), "config", None)
-            if isinstance(source, LoraAdapter):
-                check_adapter(source, model_cfg)
-                # the pages are keyed by the content, whatever digest the object carries
-                adapter = dataclasses.replace(source, digest=content_digest(source.rank, source.weights))
-            else:
-                adapter = load_lora(source, model_cfg)
+            try:
+                if isinstance(source, LoraAdapter):
+                    check_adapter(source, model_cfg)
+                    # the pages are keyed by the content, whatever digest the object carries
+                    adapter = dataclasses.replace(source, digest=content_digest(source.rank, source.weights))
+                else:
+                    adapter = load_lora(source, model_cfg)
+            except NonFiniteWeightError as e:
+                raise NonFiniteAdapterError(f"load_lora({name!r}): {e}", tensor=e.tensor) from e
             self.engine.load_lora(free[0], adapter)
             self.loras[name] = (free[0], adapter)
 

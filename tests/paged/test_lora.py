@@ -15,12 +15,13 @@ from models.errors import (
     MissingWeightError,
     ModelConfigError,
     ModelFileNotFoundError,
+    NonFiniteWeightError,
     WeightShapeError,
 )
 from models.loader import Model
 from models.lora import PROJECTIONS, load_lora, projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError
+from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError, NonFiniteAdapterError
 from paged.step import count_compiles
 from paged.testing import ByteTokenizer, drain
 
@@ -51,8 +52,29 @@ def write_adapter(path, r=4, alpha=8.0, targets=ALL, seed=0, layers=None, **kw):
     return path
 
 
+def peft_deltas(path) -> dict[tuple[int, str], np.ndarray]:
+    """What a PEFT adapter directory adds to each weight, read straight from its files (not through `load_lora`):
+    `lora_alpha / r * (B @ A)` (`/ sqrt(r)` with rsLoRA), transposed to this model's `[in, out]` layout."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    r = cfg["r"]
+    scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    raw = load_file(path / "adapter_model.safetensors")
+    out = {}
+    for name, a in raw.items():
+        if ".lora_A." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            proj = PROJECTIONS[name.split(".lora_A.")[0].rsplit(".", 1)[1]]
+            b = raw[name.replace(".lora_A.", ".lora_B.")]
+            out[(layer, proj)] = (scale * (b.astype(np.float64) @ a.astype(np.float64))).T
+    return out
+
+
 def merged(adapter) -> Model:
-    """The tiny model with the adapter merged into its weights."""
+    """The tiny model with the adapter merged into its weights: `adapter` is a PEFT directory (its raw files are
+    merged, `peft_deltas`) or a `LoraAdapter` built in code (its own `merged_delta`)."""
+    deltas = peft_deltas(adapter) if not hasattr(adapter, "merged_delta") else None
     lw = MODEL.params.layers
     f = CFG.intermediate_size
     qkv, wo, gu, down = (np.array(x) for x in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
@@ -61,7 +83,7 @@ def merged(adapter) -> Model:
             "up": (gu, f), "down": (down, 0)}
     for layer in range(CFG.num_layers):
         for p in PROJECTIONS.values():
-            d = adapter.merged_delta(layer, p)
+            d = adapter.merged_delta(layer, p) if deltas is None else deltas.get((layer, p))
             if d is not None:
                 w, c = cols[p]
                 w[layer, :, c : c + d.shape[1]] += d
@@ -92,6 +114,11 @@ def adapters(tmp_path_factory):
 
 
 def test_loading_reads_peft_files_and_folds_the_scale(adapters):
+    for name in "abc":  # the loaded deltas are the raw files' scale * B @ A (alpha / r; alpha / sqrt(r) for rsLoRA)
+        loaded, raw = load_lora(adapters[name], CFG), peft_deltas(adapters[name])
+        assert set(loaded.weights) == set(raw)
+        for (layer, p), d in raw.items():
+            np.testing.assert_allclose(loaded.merged_delta(layer, p), d, rtol=1e-5, atol=1e-6)
     a = load_lora(adapters["a"], CFG)
     assert a.rank == 4 and a.scale == 2.0 and a.targets == tuple(PROJECTIONS.values())
     b = load_lora(adapters["b"], CFG)
@@ -106,14 +133,14 @@ def test_an_adapter_gives_the_logits_of_the_merged_weights(adapters):
     g.load_lora("a", adapters["a"])
     g.enqueue(Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a", lora="a", return_logits=True))
     got = drain(g)
-    want = run(merged(g.loras["a"][1]), [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a",
+    want = run(merged(adapters["a"]), [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a",
                                              return_logits=True)], max_loras=0)
     assert tokens_of(got, "a") == tokens_of(want, "a") and len(tokens_of(got, "a")) == 8
     np.testing.assert_allclose(logits_of(got, "a"), logits_of(want, "a"), atol=1e-4)
     base = run(MODEL, [Job(PROMPTS[0], 8, gen_settings=GREEDY, identifier="a", return_logits=True)], max_loras=0)
     assert np.max(np.abs(logits_of(base, "a")[0] - logits_of(got, "a")[0])) > 1e-2  # the adapter matters
     prompt = "Octopuses have three hearts"  # generate(lora=...): every prompt through the adapter
-    want = DynamicGenerator(merged(g.loras["a"][1]), **{**GEN, "max_loras": 0}).generate(prompt, 5,
+    want = DynamicGenerator(merged(adapters["a"]), **{**GEN, "max_loras": 0}).generate(prompt, 5,
                                                                                         gen_settings=GREEDY)
     assert g.generate(prompt, 5, gen_settings=GREEDY, lora="a") == want != g.generate(prompt, 5, gen_settings=GREEDY)
 
@@ -132,7 +159,7 @@ def test_a_batch_mixing_adapters_gives_each_job_its_own_output(adapters):
     g.enqueue(jobs[:4])
     got = drain_with_late(g, jobs[4])
     for i, (name, p, s) in enumerate(specs):
-        ref_model = MODEL if name is None else merged(g.loras[name][1])
+        ref_model = MODEL if name is None else merged(adapters[name])
         want = run(ref_model, [Job(p, 10, gen_settings=s, seed=4, identifier=i, return_logits=s is GREEDY)],
                    max_loras=0)
         assert tokens_of(got, i) == tokens_of(want, i), i
@@ -197,7 +224,7 @@ def test_unload_and_reuse_a_slot(adapters):
     g.load_lora("c", adapters["c"])  # the same slot, every entry rewritten
     g.enqueue(Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="c", lora="c", return_logits=True))
     got = drain(g)
-    want = run(merged(g.loras["c"][1]), [Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="c",
+    want = run(merged(adapters["c"]), [Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="c",
                                              return_logits=True)], max_loras=0)
     np.testing.assert_allclose(logits_of(got, "c"), logits_of(want, "c"), atol=1e-4)
     with pytest.raises(InvalidConfigError, match="no adapter named 'zz'"):
@@ -223,7 +250,7 @@ def test_cfg_and_speculation_run_lora_jobs(adapters):
     assert tokens_of(got, "rep") == tokens_of(want, "rep") and jobs[0].drafted_tokens > 0
     assert tokens_of(got, "cfg") == tokens_of(want, "cfg") and jobs[1].cfg_partner.lora_slot == jobs[1].lora_slot
     # the CFG job through the merged model: the same tokens
-    ref = run(merged(plain.loras["a"][1]), [Job([PROMPTS[0], PROMPTS[1]], 6,
+    ref = run(merged(adapters["a"]), [Job([PROMPTS[0], PROMPTS[1]], 6,
                                                 gen_settings=SamplingSettings.greedy(cfg_scale=1.5),
                                                 identifier="cfg")], max_loras=0)
     assert tokens_of(ref, "cfg") == tokens_of(want, "cfg")
@@ -293,6 +320,73 @@ def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
     with pytest.raises(InvalidJobError, match=r"lora='x' is not loaded \(loaded: \['a'\]\)"):
         g.enqueue(Job(PROMPTS[0], 3, lora="x"))
     assert not g.pending and g.pool.num_referenced == 0
+
+
+def poison(path, key, value):
+    """Write `value` into element [0, 0] of tensor `key` of the adapter at `path`."""
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(path / "adapter_model.safetensors")
+    t[key][0, 0] = value
+    save_file(t, path / "adapter_model.safetensors")
+    return path
+
+
+def test_non_finite_adapters_are_rejected_at_load(adapters, tmp_path):
+    import dataclasses
+
+    g = DynamicGenerator(MODEL, **GEN)
+    key_b = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    key_a = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"
+    for i, (key, value) in enumerate(((key_b, np.nan), (key_a, np.inf), (key_b, -np.inf))):
+        d = poison(write_adapter(tmp_path / f"bad{i}", seed=1), key, value)
+        with pytest.raises(NonFiniteWeightError, match="holds 1 non-finite value") as info:
+            load_lora(d, CFG)
+        assert info.value.tensor == key and str(d) in str(info.value) and key in str(info.value)
+        with pytest.raises(NonFiniteAdapterError, match=key) as info:
+            g.load_lora("n", d)
+        assert isinstance(info.value, InvalidConfigError) and isinstance(info.value, NonFiniteWeightError)
+        assert "n" not in g.loras
+    # finite in the file, infinite once lora_alpha / r is folded in
+    huge = poison(write_adapter(tmp_path / "huge", seed=1, alpha=1e38), key_b, 1e3)
+    with pytest.raises(NonFiniteWeightError, match="times lora_alpha / r"):
+        load_lora(huge, CFG)
+    a = load_lora(adapters["a"], CFG)  # an adapter built in code
+    weights = dict(a.weights)
+    x, y = weights[(1, "o")]
+    weights[(1, "o")] = (x, np.where(np.arange(y.size).reshape(y.shape) == 5, np.nan, y))
+    with pytest.raises(NonFiniteAdapterError, match="'b of layer 1 o'"):
+        g.load_lora("m", dataclasses.replace(a, weights=weights))
+    g.load_lora("a", adapters["a"])  # the generator is as it was: the slot is free for a good adapter
+    assert sorted(g.loras) == ["a"] and g.loras["a"][0] == 0
+
+
+def test_a_non_finite_adapter_weight_reaches_only_its_own_tokens(adapters):
+    """An adapter's delta is selected for its own tokens after the product, so even a NaN / inf that got past the
+    load check (written straight into an engine slot here) cannot reach another job: a plain job decoding while a
+    poisoned adapter's job joins keeps its solo tokens (a masked multiply had ended it with "log-probability nan")."""
+    import dataclasses
+
+    bad = load_lora(adapters["a"], CFG)
+    weights = {}
+    for k, (x, y) in bad.weights.items():
+        y = y.copy()
+        y[0, 0] = np.nan if k[1] in ("q", "gate", "down") else np.inf
+        weights[k] = (x, y)
+    bad = dataclasses.replace(bad, weights=weights)
+    solo = run(MODEL, [Job(PROMPTS[2], 8, gen_settings=GREEDY, identifier="plain")])
+    g = DynamicGenerator(MODEL, **GEN)
+    g.engine.load_lora(0, bad)  # past load_lora's check
+    g.loras["n"] = (0, bad)
+    g.enqueue(Job(PROMPTS[2], 8, gen_settings=GREEDY, identifier="plain"))
+    for _ in range(3):
+        g.iterate()
+    got = drain_with_late(g, Job(PROMPTS[1], 6, gen_settings=GREEDY, identifier="n", lora="n"))
+    assert got.finals["plain"]["eos_reason"] == "max_new_tokens"
+    assert tokens_of(got, "plain")[-5:] == tokens_of(solo, "plain")[-5:]
+    assert got.finals["plain"]["full_completion"] == solo.finals["plain"]["full_completion"]
+    assert got.finals["n"]["eos_reason"] == "error"  # its own output is NaN: that job alone fails
+    g.pool.check({})
 
 
 def test_bf16_adapters_and_peft_regexes_load(adapters, tmp_path):

@@ -49,14 +49,15 @@ class NonFiniteAdapterError(InvalidConfigError, NonFiniteWeightError):
     a `models.errors.NonFiniteWeightError`, which `models.lora.load_lora` raises for the same file."""
 
 
-class PolicyError(InvalidConfigError):
-    """A scheduling policy handed back something the scheduler cannot act on (a job to start that is not waiting,
-    does not fit or is repeated, a victim that is not running, a bad token budget) or raised in one of its hooks.
-    The message names the policy and the hook; nothing was changed by the rejected request."""
-
-
 class StepError(GeneratorError, RuntimeError):
     """The device step itself failed; the generator is still usable and no results were lost (see `iterate()`)."""
+
+
+class PolicyError(StepError, InvalidConfigError):
+    """A scheduling policy handed back something the scheduler cannot act on (a job to start that is not waiting,
+    does not fit or was started already, a victim that is not running, a bad token budget) or raised in one of its
+    hooks. The message names the policy and the hook. Nothing was changed by the rejected request, so, like any
+    `StepError`, it leaves the generator usable (it is also an `InvalidConfigError`: the policy needs fixing)."""
 
 
 class JobFailure(GeneratorError, RuntimeError):

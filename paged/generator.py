@@ -42,6 +42,7 @@ from paged.errors import (
     JobFailure,
     JobTooLargeError,
     NonFiniteAdapterError,
+    PolicyError,
     StepError,
 )
 from paged.filters import FilterState, compute_masks
@@ -475,6 +476,10 @@ class DynamicGenerator:
             self._stash = []
             try:
                 return self._step(results, t0)
+            except PolicyError:  # (a StepError already: rejected before anything changed)
+                self._stash = results + self._stash
+                self.steps_failed += 1
+                raise
             except Exception as e:
                 self._stash = results + self._stash  # handed out by the next call
                 self.steps_failed += 1

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from paged.batch import RowInput
 from paged.config import EngineConfig
 from paged.embeddings import device_ids
-from paged.errors import InvalidConfigError, JobFailure
+from paged.errors import JobFailure, PolicyError
 from paged.job import Job
 from paged.page_pool import PagePool, chain_hashes
 from paged.policies import Policy
@@ -40,7 +40,8 @@ WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for r
 
 
 class SchedulerView:
-    """What a policy sees and may do (`paged.policies.base.SchedulerView` documents each member)."""
+    """What a policy sees and may do (`paged.policies.base.SchedulerView` documents each member). What a policy asks
+    for is checked before anything changes: no policy, however wrong, can corrupt the page pool or the queues."""
 
     def __init__(self, sched: Scheduler):
         self._s = sched
@@ -59,7 +60,17 @@ class SchedulerView:
         return self._s.fits(job)
 
     def start(self, job: Job) -> None:
-        self._s.start(job)
+        s = self._s
+        if not isinstance(job, Job):
+            raise s.policy_error(f"start() takes one of the waiting jobs, got {type(job).__name__}")
+        if not any(j is job for j in s.pending):
+            state = ("running (started already: is it in order()'s list twice?)" if any(j is job for j in s.active)
+                     else "not waiting in this generator (finished, cancelled or never enqueued)")
+            raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once")
+        if not s.fits(job):
+            raise s.policy_error(f"start({job!r}): the job does not fit now (batch rows or pages); start only jobs "
+                                 "for which fits(job) is True")
+        s.start(job)
 
     def preempt(self, job: Job) -> None:
         self._s.preempt(job)
@@ -91,6 +102,23 @@ class Scheduler:
         self.on_release: Callable[[Job], None] = lambda job: None  # a job lost its pages (speculative state reset)
         self._budget = 0
         self._prefill_rows = 0
+        self.hook = ""  # the policy hook being asked (named in PolicyError)
+
+    def policy_error(self, msg: str, hook: str = "") -> PolicyError:
+        return PolicyError(f"policy {self.policy.name!r} ({type(self.policy).__name__}), "
+                           f"{hook or self.hook or 'a hook'}: {msg}")
+
+    def ask(self, hook: str, fn: Callable, *args):
+        """Call policy hook `hook` (`fn(*args)`); anything it raises comes out as a `PolicyError` naming it."""
+        self.hook = hook
+        try:
+            return fn(*args)
+        except PolicyError:
+            raise
+        except Exception as e:  # noqa: BLE001 (a user policy's bug: named, with the cause chained)
+            raise self.policy_error(f"raised {type(e).__name__}: {e}") from e
+        finally:
+            self.hook = ""
 
     def pages_for(self, job: Job) -> int:
         """Pages a job needs at most: its prompt plus max_new_tokens (all reserved at admission with `reserve`)."""
@@ -144,8 +172,8 @@ class Scheduler:
 
     def preempt(self, job: Job) -> None:
         """Preempt a running job by recompute (see the module docstring)."""
-        if job not in self.active:
-            raise InvalidConfigError(f"policy {self.policy.name!r} tried to preempt {job!r}, which is not running")
+        if not any(j is job for j in self.active):
+            raise self.policy_error(f"preempt({job!r}): the job is not running; preempt only running jobs")
         self.active.remove(job)
         for m in members(job):
             self.pool.release(m.pages)
@@ -181,7 +209,7 @@ class Scheduler:
         """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
         if self.pending and (self.rows_used() < self.config.max_batch_size or self.policy.preemptive):
             self._started = started
-            self.policy.admit(list(self.pending), self.view)
+            self.ask("admit()", self.policy.admit, list(self.pending), self.view)
 
     # ------------------------------------------------------------------ planning
     def skip_complete_pages(self, job: Job) -> None:
@@ -244,10 +272,9 @@ class Scheduler:
             for m in members(job):
                 self.skip_complete_pages(m)
                 decode_rows += len(m.sequence) - m.kv_position == 1
-        budget = self.policy.prefill_budget(decode_rows, self.view)
+        budget = self.ask("prefill_budget()", self.policy.prefill_budget, decode_rows, self.view)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise InvalidConfigError(f"policy {self.policy.name!r}: prefill_budget() must return an int >= 0, got "
-                                     f"{budget!r}")
+            raise self.policy_error(f"must return an int >= 0, got {budget!r}", "prefill_budget()")
         self._budget = min(budget, self.config.max_chunk_size)
         self._prefill_rows = 0
         preempted: set[int] = set()
@@ -268,6 +295,8 @@ class Scheduler:
                     if row is None:
                         continue  # waits for a later step
                     rows.append(row)
+            except PolicyError:
+                raise  # the policy's fault, not the job's
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 while owners and owners[-1] in members(job):  # (a CFG job's rows planned before the failure)
                     self._take_back(rows, owners, len(owners) - 1)
@@ -324,8 +353,11 @@ class Scheduler:
             if self.pool.available:
                 m.pages.extend(self.pool.take(1))
                 continue
-            v = self.policy.victim(list(self.active), job, self.view)
-            v = job if v is None else v
+            v = self.ask("victim()", self.policy.victim, list(self.active), job, self.view)
+            v = job if v is None else v  # None: the needy job itself
+            if not any(r is v for r in self.active):
+                raise self.policy_error(f"returned {v!r}, which is not a running job; return one of `running` (or "
+                                        "None for the needy job)", "victim()")
             for x in members(v):  # already planned this step: take its rows back
                 while x in owners:
                     self._take_back(rows, owners, owners.index(x))

@@ -73,18 +73,27 @@ def _load(spec: str) -> type[Policy]:
     return obj
 
 
+def _construct(cls: type[Policy], spec: str) -> Policy:
+    """`cls()`, with whatever its constructor raises turned into an `InvalidConfigError` naming the policy."""
+    try:
+        return cls()
+    except Exception as e:  # noqa: BLE001 (a user policy's constructor: named, the cause chained)
+        raise InvalidConfigError(f"policy {spec!r}: constructing {cls.__name__}() raised {type(e).__name__}: {e} "
+                                 "(a policy is built with no arguments: give its parameters defaults)") from e
+
+
 def make_policy(policy: str | Policy | type[Policy], allocation: str | None = None) -> Policy:
     """A policy instance from a name, `"module:Class"`, a class or an instance; `allocation` ("reserve" or
     "on_demand") overrides the policy's page allocation mode."""
     if isinstance(policy, Policy):
         obj = policy
     elif isinstance(policy, type) and issubclass(policy, Policy):
-        obj = policy()
+        obj = _construct(policy, policy.__name__)
     elif isinstance(policy, str):
         if ":" in policy:
-            obj = _load(policy)()
+            obj = _construct(_load(policy), policy)
         elif policy in POLICIES:
-            obj = POLICIES[policy]()
+            obj = _construct(POLICIES[policy], policy)
         else:
             raise InvalidConfigError(f"unknown policy {policy!r}; available: {policy_names()}, or 'module:Class' "
                                      "for your own subclass of paged.policies.Policy")

@@ -7,7 +7,7 @@ import pytest
 
 from paged import DynamicGenerator, Job
 from paged.config import EngineConfig
-from paged.errors import InvalidConfigError, InvalidConfigTypeError
+from paged.errors import InvalidConfigError, InvalidConfigTypeError, PolicyError, StepError
 from paged.policies import POLICIES, LongestPrefixMatch, Policy, make_policy, register_policy
 from paged.sim import SimulatedEngine, StepTimeModel
 from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain
@@ -269,5 +269,137 @@ def test_a_bad_budget_from_a_policy_is_a_named_error():
 
     gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy=Bad())
     gen.enqueue(job("abc", 2))
-    with pytest.raises(Exception, match="prefill_budget\\(\\) must return an int >= 0"):
+    with pytest.raises(PolicyError, match="policy 'bad' \\(Bad\\), prefill_budget\\(\\): must return an int >= 0"):
         gen.iterate()
+
+
+class RaisingPolicy(Policy):
+    """A user policy whose constructor fails (`make_policy` must name it)."""
+
+    name = "raising"
+
+    def __init__(self):
+        raise RuntimeError("no config file")
+
+
+class StartsTwice(Policy):
+    """Hands back every waiting job twice (`order` returns `waiting + waiting`)."""
+
+    name = "starts_twice"
+
+    def order(self, waiting, s):
+        return waiting + waiting
+
+
+class IgnoresFit(Policy):
+    """Starts every waiting job without asking `fits`."""
+
+    name = "ignores_fit"
+
+    def admit(self, waiting, s):
+        for job in waiting:
+            s.start(job)
+
+
+def test_a_policy_handing_back_a_job_twice_cannot_leak_pages():
+    """The issue's case: `order()` returning `waiting + waiting` had pages allocated over the first admission's and
+    `pending.remove` raising, and every drain left more pages referenced (8, 11, 14, ...)."""
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32, max_batch_size=8), policy=StartsTwice())
+    want = reference([("abc", 3), ("hello world", 4), ("xy", 2)], FakeEngine)
+    for _ in range(3):
+        gen.enqueue([job("abc", 3), job("hello world", 4), job("xy", 2)])
+        with pytest.raises(PolicyError, match=r"policy 'starts_twice' \(StartsTwice\), admit\(\): start\(Job.*"
+                                              r"the job is running \(started already") as info:
+            gen.iterate()
+        assert isinstance(info.value, StepError) and isinstance(info.value, InvalidConfigError)
+        gen.pool.check(expected_refs=_refs(gen))
+        started, finals = run_collect(gen)  # the jobs it started once run on
+        assert {k: r["full_completion"] for k, r in finals.items()} == want
+        assert gen.pool.num_referenced == 0 and not gen.pending and not gen.active
+
+
+def _refs(gen):
+    out = {}
+    for j in gen.active:
+        for p in j.pages:
+            out[p] = out.get(p, 0) + 1
+    return out
+
+
+def test_a_policy_starting_a_job_that_does_not_fit_gets_a_named_error():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=6, max_batch_size=4), policy=IgnoresFit())
+    gen.enqueue([job("a" * 15, 8, identifier="big"), job("b" * 15, 8, identifier="big2"), job("c", 2)])
+    with pytest.raises(PolicyError, match=r"admit\(\): start\(Job.*does not fit now.*fits\(job\)"):
+        gen.iterate()  # (had been the page pool's internal "check pages_needed() before allocate()")
+    gen.pool.check(expected_refs=_refs(gen))
+    assert [j.identifier for j in gen.active] == ["big"] and len(gen.pending) == 2
+    stranger = Job(TOK.encode("zz"), 2)
+
+    class StartsAStranger(Policy):
+        name = "stranger"
+
+        def admit(self, waiting, s):
+            s.start(stranger)
+
+    class PreemptsAWaitingJob(Policy):
+        name = "preempts_waiting"
+        preemptive = True
+
+        def admit(self, waiting, s):
+            s.preempt(waiting[0])
+
+    class StartsAString(Policy):
+        name = "starts_a_string"
+
+        def admit(self, waiting, s):
+            s.start("job 1")
+
+    for policy, match in ((StartsAStranger(), r"admit\(\): start\(Job.*not waiting in this generator"),
+                          (PreemptsAWaitingJob(), r"admit\(\): preempt\(Job.*not running"),
+                          (StartsAString(), r"admit\(\): start\(\) takes one of the waiting jobs, got str")):
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=16), policy=policy)
+        gen.enqueue(job("abc", 2))
+        with pytest.raises(PolicyError, match=match):
+            gen.iterate()
+        assert gen.pool.num_referenced == 0 and len(gen.pending) == 1 and not gen.active
+
+
+def test_a_bad_victim_or_a_raising_hook_is_a_named_policy_error():
+    class WaitingVictim(Policy):
+        name = "waiting_victim"
+        allocation = "on_demand"
+
+        def victim(self, running, needy, s):
+            return s.waiting_job
+
+    class Raises(Policy):
+        name = "raises"
+
+        def order(self, waiting, s):
+            return sorted(waiting, key=lambda j: 1 / 0)
+
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=6, page_size=4, max_batch_size=2),
+                           policy=WaitingVictim())
+    gen.scheduler.view.waiting_job = Job(TOK.encode("q"), 2)
+    gen.enqueue([job("ab", 12, identifier="one"), job("cd", 12, identifier="two")])
+    with pytest.raises(PolicyError, match=r"victim\(\): returned Job.*not a running job.*None for the needy job"):
+        for _ in range(40):
+            gen.iterate()
+    gen.pool.check(expected_refs=_refs(gen))
+    assert len(gen.active) == 2
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy=Raises())
+    gen.enqueue([job("abc", 2), job("de", 2)])
+    with pytest.raises(PolicyError, match=r"'raises' \(Raises\), admit\(\): raised ZeroDivisionError") as info:
+        gen.iterate()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert gen.pool.num_referenced == 0 and len(gen.pending) == 2
+
+
+def test_a_policy_whose_constructor_raises_is_named():
+    for spec in ("tests.paged.test_policies:RaisingPolicy", RaisingPolicy):
+        with pytest.raises(InvalidConfigError, match=r"policy '.*RaisingPolicy'.*raised RuntimeError: no config "
+                                                     "file") as info:
+            make_policy(spec)
+        assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(InvalidConfigError, match="RaisingPolicy"):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy="tests.paged.test_policies:RaisingPolicy")

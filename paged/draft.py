@@ -73,6 +73,11 @@ class DraftModel:
         from paged.engine import Engine
 
         check_draft_model(target.model, model, tokenizer)
+        seq, positions = target.config.max_seq_len, model.config.max_position_embeddings
+        if positions is not None and seq > positions:
+            raise InvalidConfigError(f"draft_model: max_seq_len={seq} exceeds the draft model's "
+                                     f"max_position_embeddings={positions} (the draft mirrors every sequence); lower "
+                                     "max_seq_len or use a draft model with more positions")
         self.k = num_draft_tokens
         self.coupled = coupled  # draw with the target's keys (see the module docstring)
         self.greedy = greedy  # propose the argmax instead of a draw

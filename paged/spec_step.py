@@ -25,7 +25,7 @@ from paged.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
 from paged.ngram_corpus import check_corpus_type
-from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator
+from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator, check_num_draft_tokens
 
 
 def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
@@ -33,8 +33,10 @@ def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_dr
                            draft_acceptance: Any = "rejection", ngram_corpus: Any = None) -> bool:
     """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
     given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise InvalidConfigError(f"DynamicGenerator: num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    try:
+        check_num_draft_tokens(num_draft_tokens)
+    except InvalidConfigError as e:
+        raise InvalidConfigError(f"DynamicGenerator: {e}") from None
     if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
         raise InvalidConfigError(f"DynamicGenerator: max_ngram must be an int >= 1, got {max_ngram!r}")
     if not isinstance(use_ngram_draft, bool):

@@ -81,6 +81,7 @@ from paged.step import (
 # how sampled rows accept drafts: rejection sampling; sample-then-match with a draft model's draws coupled to the
 # target's; sample-then-match against greedy drafts, as ExLlamaV2 (`accept_drafts`, `paged.draft`)
 ACCEPTANCE_RULES = ("rejection", "match", "exllamav2")
+MAX_DRAFT_TOKENS = 64  # the most drafts a row verifies per step: its program is that wide (k + 1 query tokens a row)
 ACCEPT_TAG = 0x0ACC  # fold_in tags of the acceptance uniform and the residual draw under a point's key
 RESIDUAL_TAG = 0x0E51
 RESIDUAL_CANDIDATES = 64  # the residual draw's tokens when p is truncated to at most this many (`_gumbel_argmax`)
@@ -329,6 +330,19 @@ class Accepted:
 DRAFT_SEED_SALT = 0x5D2AF7E3
 
 
+def check_num_draft_tokens(k: Any, max_seq_len: int | None = None) -> None:
+    """`InvalidConfigError` unless 1 <= k <= MAX_DRAFT_TOKENS and k < max_seq_len (when known): a verification
+    program is k + 1 tokens a row wide, so an unbounded k would compile (and allocate) without limit."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidConfigError(f"num_draft_tokens must be an int >= 1, got {k!r}")
+    if k > MAX_DRAFT_TOKENS:
+        raise InvalidConfigError(f"num_draft_tokens={k} exceeds the maximum of {MAX_DRAFT_TOKENS} (each verification "
+                                 "row is num_draft_tokens + 1 tokens wide); 2-8 is the useful range")
+    if max_seq_len is not None and k >= max_seq_len:
+        raise InvalidConfigError(f"num_draft_tokens={k} must be below max_seq_len={max_seq_len} (a row verifies its "
+                                 "drafts inside the sequence)")
+
+
 class Speculator:
     """Drafts tokens for the decoding rows of each step and turns the verification results into accepted tokens.
 
@@ -353,8 +367,7 @@ class Speculator:
                                      "use_ngram_draft=True, not both")
         if draft_model is None and not use_ngram_draft:
             raise InvalidConfigError("Speculator needs a drafter: draft_model= or use_ngram_draft=True")
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise InvalidConfigError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        check_num_draft_tokens(num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
             raise InvalidConfigError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
         if acceptance not in ACCEPTANCE_RULES:

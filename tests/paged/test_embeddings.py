@@ -217,7 +217,7 @@ def test_enqueue_is_all_or_nothing_whatever_raises():
     for fail_on in (1, 2, 3):
         calls = [0]
 
-        def clock():
+        def clock(calls=calls, fail_on=fail_on):
             calls[0] += 1
             if calls[0] == fail_on:
                 raise RuntimeError("clock lost")

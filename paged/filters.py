@@ -45,6 +45,9 @@ class Filter:
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:
             raise InvalidJobError(f"{type(self).__name__}: invalid {what}: {messages[0].strip()}")
+        if not _satisfiable(grammar):
+            raise InvalidJobError(f"{type(self).__name__}: the {what} matches no text at all (is a character class "
+                                  "empty, such as [a&&b]?); a job under it could generate nothing")
         self.grammar = grammar
 
     def __repr__(self) -> str:
@@ -183,6 +186,43 @@ class _TokenTable:
                 raise InvalidJobError(f"the tokenizer has no token for the byte {data[pos]:#04x}: filters need a "
                                       "tokenizer that can spell every byte")
         return out
+
+
+class _Bytes:
+    """A vocabulary of the 256 bytes and an EOS: enough to ask a grammar whether it matches any text."""
+
+    vocab_size = 257
+    eos_token_id = 256
+    bos_token_id = None
+    special_token_ids = (256,)
+
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([i]) if i < 256 else b""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+_BYTES = _Bytes()
+
+
+def _satisfiable(grammar: str, max_forced: int = 256) -> bool:
+    """False when the grammar provably matches no text: over single bytes, its matcher finds no way on at the
+    start, or after the bytes it forces (an empty character class such as `[a&&b]`, at once or after a fixed
+    prefix). Other grammars count as satisfiable (llguidance decides a full emptiness question only while
+    decoding)."""
+    llg = _llg()
+    probe = llg.LLMatcher(ll_tokenizer(_BYTES), grammar)
+    mask = llg.numpy.allocate_token_bitmask(1, _Bytes.vocab_size)
+    for _ in range(max_forced):
+        llg.numpy.fill_next_token_bitmask(probe, mask, 0)
+        if probe.is_error():
+            return not probe.get_error().startswith("NoExtensionBias")
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: _Bytes.vocab_size])
+        if len(allowed) != 1 or allowed[0] == _Bytes.eos_token_id:
+            return True
+        probe.consume_token(int(allowed[0]))  # a forced byte: look past it
+    return True
 
 
 def ll_tokenizer(tokenizer: Any) -> Any:

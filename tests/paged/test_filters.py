@@ -66,6 +66,22 @@ def test_invalid_filters_raise_invalid_job_error_with_the_librarys_message(make,
         make()
 
 
+@pytest.mark.parametrize("make", [
+    lambda: RegexFilter("[a&&b]"),  # had ended its job at once with end_filter and an empty, non-matching text
+    lambda: RegexFilter("(a|b)[c&&d]x"),
+    lambda: RegexFilter("hello [a&&b]"),  # dead after a forced prefix
+    lambda: GrammarFilter('start: "a" /[a&&b]/'),
+])
+def test_a_filter_that_matches_no_text_is_rejected_at_creation(make):
+    with pytest.raises(InvalidJobError, match="matches no text at all"):
+        make()
+
+
+@pytest.mark.parametrize("pattern", ["[a&&b]*", "a|[a&&b]", "[0-9]{3}-[a-z]+", "x*"])
+def test_satisfiable_regexes_with_dead_branches_are_accepted(pattern):
+    assert RegexFilter(pattern).pattern == pattern
+
+
 def test_job_checks_its_filters_and_the_combinations():
     f = RegexFilter("[a-z]+")
     assert Job([1], 4, filters=f).filters == [f]

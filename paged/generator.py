@@ -235,6 +235,9 @@ class DynamicGenerator:
         self.jobs_completed = 0
         self.jobs_failed = 0
         self.steps_failed = 0
+        # Fault injection for tests (`paged.testing.FaultInjector`): called with "step", "draft" or "masks" right
+        # before the engine step, after drafting and before each mask computation; what it raises happens there.
+        self.fault_hook: Callable[[str], None] | None = None
         # host-loop profile (seconds, cumulative): admission + planning, the engine call, turning samples into results
         self.timings = {"schedule_s": 0.0, "engine_s": 0.0, "results_s": 0.0}
 
@@ -528,12 +531,13 @@ class DynamicGenerator:
         if self.speculation is None:
             k = self.scheduler.burst(rows, owners, want_logits, waiting)
             t1 = time.perf_counter()
+            self._fault("step")
             out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
         else:  # draft, verify, accept (paged/spec_step.py); one step, no bursts
             k = 1
             t1 = time.perf_counter()
             out, items = self.speculation.run(self.engine, rows, owners, return_top_k=top_k,
-                                              return_logits=want_logits)
+                                              return_logits=want_logits, fault=self._fault)
         self.steps += k
         t2 = time.perf_counter()
         now = self.clock()
@@ -558,6 +562,14 @@ class DynamicGenerator:
             self.timings["results_s"] += time.perf_counter() - t2
         return results
 
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(point)
+
+    def _masks(self, states: list) -> list:
+        self._fault("masks")
+        return compute_masks(states)
+
     def _mask_rows(self, rows: list, owners: list[Job], results: list[dict]) -> tuple[list, list[Job]]:
         """Set the token mask of every sampling row of a filtered job (one parallel grammar call for the batch).
         A job whose grammar engine fails is ended alone (`eos_reason="error"`) and its row dropped from the step."""
@@ -569,12 +581,12 @@ class DynamicGenerator:
             rows[i].mask = owners[i].filter_state.first_mask
         plain = [i for i in filtered if i not in healing]
         try:
-            masks: list = compute_masks([owners[i].filter_state for i in plain])
+            masks: list = self._masks([owners[i].filter_state for i in plain])
         except Exception:  # noqa: BLE001 (find the job that failed: the others go on)
             masks = []
             for i in plain:
                 try:
-                    masks.append(compute_masks([owners[i].filter_state])[0])
+                    masks.append(self._masks([owners[i].filter_state])[0])
                 except Exception as e:  # noqa: BLE001
                     masks.append(e)
         bad = set()

@@ -129,9 +129,10 @@ class SpeculativeStep:
 
     # ------------------------------------------------------------------ the step
     def run(self, engine: Any, rows: Sequence[RowInput], owners: Sequence[Any], *, return_top_k: int,
-            return_logits: bool) -> tuple[Any, list[Accepted]]:
+            return_logits: bool, fault: Any = None) -> tuple[Any, list[Accepted]]:
         """Draft, run the step (verification rows where there are drafts), accept. Returns the engine's output
-        and one `Accepted` per row, in order."""
+        and one `Accepted` per row, in order. `fault(point)` (the generator's fault hook) is called with "draft"
+        once the drafts are made and with "step" right before the engine step."""
         plan = self.speculator.plan([self.spec_row(r, j) for r, j in zip(rows, owners)])
         for i, (job, n) in enumerate(zip(owners, plan.num_drafts)):
             if n and job.filter_state is not None:
@@ -142,6 +143,9 @@ class SpeculativeStep:
             kw["draft_tokens"] = plan.draft_tokens
             kw["after_dispatch"] = self.speculator.draft.ahead  # the next step's burst, where it may go ahead
         try:
+            if fault is not None:
+                fault("draft")
+                fault("step")
             out = engine.run(plan.rows, return_top_k=return_top_k, return_logits=return_logits, **kw)
             items = self.speculator.accept(plan, out)
         except Exception:

@@ -1,21 +1,26 @@
 """A hand-checkable fake engine and a byte tokenizer, so the scheduler, policies, page pool and streaming can be
-tested without a JAX forward pass (JetStream-style). Importable from outside the repository's tests:
+tested without a JAX forward pass (JetStream-style), and a fault injector for any generator. Importable from outside
+the repository's tests:
 
-    from paged.testing import ByteTokenizer, FakeEngine, drain
+    from paged.testing import ByteTokenizer, FakeEngine, FaultInjector, drain
     gen = DynamicGenerator(tokenizer=ByteTokenizer(), engine=FakeEngine(num_pages=32), policy="vllm")
+    faults = FaultInjector(gen, step=0.1, draft=0.05, masks=0.05, seed=0)
 
 `paged.sim.SimulatedEngine` is this engine plus a virtual clock advanced by a step-time model."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import random
 
 import numpy as np
 
 from paged.buckets import BucketSpec
 from paged.config import EngineConfig
 from paged.engine_api import StepOutput
+from paged.errors import InvalidConfigError
 
 
 class ByteTokenizer:
@@ -224,6 +229,57 @@ class ContextFakeEngine(FakeEngine):
         for pos in range(end):
             acc += (pos + 1) * self.written[(r.pages[pos // ps], pos % ps)]
         return 97 + acc % 26
+
+
+class InjectedFault(RuntimeError):
+    """A fault `FaultInjector` raised."""
+
+
+class FaultInjector:
+    """Makes a generator's engine step, drafting and mask computation raise `InjectedFault` at seeded points, through
+    the generator's `fault_hook` (the one supported way: no private method is wrapped).
+
+    `step`, `draft`, `masks`: the probability that each call at that point raises. "step" is right before the engine
+    step (plain or verification): `iterate()` raises `StepError`, no job advances. "draft" is after a speculative
+    step's drafts are made (the drafter's state has moved) and before the engine step: `StepError` too. "masks" is
+    each mask computation of the filtered rows: the generator retries the rows one at a time, and the jobs whose
+    computation failed end alone with `eos_reason="error"` (the error names `InjectedFault`). The same `seed` and the
+    same calls give the same faults. `injected[point]` counts the faults raised, `calls[point]` the calls; `remove()`
+    (or leaving a `with` block) takes the hook away."""
+
+    POINTS = ("step", "draft", "masks")
+
+    def __init__(self, generator, *, step: float = 0.0, draft: float = 0.0, masks: float = 0.0, seed: int = 0):
+        self.rates = {"step": step, "draft": draft, "masks": masks}
+        for point, p in self.rates.items():
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+                raise InvalidConfigError(f"FaultInjector: {point} must be a probability in [0, 1], got {p!r}")
+        if not hasattr(generator, "fault_hook"):
+            raise InvalidConfigError(f"FaultInjector: {type(generator).__name__} has no fault_hook (pass a "
+                                     "paged.DynamicGenerator)")
+        if generator.fault_hook is not None:
+            raise InvalidConfigError("FaultInjector: the generator has a fault hook already; remove() it first")
+        self.generator = generator
+        self.rng = random.Random(seed)
+        self.injected: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        generator.fault_hook = self
+
+    def __call__(self, point: str) -> None:
+        self.calls[point] += 1
+        if self.rng.random() < self.rates.get(point, 0.0):
+            self.injected[point] += 1
+            raise InjectedFault(f"injected {point} fault #{self.injected[point]}")
+
+    def remove(self) -> None:
+        if self.generator.fault_hook is self:
+            self.generator.fault_hook = None
+
+    def __enter__(self) -> FaultInjector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
 
 
 @dataclasses.dataclass

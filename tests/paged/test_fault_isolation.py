@@ -8,7 +8,9 @@ finish with exactly the tokens they produce alone and the page accounting stays 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
+import random
 
 import numpy as np
 import pytest
@@ -17,9 +19,12 @@ from hypothesis import strategies as st
 
 from models import ModelConfig, init_random_weights
 from models.loader import Model
+from models.lora import projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.async_generator import AsyncDynamicGenerator
-from paged.errors import JobFailure, StepError
+from paged.errors import InvalidConfigError, JobFailure, StepError
+from paged.filters import RegexFilter
+from paged.testing import FaultInjector, InjectedFault
 from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
 
 GREEDY = SamplingSettings.greedy()
@@ -311,3 +316,179 @@ def test_real_engine_healthy_jobs_unharmed_by_bad_jobs():
     for k, r in c.finals.items():
         assert r["job"].sequence == alone[k].sequence, k
     check_clean(gen)
+
+
+# ---------------------------------------------------------------------------------------------- fault injector
+def test_the_fault_injector_is_seeded_validated_and_removable():
+    def run(seed):
+        engine = FakeEngine(num_pages=64)
+        gen = DynamicGenerator(tokenizer=TOK, engine=engine)
+        faults = FaultInjector(gen, step=0.3, seed=seed)
+        gen.enqueue(healthy())
+        failed = []
+        for i in range(200):
+            if not gen.num_remaining_jobs():
+                break
+            try:
+                gen.iterate()
+            except StepError as e:
+                assert isinstance(e.__cause__, InjectedFault)
+                failed.append(i)
+        check_clean(gen)
+        assert faults.injected["step"] == len(failed) > 0 and faults.calls["step"] >= len(failed)
+        return failed
+
+    assert run(1) == run(1) != run(2)
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    with FaultInjector(gen, step=1.0):
+        gen.enqueue(Job([1, 2], 2, gen_settings=GREEDY))
+        with pytest.raises(StepError, match="injected step fault #1"):
+            gen.iterate()
+        with pytest.raises(InvalidConfigError, match="fault hook already"):
+            FaultInjector(gen)
+    assert gen.fault_hook is None and drain(gen).finals  # removed: the job runs
+    for bad in (-0.1, 1.5, "0.1", True):
+        with pytest.raises(InvalidConfigError, match="must be a probability"):
+            FaultInjector(gen, masks=bad)
+
+
+SOAK_CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+SOAK_TOK = ByteTokenizer()
+SOAK_MODEL = Model(config=SOAK_CFG, params=init_random_weights(SOAK_CFG, seed=3), tokenizer=SOAK_TOK, source="tiny")
+# n-gram speculation with sample-then-match (sampled output is plain sampling's, whatever was drafted), on-demand
+# pages with preemption (vllm), one LoRA slot; 14 usable pages of 8 tokens for up to 4 jobs of up to 6 pages
+SOAK = dict(num_pages=15, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_loras=1,
+            max_lora_rank=4, use_ngram_draft=True, num_draft_tokens=3, draft_acceptance="match", policy="vllm")
+
+
+def soak_templates():
+    rng = np.random.default_rng(5)
+
+    def ids(n):
+        return [int(t) for t in rng.integers(97, 123, size=n)]
+
+    rep = ids(5) * 4
+    a, b, c, d, e, neg = ids(11), ids(17), ids(9), ids(14), ids(30), ids(6)
+    sampled = SamplingSettings(temperature=0.9, top_k=50)
+    return {
+        "plain": lambda: Job(a, 10, gen_settings=GREEDY),
+        "sampled": lambda: Job(b, 12, gen_settings=sampled, seed=11),
+        "copy": lambda: Job(rep, 14, gen_settings=GREEDY),  # prompt lookup drafts and gets them accepted
+        "filtered": lambda: Job(c, 12, gen_settings=sampled, seed=4, filters=RegexFilter("[a-z]{2,5}( [a-z]{2,5})*")),
+        "cfg": lambda: Job([d, neg], 8, gen_settings=SamplingSettings.greedy(cfg_scale=1.5)),
+        "lora": lambda: Job(d, 10, gen_settings=GREEDY, lora="a"),
+        "long": lambda: Job(e, 16, gen_settings=GREEDY),  # 6 pages: preemption
+    }
+
+
+def soak_generator(adapter):
+    gen = DynamicGenerator(SOAK_MODEL, **SOAK)
+    gen.load_lora("a", adapter)
+    return gen
+
+
+def soak_adapter(path):
+    rng = np.random.default_rng(2)
+    shapes = projection_shapes(SOAK_CFG)
+    a = {(layer, p): rng.normal(0, 0.3, size=(4, shapes[p][0])) for layer in range(2) for p in ("q", "v", "down")}
+    b = {(layer, p): rng.normal(0, 0.3, size=(shapes[p][1], 4)) for layer in range(2) for p in ("q", "v", "down")}
+    save_lora(path, SOAK_CFG, a, b, r=4, lora_alpha=8.0)
+    return path
+
+
+def test_seeded_soak_with_injected_faults(tmp_path):
+    """Thousands of seeded random operations (enqueue of plain, sampled, n-gram-drafted, filtered, CFG, LoRA and
+    preempted jobs; iterate; cancel; drain) with faults injected into the engine step, the drafting and the mask
+    computation. After every drain: each job ended exactly once (or was cancelled before it ended), every job that
+    did not fail has its solo output, a failed job failed only by an injected mask fault, and the pages are exact."""
+    adapter = soak_adapter(tmp_path / "lora")
+    templates = soak_templates()
+    solo = {}
+    for name, make in templates.items():
+        g = soak_generator(adapter)
+        j = make()
+        g.enqueue(j)
+        r = drain(g).finals[None]
+        assert r["eos_reason"] in ("max_new_tokens", "end_filter", "stop_token"), (name, r)
+        solo[name] = list(j.sequence)
+    gen = soak_generator(adapter)
+    faults = FaultInjector(gen, step=0.05, draft=0.05, masks=0.05, seed=7)
+    rng = random.Random(7)
+    jobs: dict[int, tuple[str, Job]] = {}
+    finals: dict[int, list[dict]] = {}
+    cancelled: set[int] = set()
+    stats = collections.Counter()
+
+    def refs():
+        out = {}
+        for j in gen.active:
+            for m in (j, j.cfg_partner) if j.cfg_partner is not None else (j,):
+                for p in m.pages:
+                    out[p] = out.get(p, 0) + 1
+        return out
+
+    def step():
+        try:
+            results = gen.iterate()
+        except StepError as e:
+            assert isinstance(e.__cause__, InjectedFault), e
+            stats["step_errors"] += 1
+            return
+        for r in results:
+            if r["eos"]:
+                finals.setdefault(r["identifier"], []).append(r)
+
+    def check_drained():
+        stats["failed_by_masks"] = stats["matched_solo"] = 0
+        assert not gen.pending and not gen.active and gen.pool.num_referenced == 0
+        gen.pool.check(expected_refs={})
+        for ident, (name, job) in jobs.items():
+            ends = finals.get(ident, [])
+            if ident in cancelled and not ends:
+                continue
+            assert len(ends) == 1, (ident, name, ends)
+            r = ends[0]
+            if r["eos_reason"] == "error":
+                assert name == "filtered" and "InjectedFault" in r["error"], (name, r)
+                stats["failed_by_masks"] += 1
+            else:
+                assert job.sequence == solo[name], (ident, name)
+                stats["matched_solo"] += 1
+
+    for _ in range(2500):
+        op = rng.random()
+        if op < 0.35:
+            name = rng.choice(list(templates))
+            ident = len(jobs)
+            job = templates[name]()
+            job.identifier = ident
+            gen.enqueue(job)
+            jobs[ident] = (name, job)
+        elif op < 0.9:
+            step()
+        elif op < 0.97:
+            live = [i for i, (_, j) in jobs.items() if j in gen.pending or j in gen.active]
+            if live:
+                ident = rng.choice(live)
+                gen.cancel(jobs[ident][1])
+                cancelled.add(ident)
+        else:
+            for _ in range(2000):
+                if not gen.num_remaining_jobs():
+                    break
+                step()
+            check_drained()
+            stats["drains"] += 1
+        gen.pool.check(expected_refs=refs())
+    for _ in range(2000):
+        if not gen.num_remaining_jobs():
+            break
+        step()
+    check_drained()
+    m = gen.metrics()
+    # the run exercised what it is for
+    assert faults.injected["step"] > 10 and faults.injected["draft"] > 5 and faults.injected["masks"] > 5, faults
+    assert stats["failed_by_masks"] > 0 and stats["drains"] > 20 and len(cancelled) > 20, stats
+    assert m["preemptions"] > 5 and m["accepted_draft_tokens"] > 20, m
+    print(dict(stats), dict(faults.injected), len(jobs), m["preemptions"], m["accepted_draft_tokens"])

@@ -491,4 +491,3 @@ def test_seeded_soak_with_injected_faults(tmp_path):
     assert faults.injected["step"] > 10 and faults.injected["draft"] > 5 and faults.injected["masks"] > 5, faults
     assert stats["failed_by_masks"] > 0 and stats["drains"] > 20 and len(cancelled) > 20, stats
     assert m["preemptions"] > 5 and m["accepted_draft_tokens"] > 20, m
-    print(dict(stats), dict(faults.injected), len(jobs), m["preemptions"], m["accepted_draft_tokens"])

@@ -30,7 +30,7 @@ check_out_flag("json_out")
 
 def timed_decode(engine, pages: list[list[int]], steps_per_call: int, pos: int, tokens: int) -> float:
     """Seconds to decode `tokens` tokens on every row, `steps_per_call` steps per engine call."""
-    from paged.batch import RowInput
+    from paged.device.batch import RowInput
 
     t0 = time.perf_counter()
     for done in range(0, tokens, steps_per_call):
@@ -48,8 +48,8 @@ def main(argv):
     import numpy as np
 
     from experiments.common import load_experiment_model
-    from paged.batch import RowInput
-    from paged.engine import Engine
+    from paged.device.batch import RowInput
+    from paged.device.engine import Engine
 
 
     model = load_experiment_model(FLAGS.model)

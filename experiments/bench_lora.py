@@ -55,8 +55,8 @@ def random_adapter(cfg, rank: int, seed: int):
 
 def measure(model, *, rows: int, rank: int, counts: list[int], context: int, iters: int) -> tuple[list[dict], str]:
     """The figures of every configuration (see the module docstring) and the engines' matmul implementation."""
-    from paged.batch import RowInput
-    from paged.engine import Engine
+    from paged.device.batch import RowInput
+    from paged.device.engine import Engine
 
     cfg = model.config
     page_size = 16

@@ -1,4 +1,4 @@
-"""Time `paged.sampling.sample` per setting, and its compile time.
+"""Time `paged.device.sampling.sample` per setting, and its compile time.
 
     python -m experiments.bench_sampling --rows 64 --vocab 49152 --iters 20
     python -m experiments.bench_sampling --only none --greedy_final_rows 1,5,16 --iters 400 --compile_rows ""
@@ -27,8 +27,8 @@ flags.DEFINE_integer("iters", 20, "timed calls per setting")
 flags.DEFINE_integer("history", 256, "penalty history length R")
 flags.DEFINE_list("only", [], "run only these settings (names as printed)")
 flags.DEFINE_list("compile_rows", ["4", "64"], "batch sizes to time the compilation for")
-flags.DEFINE_string("module", "paged.sampling", "module providing SamplingRows and sample")
-flags.DEFINE_list("greedy_final_rows", [], "also time paged.sampling.greedy_final's two formulations alone "
+flags.DEFINE_string("module", "paged.device.sampling", "module providing SamplingRows and sample")
+flags.DEFINE_list("greedy_final_rows", [], "also time paged.device.sampling.greedy_final's two formulations alone "
                   "(XLA's ops, the native kernel) at these row counts (the installed sampler's, whatever --module)")
 if "json_out" not in FLAGS:
     flags.DEFINE_string("json_out", None, "write the figures here as JSON")
@@ -144,13 +144,13 @@ def call_times(call, iters: int) -> list[float]:
 
 
 def time_greedy_final(row_counts: list[int], v: int, iters: int) -> dict:
-    """Median ms per call of `paged.sampling.greedy_final_xla` and, where it runs, the native kernel
+    """Median ms per call of `paged.device.sampling.greedy_final_xla` and, where it runs, the native kernel
     (`pallas_kernels.native_greedy`), each jitted alone on the same [S, V] logits."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from paged.sampling import greedy_final_xla
+    from paged.device.sampling import greedy_final_xla
     from pallas_kernels import native_greedy
 
     impls = {"xla": greedy_final_xla}

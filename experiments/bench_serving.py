@@ -97,7 +97,7 @@ def _label(c: int | None) -> str:
 def _compiled_variants() -> int | None:
     """Compiled variants of the jitted step functions so far (None if the engine does not expose the count)."""
     try:
-        from paged.step import count_compiles
+        from paged.device.engine import count_compiles
 
         return int(sum(count_compiles().values()))
     except Exception:  # a diagnostic only

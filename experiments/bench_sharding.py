@@ -1,4 +1,4 @@
-"""Tensor and data parallelism (`mesh="dp=M,tp=N"`, paged/sharding.py): tokens/s of the same greedy jobs on each
+"""Tensor and data parallelism (`mesh="dp=M,tp=N"`, paged/device/sharding.py): tokens/s of the same greedy jobs on each
 mesh, and whether their outputs equal the first mesh's.
 
     python -m experiments.bench_sharding --dp 1,2,4 --tp 1,2,4 --json_out experiments/results/sharding_cpu.json

@@ -7,9 +7,11 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 Drafter names: `none`, `ngram`, `corpus` (prompt lookup with the corpus table of `--ngram_corpus`,
 `DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
 (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
-`paged/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive` where
+`paged/speculation/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
+where
 both): its proposal bursts wait for each verification's results on the host instead of going ahead
-(`paged.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration warms up
+(`paged.speculation.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration
+warms up
 (compiles) first; then, per workload and batch size b, the same
 `--num_prompts` seeded prompts run with at most b jobs in the generator at once (a finished job's slot takes the
 next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
@@ -23,7 +25,7 @@ configuration, workload and batch size, the median tokens/s and the median, lowe
 ratios.
 
 `--cpu_dispatch=sync` runs every program in the calling thread instead of JAX's worker threads (process-wide, so one
-mode for every configuration of the run; `paged/cpu_runtime.py`); the record's `device` says which mode ran.
+mode for every configuration of the run; `paged/device/cpu_runtime.py`); the record's `device` says which mode ran.
 
     python -m experiments.bench_speculative --draft_dir=/tmp/smollm2-draft-4l --json_out=/tmp/bench_spec.json
     python -m experiments.bench_speculative --draft_dir=/tmp/draft-wide --drafters=none,distilled --batch_sizes=1 \
@@ -39,7 +41,7 @@ from absl import app, flags
 
 from experiments import engine_flags
 from experiments.common import chat_prompt, check_out_flag, workload, write_record
-from paged.speculative import ACCEPTANCE_RULES
+from paged.speculation.rows import ACCEPTANCE_RULES
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
@@ -85,11 +87,11 @@ def main(argv):
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
-    from paged.config import EngineConfig
+    from paged.device.config import EngineConfig
 
     engine_flags.apply_cpu_dispatch()  # before anything starts JAX (the record's device says which mode ran)
     from paged.errors import InvalidConfigError
-    from paged.ngram_corpus import NgramCorpus, load_corpus
+    from paged.speculation.ngram_corpus import NgramCorpus, load_corpus
 
     corpus = None
     if FLAGS.ngram_corpus:  # read before the model loads: a bad path fails at once

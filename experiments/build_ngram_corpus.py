@@ -1,4 +1,4 @@
-"""Build the n-gram drafter's corpus table (`paged.ngram_corpus.NgramCorpus`) from the model's own answers.
+"""Build the n-gram drafter's corpus table (`paged.speculation.ngram_corpus.NgramCorpus`) from the model's own answers.
 
 The model answers a seeded prompt set with greedy decoding and continuous batching (`experiments.answers`): open
 requests (none of them a benchmark prompt), then copy requests over those answers (`--num_prompts`, half each,
@@ -56,7 +56,7 @@ def prompt_of(obj, lineno: int, index: int) -> str:
 
 def main(argv):
     del argv
-    from paged.ngram_corpus import MAX_NGRAM
+    from paged.speculation.ngram_corpus import MAX_NGRAM
 
     if not FLAGS.out:
         raise app.UsageError("--out is required (the table's .npz path)")
@@ -76,7 +76,7 @@ def main(argv):
             raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
     from experiments.answers import answer_prompt_set, generate_answers
     from models import load_model
-    from paged.ngram_corpus import NgramCorpus
+    from paged.speculation.ngram_corpus import NgramCorpus
 
     t0 = time.perf_counter()
     model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)

@@ -135,7 +135,7 @@ class RealBackend:
 
     def __init__(self):
         from experiments.serving import env
-        from paged.engine import Engine
+        from paged.device.engine import Engine
 
         self.model = engine_flags.load_model()
         self.engine = Engine(self.model, engine_config(), compilation_cache_dir=FLAGS.compilation_cache_dir)

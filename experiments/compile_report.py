@@ -5,7 +5,8 @@ that serving-like calls afterwards compile nothing.
     python -m experiments.compile_report --model tiny --max_batch_size 8 --max_chunk_size 128 --decode_steps 4
     python -m experiments.compile_report --compilation_cache_dir /tmp/jax_cache   # run twice: cold, then warm
 
-The variants (`Engine.variants`, see paged/buckets.py): the forward of every layout bucket, the sampler of every row
+The variants (`Engine.variants`, see paged/device/buckets.py): the forward of every layout bucket, the sampler of every
+row
 count, and with `--decode_steps` > 1 the burst of every decode-only bucket. Each is compiled by `Engine.warmup` on a
 padding batch; the report then re-runs `warmup` (must hit the jit caches) and steps with top-k, logits, large
 logit bias and penalties (runtime values: must not compile either), counting JAX traces and backend compilations.
@@ -50,9 +51,8 @@ def main(argv):
     import jax
     import numpy as np
 
-    from paged.batch import RowInput
-    from paged.engine import Engine
-    from paged.step import count_compiles
+    from paged.device.batch import RowInput
+    from paged.device.engine import Engine, count_compiles
 
     events = _compile_events()
     engine_flags.validate()

@@ -70,7 +70,7 @@ flags.DEFINE_enum("loss", "topk", ["ce", "topk", "kl"], "ce: cross-entropy on th
                   "the target's full distribution at every position (a teacher forward per step; needs "
                   "--head_vocab=0)")
 flags.DEFINE_integer("topk", 32, "--loss=topk: tokens of the target's distribution kept per answer token (at most "
-                     "paged.step.TOP_K_WIDTH, 64)")
+                     "paged.device.step.TOP_K_WIDTH, 64)")
 flags.DEFINE_integer("num_prompts", 4000, "prompts in the seeded prompt set (half open requests, half copy "
                      "requests); generation stops at --gen_minutes")
 flags.DEFINE_integer("gen_tokens", 128, "tokens the target generates per prompt (at most)")
@@ -182,7 +182,7 @@ def main(argv):
         raise app.UsageError("--out is required")
     if FLAGS.loss == "kl" and FLAGS.head_vocab:
         raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
-    from paged.step import TOP_K_WIDTH
+    from paged.device.step import TOP_K_WIDTH
 
     if FLAGS.loss == "topk" and not 1 <= FLAGS.topk <= TOP_K_WIDTH:  # wider top tokens come from the host: slow
         raise app.UsageError(f"--topk={FLAGS.topk}: give 1 to {TOP_K_WIDTH} (the generator's top tokens on the "

@@ -15,8 +15,8 @@ from typing import Any
 
 from absl import app, flags
 
-from paged.config import EngineConfig, config_fields
-from paged.cpu_runtime import MODES as CPU_DISPATCH_MODES
+from paged.device.config import EngineConfig, config_fields
+from paged.device.cpu_runtime import MODES as CPU_DISPATCH_MODES
 from paged.errors import InvalidConfigError
 
 FLAGS = flags.FLAGS
@@ -30,7 +30,8 @@ NAMES = ("model", "dtype", "quant", *ENGINE_NAMES, "policy", "compilation_cache_
 
 
 def define() -> None:
-    """Define the shared flags (a second call is a no-op). Every `paged.config.EngineConfig` field becomes a flag of
+    """Define the shared flags (a second call is a no-op). Every `paged.device.config.EngineConfig` field becomes a
+    flag of
     the same name, type, default (unless `EXPERIMENT_DEFAULTS` says otherwise) and help text."""
     if "decode_steps" in FLAGS:
         return
@@ -81,7 +82,7 @@ def define_cpu_dispatch() -> None:
                       "programs: async (JAX's default: in a worker thread) or sync (in the calling thread: 6-7% "
                       "faster batch-1 decoding at --decode_steps=1 on a 2-core CPU, no gain with decode bursts or "
                       "a draft model; no effect on a GPU); process-wide (one mode for the whole run), see "
-                      "paged/cpu_runtime.py")
+                      "paged/device/cpu_runtime.py")
 
 
 def engine_config(max_batch_size: int, max_penalty_range: int = 0) -> EngineConfig:
@@ -136,7 +137,7 @@ def check_policy(flag: str, value: str) -> None:
 def apply_cpu_dispatch() -> str:
     """Set the CPU dispatch mode `--cpu_dispatch` asks for, before JAX's backend starts; returns it. app.UsageError
     when the backend already runs in the other mode."""
-    from paged.cpu_runtime import set_cpu_dispatch
+    from paged.device.cpu_runtime import set_cpu_dispatch
 
     try:
         set_cpu_dispatch(FLAGS.cpu_dispatch)

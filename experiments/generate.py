@@ -53,7 +53,7 @@ from absl import app, flags
 
 from experiments import engine_flags
 from experiments.common import read_jsonl
-from paged.speculative import ACCEPTANCE_RULES
+from paged.speculation.rows import ACCEPTANCE_RULES
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
@@ -234,13 +234,13 @@ _ERRORS = None  # a non-main process's own stderr, kept for its errors while the
 
 
 def join_processes() -> None:
-    """With --num_processes > 1: join the run (`paged.sharding.initialize_distributed`) before JAX is used. Every
+    """With --num_processes > 1: join the run (`paged.device.sharding.initialize_distributed`) before JAX is used. Every
     process then runs the same jobs; all but process 0 stay silent (no stdout, progress or --output; their errors
     still reach their own stderr, see `cli_main`)."""
     global _ERRORS
     if FLAGS.num_processes == 1:
         return
-    from paged.sharding import initialize_distributed, is_main_process
+    from paged.device.sharding import initialize_distributed, is_main_process
 
     initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                            FLAGS.cpu_devices_per_process)
@@ -364,7 +364,7 @@ def speculation_kwargs(model) -> dict:
     if FLAGS.ngram_corpus and not FLAGS.ngram_draft:
         raise app.UsageError("--ngram_corpus is the n-gram drafter's table: add --ngram_draft")
     if FLAGS.ngram_corpus:
-        from paged.ngram_corpus import NgramCorpus, NgramCorpusError
+        from paged.speculation.ngram_corpus import NgramCorpus, NgramCorpusError
 
         try:
             extra["ngram_corpus"] = NgramCorpus.load(FLAGS.ngram_corpus)

@@ -5,7 +5,8 @@ Speculative decoding's speed-up is (tokens per step) / (a step's cost relative t
 measures the first factor exactly and prices the second with a model: it generates each prompt's greedy output with
 the plain generator (the same seeded prompts as `experiments.bench_speculative`), then replays the generator's
 drafting over it step by step: the prefill step emits the first token; every later step proposes up to
-min(k, max_new_tokens - new_tokens - 1) tokens from `paged.ngram.NgramIndex` over prompt + output so far (a step
+min(k, max_new_tokens - new_tokens - 1) tokens from `paged.speculation.ngram.NgramIndex` over prompt + output so far (a
+step
 with no match is a plain decode step), accepts the longest prefix that the output continues with, and emits it plus
 one token. Greedy verification accepts exactly that prefix, so these are the steps a fixed n-gram drafter takes on
 that output (greedy outputs under speculation are plain decoding's, bit for bit on the native CPU kernels since
@@ -16,9 +17,11 @@ nothing and prefill as much as a decode step), tokens per verification, and the 
 verification step costs c plain steps, for each c of `--verify_costs` (`experiments.bench_speculative` and
 docs/speculative.md measure c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
 
-How many of its drafts a step verifies (`--policies`, `paged.ngram.replay`): "all" (the generator's fixed drafter),
+How many of its drafts a step verifies (`--policies`, `paged.speculation.ngram.replay`): "all" (the generator's fixed
+drafter),
 "grow" (per job, 1 at first, doubled after a full acceptance, accepted + 1 after a rejection), "gate" (all or none,
-as the generator's `adaptive_draft=True` decides: `paged.draft_gate.DraftGate` with `--gate_rho`) and "oracle"
+as the generator's `adaptive_draft=True` decides: `paged.speculation.draft_gate.DraftGate` with `--gate_rho`) and
+"oracle"
 (exactly the drafts that will be accepted: no policy with this drafter does better); `--min_match` leaves matches
 shorter than that unverified. Each run is also priced with a cost per verification width W (a row of W - 1 drafts):
 `--price` times a plain and a verification step at batch 1 in the generator for every width of `--widths` and every
@@ -26,7 +29,7 @@ k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from 
 `predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
 and `predicted_speedup_widths`, each at the narrowest of `--widths` below k + 1, or k + 1, that holds its drafts (an
 engine with a verification bucket per width, which the generator does not have). `--ngram_corpus` replays the
-drafter with a corpus table (`paged.ngram_corpus`), as a generator given `ngram_corpus=` drafts.
+drafter with a corpus table (`paged.speculation.ngram_corpus`), as a generator given `ngram_corpus=` drafts.
 
     python -m experiments.ngram_bound --json_out experiments/results/ngram_bound_cpu.json
     python -m experiments.ngram_bound --workloads copy --num_draft_tokens 4,8,16 --policies all,grow,oracle \
@@ -40,7 +43,7 @@ import dataclasses
 from absl import app, flags
 
 from experiments.common import chat_prompt, check_out_flag, price_steps, workload, write_record
-from paged.ngram import REPLAY_POLICIES, Replay, replay
+from paged.speculation.ngram import REPLAY_POLICIES, Replay, replay
 
 
 def width_costs(widths, prices: dict | None, model: tuple[float, float]) -> dict[int, float]:
@@ -71,7 +74,7 @@ flags.DEFINE_integer("max_ngram", 4, "longest suffix matched")
 flags.DEFINE_list("verify_costs", ["1.0", "1.25", "1.5"], "a verification step's cost in plain steps, for the "
                   "predicted speed-up")
 flags.DEFINE_list("policies", ["all"], "how many proposed drafts a step verifies: all, grow, gate, oracle "
-                  "(paged.ngram.replay)")
+                  "(paged.speculation.ngram.replay)")
 flags.DEFINE_integer("min_match", 1, "a suffix match shorter than this is not verified")
 flags.DEFINE_float("gate_rho", None, "--policies gate: the DraftGate's step-cost constant rho (None: the backend's, "
                    "as adaptive_draft=True)")
@@ -80,7 +83,7 @@ flags.DEFINE_list("widths", ["2", "3", "5", "9", "17"], "verification widths (dr
 flags.DEFINE_bool("price", False, "time plain and verification steps in the generator for every width (and k + 1)")
 flags.DEFINE_list("cost_model", ["1.12", "0.12"], "A, B: without --price, a verification of width W costs "
                   "A + B (W - 1) plain steps")
-flags.DEFINE_string("ngram_corpus", None, "a saved paged.ngram_corpus.NgramCorpus "
+flags.DEFINE_string("ngram_corpus", None, "a saved paged.speculation.ngram_corpus.NgramCorpus "
                     "(experiments/build_ngram_corpus.py) that drafts where prompt lookup's match is shorter than 2 "
                     "tokens, as the generator's ngram_corpus=")
 flags.DEFINE_string("json_out", None, "write the record here")
@@ -114,7 +117,7 @@ def main(argv):
     corpus = None
     if FLAGS.ngram_corpus:
         from paged.errors import InvalidConfigError
-        from paged.ngram_corpus import load_corpus
+        from paged.speculation.ngram_corpus import load_corpus
 
         try:
             corpus = load_corpus(FLAGS.ngram_corpus, model.config.vocab_size)
@@ -147,7 +150,7 @@ def main(argv):
             for policy in FLAGS.policies:
                 gate = None
                 if policy == "gate":  # one gate for the workload's prompts, as one generator runs them
-                    from paged.draft_gate import DraftGate
+                    from paged.speculation.draft_gate import DraftGate
 
                     gate = DraftGate(k, FLAGS.gate_rho)
                 per = [replay(p, o, k, FLAGS.max_ngram, FLAGS.max_new_tokens, policy, FLAGS.min_match, gate,

@@ -51,8 +51,8 @@ flags.DEFINE_bool("ops", False, "also break each part down by XLA operation (a t
 flags.DEFINE_integer("ops_top", 8, "--ops: operations printed per part (the record keeps all)")
 FLAGS = flags.FLAGS
 
-PARTS = {"step_forward": "paged.engine", "step_sample": "paged.engine", "verify_sample": "paged.speculative",
-         "draft_burst_jit": "paged.engine"}
+PARTS = {"step_forward": "paged.device.engine", "step_sample": "paged.device.engine",
+         "verify_sample": "paged.device.engine", "draft_burst_jit": "paged.device.engine"}
 
 
 def abstract(a: tuple, k: dict) -> tuple[tuple, dict]:

@@ -113,9 +113,9 @@ def device_breakdown(model, rows: int) -> dict:
 
     from experiments.serving.hardware import best_time
     from models.llama import compute_logits, embed_tokens, run_layers
-    from paged.batch import RowInput, build_batch
-    from paged.engine import Engine
-    from paged.sampling import sample
+    from paged.device.batch import RowInput, build_batch
+    from paged.device.engine import Engine
+    from paged.device.sampling import sample
     from pallas_kernels.paged_attention import layout_query_start, paged_attention
 
     cfg, params = model.config, model.params
@@ -179,9 +179,9 @@ def fit_step_time(model) -> dict:
 
     from experiments.serving import env
     from paged import DynamicGenerator, Job, SamplingSettings
-    from paged.batch import RowInput
-    from paged.config import EngineConfig
-    from paged.engine import Engine
+    from paged.device.batch import RowInput
+    from paged.device.config import EngineConfig
+    from paged.device.engine import Engine
     from paged.sim import StepShape, StepTimeModel
 
     ps, batch, seq = FLAGS.page_size, FLAGS.fit_max_batch_size, FLAGS.fit_max_seq_len

@@ -1,7 +1,7 @@
 """The column layout of the fused projections (`wqkv` = [q | k | v], `w_gate_up` = [gate | up]), plain or grouped.
 
 Plain (`groups == 1`, how the loaders build them): the parts side by side. Grouped by `g` (tensor parallelism over
-`g` devices, `paged.sharding`): every part cut into `g` equal slices and the slices interleaved by group,
+`g` devices, `paged.device.sharding`): every part cut into `g` equal slices and the slices interleaved by group,
 `[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`, so that an even split of the columns over `g` devices hands device `s` exactly
 its own query heads, KV heads (or intermediate features) of every part, and the matmul's output splits into the parts
 without any exchange between devices. `LayerWeights.fused_groups` says which layout a model's weights are in; the

@@ -2,7 +2,7 @@
 
 The transformer body works on a flat list of tokens `[N, H]` and delegates attention to an `attend` callback, so
 the same layer code serves the dense forward here (`forward`, used for parity tests and as the oracle) and the paged
-engine step (`paged.step`), which writes K/V into cache pages and attends through a page table.
+engine step (`paged.device.step`), which writes K/V into cache pages and attends through a page table.
 
     attend(layer: int32 scalar, q [N, nH, D], k [N, nKV, D], v [N, nKV, D], state) -> (out [N, nH, D], state)
 

@@ -2,7 +2,7 @@
 
 from paged.embeddings import MMEmbedding
 from paged.errors import GeneratorError, InvalidJobError, InvalidSettingsError, JobTooLargeError
-from paged.generator import DynamicGenerator
+from paged.host.generator import DynamicGenerator
 from paged.job import Job
 from paged.settings import SamplingSettings
 

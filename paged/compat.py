@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from paged.async_generator import AsyncDynamicGenerator, AsyncJob
 from paged.embeddings import MMEmbedding
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
-from paged.generator import DynamicGenerator
+from paged.host.async_generator import AsyncDynamicGenerator, AsyncJob
+from paged.host.generator import DynamicGenerator
 from paged.job import Job
 from paged.settings import SamplingSettings
 

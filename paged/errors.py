@@ -6,7 +6,7 @@ generator's constructor), so a rejected job never disturbs the jobs already runn
 has the wrong type, also subclass `TypeError`. Messages name the argument, the value received and what is allowed.
 
 Failures that validation cannot foresee and that belong to one job (a text-decoding error, a failing callback) do
-not raise: they end that job alone with a final result whose `eos_reason` is `"error"` (see `paged.generator`).
+not raise: they end that job alone with a final result whose `eos_reason` is `"error"` (see `paged.host.generator`).
 """
 
 from models.errors import NonFiniteWeightError

@@ -12,7 +12,7 @@ Filter objects are descriptions and can be shared; the state (an `llguidance.LLM
 job (`FilterState`, made when the job is enqueued). Each step the generator asks every filtered job for its mask
 (`compute_masks`, one parallel llguidance call for the whole batch): the intersection of its filters' allowed sets,
 packed 32 tokens to an int32 word, with the ids past the tokenizer's vocabulary (padded embedding rows) always
-off. The jitted step applies it before sampling (`paged.sampling.apply_token_mask`). Each sampled token is then
+off. The jitted step applies it before sampling (`paged.device.sampling.apply_token_mask`). Each sampled token is then
 consumed by the job's matchers; when they are done (`is_stopped`, or accepting with `filter_prefer_eos`) the job
 ends with `eos_reason="end_filter"`.
 """

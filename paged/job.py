@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from paged.embeddings import MMEmbedding
 from paged.errors import InvalidJobError, InvalidJobTypeError
+from paged.filters import Filter
 from paged.settings import SamplingSettings
 from paged.validate import Checker
 
@@ -87,8 +89,6 @@ def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
 
 
 def _filters(c: Checker, value: Any) -> list:
-    from paged.filters import Filter
-
     if value is None:
         return []
     items = [value] if isinstance(value, Filter) else value
@@ -103,8 +103,6 @@ def _filters(c: Checker, value: Any) -> list:
 
 
 def _embeddings(c: Checker, value: Any) -> list:
-    from paged.embeddings import MMEmbedding
-
     if value is None:
         return []
     items = [value] if isinstance(value, MMEmbedding) else value

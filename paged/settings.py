@@ -158,7 +158,7 @@ class SamplingSettings:
         return 2.0 * self.mirostat_tau if self.mirostat_mu is None else self.mirostat_mu
 
     def device_row(self, seed: int, mirostat_mu: float | None = None) -> dict:
-        """This job's row of `paged.sampling.SamplingRows` (`mirostat_mu`: the job's current mu)."""
+        """This job's row of `paged.device.sampling.SamplingRows` (`mirostat_mu`: the job's current mu)."""
         return dict(
             temperature=self.temperature, top_k=min(self.top_k, BIG), top_p=self.top_p, min_p=self.min_p,
             typical=self.typical, repetition_penalty=self.repetition_penalty,

@@ -11,7 +11,8 @@ model, on a virtual clock, so policies can be compared at scales (and on hardwar
   dequantize-then-dot path: a cost of its own); `constant(s)` for hand-checkable tests, `fit(samples)`
   (non-negative least squares) for measured step times. Saved as JSON with the device and model it was measured on
   (`experiments/profile_step.py --fit_out` writes one; `experiments/results/` holds the 2-core CPU + SmolLM2 fit).
-- `SimulatedEngine`: implements `paged.engine_api.EngineProtocol`. Tokens come from the deterministic fake model of
+- `SimulatedEngine`: implements `paged.device.engine_api.EngineProtocol`. Tokens come from the deterministic fake model
+of
   `paged.testing.FakeEngine` (next token = last token + 1); each `run` advances its `clock` (a `VirtualClock`) by
   the model's prediction for the step's shape. A generator built on it takes that clock (`DynamicGenerator(engine=
   sim)`), so arrival, TTFT, ITL and queue times are virtual seconds.
@@ -32,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from paged.buckets import BucketSpec
 from paged.clock import VirtualClock
-from paged.config import EngineConfig
-from paged.engine_api import StepOutput
+from paged.device.buckets import BucketSpec
+from paged.device.config import EngineConfig
+from paged.device.engine_api import StepOutput
 from paged.errors import InvalidConfigError
 from paged.testing import FakeEngine
 

@@ -17,9 +17,9 @@ import random
 
 import numpy as np
 
-from paged.buckets import BucketSpec
-from paged.config import EngineConfig
-from paged.engine_api import StepOutput
+from paged.device.buckets import BucketSpec
+from paged.device.config import EngineConfig
+from paged.device.engine_api import StepOutput
 from paged.errors import InvalidConfigError
 
 
@@ -64,7 +64,7 @@ class FakeEngine:
                  max_prefill_rows=1, vocab_size=258, script=None, record=True, config=None):
         """`record=False` keeps no history (`calls`, `written`): for long simulations (a `script` needs the
         written cache). `config`: an `EngineConfig` to use instead of the size arguments."""
-        # implements paged.engine_api.EngineProtocol
+        # implements paged.device.engine_api.EngineProtocol
         if config is None:
             config = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
                                   max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
@@ -88,7 +88,7 @@ class FakeEngine:
     def run(self, rows, *, return_top_k=0, return_logits=False, num_steps=1, draft_logprobs=None):
         if any(getattr(r, "verify", False) for r in rows):
             return self._run_verify(rows, return_top_k, return_logits)
-        if num_steps > 1:  # like paged.step.decode_steps: each sampled token is fed back as the next input
+        if num_steps > 1:  # like paged.device.step.decode_steps: each sampled token is fed back as the next input
             self.bursts.append(num_steps)
             outs = []
             for _ in range(num_steps):
@@ -154,7 +154,8 @@ class FakeEngine:
         self.verify_len = num_draft_tokens + 1
 
     def _run_verify(self, rows, return_top_k, return_logits):
-        """Results per position `[n, W]` and `num_accepted [n]`, as `paged.engine.Engine` returns them: position j of
+        """Results per position `[n, W]` and `num_accepted [n]`, as `paged.device.engine.Engine` returns them: position
+        j of
         a verification row is sampled from the row cut after its j-th token (with `position_bias[j]`), drafts are
         accepted while they equal those samples, and the sample at the first mismatch (or after the last draft) ends
         the row's tokens (-1 after it)."""

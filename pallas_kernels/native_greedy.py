@@ -1,6 +1,7 @@
 """The native CPU greedy normalisation: `cpu/greedy_final.cc` through `jax.ffi`.
 
-A batch whose rows are all greedy with nothing adjusting their logits samples through `paged.sampling.greedy_final`:
+A batch whose rows are all greedy with nothing adjusting their logits samples through
+`paged.device.sampling.greedy_final`:
 final = log_softmax(logits), token = the first maximal logit (the first NaN of a row that has one, as
 `jnp.argmax`), logprob = final[token]. XLA:CPU runs its formulation as separate passes over [S, V]: 0.12 ms for one
 row of SmolLM2's 49152 logits and 0.25 ms for the five positions of a verification row, more than the LM head's
@@ -10,7 +11,7 @@ XLA's (the kernel's exp is Cephes' polynomial, its sum in another order). Under 
 device normalises every row (correct, not split).
 
 `unavailable_reason()` says why it cannot run here (the library's reasons, a library built without it, or
-`JPG_NATIVE_GREEDY=0`, which keeps XLA's formulation), None when it can; `paged.sampling.greedy_final` uses it on
+`JPG_NATIVE_GREEDY=0`, which keeps XLA's formulation), None when it can; `paged.device.sampling.greedy_final` uses it on
 the CPU where it can.
 """
 

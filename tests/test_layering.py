@@ -155,7 +155,7 @@ def test_checker_flags_upward_imports_anywhere_in_a_file(tmp_path):
                 return quantize
 
             import importlib
-            importlib.import_module("paged.engine")
+            importlib.import_module("paged.device.engine")
             """,
         "pallas_kernels/sub/__init__.py": "from .. import k\nfrom ..k import f\n",
         "models/__init__.py": "",
@@ -164,21 +164,21 @@ def test_checker_flags_upward_imports_anywhere_in_a_file(tmp_path):
             from pallas_kernels import k
             from . import other
             if TYPE_CHECKING:
-                import paged.state
+                import paged.device.state
             """,
         "models/other.py": "import tests.fakes\n",
     })
     kernels = violations("pallas_kernels", root)
     assert [v.split(":")[:2] for v in kernels] == [
         ["pallas_kernels/k.py", "5 imports models.quant"],
-        ["pallas_kernels/k.py", "9 imports paged.engine"],
+        ["pallas_kernels/k.py", "9 imports paged.device.engine"],
     ], kernels
     assert "must not import models (a package above it); it may import no project package" in kernels[0]
     sub = root / "pallas_kernels/sub/__init__.py"
     assert [i.module for i in imports_of(sub, root)] == ["pallas_kernels", "pallas_kernels.k"]  # relative, resolved
     models = violations("models", root)
     assert [v.split(": ")[0] for v in models] == [
-        "models/m.py:5 imports paged.state",
+        "models/m.py:5 imports paged.device.state",
         "models/other.py:1 imports tests.fakes",
     ]
     assert "a project directory that is no layer" in models[1]

@@ -38,7 +38,7 @@ def cpu_model() -> str | None:
 def device_info() -> dict:
     import jax
 
-    from paged.cpu_runtime import runtime_info
+    from paged.device.cpu_runtime import runtime_info
 
     try:
         usable = len(os.sched_getaffinity(0))

@@ -125,7 +125,7 @@ def leaf_bytes(tree) -> int:
 
 def model_cost(cfg, params, cache_state=None, cache_itemsize: int = 4) -> ModelCost:
     """Work constants of a Llama-family `cfg` / `params` (a `models.weights.Weights`) and KV cache
-    (`paged.state.EngineState`, for its dtype and int8 scales)."""
+    (`paged.device.state.EngineState`, for its dtype and int8 scales)."""
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv, layers = cfg.num_heads, cfg.num_kv_heads, cfg.num_layers
     per_layer = h * (nq + 2 * nkv) * d + nq * d * h + h * 2 * f + f * h
@@ -143,7 +143,7 @@ def model_cost(cfg, params, cache_state=None, cache_itemsize: int = 4) -> ModelC
 
 
 def engine_cost(engine) -> ModelCost | None:
-    """`model_cost` of a real `paged.engine.Engine`; None for engines without a model (fakes)."""
+    """`model_cost` of a real `paged.device.engine.Engine`; None for engines without a model (fakes)."""
     model = getattr(engine, "model", None)
     cfg = getattr(engine, "cfg", None) or getattr(model, "config", None)
     if model is None or cfg is None or getattr(model, "params", None) is None:

@@ -1,4 +1,4 @@
-"""Scheduling policies (decisions only; the mechanism is `paged.scheduler`). See `base.py` for the hooks.
+"""Scheduling policies (decisions only; the mechanism is `paged.host.scheduler`). See `base.py` for the hooks.
 
 | name | admission order | pages | preempts | source |
 |---|---|---|---|---|

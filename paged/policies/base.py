@@ -1,6 +1,7 @@
 """The policy interface: what a scheduling policy decides, and the view of the scheduler it decides with.
 
-The mechanism (`paged.scheduler.Scheduler`, driven by `DynamicGenerator`) owns the page pool, the batch rows and the
+The mechanism (`paged.host.scheduler.Scheduler`, driven by `DynamicGenerator`) owns the page pool, the batch rows and
+the
 token budgets; it asks the policy four questions and enforces the answers:
 
 - `order(waiting, s)`: in which order waiting jobs are considered;
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from paged.config import EngineConfig
+from paged.device.config import EngineConfig
 from paged.job import Job
 
 ALLOCATIONS = ("reserve", "on_demand")
 
 
 class SchedulerView(Protocol):
-    """What a policy sees of the scheduler (implemented by `paged.scheduler.SchedulerView`)."""
+    """What a policy sees of the scheduler (implemented by `paged.host.scheduler.SchedulerView`)."""
 
     config: EngineConfig  # page_size, max_batch_size, max_chunk_size (the default token budget), num_pages, ...
     running: list[Job]  # the running jobs, in admission order (do not modify: use preempt())

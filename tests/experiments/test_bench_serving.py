@@ -13,7 +13,7 @@ from absl import app, flags
 from experiments.serving import hardware, metrics, runner, workloads
 from experiments.serving.metrics import RequestRecord
 from paged import DynamicGenerator
-from tests.paged.fakes import ByteTokenizer, FakeEngine
+from paged.testing import ByteTokenizer, FakeEngine
 
 SPECIAL = sorted(ByteTokenizer.special_token_ids)
 

@@ -31,7 +31,7 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     from experiments.common import chat_prompt, workload
     from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
-    from paged.ngram_corpus import NgramCorpus
+    from paged.speculation.ngram_corpus import NgramCorpus
 
     model = load_model(str(model_dir), quant="int8")
     gen = DynamicGenerator(model, max_batch_size=2, max_seq_len=256)
@@ -67,7 +67,7 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
         "none": 3, "ngram": 3, "ngram_adaptive": 3, "corpus": 3}
     assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
     assert runs[("ngram", 1)]["draft_acceptance"] == "rejection" and runs[("none", 1)]["draft_acceptance"] is None
-    assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.cpu_runtime)
+    assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.device.cpu_runtime)
     assert rec["flags"]["fuse_sampler"] is False and not any(r["fuse_sampler"] for r in rec["runs"])
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=ngram", "--batch_sizes=1", "--num_prompts=1",
                   "--workloads=copy", "--max_new_tokens=4", "--nowarmup", "--temperature=1",

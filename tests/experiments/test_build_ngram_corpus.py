@@ -11,7 +11,7 @@ import sys
 import pytest
 from absl import app
 
-from paged.ngram_corpus import NgramCorpus
+from paged.speculation.ngram_corpus import NgramCorpus
 from tests.experiments.test_generate import engine_args, flags_set, generate, model_dir, read_jsonl, run_main  # noqa: F401
 
 pytest.importorskip("torch")

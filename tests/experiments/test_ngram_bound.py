@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from paged.ngram import Replay, replay
+from paged.speculation.ngram import Replay, replay
 from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
 
 
@@ -62,7 +62,7 @@ def test_replay_policies_choose_how_many_drafts_a_step_verifies():
     with pytest.raises(ValueError, match="policy"):
         replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="some")
     # gate: the generator's DraftGate decides; free verification (rho 0) verifies every proposal, as "all"
-    from paged.draft_gate import DraftGate
+    from paged.speculation.draft_gate import DraftGate
 
     free = DraftGate(4, token_cost=0.0)
     assert replay(prompt, out, k=4, max_ngram=2, max_new_tokens=100, policy="gate", gate=free) == Replay(
@@ -111,7 +111,7 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     from experiments.common import chat_prompt, workload
     from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
-    from paged.ngram_corpus import NgramCorpus
+    from paged.speculation.ngram_corpus import NgramCorpus
 
     model = load_model(str(model_dir))
     gen = DynamicGenerator(model, max_batch_size=1, max_seq_len=min(1024, model.config.max_position_embeddings))

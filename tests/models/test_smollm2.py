@@ -51,8 +51,8 @@ def hf_greedy(hf, ids: list[int]) -> list[int]:
 
 
 def engine_greedy(model, ids: list[int]) -> list[int]:
-    from paged.batch import RowInput
-    from paged.engine import Engine
+    from paged.device.batch import RowInput
+    from paged.device.engine import Engine
 
     engine = Engine(model, num_pages=8, page_size=64, max_batch_size=1, max_chunk_size=64, max_seq_len=256)
     pages = list(range(1, 8))

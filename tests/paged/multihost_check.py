@@ -1,5 +1,6 @@
 """Run by tests/paged/test_multihost.py as two processes on localhost (`python -m tests.paged.multihost_check
-PROCESS_ID NUM_PROCESSES PORT`), each with 2 virtual CPU devices, joined by `paged.sharding.initialize_distributed`:
+PROCESS_ID NUM_PROCESSES PORT`), each with 2 virtual CPU devices, joined by
+`paged.device.sharding.initialize_distributed`:
 both run the same generator over a `dp=2,tp=2` mesh spanning all 4 devices, with the same jobs, the way a multi-host
 user launches it. Each prints one JSON object of what it saw; the test compares them with each other and with one
 device in its own process."""
@@ -44,7 +45,7 @@ def run(mesh: str) -> tuple[object, dict]:
 
 def main():
     process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
-    from paged.sharding import initialize_distributed, is_main_process
+    from paged.device.sharding import initialize_distributed, is_main_process
 
     initialize_distributed(f"localhost:{port}", num_processes, process_id, local_cpu_devices=2)
     import jax

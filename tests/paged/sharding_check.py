@@ -18,10 +18,10 @@ import jax  # noqa: E402
 from models import ModelConfig, init_random_weights, quant  # noqa: E402
 from models.loader import Model  # noqa: E402
 from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
-from paged.batch import RowInput, build_batch  # noqa: E402
-from paged.engine import forward_shape  # noqa: E402
+from paged.device.batch import RowInput, build_batch  # noqa: E402
+from paged.device.engine import forward_shape  # noqa: E402
+from paged.device.step import forward_inputs, step_forward  # noqa: E402
 from paged.errors import InvalidConfigError  # noqa: E402
-from paged.step import forward_inputs, step_forward  # noqa: E402
 from paged.testing import ByteTokenizer, drain  # noqa: E402
 from pallas_kernels import native  # noqa: E402
 from tests.paged.test_sharding import QUANT_MESHES  # noqa: E402
@@ -148,7 +148,7 @@ def draft_model_check(greedy, ref) -> dict:
     to the target's forward) follow the target's mesh, and after warmup nothing compiles: the state a step returns is
     the same argument as the state `shard_state` placed."""
     from models.draft import truncated_model
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     spec = dict(draft_model=truncated_model(MODEL, 1), num_draft_tokens=3)
     g = DynamicGenerator(MODEL, mesh="tp=2", **spec, **SETTINGS)  # first: the draft's variants are new here

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.async_generator import AsyncDynamicGenerator
-from tests.paged.fakes import ByteTokenizer, FakeEngine
+from paged.host.async_generator import AsyncDynamicGenerator
+from paged.testing import ByteTokenizer, FakeEngine
 
 TOK = ByteTokenizer()
 

@@ -26,7 +26,7 @@ from paged.compat import (
 )
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
 from paged.filters import ChoiceFilter, RegexFilter
-from tests.paged.fakes import ByteTokenizer
+from paged.testing import ByteTokenizer
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,

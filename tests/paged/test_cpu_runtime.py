@@ -1,4 +1,4 @@
-"""paged.cpu_runtime: the CPU client's dispatch mode, set before JAX's backend starts.
+"""paged.device.cpu_runtime: the CPU client's dispatch mode, set before JAX's backend starts.
 
 The mode is fixed when the backend starts, and this test process's backend has started long before: the checks that
 need a fresh backend run in a subprocess each."""

@@ -1,4 +1,5 @@
-"""Draft bursts dispatched ahead (`paged.draft.DraftModel.ahead`) on tiny random models: the streams and acceptance
+"""Draft bursts dispatched ahead (`paged.speculation.draft.DraftModel.ahead`) on tiny random models: the streams and
+acceptance
 of the bursts that wait for the results, and a rewind drops the burst. A module of its own: each module's compiled
 programs are released after it (tests/conftest.py), and these generators compile bursts of their own."""
 
@@ -57,7 +58,7 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
     once (jobs finish and join, so bursts ahead are dropped): the same streams and the same acceptance as with the
     bursts after the results, pages exact. One job at a time after `warmup()`: the bursts that go ahead run the
     compiled window that warm-up made for the catch-up bursts (`draft_burst_jit(window=)`), and nothing compiles."""
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     spec = dict(draft_model=MODEL if draft == "self" else OTHER, num_draft_tokens=2)
     out = {}
@@ -93,7 +94,7 @@ def test_a_failed_step_does_not_hand_its_burst_ahead_to_the_retry(monkeypatch):
     already sent the next burst ahead from its results; that burst drafted a whole verification further on, so the
     retry must not take it (`DraftModel.drop_ahead`): with the target drafting for itself every draft is still
     accepted, and the stream is plain decoding's."""
-    import paged.engine as engine_mod
+    import paged.device.engine as engine_mod
     from paged.errors import StepError
 
     def run(fail_at=None):

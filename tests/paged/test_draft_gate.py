@@ -1,4 +1,5 @@
-"""Adaptive speculation (`paged.draft_gate.DraftGate`, `DynamicGenerator(adaptive_draft=True)`): the acceptance model,
+"""Adaptive speculation (`paged.speculation.draft_gate.DraftGate`, `DynamicGenerator(adaptive_draft=True)`): the
+acceptance model,
 the step-cost model and the decisions by hand; on the fake engines, that a step verifies only where the drafts are
 expected to pay (fewer verification rows where prompt lookup is poor, as many where it is good, all of them at zero
 cost) while the stream stays the non-speculative one."""
@@ -9,8 +10,8 @@ import pytest
 
 from paged import DynamicGenerator
 from paged import draft_gate as dg
-from paged.draft_gate import DraftGate
 from paged.errors import InvalidConfigError
+from paged.speculation.draft_gate import DraftGate
 from paged.testing import FakeEngine
 from tests.paged.test_speculative_generator import (
     MODEL,
@@ -68,7 +69,7 @@ def test_decisions_follow_gain_against_cost_and_explore(monkeypatch):
     assert g.gated_steps == 1 + 6 and g.explored_steps == 2
     assert g.stats()["acceptance_by_class"] == {3: 0.0}
     monkeypatch.setattr(dg.jax, "default_backend", lambda: "cpu")
-    assert DraftGate(4).rho == dg.TOKEN_COST["cpu"] == 0.12  # measured (paged/draft_gate.py)
+    assert DraftGate(4).rho == dg.TOKEN_COST["cpu"] == 0.12  # measured (paged/speculation/draft_gate.py)
     monkeypatch.setattr(dg.jax, "default_backend", lambda: "gpu")  # a GPU: verification nearly free
     assert DraftGate(4).rho == DraftGate(4, token_cost=None).rho == dg.TOKEN_COST["gpu"] < dg.TOKEN_COST["cpu"]
 
@@ -137,7 +138,8 @@ def test_invalid_adaptive_arguments():
 
 
 def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
-    """With a draft model, a decode row that does not draft in a step is not mirrored on the draft (`paged.draft`): a
+    """With a draft model, a decode row that does not draft in a step is not mirrored on the draft
+    (`paged.speculation.draft`): a
     step the gate closes runs no draft forward over its decode rows (but for a row whose token fills its page), and
     when the job next drafts, the draft feeds the tokens it missed as catch-up chunks. With the target drafting for
     itself every draft is then accepted, and the draft cache holds the target's K/V wherever it records it as

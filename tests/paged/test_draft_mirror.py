@@ -1,4 +1,5 @@
-"""What a draft model's cache holds (`paged.draft.DraftModel`): wherever it records a job's tokens as written, the
+"""What a draft model's cache holds (`paged.speculation.draft.DraftModel`): wherever it records a job's tokens as
+written, the
 target's K/V (the target drafting for itself, so the two caches must agree), through the cases where the draft lags
 the target: a step whose decode rows do not draft (no room in the last page, the gate closed, a banned-string rewind
 before it) and a job that never drafts, whose pages the prompt cache then shares."""

@@ -11,8 +11,7 @@ from models.loader import Model
 from paged import DynamicGenerator, Job, MMEmbedding, SamplingSettings
 from paged.embeddings import RESERVED_ID_BASE, encode_with_embeddings
 from paged.errors import InvalidJobError
-from paged.testing import ByteTokenizer, FakeEngine
-from tests.paged.fakes import drain
+from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,

@@ -21,11 +21,10 @@ from models import ModelConfig, init_random_weights
 from models.loader import Model
 from models.lora import projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.async_generator import AsyncDynamicGenerator
 from paged.errors import InvalidConfigError, JobFailure, StepError
 from paged.filters import RegexFilter
-from paged.testing import FaultInjector, InjectedFault
-from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
+from paged.host.async_generator import AsyncDynamicGenerator
+from paged.testing import ByteTokenizer, FakeEngine, FaultInjector, InjectedFault, drain
 
 GREEDY = SamplingSettings.greedy()
 POISON = 250  # the failing tokenizer raises on this token

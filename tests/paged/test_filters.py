@@ -19,7 +19,8 @@ from models import ModelConfig, init_random_weights
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged import generator as generator_module
-from paged.batch import mask_words
+from paged.device.batch import mask_words
+from paged.device.sampling import apply_token_mask
 from paged.errors import InvalidJobError
 from paged.filters import (
     ChoiceFilter,
@@ -32,7 +33,6 @@ from paged.filters import (
     ll_tokenizer,
     mask_allows,
 )
-from paged.sampling import apply_token_mask
 from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>
@@ -329,7 +329,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
 
 
 def test_real_model_sampled_outputs_always_follow_the_grammar_across_seeds():
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     gen = DynamicGenerator(MODEL, **SETTINGS)
     plain = [Job([1, 2, 3], 8, gen_settings=HOT, seed=s, identifier=f"p{s}") for s in range(2)]

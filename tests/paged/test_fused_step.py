@@ -1,5 +1,5 @@
 """`fuse_sampler=True`: a decode-only step's forward and sampler (plain, or a speculative verification's) run as one
-program (`paged.step.fused_step_jit`, `paged.speculative.verify_step_jit`). The results are those of the two
+program (`paged.device.step.fused_step_jit`, `paged.device.verify.verify_step_jit`). The results are those of the two
 programs, greedy and sampled rows, per-token extras and drafts alike; each setting takes its own path; `warmup()`
 compiles exactly the variants serving then uses."""
 
@@ -11,12 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-import paged.engine as engine_mod
-import paged.speculative as spec_mod
+import paged.device.engine as engine_mod
 from models.draft import truncated_model
 from paged import DynamicGenerator, Job, SamplingSettings
+from paged.device.engine import count_compiles
 from paged.errors import InvalidConfigError
-from paged.step import count_compiles
 from paged.testing import drain
 from tests.paged.test_speculative_generator import MODEL, SETTINGS, TOK
 from tests.paged.test_warmup import count_jax_compiles
@@ -53,7 +52,7 @@ def spy_paths(monkeypatch) -> collections.Counter:
         return f
 
     for mod, name in ((engine_mod, "fused_step_jit"), (engine_mod, "step_forward"), (engine_mod, "step_sample"),
-                      (spec_mod, "verify_step_jit"), (spec_mod, "verify_sample")):
+                      (engine_mod, "verify_step_jit"), (engine_mod, "verify_sample")):
         monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
     return calls
 

@@ -10,10 +10,9 @@ from models import ModelConfig, init_random_weights
 from models.llama import greedy_generate
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.testing import quantized_tiny_model
+from paged.testing import drain, quantized_tiny_model
 from pallas_kernels import native_attention
 from pallas_kernels.native import unavailable_reason as native_unavailable
-from tests.paged.fakes import drain
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -201,7 +200,7 @@ def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
 
 
 def test_warmup_compiles_every_bucket_once_and_forgets_the_prompt_cache():
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     def forwards() -> int:  # the forward of each bucket: alone, or with its sampler in one program (decode-only)
         c = count_compiles()
@@ -242,7 +241,7 @@ def test_generator_output_with_other_attention_impls_and_int8_cache(attn_impl, c
 
 @pytest.mark.slow  # fast tier: a lighter test covers the same path
 def test_multi_step_decode_matches_single_steps_token_for_token():
-    """decode_steps=4 runs bursts through `paged.step.decode_steps`: greedy, seeded sampling and penalties (whose
+    """decode_steps=4 runs bursts through `paged.device.step.decode_steps`: greedy, seeded sampling and penalties (whose
     window is the history bucket) give the same tokens and probabilities as one step per iterate."""
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(0, 96, size=n)) for n in (5, 12, 7)]
@@ -263,7 +262,7 @@ def test_multi_step_decode_matches_single_steps_token_for_token():
         return c, g, calls
 
     one, g1, calls1 = run(1)
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     warm = DynamicGenerator(MODEL, num_pages=24, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=48,
                             max_penalty_range=64, decode_steps=4)

@@ -7,7 +7,7 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
-from tests.paged.fakes import ByteTokenizer, Collected, FakeEngine, drain, fake_logprob, fake_top_k
+from paged.testing import ByteTokenizer, Collected, FakeEngine, drain, fake_logprob, fake_top_k
 
 TOK = ByteTokenizer()
 

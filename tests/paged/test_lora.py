@@ -21,8 +21,8 @@ from models.errors import (
 from models.loader import Model
 from models.lora import PROJECTIONS, load_lora, projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
+from paged.device.engine import count_compiles
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError, NonFiniteAdapterError
-from paged.step import count_compiles
 from paged.testing import ByteTokenizer, drain
 
 TOK = ByteTokenizer()

@@ -1,4 +1,4 @@
-"""Several processes (`paged.sharding.initialize_distributed`, JAX's multi-controller model): two processes on
+"""Several processes (`paged.device.sharding.initialize_distributed`, JAX's multi-controller model): two processes on
 localhost, 2 virtual CPU devices each, run the same generator over one `dp=2,tp=2` mesh spanning both
 (`tests/paged/multihost_check.py`). They must produce the same results as each other (the unseeded job too: its seed
 comes from process 0) and as one device, with the cache split across both processes' devices."""
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from paged.device.sharding import initialize_distributed, is_main_process, shared_seed
 from paged.errors import InvalidConfigError
-from paged.sharding import initialize_distributed, is_main_process, shared_seed
 from tests.paged import multihost_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

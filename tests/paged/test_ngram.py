@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged.ngram import NgramIndex
+from paged.speculation.ngram import NgramIndex
 
 
 def brute(tokens: list[int], max_ngram: int, k: int) -> list[int]:

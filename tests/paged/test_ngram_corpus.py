@@ -1,4 +1,5 @@
-"""The n-gram drafter's corpus table (`paged.ngram_corpus`): building, chained proposals, files, the combined
+"""The n-gram drafter's corpus table (`paged.speculation.ngram_corpus`): building, chained proposals, files, the
+combined
 drafter, and a generator given `ngram_corpus=` (output unchanged, drafts taken from the table)."""
 
 from __future__ import annotations
@@ -8,8 +9,15 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidConfigError, InvalidConfigTypeError
-from paged.ngram import NgramIndex, replay
-from paged.ngram_corpus import FORMAT, NgramCorpus, NgramCorpusError, corpus_class, load_corpus, propose_lookup
+from paged.speculation.ngram import NgramIndex, replay
+from paged.speculation.ngram_corpus import (
+    FORMAT,
+    NgramCorpus,
+    NgramCorpusError,
+    corpus_class,
+    load_corpus,
+    propose_lookup,
+)
 from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()

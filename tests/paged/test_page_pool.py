@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from paged import Job, SamplingSettings
 from paged.errors import JobTooLargeError
-from paged.page_pool import PagePool, chain_hashes
-from tests.paged.fakes import ByteTokenizer, FakeEngine
+from paged.host.page_pool import PagePool, chain_hashes
+from paged.testing import ByteTokenizer, FakeEngine
 
 TOK = ByteTokenizer()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from paged import DynamicGenerator, Job
-from paged.config import EngineConfig
+from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError, InvalidConfigTypeError, PolicyError, StepError
 from paged.policies import POLICIES, LongestPrefixMatch, Policy, make_policy, register_policy
 from paged.sim import SimulatedEngine, StepTimeModel

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged.sampling import SamplingRows, apply_dry, apply_penalties, processed_logprobs, sample
+from paged.device.sampling import SamplingRows, apply_dry, apply_penalties, processed_logprobs, sample
 from paged.token_sets import pack, unpack
 
 S, V, R = 24, 256, 24
@@ -355,7 +355,7 @@ def test_token_sets_pack_as_the_device_reads_them():
     ids = [0, 5, 31, 32, 63, 64, 255]
     words = pack(ids, V)
     assert list(unpack(words, V)) == ids
-    from paged.sampling import token_bits
+    from paged.device.sampling import token_bits
     bits = np.asarray(token_bits(jnp.asarray(words[None]), jnp.arange(V, dtype=jnp.int32)[None]))[0]
     assert list(np.flatnonzero(bits)) == ids
 
@@ -368,9 +368,8 @@ from models import ModelConfig, init_random_weights  # noqa: E402
 from models.loader import Model  # noqa: E402
 from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
 from paged.errors import InvalidJobError, InvalidSettingsError  # noqa: E402
-from paged.testing import ByteTokenizer  # noqa: E402
+from paged.testing import ByteTokenizer, drain  # noqa: E402
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, tokens_with_chars  # noqa: E402
-from tests.paged.fakes import drain  # noqa: E402
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -497,7 +496,7 @@ def test_default_token_sets_come_from_the_tokenizer():
 def test_options_compile_nothing_after_warmup():
     """Every option is a runtime value: after warmup(), jobs using all of them (mixed with plain ones) compile no
     new variant."""
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     g = DynamicGenerator(MODEL, **GEN)
     g.warmup()

@@ -1,4 +1,4 @@
-"""Tests for paged/sampling.py against an independent NumPy reference (float64, per-row loops)."""
+"""Tests for paged/device/sampling.py against an independent NumPy reference (float64, per-row loops)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged.sampling import (
+from paged.device.sampling import (
     NEUTRAL,
     SampleOutput,
     SamplingRows,
@@ -643,7 +643,7 @@ def _plain_args(s: int, v: int, **over: Any) -> dict[str, Any]:
 
 
 def test_plain_greedy_only_where_nothing_adjusts_the_logits() -> None:
-    from paged.sampling import plain_greedy
+    from paged.device.sampling import plain_greedy
 
     s, v = 3, 64
     greedy = SamplingRows.make(s)
@@ -670,7 +670,7 @@ def test_plain_greedy_only_where_nothing_adjusts_the_logits() -> None:
 def test_plain_greedy_matches_the_general_path(s: int) -> None:
     """`greedy_final` (what `sample_final` runs for a plain greedy batch) against the general path on the same
     logits: the same tokens, the distribution and log-probabilities within a rounding; ties go to the first index."""
-    from paged.sampling import _sample_final, greedy_final
+    from paged.device.sampling import _sample_final, greedy_final
 
     rng = np.random.default_rng(100 + s)
     v = 1000
@@ -691,7 +691,7 @@ def test_plain_greedy_matches_the_general_path(s: int) -> None:
 def test_sample_final_takes_the_plain_greedy_path_only_when_it_applies(monkeypatch) -> None:
     """The switch: a plain greedy batch runs `greedy_final` (here replaced by a marker), any batch that adjusts its
     logits or samples does not."""
-    import paged.sampling as sampling
+    import paged.device.sampling as sampling
 
     s, v = 2, 64
     logits = jnp.asarray(np.random.default_rng(5).standard_normal((s, v)).astype(np.float32))
@@ -715,7 +715,7 @@ def test_greedy_token_is_the_first_maximal_logit_on_both_paths() -> None:
     """Two logits one float apart at V = 50000: normalising rounds them to the same log-probability, and the token
     must still be the larger logit's on the plain path, on the general path, and for a greedy row batched with a
     sampled one (its token must not depend on the other rows); a NaN row gives its first NaN on both paths."""
-    import paged.sampling as sampling
+    import paged.device.sampling as sampling
 
     v = 50000
     rng = np.random.default_rng(7)

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`EngineConfig.mesh="tp=N"`, `paged/sharding.py`). The multi-device checks run in a fresh
+"""Tensor parallelism (`EngineConfig.mesh="tp=N"`, `paged/device/sharding.py`). The multi-device checks run in a fresh
 process with 4 virtual CPU devices (`tests/paged/sharding_check.py`): greedy and seeded sampled outputs with tp=2 and
 tp=4 identical to one device (mixed prefill/decode steps, a shared prefix served from the cache, a cancelled job, an
 int8 cache), the cache really split by KV head, and no all-gather of the cache in the compiled step. The rest runs
@@ -18,7 +18,7 @@ from models import ModelConfig, init_random_weights
 from models.loader import Model
 from paged import DynamicGenerator
 from paged import sharding as sh
-from paged.config import EngineConfig
+from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer
 

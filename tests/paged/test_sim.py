@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.batch import RowInput
-from paged.buckets import BucketSpec
 from paged.clock import VirtualClock
-from paged.config import EngineConfig
-from paged.engine_api import EngineProtocol
+from paged.device.batch import RowInput
+from paged.device.buckets import BucketSpec
+from paged.device.config import EngineConfig
+from paged.device.engine_api import EngineProtocol
 from paged.errors import InvalidConfigError
 from paged.policies import VLLMPolicy
 from paged.sim import FEATURES, SimulatedEngine, StepShape, StepTimeModel

@@ -12,10 +12,12 @@ import pytest
 from models import ModelConfig, init_random_weights
 from models.draft import reduced_head, truncated_model
 from models.loader import Model
-from paged.batch import RowInput
-from paged.engine import Engine
+from paged.device.batch import RowInput
+from paged.device.engine import Engine
+from paged.device.verify import _gumbel_argmax, _point_keys, accept_drafts, residual_fits
 from paged.errors import InvalidConfigError
-from paged.speculative import SpecRow, Speculator, _gumbel_argmax, _point_keys, accept_drafts, residual_fits
+from paged.speculation.rows import SpecRow
+from paged.speculation.speculator import Speculator
 from paged.token_sets import pack
 
 # each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
@@ -191,7 +193,7 @@ def test_the_residual_draw_over_candidates_is_the_full_draw(kept):
     """The correction after a rejection (`_gumbel_argmax`) draws only the noise of the candidates when every row
     has at most RESIDUAL_CANDIDATES (64) drawable tokens: the same token as argmax(lr + the full draw's noise);
     with a wider row (65, 1000: every token) the full draw. The row with `kept` drawable tokens is the first."""
-    from paged.sampling import threefry_draws_supported
+    from paged.device.sampling import threefry_draws_supported
 
     assert threefry_draws_supported()  # else every draw is the full one and this compares it with itself
     s, v = 48, 1000

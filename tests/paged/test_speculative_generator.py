@@ -339,8 +339,9 @@ def same_stream(a, b):
 
 
 def corpus_of(reference, jobs=(0, 1)):
-    """A corpus table (`paged.ngram_corpus`) of a run's outputs for some of its jobs, with their prompts' tails."""
-    from paged.ngram_corpus import NgramCorpus
+    """A corpus table (`paged.speculation.ngram_corpus`) of a run's outputs for some of its jobs, with their prompts'
+    tails."""
+    from paged.speculation.ngram_corpus import NgramCorpus
 
     outs = {i: [t for r in rs for t in r["token_ids"]] for i, rs in stream_of(reference.results).items()}
     return NgramCorpus.build([TOK.encode(PROMPTS[i])[-4:] + outs[i] for i in jobs], CFG.vocab_size, min_count=1)
@@ -356,7 +357,7 @@ def greedy_reference():
 def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
     """Four jobs of different prompt lengths: the long prompts prefill (one chunk per step) while the short ones
     already speculate, so verification rows and prefill chunks share steps. "corpus": prompt lookup with a corpus
-    table (`paged.ngram_corpus`) of the model's own outputs on the first two prompts."""
+    table (`paged.speculation.ngram_corpus`) of the model's own outputs on the first two prompts."""
     spec = {"self": dict(draft_model=MODEL), "unrelated": dict(draft_model=OTHER),
             "ngram": dict(use_ngram_draft=True, max_ngram=3), "corpus": None}[drafter]
     if drafter == "corpus":

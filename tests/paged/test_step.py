@@ -11,10 +11,10 @@ import pytest
 
 from models import ModelConfig, init_random_weights
 from models.llama import forward
-from paged.batch import RowInput, build_batch
-from paged.buckets import BucketSpec
-from paged.state import EngineState
-from paged.step import decode_burst, step
+from paged.device.batch import RowInput, build_batch
+from paged.device.buckets import BucketSpec
+from paged.device.state import EngineState
+from paged.device.step import decode_burst, step
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
@@ -204,7 +204,7 @@ def test_jax_compilation_is_bucketed():
         spec.shape_for([257], 0, 1, 0)
 
     # Real steps: batches of different sizes in one bucket compile once; each new bucket compiles once more.
-    from paged.step import count_compiles
+    from paged.device.engine import count_compiles
 
     cfg = dataclasses.replace(CFG, rope_theta=12345.0)  # a config no other test uses: none of its variants exist yet
     small = BucketSpec(max_batch_size=4, max_chunk_size=16, max_pages_per_row=2, max_prefill_rows=1, page_size=8,
@@ -279,7 +279,7 @@ def test_context_and_prefill_buckets_double():
 
 def test_engine_run_accounts_its_wall_time():
     from models.loader import Model
-    from paged.engine import Engine
+    from paged.device.engine import Engine
 
     eng = Engine(Model(config=CFG, params=PARAMS, tokenizer=None, source="tiny"), num_pages=8, page_size=8,
                  max_batch_size=2, max_chunk_size=8, max_seq_len=32, max_penalty_range=0)

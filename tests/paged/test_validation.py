@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.config import EngineConfig
+from paged.device.config import EngineConfig
 from paged.errors import (
     GeneratorError,
     InvalidConfigError,
@@ -23,7 +23,7 @@ from paged.errors import (
     InvalidSettingsTypeError,
     JobTooLargeError,
 )
-from tests.paged.fakes import ByteTokenizer, FakeEngine, drain
+from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()
 V = TOK.vocab_size

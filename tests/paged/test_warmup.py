@@ -17,11 +17,11 @@ from models import ModelConfig, init_random_weights
 from models.loader import Model
 from models.tokenizer import load_tokenizer_from_dir
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.batch import RowInput, build_batch
-from paged.buckets import BIAS_WIDTH
-from paged.engine import Engine, host_top_k
-from paged.step import TOP_K_WIDTH, count_compiles, lm_head, sample_inputs, step_sample
-from tests.paged.fakes import drain
+from paged.device.batch import RowInput, build_batch
+from paged.device.buckets import BIAS_WIDTH
+from paged.device.engine import Engine, count_compiles, host_top_k
+from paged.device.step import TOP_K_WIDTH, lm_head, sample_inputs, step_sample
+from paged.testing import drain
 
 TOK = load_tokenizer_from_dir("tests/models/data/tiny_bpe")  # 601 ids: enough for ban lists wider than BIAS_WIDTH
 CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -197,7 +197,7 @@ def test_warmup_covers_speculative_steps(drafter):
     beside prefill chunks, greedy and sampled rows, penalties) then compiles nothing. With it off, the variants are
     exactly the plain ones (test_warmup_covers_everything_serving_hits)."""
     from models.draft import truncated_model
-    from paged.speculative import Speculator
+    from paged.speculation.speculator import Speculator
     from tests.paged.test_speculative import _loop
 
     settings = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64,

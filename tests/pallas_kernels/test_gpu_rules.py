@@ -21,9 +21,9 @@ import pytest
 from models import ModelConfig, init_random_weights
 from models.loader import Model
 from models.quant import quantize
-from paged.engine import Engine
+from paged.device.engine import Engine
+from paged.device.step import resolved_attn_impl
 from paged.errors import InvalidConfigError
-from paged.step import resolved_attn_impl
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import registry

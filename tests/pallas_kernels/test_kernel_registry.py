@@ -290,7 +290,7 @@ def test_the_benchmark_checks_then_times_an_external_kernel(kernel_dir):
 def _greedy_tokens(config) -> list[int]:
     from models import ModelConfig, init_random_weights
     from models.loader import Model
-    from paged.generator import DynamicGenerator
+    from paged.host.generator import DynamicGenerator
     from paged.job import Job
     from paged.settings import SamplingSettings
 
@@ -308,7 +308,7 @@ def _greedy_tokens(config) -> list[int]:
 
 @pytest.mark.slow  # fast tier: test_engine_flags_take_paths_and_tunings and the registry tests
 def test_engine_config_takes_import_paths_and_tunings_and_generates_the_same(kernel_dir, monkeypatch):
-    from paged.config import EngineConfig
+    from paged.device.config import EngineConfig
     from pallas_kernels import paged_attention as pa
     from tests.pallas_kernels.helpers import spy
 
@@ -325,7 +325,7 @@ def test_engine_config_takes_import_paths_and_tunings_and_generates_the_same(ker
 
 
 def test_engine_config_rejects_bad_kernels_and_tunings(kernel_dir):
-    from paged.config import EngineConfig
+    from paged.device.config import EngineConfig
     from paged.errors import InvalidConfigError
 
     with pytest.raises(InvalidConfigError, match="attn_impl='flash'.*unknown implementation"):

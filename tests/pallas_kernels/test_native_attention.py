@@ -139,8 +139,8 @@ def test_the_engine_generates_the_same_tokens_as_with_xla_attention(cache_dtype)
     kernel's tokens and log-probabilities against the XLA path's."""
     from models import ModelConfig, init_random_weights
     from models.loader import Model
-    from paged.config import EngineConfig
-    from paged.generator import DynamicGenerator
+    from paged.device.config import EngineConfig
+    from paged.host.generator import DynamicGenerator
     from paged.job import Job
     from paged.settings import SamplingSettings
 

@@ -1,5 +1,5 @@
 """The native greedy normalisation (`pallas_kernels.native_greedy`) against XLA's formulation
-(`paged.sampling.greedy_final_xla`): the same tokens, bit for bit where it matters (ties, NaN, infinities), the
+(`paged.device.sampling.greedy_final_xla`): the same tokens, bit for bit where it matters (ties, NaN, infinities), the
 log-probabilities within a few ulp; and the switch that picks it."""
 
 from __future__ import annotations

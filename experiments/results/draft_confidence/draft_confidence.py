@@ -14,7 +14,7 @@ import numpy as np
 from experiments.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.draft import DraftModel
+from paged.speculation.draft import DraftModel
 
 OUT = "experiments/results/draft_confidence/draft_confidence.json"
 BINS = ((0, .2), (.2, .4), (.4, .6), (.6, .8), (.8, .95), (.95, 1.01))

@@ -9,8 +9,8 @@ import time
 import numpy as np
 
 from models import load_model
-from paged.batch import RowInput
-from paged.engine import Engine
+from paged.device.batch import RowInput
+from paged.device.engine import Engine
 
 draft = load_model("/tmp/draft-topk", load_tokenizer=False, quant="int4")
 k = int(sys.argv[1]) if len(sys.argv) > 1 else 1

@@ -9,7 +9,7 @@ import numpy as np
 from experiments.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.ngram_corpus import NgramCorpus
+from paged.speculation.ngram_corpus import NgramCorpus
 
 m = load_model("smollm2-135m", quant="keep")
 tok = m.tokenizer

@@ -2,7 +2,7 @@
 
 Reads the corpus that gen_corpus.py writes (the model's greedy answers to build_ngram_corpus's default prompt set)
 and the benchmark outputs that gen_workloads.py writes (16 copy and 16 chat prompts, 96 tokens), then replays the
-n-gram drafter with the adaptive gate (`paged.ngram.replay`, policy "gate") for each setting: min_count (the
+n-gram drafter with the adaptive gate (`paged.speculation.ngram.replay`, policy "gate") for each setting: min_count (the
 table's pruning), CORPUS_BELOW (prompt-lookup matches shorter than this give way to the table) and min_confidence
 (the chain's cut). Prints tokens per step and the speed-up predicted at this host's verification prices.
 
@@ -13,9 +13,9 @@ table's pruning), CORPUS_BELOW (prompt-lookup matches shorter than this give way
 
 import pickle
 
-import paged.ngram_corpus as nc
-from paged.draft_gate import DraftGate
-from paged.ngram import Replay, replay
+import paged.speculation.ngram_corpus as nc
+from paged.speculation.draft_gate import DraftGate
+from paged.speculation.ngram import Replay, replay
 
 PRICE = {2: 1.343, 4: 1.529}  # a verification of k + 1 tokens in plain steps (ngram_bound --price on this host)
 pairs = pickle.load(open("/tmp/s26/corpus.pkl", "rb"))

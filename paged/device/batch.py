@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
-from paged.sampling import SamplingRows
-from paged.state import NULL_PAGE, Batch, BatchShape
+from paged.device.sampling import SamplingRows
+from paged.device.state import NULL_PAGE, Batch, BatchShape
 
 
 @dataclasses.dataclass
@@ -40,7 +40,7 @@ class RowInput:
     verify: bool = False
     lora_slot: int = 0  # the LoRA adapter the row's tokens run through (0: none; i: slot i - 1 of the engine's stack)
     # Classifier-free guidance: the row of this job's negative prompt, in the same step (it must sample too); this
-    # row samples from the guided mixture of the two (`paged.sampling.apply_cfg`, scale `sampling["cfg_scale"]`).
+    # row samples from the guided mixture of the two (`paged.device.sampling.apply_cfg`, scale `sampling["cfg_scale"]`).
     cfg_negative: RowInput | None = dataclasses.field(default=None, compare=False, repr=False)
     position_history: Sequence[Sequence[int]] | None = None
     position_bias: Sequence[Mapping[int, float] | None] | None = None
@@ -267,7 +267,8 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
 
 def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None,
                         sample_rows: int | None) -> tuple[Batch, list[int]]:
-    """`build_batch` for a verification bucket (`shape.verify_len` W > 0; see `paged.state`): step rows (verification
+    """`build_batch` for a verification bucket (`shape.verify_len` W > 0; see `paged.device.state`): step rows
+    (verification
     rows, 1-token rows) own W slots each, in input order: windows of a decode-only bucket, or the tail of the last
     prefill window at a stride of W; multi-token non-verification rows are prefill chunks in the windows (the
     longest first). Every row has W sample points; the sampler inputs have `sample_rows * W` rows."""

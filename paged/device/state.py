@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.lora import LoraStack
-from paged.sampling import SamplingRows
+from paged.device.sampling import SamplingRows
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 
 NULL_PAGE = 0
@@ -207,7 +207,7 @@ class Results:
     top_logprobs: jnp.ndarray  # [S, K] float32
     logits: jnp.ndarray | None = None  # [S, V] float32 when requested (pre-sampling, raw model logits)
     final: jnp.ndarray | None = None  # [S, V] float32: the distribution sampled from (`processed_logprobs`)
-    # Verification steps (`paged.speculative.verify_sample`): every field above is per sample point, [S', W, ...];
+    # Verification steps (`paged.device.verify.verify_sample`): every field above is per sample point, [S', W, ...];
     # `token[s, :num_accepted[s] + 1]` are row s's accepted drafts and then the target's next token.
     num_accepted: jnp.ndarray | None = None  # [S'] int32
 

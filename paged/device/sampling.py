@@ -31,7 +31,7 @@ Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler
    - XTC draws from the exact mixture of removing and not removing (ExLlamaV2's deterministic variant, without
      its index bugs); skew reweights the distribution to what ExLlamaV2's warped draw picks, so both are part of
      the distribution speculative decoding verifies against.
-   - Mirostat's mu is per job (the host keeps it, `paged.scheduler`), not shared by a batch.
+   - Mirostat's mu is per job (the host keeps it, `paged.host.scheduler`), not shared by a batch.
 7. Renormalise and draw with Gumbel-max (argmax of log q + Gumbel noise), which can never pick a token outside the
    kept set. The key of row i is `fold_in(key(seed[i]), positions[i])`, so a row's draw depends only on its own
    (seed, position, logits, settings), not on the rest of the batch.

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from paged.ngram_corpus import propose_lookup
+from paged.speculation.ngram_corpus import propose_lookup
 
 
 class NgramIndex:
@@ -111,20 +111,23 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
            policy: str = "all", min_match: int = 1, gate: Any = None, corpus: Any = None) -> Replay:
     """The steps an n-gram drafter (up to k drafts, suffixes up to `max_ngram`) takes to emit a known greedy `output`
     after `prompt`, with no model: the prefill step emits the first token; every later step proposes up to
-    min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.spec_step` allows), verifies some of them (`policy`),
+    min(k, max_new_tokens - new_tokens - 1) tokens (as `paged.speculation.spec_step` allows), verifies some of them
+    (`policy`),
     and greedy verification accepts the longest verified prefix the output continues with; the step emits it plus
     one token. A step that verifies nothing (no match, a match shorter than `min_match`, or the policy's choice) is a
     plain decode step. Policies, for the number of proposed drafts a step verifies:
 
     - "all": every one (the generator's fixed drafter);
     - "grow": at most g per job, g = 1 at first, doubled after a step accepts all it verified, else accepted + 1;
-    - "gate": all of them or none, as `gate` (a `paged.draft_gate.DraftGate`, the generator's `adaptive_draft`
+    - "gate": all of them or none, as `gate` (a `paged.speculation.draft_gate.DraftGate`, the generator's
+    `adaptive_draft`
       rule; pass one gate for a workload's prompts, as one generator runs them) decides at batch 1 with the match
       length as the evidence class; it learns from each verification's outcome;
     - "oracle": exactly those the output continues with (a bound: no policy with this drafter verifies better).
 
-    `corpus`: a `paged.ngram_corpus.NgramCorpus` that drafts where prompt lookup's match is short, as in a
-    generator given `ngram_corpus=` (`paged.ngram_corpus.propose_lookup`); its drafts' evidence classes are negative,
+    `corpus`: a `paged.speculation.ngram_corpus.NgramCorpus` that drafts where prompt lookup's match is short, as in a
+    generator given `ngram_corpus=` (`paged.speculation.ngram_corpus.propose_lookup`); its drafts' evidence classes are
+    negative,
     and `min_match` applies to prompt lookup's only.
 
     Page room never limits drafts here: right for the default `reserve` page allocation, an upper bound under
@@ -132,7 +135,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
     if policy not in REPLAY_POLICIES:
         raise ValueError(f"policy must be one of {REPLAY_POLICIES}, got {policy!r}")
     if (policy == "gate") != (gate is not None):
-        raise ValueError("policy 'gate' takes a gate (paged.draft_gate.DraftGate), the other policies none")
+        raise ValueError("policy 'gate' takes a gate (paged.speculation.draft_gate.DraftGate), the other policies none")
     key = object()  # this output's job, for the gate
     r = Replay(tokens=len(output))
     if not output:

@@ -57,8 +57,8 @@ def set_cpu_dispatch(mode: str) -> None:
     if backend_started():
         raise InvalidConfigError(
             f"cpu dispatch {mode!r}: JAX's backend has already started with {cpu_dispatch()!r} dispatch, and the mode "
-            "is fixed from then on; call paged.cpu_runtime.set_cpu_dispatch() first thing in the program, before "
-            "any JAX computation or model load")
+            "is fixed from then on; call paged.device.cpu_runtime.set_cpu_dispatch() first thing in the program, "
+            "before any JAX computation or model load")
     jax.config.update(_OPTION, mode == "async")
 
 

@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.loader import DTYPES, Model
-from paged.batch import RowInput, build_batch
-from paged.buckets import BucketSpec
-from paged.config import EngineConfig
-from paged.engine_api import StepOutput
-from paged.errors import InvalidConfigError
-from paged.sharding import make_mesh, shard_params, shard_state, to_host
-from paged.state import Batch, BatchShape, EngineState, Results
-from paged.step import (
+from paged.device import step as step_module
+from paged.device import verify as verify_module
+from paged.device.batch import RowInput, build_batch
+from paged.device.buckets import BucketSpec
+from paged.device.config import EngineConfig
+from paged.device.engine_api import StepOutput
+from paged.device.sharding import make_mesh, shard_params, shard_state, to_host
+from paged.device.state import Batch, BatchShape, EngineState, Results
+from paged.device.step import (
     TOP_K_WIDTH,
     decode_burst_jit,
     draft_burst_jit,
@@ -36,6 +37,8 @@ from paged.step import (
     step_forward,
     step_sample,
 )
+from paged.device.verify import verify_sample, verify_step_jit
+from paged.errors import InvalidConfigError
 from pallas_kernels import native, native_attention, registry
 from pallas_kernels.dequant_matmul import gpu_unsupported_reason as matmul_gpu_reason
 from pallas_kernels.paged_attention import PrefillDecodeLayout
@@ -105,7 +108,7 @@ def enable_compilation_cache(path: str | os.PathLike) -> None:
 
 
 class Engine:
-    """Implements `paged.engine_api.EngineProtocol` with the jitted step."""
+    """Implements `paged.device.engine_api.EngineProtocol` with the jitted step."""
 
     def __init__(
         self,
@@ -186,7 +189,7 @@ class Engine:
         """Add the verification buckets (`verify_len = num_draft_tokens + 1`) to `spec`, so that `run` takes
         `RowInput.verify` rows. `draft_probs`: the drafts come with their distributions (a draft model; `run` then
         needs `draft_logprobs=`), else they are one-hot proposals (n-gram). `match`: sampled rows accept a draft
-        where it equals the target's own draw (`paged.speculative.accept_drafts`) instead of by rejection sampling.
+        where it equals the target's own draw (`paged.device.verify.accept_drafts`) instead of by rejection sampling.
         Call before `warmup()`."""
         if num_draft_tokens < 1:
             raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -237,7 +240,7 @@ class Engine:
     def draft(self, rows: Sequence[RowInput], slots: Sequence[int], num_rows: int,
               catch_up: Sequence[int], *, host: bool = True) -> tuple[np.ndarray | None, jax.Array, jax.Array]:
         """Propose `draft_len` tokens for each of `rows` (1-token decode rows of this draft model's cache) in one
-        jitted call (`paged.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
+        jitted call (`paged.device.step.draft_burst_jit`): row i sits in batch row `slots[i]` of a decode bucket of
         `num_rows` rows (the target's verification rows, so that the distributions line up with them); where
         `catch_up[i] >= 0` the cache lacks that token, at position `rows[i].start_pos - 1`, and the burst's first
         forward feeds it before the row's token (`draft_burst_jit(window=)`). Returns the drafts (host, i32
@@ -274,7 +277,7 @@ class Engine:
         """Propose the next `draft_len` tokens for the rows of the last proposal burst (`draft`, or this after
         `advance_burst`), before their verification's results reach the host: `emitted` (i32 `[S', W]`) and
         `num_accepted` (i32 `[S']`) are that verification's results by batch row, on the device
-        (`paged.step.draft_burst_jit(window=)`: each row continues after its accepted drafts and the target's
+        (`paged.device.step.draft_burst_jit(window=)`: each row continues after its accepted drafts and the target's
         token). Nothing waits. Returns the distributions and the drafts on the device, as `draft(host=False)`."""
         if self._last_burst is None:
             raise InvalidConfigError("draft_ahead() follows a proposal burst: call draft() first")
@@ -348,7 +351,7 @@ class Engine:
 
     def fused(self, shape: BatchShape) -> bool:
         """Whether a step of `shape`'s bucket runs forward and sampler as one program (`fuse_sampler`, a bucket that
-        `paged.step.fuses_sampler`, and not a draft engine, whose rows never sample through `run`)."""
+        `paged.device.step.fuses_sampler`, and not a draft engine, whose rows never sample through `run`)."""
         return self.config.fuse_sampler and not self.draft_len and fuses_sampler(shape)
 
     def _dispatch(self, batch: Batch, shape: BatchShape, want_top_k: bool, num_steps: int) -> Results:
@@ -391,7 +394,8 @@ class Engine:
         `draft_tokens` (device i32 `[fed_rows, k]` by batch row, `draft(pad_rows=fed_rows)`) if it takes its drafts
         from the device (`enable_fed_drafts`; the verification rows' draft tokens are then placeholders).
         `after_dispatch` (a verification step only) is called with the step's device results, by batch row, once the
-        step is dispatched and before anything waits for it (a draft model's next burst: `paged.draft.DraftModel`)."""
+        step is dispatched and before anything waits for it (a draft model's next burst:
+        `paged.speculation.draft.DraftModel`)."""
         if any(r.verify for r in rows):
             if num_steps != 1:
                 raise ValueError("a verification step is a single step (num_steps=1)")
@@ -431,7 +435,7 @@ class Engine:
     def run_forward(self, rows: Sequence[RowInput]) -> None:
         """The forward of a step over `rows` (their K/V written into the cache) without the sampler and without
         waiting for the device: a draft model's mirror of the target's rows, whose samples nobody reads
-        (`paged.draft.DraftModel`). Same compiled variants as `run`."""
+        (`paged.speculation.draft.DraftModel`). Same compiled variants as `run`."""
         t_build = time.perf_counter()
         shape = self.shape_for(rows)
         batch, _ = build_batch(rows, shape, self.page_size, self.vocab_size,
@@ -446,8 +450,6 @@ class Engine:
         """The device work of a verification step over `batch` (`sampled` rows; `feed` the device drafts and their
         token slots, `q` the draft's distributions or None): forward and verification sampler, in one program
         where the bucket is `fused`."""
-        from paged.speculative import verify_sample, verify_step_jit
-
         verify = _verify_inputs(batch, feed)
         if self.fused(shape):
             self.state, res = verify_step_jit(self.model.params, self.state, batch, feed, verify, want, q,
@@ -557,8 +559,6 @@ class Engine:
         samplers come with them.
 
         Warm-up batches are all padding, so they only write the null page and leave the cache untouched."""
-        from paged.speculative import verify_sample
-
         shapes = list(self.spec.all_shapes() if shapes is None else shapes)
         work = [(shape, 1, "step") for shape in shapes]
         plain_decode = [s for s in shapes if not s.layout.num_prefill_rows and not s.verify_len]
@@ -668,3 +668,18 @@ def host_top_k(final: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         ids[i] = cand[np.argsort(neg[cand], kind="stable")[:k]]
     ids = ids.reshape(*final.shape[:-1], k)
     return ids, np.take_along_axis(final, ids, axis=-1)
+
+
+def count_compiles() -> dict[str, int]:
+    """Compiled variants held by each jitted entry point: "step" the forward (one per layout that runs it alone),
+    "sample" the sampler (one per row count), "fused" forward and sampler in one program (one per decode layout,
+    `fused_step_jit`), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
+    decode layout: with a two-slot window for catch-up tokens and rows moved on from a verification on the device,
+    and without), "verify" the speculative verification sampler (one per row
+    count), "fused_verify" forward and verification sampler in one program (one per decode-only verification
+    layout, `paged.device.verify.verify_step_jit`)."""
+    s, v = step_module, verify_module  # (their homes: tests patch this module's names)
+    entry = {"step": s.step_forward, "sample": s.step_sample, "fused": s.fused_step_jit,
+             "decode_burst": s.decode_burst_jit, "draft_burst": s.draft_burst_jit, "verify": v.verify_sample,
+             "fused_verify": v.verify_step_jit}
+    return {name: fn._cache_size() for name, fn in entry.items()}

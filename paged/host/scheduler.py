@@ -12,7 +12,7 @@ mostly skipped as cached pages. Greedy and seeded sampling depend only on the co
 output is the one an unpreempted run gives, and nothing is streamed twice.
 
 It reads and updates jobs' page lists and KV positions, the waiting and running lists and the `PagePool`; it never
-touches the engine or the result stream (that is `paged.job_output`).
+touches the engine or the result stream (that is `paged.host.job_output`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import collections
 import math
 from collections.abc import Callable
 
-from paged.batch import RowInput
-from paged.config import EngineConfig
+from paged.device.batch import RowInput
+from paged.device.config import EngineConfig
 from paged.embeddings import device_ids
 from paged.errors import JobFailure, PolicyError
+from paged.host.page_pool import PagePool, chain_hashes
 from paged.job import Job
-from paged.page_pool import PagePool, chain_hashes
 from paged.policies import Policy
 
 

@@ -12,7 +12,7 @@ What is a bucket, and why (SmolLM2-135M on the 2-core CPU; docs/performance.md, 
     the one compiled variant. Decode attention reads every page of its bucket on every step, so the buckets stay
     x2 apart; each adds only an attention branch (~0.3 s) to a variant instead of a variant (~4 s);
   - penalty history (always `history_len` = max_penalty_range wide), logit bias (`BIAS_WIDTH` sparse entries per
-    row, plus a dense fallback), top-k and logits returns: runtime values (`paged.step`).
+    row, plus a dense fallback), top-k and logits returns: runtime values (`paged.device.step`).
 - Decode-only layouts: `decode_rows` 1, 2, 4, ... max_batch_size rows, one token slot each. A decode step's
   matmuls and sampler run over every padded row, so the rows stay within 2x of the real count.
 - Prefill layouts: `p` prefill windows of `q` tokens for every `p` in 1 .. max_prefill_rows, `q` in `windows`:
@@ -32,16 +32,16 @@ Speculative verification (`verify_len` W = k + 1 > 0, set by `Engine.enable_veri
 bucket per plain one (`verify_shapes`): decode-only layouts of n windows of W slots (n = 1, 2, 4, ... as the decode
 layouts), and the prefill layouts with their step rows at a stride of W in the last window (the full-chunk window
 grows to max_chunk_size + (max_batch_size - 1) * W). Their sampler runs over n * W sample points, one variant per
-row count n (`paged.speculative.verify_sample`). With W = 0 nothing changes: the same buckets as without
+row count n (`paged.device.verify.verify_sample`). With W = 0 nothing changes: the same buckets as without
 speculation.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from paged.config import EngineConfig
-from paged.state import BatchShape
-from paged.step import resolved_attn_impl
+from paged.device.config import EngineConfig
+from paged.device.state import BatchShape
+from paged.device.step import resolved_attn_impl
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 
 # Sparse logit-bias entries per row. Rows with more (token healing's allowed set, long ban lists) use the dense

@@ -5,7 +5,7 @@ embed -> layers (write this step's K/V into their pages, attend through the page
 row's last real token; then final norm + LM head -> on-device sampling. `state` is donated, so the cache is updated
 in place.
 
-What compiles, and why it is split in two (docs/performance.md, "Compilation"; the buckets in `paged.buckets`):
+What compiles, and why it is split in two (docs/performance.md, "Compilation"; the buckets in `paged.device.buckets`):
 - `step_forward` compiles once per bucket (`forward_shape`: token layout, context buckets, sampled row counts).
   The context length is not a compile-time shape: the page table is always `pages_per_row` wide and attention reads
   the smallest of `shape.page_buckets` that holds the longest row, picked at run time by `lax.switch` (each branch
@@ -20,7 +20,7 @@ What compiles, and why it is split in two (docs/performance.md, "Compilation"; t
   out of the per-layout variants halves the compile time of each.
 
 With the `fuse_sampler` setting a decode-only bucket runs forward and sampler as one program (`fused_step_jit`;
-verification buckets `paged.speculative.verify_step_jit`): one dispatch and no hand-off between two programs per
+verification buckets `paged.device.verify.verify_step_jit`): one dispatch and no hand-off between two programs per
 step, at the price of compiling the sampler into each such bucket's program (`fuses_sampler`).
 
 The `decode_steps` setting runs several decode steps in one call (`decode_burst`, a `lax.scan` over forward +
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 from models.config import ModelConfig
 from models.llama import compute_logits, embed_tokens, run_layers
 from models.weights import Weights
-from paged.sampling import sample_final
-from paged.sharding import constrain_cache, constrain_tokens, per_kv_head
-from paged.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
+from paged.device.sampling import sample_final
+from paged.device.sharding import constrain_cache, constrain_tokens, per_kv_head
+from paged.device.state import NULL_PAGE, Batch, BatchShape, EngineState, Results
 from pallas_kernels.paged_attention import (
     IMPLS,
     PrefillDecodeLayout,
@@ -294,14 +294,14 @@ def step_forward(
     `draft_feed` (tokens i32 [R, k], index i32 [R, k]): drafts that are still on the device (a draft model's burst,
     `draft_burst_jit`), written into the batch's token slots before the forward: `token_ids[index] = tokens`, an
     index past the last slot writes nothing. A verification step then needs no host round trip between the
-    draft's burst and the target's forward (`paged.engine.Engine.run(draft_tokens=)`)."""
+    draft's burst and the target's forward (`paged.device.engine.Engine.run(draft_tokens=)`)."""
     return forward_points(params, state, batch, draft_feed, cfg, shape, attn_impl, matmul_impl)
 
 
 def forward_points(params: Weights, state: EngineState, batch: Batch,
                    draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None, cfg: ModelConfig, shape: BatchShape,
                    attn_impl: str | Tuned, matmul_impl: str | Tuned) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
-    """`step_forward`'s body (not jitted: `fused_step_jit` and `paged.speculative.verify_step_jit` put it in one
+    """`step_forward`'s body (not jitted: `fused_step_jit` and `paged.device.verify.verify_step_jit` put it in one
     program with a sampler)."""
     if draft_feed is not None:
         tokens, index = draft_feed
@@ -330,7 +330,7 @@ def step_sample(
 
 def fuses_sampler(shape: BatchShape) -> bool:
     """Whether a bucket can run its forward and its sampler as one program (`fused_step_jit`,
-    `paged.speculative.verify_step_jit`): it samples a single row count, as every decode-only bucket does (plain and
+    `paged.device.verify.verify_step_jit`): it samples a single row count, as every decode-only bucket does (plain and
     verification), so the program compiles once for it. Buckets with prefill windows sample one of several row
     counts and keep the two halves apart (the sampler compiles once per row count, shared by those buckets)."""
     decode_only = shape.step_rows_in_windows if shape.verify_len else not shape.layout.num_prefill_rows
@@ -513,7 +513,8 @@ def draft_burst_jit(
 ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
     """A draft model's proposal for every row of a decode-only `batch` (`shape` is `forward_shape` of its bucket):
     `num_drafts` steps of the `decode_burst_jit` scan, each feeding the previous step's sample; row s's drafts are
-    the samples of the steps, and the last draft's KV is not written (`paged.draft.DraftModel.accepted` counts it).
+    the samples of the steps, and the last draft's KV is not written (`paged.speculation.draft.DraftModel.accepted`
+    counts it).
 
     `window` (catch_up i32 [S], emitted i32 [S, W], num_accepted i32 [S]): step 0 runs as a window of two token
     slots per row (`catch_up_shape`), which feeds a token the draft cache lacks before the row's, and rows can move
@@ -522,7 +523,8 @@ def draft_burst_jit(
       results by batch row; `batch` the burst batch that drafted the verified rows): its token is emitted[s, a],
       a + 1 positions past the batch's; where a == num_drafts the draft cache lacks the last draft's KV too (no
       burst writes it), and emitted[s, a - 1] is fed before it. This is the burst dispatched before the host has
-      seen the verification (`paged.draft.DraftModel.ahead`); the rows keep their sampler inputs (settings, bias;
+      seen the verification (`paged.speculation.draft.DraftModel.ahead`); the rows keep their sampler inputs (settings,
+      bias;
       the caller's rows have no penalty history).
     - where a < 0, row s drafts from the batch's token, fed after `catch_up[s]` where that is >= 0 (the row's last
       draft was accepted and the target added the bonus token), alone where not.
@@ -582,27 +584,9 @@ def decode_burst(
     return state, res.replace(top_ids=res.top_ids[..., :k], top_logprobs=res.top_logprobs[..., :k])
 
 
-def count_compiles() -> dict[str, int]:
-    """Compiled variants held by each jitted entry point: "step" the forward (one per layout that runs it alone),
-    "sample" the sampler (one per row count), "fused" forward and sampler in one program (one per decode layout,
-    `fused_step_jit`), "decode_burst" the multi-step bursts, "draft_burst" a draft model's proposals (two per
-    decode layout: with a two-slot window for catch-up tokens and rows moved on from a verification on the device,
-    and without), "verify" the speculative verification sampler (one per row
-    count), "fused_verify" forward and verification sampler in one program (one per decode-only verification
-    layout, `paged.speculative.verify_step_jit`)."""
-    from paged.speculative import verify_sample, verify_step_jit
-
-    return {"step": step_forward._cache_size(), "sample": step_sample._cache_size(),
-            "fused": fused_step_jit._cache_size(), "decode_burst": decode_burst_jit._cache_size(),
-            "draft_burst": draft_burst_jit._cache_size(),
-            "verify": verify_sample._cache_size(),
-            "fused_verify": verify_step_jit._cache_size()}
-
-
 __all__ = [
     "ATTN_IMPLS",
     "TOP_K_WIDTH",
-    "count_compiles",
     "decode_burst",
     "catch_up_shape",
     "decode_burst_jit",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from paged.device.sharding import parse_mesh
 from paged.errors import InvalidConfigError
-from paged.sharding import parse_mesh
 from paged.validate import Checker
 from pallas_kernels.registry import KernelError, attention_registry, matmul_registry
 

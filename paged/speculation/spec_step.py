@@ -11,7 +11,7 @@ and the bias at each drafted position is the one the scheduler would give the ro
 before `min_new_tokens`, tokens banned there by banned-string rewinds, the settings' bias and bans); drafting stops
 before a position where every token is banned. Prefill chunks (and the chunk that samples the first token) share
 the step unchanged. The tokens of each row then go through `JobOutput.feed`, one at a time, as if they had come
-from single steps (see the module docstring of `paged.speculative` for the call sequence).
+from single steps (see the module docstring of `paged.speculation.speculator` for the call sequence).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from paged.batch import RowInput
+from paged.device.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
-from paged.ngram_corpus import check_corpus_type
-from paged.speculative import ACCEPTANCE_RULES, Accepted, SpecRow, Speculator, check_num_draft_tokens
+from paged.speculation.ngram_corpus import check_corpus_type
+from paged.speculation.rows import ACCEPTANCE_RULES, Accepted, SpecRow, check_num_draft_tokens
+from paged.speculation.speculator import Speculator
 
 
 def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
@@ -76,7 +77,7 @@ class SpeculativeStep:
 
     `scheduler` provides `sample_bias(job, index)` (the logit bias of the row that samples sequence index `index`, or
     None where every token is banned) and the engine config; `engine` must support verification rows
-    (`enable_verification`), and a draft model needs the JAX `paged.engine.Engine`."""
+    (`enable_verification`), and a draft model needs the JAX `paged.device.engine.Engine`."""
 
     def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
                  use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
@@ -85,7 +86,7 @@ class SpeculativeStep:
             raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
                                      f"(enable_verification); {type(engine).__name__} does not")
         if draft_model is not None and not (hasattr(engine, "verify_plan") and hasattr(engine, "model")):
-            raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.engine.Engine as the "
+            raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.device.engine.Engine as the "
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
         self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                                      use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer,

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from paged.host.page_pool import PagePool, chain_hashes
 from paged.job import Job
-from paged.page_pool import PagePool, chain_hashes
 
 EXTRA_KEYS = ("token_probs", "top_k_tokens", "top_k_probs", "logits")
 

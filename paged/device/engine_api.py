@@ -1,6 +1,6 @@
 """The interface between the host loop and whatever runs the model: `EngineProtocol` and its `StepOutput`.
 
-`DynamicGenerator` talks to its engine only through this protocol. The real `paged.engine.Engine` runs the jitted
+`DynamicGenerator` talks to its engine only through this protocol. The real `paged.device.engine.Engine` runs the jitted
 step; a hand-checkable fake (tests), a simulated engine with a step-time model, or a draft-model engine implement
 the same few members.
 """
@@ -13,9 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from paged.batch import RowInput
-from paged.buckets import BucketSpec
-from paged.config import EngineConfig
+from paged.device.batch import RowInput
+from paged.device.buckets import BucketSpec
+from paged.device.config import EngineConfig
 
 
 @dataclasses.dataclass
@@ -64,6 +64,6 @@ class EngineProtocol(Protocol):
     def run(self, rows: Sequence[RowInput], *, return_top_k: int = 0, return_logits: bool = False,
             num_steps: int = 1) -> StepOutput: ...
     # (The JAX `Engine.run` also takes `draft_logprobs=` and `draft_tokens=` for verification steps: see
-    # `paged.speculative`.)
+    # `paged.speculation.speculator`.)
 
     def warmup(self, progress: bool = False, decode_steps: int = 1) -> int: ...

@@ -1,7 +1,8 @@
 """A corpus n-gram table for the n-gram drafter: the continuations the model itself tends to write, for the steps
 where prompt lookup has nothing to offer.
 
-Prompt lookup (`paged.ngram.NgramIndex`) drafts only what the job's own prompt + output already holds. Where the
+Prompt lookup (`paged.speculation.ngram.NgramIndex`) drafts only what the job's own prompt + output already holds.
+Where the
 model writes new text (open chat, a paraphrase) it finds no match, or only a 1-token one, which is rarely right. An
 `NgramCorpus` is a static table built beforehand from a body of token sequences, best the model's own answers to
 other prompts (`experiments/build_ngram_corpus.py`): for every context of `min_ngram`..`max_ngram` tokens seen in
@@ -13,7 +14,8 @@ context lookup; REST retrieves continuations from a datastore the same way.)
 
 `propose_lookup` is the drafter of a generator given `ngram_corpus=`: prompt lookup first; where its match is
 shorter than `CORPUS_BELOW` tokens (none, or a single token), the corpus's chain instead, if it has one. The
-evidence class the adaptive gate learns per (`paged.draft_gate`) is the prompt-lookup match length (1..max_ngram) as
+evidence class the adaptive gate learns per (`paged.speculation.draft_gate`) is the prompt-lookup match length
+(1..max_ngram) as
 before, or for a corpus draft `-1 - b` with b the bucket of its first draft's confidence (`CONFIDENCE_BUCKETS`): -1
 below 0.3, -2 below 0.6, -3 below 0.9, -4 from 0.9.
 
@@ -43,7 +45,7 @@ from paged.errors import InvalidConfigError, InvalidConfigTypeError
 
 CORPUS_BELOW = 2  # prompt lookup matches shorter than this give way to the corpus
 CONFIDENCE_BUCKETS = (0.3, 0.6, 0.9)  # bucket edges of a corpus draft's evidence class
-FORMAT = "paged.ngram_corpus/1"
+FORMAT = "paged.speculation.ngram_corpus/1"
 
 
 class NgramCorpusError(InvalidConfigError):
@@ -275,8 +277,9 @@ class NgramCorpus:
 def check_corpus_type(corpus: Any) -> None:
     """The generator's `ngram_corpus=` is an `NgramCorpus` or a path (`InvalidConfigTypeError` otherwise)."""
     if not isinstance(corpus, (NgramCorpus, str, os.PathLike)):
-        raise InvalidConfigTypeError(f"DynamicGenerator: ngram_corpus must be a paged.ngram_corpus.NgramCorpus or "
-                                     f"the path of a saved one, got {type(corpus).__name__}")
+        raise InvalidConfigTypeError(f"DynamicGenerator: ngram_corpus must be a "
+                                     f"paged.speculation.ngram_corpus.NgramCorpus or the path of a saved one, got "
+                                     f"{type(corpus).__name__}")
 
 
 def load_corpus(corpus: Any, vocab_size: int) -> NgramCorpus:
@@ -298,7 +301,8 @@ def corpus_class(confidence: float) -> int:
 
 
 def propose_lookup(index: Any, corpus: NgramCorpus | None, k: int) -> tuple[list[int], int]:
-    """The n-gram drafter's proposal for the sequence `index` (a synced `paged.ngram.NgramIndex`) holds: up to `k`
+    """The n-gram drafter's proposal for the sequence `index` (a synced `paged.speculation.ngram.NgramIndex`) holds: up
+    to `k`
     drafts and their evidence class. Prompt lookup's, unless its match is shorter than `CORPUS_BELOW` tokens and
     the corpus has a chain, whose class is then `corpus_class` of its first draft."""
     drafts, n = index.propose_match(k)

@@ -3,7 +3,8 @@ step of prefill chunks and decode rows, runs it on the engine, and turns the sam
 dicts (`JobOutput`).
 
 The device work is one call to `engine.run`; everything here is bookkeeping on Python ints. The engine is anything
-that implements `paged.engine_api.EngineProtocol`, which is how the scheduler is tested with a hand-checkable fake
+that implements `paged.device.engine_api.EngineProtocol`, which is how the scheduler is tested with a hand-checkable
+fake
 model.
 
 Faults stay where they belong. Arguments are validated before a job touches the generator (`enqueue` is atomic).
@@ -27,13 +28,14 @@ from typing import Any
 import numpy as np
 
 from models.errors import NonFiniteWeightError
-from paged import spec_step
-from paged.batch import mask_words
-from paged.buckets import next_pow2
 from paged.clock import wall_clock
-from paged.config import EngineConfig
+from paged.device.batch import mask_words
+from paged.device.buckets import next_pow2
+from paged.device.config import EngineConfig
+from paged.device.engine import Engine
+from paged.device.engine_api import EngineProtocol
+from paged.device.sharding import shared_seed
 from paged.embeddings import EmbeddingSlots, MMEmbedding, encode_with_embeddings
-from paged.engine_api import EngineProtocol
 from paged.errors import (
     InvalidConfigError,
     InvalidConfigTypeError,
@@ -46,15 +48,14 @@ from paged.errors import (
     StepError,
 )
 from paged.filters import FilterState, compute_masks
+from paged.host.job_output import JobOutput
+from paged.host.page_pool import PagePool
+from paged.host.scheduler import Scheduler, members
 from paged.job import Job
-from paged.job_output import JobOutput
-from paged.page_pool import PagePool
 from paged.policies import Policy, make_policy
-from paged.scheduler import Scheduler, members
 from paged.settings import SamplingSettings
-from paged.sharding import shared_seed
-from paged.spec_step import SpeculativeStep, check_speculation_args
-from paged.speculative import Accepted
+from paged.speculation.rows import Accepted
+from paged.speculation.spec_step import SpeculativeStep, check_speculation_args, empty_metrics
 from paged.streaming import TextStream
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
 
@@ -126,7 +127,7 @@ class DynamicGenerator:
     ):
         """model: a `models.Model`; tokenizer: None -> model.tokenizer.
 
-        Engine settings (see `paged.config.EngineConfig` for each one's meaning, default and range) come from
+        Engine settings (see `paged.device.config.EngineConfig` for each one's meaning, default and range) come from
         `config`, overridden by any keyword given here; None means "the default". `engine`: an object implementing
         `EngineProtocol` to use instead of building one (tests, simulators); its own config then applies, and only
         the host-loop setting `decode_steps` may still be given here.
@@ -142,7 +143,8 @@ class DynamicGenerator:
         ragged step; the output is the one without speculation (greedy: token for token; sampled: in distribution,
         seeded reruns identical). Without a drafter nothing changes. Decode bursts (`decode_steps`) are off while
         speculating. `adaptive_draft=True`: a step verifies only where its drafts are expected to pay for the
-        verification (`paged.draft_gate`: per-job acceptance estimates against a step-cost model whose per-token cost
+        verification (`paged.speculation.draft_gate`: per-job acceptance estimates against a step-cost model whose
+        per-token cost
         ratio is `draft_token_cost`; None: the backend's measured default); else every step with drafts verifies.
         Adaptive gating never changes greedy output or a sampled output's distribution, but a seeded sampled job's
         tokens may then depend on the other jobs the generator ran (they share the acceptance statistics), except
@@ -152,7 +154,8 @@ class DynamicGenerator:
         with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it would without
         speculation whatever the drafter, and a draft model's drafts are accepted a little less often than by
         rejection sampling), or "exllamav2" (the same, a draft model proposing its argmax, as ExLlamaV2 does).
-        `ngram_corpus` (with `use_ngram_draft=True`): a `paged.ngram_corpus.NgramCorpus`, or the path of a saved
+        `ngram_corpus` (with `use_ngram_draft=True`): a `paged.speculation.ngram_corpus.NgramCorpus`, or the path of a
+        saved
         one, that drafts where prompt lookup finds no match of 2 or more tokens (the continuations the model wrote
         most often in a corpus of its own answers: experiments/build_ngram_corpus.py).
         """
@@ -172,15 +175,13 @@ class DynamicGenerator:
             _check_model(model)
             base = config if config is not None else EngineConfig()
             cfg = EngineConfig.from_kwargs(**{**base.to_dict(), **given})
-            from paged.engine import Engine
-
             engine = Engine(model, cfg, compilation_cache_dir=compilation_cache_dir)
         else:
             if not isinstance(engine, EngineProtocol):
                 missing = [m for m in ("config", "spec", "vocab_size", "timings", "run", "warmup")
                            if not hasattr(engine, m)]
                 raise InvalidConfigTypeError(f"DynamicGenerator: engine {type(engine).__name__} does not implement "
-                                             f"paged.engine_api.EngineProtocol (missing: {', '.join(missing)})")
+                                             f"paged.device.engine_api.EngineProtocol (missing: {', '.join(missing)})")
             clash = sorted(set(given) - set(_HOST_SETTINGS)) + (["config"] if config is not None else [])
             if clash:
                 raise InvalidConfigError(f"DynamicGenerator: {clash} configure the engine; with engine= given, set "
@@ -533,7 +534,7 @@ class DynamicGenerator:
             t1 = time.perf_counter()
             self._fault("step")
             out = self.engine.run(rows, return_top_k=top_k, return_logits=want_logits, num_steps=k)
-        else:  # draft, verify, accept (paged/spec_step.py); one step, no bursts
+        else:  # draft, verify, accept (paged/speculation/spec_step.py); one step, no bursts
             k = 1
             t1 = time.perf_counter()
             out, items = self.speculation.run(self.engine, rows, owners, return_top_k=top_k,
@@ -704,7 +705,7 @@ class DynamicGenerator:
             "jobs_failed": self.jobs_failed, "steps_failed": self.steps_failed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
             "preemptions": self.scheduler.preemptions, "tokens_recomputed": self.scheduler.tokens_recomputed,
-            **(self.speculation.metrics() if self.speculation is not None else spec_step.empty_metrics()),
+            **(self.speculation.metrics() if self.speculation is not None else empty_metrics()),
             **{f"time_{k}": v for k, v in self.timings.items()},
             **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},
         }

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 
 from paged.errors import StepError
-from paged.generator import DynamicGenerator
+from paged.host.generator import DynamicGenerator
 from paged.job import Job
 
 _DONE = object()

@@ -1,6 +1,6 @@
 """`DraftModel`: a draft model's engine for speculative decoding, mirroring the target's paged cache.
 
-The draft engine is an ordinary `paged.engine.Engine` built with the target's `EngineConfig` (same page size,
+The draft engine is an ordinary `paged.device.engine.Engine` built with the target's `EngineConfig` (same page size,
 number of pages, batch and chunk limits), so the page ids the target's page pool hands out index the draft's cache
 too: the tokens the target writes reach the draft's cache in the same pages ("mirrored"), so prefix sharing, the
 prompt cache, cancel and eviction need nothing more: a page is valid, shared, cached or free in both caches at once.
@@ -39,8 +39,10 @@ from typing import Any
 
 import jax
 
-from paged.batch import RowInput
+from paged.device.batch import RowInput
+from paged.device.engine import Engine
 from paged.errors import InvalidConfigError
+from paged.speculation.rows import DRAFT_SEED_SALT, verification_row
 
 
 def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any = None) -> None:
@@ -66,12 +68,10 @@ def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any
 
 
 class DraftModel:
-    """The draft side of `paged.speculative.Speculator` for a draft model."""
+    """The draft side of `paged.speculation.speculator.Speculator` for a draft model."""
 
     def __init__(self, target: Any, model: Any, num_draft_tokens: int, tokenizer: Any = None,
                  coupled: bool = False, greedy: bool = False):
-        from paged.engine import Engine
-
         check_draft_model(target.model, model, tokenizer)
         seq, positions = target.config.max_seq_len, model.config.max_position_embeddings
         if positions is not None and seq > positions:
@@ -125,8 +125,6 @@ class DraftModel:
         None unless `host`, and then nothing waits for the burst; the draft distributions [S', k, V] by target batch
         row, the drafts to verify per row, the drafts on the device [R, k] by target batch row for
         `target.run(draft_tokens=)`)."""
-        from paged.speculative import DRAFT_SEED_SALT, verification_row
-
         ahead, self._ahead, self._can_ahead = self._ahead, None, None
         if ahead is not None and self.pipeline and not host:
             got = self._take_ahead(ahead, target, specs, want)
@@ -220,15 +218,13 @@ class DraftModel:
 
     def drop_ahead(self) -> None:
         """Forget a burst dispatched ahead (and the step it could follow): the step it went ahead from failed, so the
-        jobs are not where that burst assumed (`paged.spec_step.SpeculativeStep.run`)."""
+        jobs are not where that burst assumed (`paged.speculation.spec_step.SpeculativeStep.run`)."""
         self._ahead = self._can_ahead = None
 
     def _take_ahead(self, ahead: tuple, target: Any, specs: Sequence[Any], want: list[int]
                     ) -> tuple[None, jax.Array, list[int], jax.Array] | None:
         """`propose`'s answer from a burst dispatched ahead (`ahead`), or None when this step's rows are not the
         ones it drafted for, each at the token and position the verification left it."""
-        from paged.speculative import verification_row
-
         keys, slots, sampled, q, on_device = ahead
         if len(specs) != len(keys) or not all(want) or any(s.key is not k for s, k in zip(specs, keys)):
             return None

@@ -1,0 +1,226 @@
+"""`Speculator`: the host side of speculative decoding, which the generator calls each step (drafters: a draft model
+through `paged.speculation.draft.DraftModel`, or n-gram prompt lookup through `paged.speculation.ngram.NgramIndex`;
+verification on the device: `paged.device.verify`). Call sequence for the generator, each `iterate()`:
+
+    rows, owners, failed = scheduler.plan(active)                      # as now
+    plan = speculator.plan([SpecRow(key=job, row=row, sequence=job.sequence,
+                                    max_drafts=<room: 0 for prefill rows, else min(k, tokens the job may still
+                                               emit - 1, slots left in its reserved pages past kv + 1)>,
+                                    bias_at=<lambda j: the row bias for the token at output position
+                                             new_tokens + j (stop-token bans before min_new_tokens, banned-string
+                                             bans at that sequence index)>,
+                                    penalty_window=<SamplingSettings.history_window(max_penalty_range)>,
+                                    host_drafts=<the job has a grammar filter>)
+                            for row, job in zip(rows, owners)])        # runs the draft model (mirror + propose)
+    out = engine.run(plan.rows, return_top_k=..., return_logits=..., draft_logprobs=plan.draft_logprobs,
+                     draft_tokens=plan.draft_tokens)                   # (a draft model's: see `SpecPlan`)
+    for row_result in speculator.accept(plan, out):                    # one `Accepted` per row, in order
+        advance the job's KV by `row_result.kv_advance` (1 + accepted drafts for a verification row: the KV of
+        rejected drafts is dropped by not counting it), then feed `row_result.tokens` one by one through the
+        usual per-token path (stop tokens / strings, banned-string rewinds, max_new_tokens), with
+        `row_result.logprobs[i]`, `top_ids[i]`, `top_logprobs[i]`, `logits[i]` for token i; stop at the first
+        token that ends the job or rewinds it (the later ones were conditioned on it); add
+        `num_drafted` / `num_accepted` to the job's counters.
+    speculator.release(job)     when a job finishes, fails or is cancelled (its per-job drafter state)
+    speculator.stats()          totals and the per-position acceptance histogram
+
+`plan` with no row able to speculate returns the scheduler's rows untouched and `draft_logprobs=None`, so
+`engine.run` takes its ordinary path (and with a draft model, the draft still sees the step's rows: its cache
+mirrors the target's). The generator must not use decode bursts (`decode_steps > 1`) while speculating.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paged.errors import InvalidConfigError
+from paged.speculation.draft import DraftModel
+from paged.speculation.draft_gate import DraftGate
+from paged.speculation.ngram import NgramIndex
+from paged.speculation.ngram_corpus import load_corpus, propose_lookup
+from paged.speculation.rows import (
+    ACCEPTANCE_RULES,
+    Accepted,
+    SpecPlan,
+    SpecRow,
+    check_num_draft_tokens,
+    verification_row,
+)
+
+
+class Speculator:
+    """Drafts tokens for the decoding rows of each step and turns the verification results into accepted tokens.
+
+    `target`: the generator's `paged.device.engine.Engine` (its verification buckets are enabled here: construct the
+    speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
+    tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
+    (prompt lookup, `max_ngram`; with `ngram_corpus`, a `paged.speculation.ngram_corpus.NgramCorpus` or its path,
+    drafting where
+    prompt lookup's match is short). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
+    "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft model's
+    draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily); greedy rows
+    accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its drafts are
+    expected to pay for the verification (`paged.speculation.draft_gate`, with `draft_token_cost` its rho; None: the
+    backend's
+    measured default); else every step with drafts verifies (ExLlamaV2's behaviour). Invalid combinations raise
+    `InvalidConfigError`.
+    """
+
+    def __init__(self, target: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
+                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
+                 draft_token_cost: float | None = None, acceptance: str = "rejection", ngram_corpus: Any = None):
+        if draft_model is not None and use_ngram_draft:
+            raise InvalidConfigError("speculative decoding takes one drafter: pass draft_model= or "
+                                     "use_ngram_draft=True, not both")
+        if draft_model is None and not use_ngram_draft:
+            raise InvalidConfigError("Speculator needs a drafter: draft_model= or use_ngram_draft=True")
+        check_num_draft_tokens(num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
+        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
+            raise InvalidConfigError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
+        if acceptance not in ACCEPTANCE_RULES:
+            raise InvalidConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+        self.target = target
+        self.acceptance = acceptance
+        self.k = num_draft_tokens
+        self.max_ngram = max_ngram
+        self.corpus = None
+        if ngram_corpus is not None:
+            if not use_ngram_draft:
+                raise InvalidConfigError("ngram_corpus= is the n-gram drafter's: pass it with use_ngram_draft=True")
+            self.corpus = load_corpus(ngram_corpus, target.vocab_size)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer,
+                                    coupled=acceptance == "match", greedy=acceptance == "exllamav2")
+        self.gate = None
+        if adaptive:
+            step_cost = 0.0
+            if draft_model is not None:  # a draft step over a target step: the weight bytes each step reads
+                # (a reduced head's draft reads its small head, not the embedding table it gathers from)
+                step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
+            self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
+        if acceptance == "rejection":
+            target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
+        else:  # matching reads no draft distributions
+            params = inspect.signature(target.enable_verification).parameters
+            if "match" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
+                                         f"takes match=True; {type(target).__name__}'s does not")
+            target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+        if self.draft is None and hasattr(target, "enable_fed_drafts"):
+            target.enable_fed_drafts(False)  # one-hot drafts come from the host (an engine a draft model used before)
+        self._ngrams: dict[Hashable, Any] = {}
+        self.drafted = 0
+        self.accepted = 0
+        self.rounds = 0  # verification rows run
+        self.accepted_at = np.zeros(num_draft_tokens, np.int64)  # rows whose draft j was accepted
+        self.corpus_drafted = 0  # drafts the n-gram corpus proposed (evidence class < 0), verified
+        self.corpus_accepted = 0
+
+    # ------------------------------------------------------------------ per job
+    def release(self, key: Hashable) -> None:
+        """Forget a job (finished, failed or cancelled)."""
+        self._ngrams.pop(key, None)
+        if self.gate is not None:
+            self.gate.release(key)
+        if self.draft is not None:
+            self.draft.release(key)
+
+    def warmup(self, progress: bool = False) -> int:
+        """Compile the draft model's variants (the target's verification buckets come with its own warmup)."""
+        return 0 if self.draft is None else self.draft.warmup(progress)
+
+    def stats(self) -> dict:
+        return {"drafted_tokens": self.drafted, "accepted_draft_tokens": self.accepted,
+                "rejected_draft_tokens": self.drafted - self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_accepted_length": 1 + self.accepted / self.rounds if self.rounds else 0.0,
+                "accepted_at_position": self.accepted_at.tolist(),
+                "draft_bursts_ahead": self.draft.ahead_bursts[0] if self.draft is not None else 0,
+                "draft_bursts_ahead_used": self.draft.ahead_bursts[1] if self.draft is not None else 0,
+                "corpus_drafted_tokens": self.corpus_drafted, "corpus_accepted_draft_tokens": self.corpus_accepted,
+                **({} if self.gate is None else self.gate.stats())}
+
+    # ------------------------------------------------------------------ per step
+    def _propose_ngram(self, spec: SpecRow, n: int) -> tuple[list[int], int]:
+        """Up to `n` drafts by prompt lookup (or the corpus, `paged.speculation.ngram_corpus.propose_lookup`), and their
+        evidence class (the length of the suffix that matched; a corpus draft's is negative)."""
+        index = self._ngrams.get(spec.key)
+        if index is None:
+            index = self._ngrams[spec.key] = NgramIndex(self.max_ngram)
+        index.sync(spec.sequence)
+        return propose_lookup(index, self.corpus, n)
+
+    def _plain(self, specs: Sequence[SpecRow]) -> SpecPlan:
+        return SpecPlan(rows=[s.row for s in specs], draft_logprobs=None, inputs=list(specs),
+                        num_drafts=[0] * len(specs))
+
+    def plan(self, specs: Sequence[SpecRow]) -> SpecPlan:
+        """Draft for every decode row with `max_drafts > 0` and lay the step's rows out for verification (see the
+        module docstring for the call sequence)."""
+        want = [min(self.k, s.max_drafts) if (s.row.is_decode and s.row.sample) else 0 for s in specs]
+        sampling_rows = sum(bool(s.row.sample) for s in specs)
+        if self.draft is None:
+            found = [self._propose_ngram(s, n) if n else ([], 0) for s, n in zip(specs, want)]
+            drafts = [d for d, _ in found]
+            classes = [length for _, length in found]
+            if not any(drafts) or (self.gate is not None and not self.gate.decide(
+                    [(s.key, c, len(d)) for s, d, c in zip(specs, drafts, classes)], sampling_rows)):
+                return self._plain(specs)
+            vrows = [verification_row(s, d) if d else s.row for s, d in zip(specs, drafts)]
+            return SpecPlan(rows=vrows, draft_logprobs=None, inputs=list(specs), num_drafts=[len(d) for d in drafts],
+                            classes=classes)
+        if self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
+                                                          sampling_rows):
+            want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
+        # The drafts stay on the device (the target's forward writes them into the rows' token slots) unless a row
+        # needs them on the host before the step: its penalty history or its grammar masks follow them.
+        host = any(s.host_drafts or s.penalty_window or len(s.row.history) for s, n in zip(specs, want) if n)
+        drafts, q, want, on_device = self.draft.propose(self.target, specs, want, host=host)
+        if not any(want):
+            return self._plain(specs)
+        if drafts is None:
+            drafts = [[0] * n for n in want]  # placeholders: the forward reads `on_device`
+        vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, want)]
+        return SpecPlan(rows=vrows, draft_logprobs=q, inputs=list(specs), num_drafts=list(want),
+                        classes=[0] * len(specs), draft_tokens=on_device)
+
+    def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
+        """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""
+        res: list[Accepted] = []
+        per_pos = out.num_accepted is not None
+        for i, (row, spec, m) in enumerate(zip(plan.rows, plan.inputs, plan.num_drafts)):
+            pick = (lambda a, i=i: a[i]) if not per_pos else (lambda a, i=i: a[i][0])
+            if m:
+                a = int(out.num_accepted[i])
+                n = a + 1
+                toks = [int(t) for t in out.token[i, :n]]
+                item = Accepted(tokens=toks, logprobs=np.asarray(out.logprob[i, :n]), top_ids=out.top_ids[i, :n],
+                                top_logprobs=out.top_logprobs[i, :n],
+                                logits=None if out.logits is None else out.logits[i, :n], kv_advance=1 + a,
+                                num_drafted=m, num_accepted=a)
+                self.drafted += m
+                self.accepted += a
+                self.rounds += 1
+                self.accepted_at[:a] += 1
+                if plan.classes is not None and plan.classes[i] < 0:  # a corpus's draft (ngram_corpus.corpus_class)
+                    self.corpus_drafted += m
+                    self.corpus_accepted += a
+                if self.gate is not None:
+                    self.gate.record(spec.key, plan.classes[i], m, a)
+            elif row.sample:
+                item = Accepted(tokens=[int(pick(out.token))], logprobs=np.asarray([pick(out.logprob)]),
+                                top_ids=pick(out.top_ids)[None], top_logprobs=pick(out.top_logprobs)[None],
+                                logits=None if out.logits is None else pick(out.logits)[None],
+                                kv_advance=len(row.tokens))
+            else:
+                item = Accepted(tokens=[], logprobs=np.zeros(0, np.float32), top_ids=np.zeros((0, 0), np.int32),
+                                top_logprobs=np.zeros((0, 0), np.float32), logits=None, kv_advance=len(row.tokens))
+            if self.draft is not None:
+                self.draft.accepted(spec, item, m)
+            res.append(item)
+        return res

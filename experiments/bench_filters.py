@@ -96,8 +96,8 @@ def main(argv):
     from experiments.common import load_experiment_model
     from experiments.serving.env import device_info, git_info, load_average, versions
     from paged import DynamicGenerator
-    from paged import generator as generator_module
     from paged.filters import ll_tokenizer
+    from paged.host import generator as generator_module
 
     load_before = load_average("before the filter benchmark")
     model = load_experiment_model(FLAGS.model)

@@ -12,10 +12,10 @@ from models import ModelConfig, init_random_weights
 from models.llama import forward
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged import generator as generator_module
 from paged.device.sampling import SamplingRows, adjusted_logits, apply_cfg
 from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
 from paged.filters import RegexFilter, compute_masks
+from paged.host import generator as generator_module
 from paged.testing import ByteTokenizer, drain
 
 TOK = ByteTokenizer()

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from paged import cpu_runtime
+from paged.device import cpu_runtime
 from paged.errors import InvalidConfigError
 
 # A program far too costly for the CPU client's inline path for cheap programs (a 2048 x 2048 matmul, ~17 GFLOP:
@@ -21,7 +21,7 @@ from paged.errors import InvalidConfigError
 # the check cannot pass for inline execution).
 _PROBE = """
 import jax, jax.numpy as jnp
-from paged import cpu_runtime
+from paged.device import cpu_runtime
 {setup}
 f = jax.jit(lambda a: a @ a)
 x = jnp.ones((2048, 2048))
@@ -37,7 +37,7 @@ print(cpu_runtime.cpu_dispatch(), "inline" if all(ready) else "dispatched", flus
 
 def _run(code: str) -> str:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the CPU client, also where a GPU is present
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                          env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()[-1]
@@ -55,7 +55,7 @@ def test_engine_flags_set_the_mode_before_the_backend_starts():
     code = """
     from absl import flags
     from experiments import engine_flags
-    from paged import cpu_runtime
+    from paged.device import cpu_runtime
     engine_flags.define()
     flags.FLAGS(["x"{flag}])
     engine_flags.validate()

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from paged import DynamicGenerator
-from paged import draft_gate as dg
 from paged.errors import InvalidConfigError
+from paged.speculation import draft_gate as dg
 from paged.speculation.draft_gate import DraftGate
 from paged.testing import FakeEngine
 from tests.paged.test_speculative_generator import (

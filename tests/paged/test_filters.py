@@ -18,7 +18,6 @@ import pytest
 from models import ModelConfig, init_random_weights
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged import generator as generator_module
 from paged.device.batch import mask_words
 from paged.device.sampling import apply_token_mask
 from paged.errors import InvalidJobError
@@ -33,6 +32,7 @@ from paged.filters import (
     ll_tokenizer,
     mask_allows,
 )
+from paged.host import generator as generator_module
 from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>

@@ -129,7 +129,7 @@ def matmul_inputs(spec: str, kind: str, seed: int = 0) -> tuple[str, tuple, dict
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.testing import random_quantized
+    from pallas_kernels.quant_format import random_quantized
 
     m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", spec)
     if not m:

@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import native, registry
-from pallas_kernels.quant_format import LayerSlice, QuantizedArray, dequantize
+from pallas_kernels.quant_format import LayerSlice, QuantizedArray, dequantize, random_quantized
 from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
+from pallas_kernels.tuned_tables import lookup_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,6 @@ def default_tuning(n: int, qa: QuantizedArray) -> MatmulTuning:
     grew: SmolLM2's down projection summed in 4 parts up to 192 rows, in 2 up to 448 and in 1 above.) A measured
     table entry is one per matrix (`tuned_tables.matmul_key`): its tiles and reduction apply to every row count, its
     `block_n` up to that many rows."""
-    from pallas_kernels.tuned_tables import lookup_matmul
-
     k, out = qa.shape
     block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
     measured = lookup_matmul(jax.devices()[0].device_kind, kind=qa.kind, group_size=qa.group_size, k=k, out=out)
@@ -400,8 +399,6 @@ def contract_cases() -> list[tuple[jnp.ndarray, QuantizedArray]]:
     `pallas_kernels.testing` has the full case space."""
     import numpy as np
 
-    from pallas_kernels.testing import random_quantized
-
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
     return [(x, random_quantized(rng, kind, group, 64, 32)) for kind, group in (("q4_1", 32), ("q4_0", 32),
@@ -424,6 +421,7 @@ def check_contract(impl: KernelImpl) -> None:
                                       "See docs/kernels.md")
 
 
+MATMUL.set_contract(check_contract)
 for _name, _fn in (("reference", _reference_impl), ("xla", _xla_impl), ("pallas", _pallas_impl),
                    ("native", _native_impl)):
     MATMUL.register(_name, _fn, check=False, builtin=True)

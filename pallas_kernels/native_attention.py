@@ -25,8 +25,14 @@ import numpy as np
 from pallas_kernels import native
 
 # None: every row here. An int: prefill windows of more query tokens than this (per row) run through XLA's
-# contraction (`ragged_paged_attention_xla`), read at trace time
+# contraction (`ragged_paged_attention_xla`): the dispatcher (`paged_attention._native_impl`) reads it at trace time
 MAX_QUERY_LEN: int | None = None
+
+
+def library_reason() -> str | None:
+    """Why the library's attention cannot be called here at all, whatever the smoke test says (what tests skip on:
+    `native.library_reason`)."""
+    return native.library_reason() or native.attention_reason()
 
 
 def unavailable_reason(head_dim: int | None = None) -> str | None:
@@ -58,10 +64,12 @@ def _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_len
 
 def native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale,
                            sliding_window=None, soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None,
-                           layer=None):
-    """`paged_attention`'s contract (stacked cache with `layer`, or one layer's pools without it)."""
-    del tuning
-    from pallas_kernels.paged_attention import PrefillDecodeLayout, ragged_paged_attention_xla
+                           layer=None, base=None):
+    """`paged_attention`'s contract (stacked cache with `layer`, or one layer's pools without it), every row here.
+    `base` (float32, q's shape): the output starts as it and the rows' tokens are written over it (the dispatcher,
+    `pallas_kernels.paged_attention`, runs windows longer than `MAX_QUERY_LEN` through XLA and hands their output
+    here with those rows' queries taken away)."""
+    del tuning, layout
 
     why = unavailable_reason(q.shape[-1])
     if why is not None:
@@ -73,24 +81,5 @@ def native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens
         k_scales = None if k_scales is None else k_scales[None]
         v_scales = None if v_scales is None else v_scales[None]
         layer = 0
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    # (the engine's prefill buckets have rows past the layout's, decode rows sitting in the windows' padding: the
-    # windows are still the first num_prefill_rows rows, at row * max_q_len)
-    long_windows = (MAX_QUERY_LEN is not None and layout is not None and layout.num_prefill_rows
-                    and layout.max_q_len > MAX_QUERY_LEN)
-    if not long_windows:
-        return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_lens, kv_lens, page_table,
-                     **common)
-    # the prefill windows [0, sp * qm) through XLA; the decode rows (wherever their slots are) here
-    sp, qm = layout.num_prefill_rows, layout.max_q_len
-    o = ragged_paged_attention_xla(q[: sp * qm], k_pages, v_pages, query_lens[:sp], kv_lens[:sp], page_table[:sp],
-                                   layout=PrefillDecodeLayout(sp, qm, 0), k_scales=k_scales, v_scales=v_scales,
-                                   layer=jnp.asarray(layer, jnp.int32), **common)
-    # The windows' output is zero past each chunk, where decode rows may sit, and the other decode rows' slots follow
-    # the windows: the kernel writes the decode rows' tokens over it (the windows' rows handed over without queries).
-    base = jnp.concatenate([o.astype(jnp.float32), jnp.zeros((q.shape[0] - sp * qm, *q.shape[1:]), jnp.float32)])
-    if page_table.shape[0] == sp:  # no decode rows
-        return base.astype(q.dtype)
-    decode_only = query_lens.at[:sp].set(0)
-    return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, decode_only, kv_lens, page_table,
-                 base=base, **common)
+    return _call(q, k_pages, v_pages, k_scales, v_scales, layer, query_start, query_lens, kv_lens, page_table,
+                 sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, base=base)

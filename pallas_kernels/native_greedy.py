@@ -50,6 +50,14 @@ def unavailable_reason() -> str | None:
     return native.unavailable_reason() or _registered()
 
 
+def library_reason() -> str | None:
+    """Why the library's greedy normalisation cannot be called here at all, whatever the matmul's smoke test says
+    (what tests skip on: `native.library_reason`)."""
+    if os.environ.get("JPG_NATIVE_GREEDY", "1") == "0":
+        return "JPG_NATIVE_GREEDY=0 keeps XLA's formulation"
+    return native.library_reason() or _registered()
+
+
 def native_greedy_final(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(final f32 [S, V], token i32 [S], logprob f32 [S]) of logits [S, V] (any float dtype; computed in float32)."""
     why = unavailable_reason()

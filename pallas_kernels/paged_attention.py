@@ -63,7 +63,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import registry
+from pallas_kernels import native_attention, registry
 from pallas_kernels.registry import ATTENTION, KernelContractError, KernelError, KernelImpl, split_tuning
 from pallas_kernels.tuning import AttentionTuning, default_tuning
 
@@ -473,8 +473,6 @@ def auto_impl(head_dim: int, page_size: int) -> str:
     kernel where it is built and runs (`pallas_kernels.native_attention`); otherwise "xla"."""
     if registry.on_gpu():
         return "pallas" if gpu_unsupported_reason(head_dim, page_size) is None else "xla"
-    from pallas_kernels import native_attention
-
     return "native" if native_attention.unavailable_reason(head_dim) is None else "xla"
 
 
@@ -656,12 +654,28 @@ _pallas_impl.tuning_type = AttentionTuning
 
 def _native_impl(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, sm_scale, sliding_window=None,
                  soft_cap=None, k_scales=None, v_scales=None, layout=None, tuning=None, layer=None):
-    """The native CPU kernel (`pallas_kernels.native_attention`), reading the stacked cache in place."""
-    from pallas_kernels.native_attention import native_paged_attention
-
-    return native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table,
-                                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                  k_scales=k_scales, v_scales=v_scales, layout=layout, tuning=tuning, layer=layer)
+    """The native CPU kernel (`pallas_kernels.native_attention`), reading the stacked cache in place. Where
+    `native_attention.MAX_QUERY_LEN` is set and the step's prefill windows are longer, this dispatcher sends the
+    windows through XLA's contraction and has the kernel write the decode rows over their output."""
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scales=k_scales,
+                  v_scales=v_scales, layer=layer)
+    cap = native_attention.MAX_QUERY_LEN
+    if cap is None or layout is None or not layout.num_prefill_rows or layout.max_q_len <= cap:
+        return native_attention.native_paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens,
+                                                       page_table, layout=layout, tuning=tuning, **common)
+    # the prefill windows [0, sp * qm) through XLA (the engine's prefill buckets have rows past the layout's, decode
+    # rows sitting in the windows' padding: the windows are still the first num_prefill_rows rows, at row * max_q_len)
+    sp, qm = layout.num_prefill_rows, layout.max_q_len
+    o = ragged_paged_attention_xla(q[: sp * qm], k_pages, v_pages, query_lens[:sp], kv_lens[:sp], page_table[:sp],
+                                   layout=PrefillDecodeLayout(sp, qm, 0),
+                                   **{**common, "layer": None if layer is None else jnp.asarray(layer, jnp.int32)})
+    # The windows' output is zero past each chunk, where decode rows may sit, and the other decode rows' slots follow
+    # the windows: the kernel writes the decode rows' tokens over it (the windows' rows handed over without queries).
+    base = jnp.concatenate([o.astype(jnp.float32), jnp.zeros((q.shape[0] - sp * qm, *q.shape[1:]), jnp.float32)])
+    if page_table.shape[0] == sp:  # no decode rows
+        return base.astype(q.dtype)
+    return native_attention.native_paged_attention(q, k_pages, v_pages, query_start, query_lens.at[:sp].set(0),
+                                                   kv_lens, page_table, base=base, **common)
 
 # The built-in names (every registered name, plugins included, is `ATTENTION.names()`).
 IMPLS = ("auto", "reference", "xla", "pallas", "native")
@@ -770,6 +784,7 @@ def check_contract(impl: KernelImpl) -> None:
                 f"{q.dtype}; it returned {got}. See docs/kernels.md")
 
 
+ATTENTION.set_contract(check_contract)
 for _name, _fn, _stacked in (("reference", _reference_impl, False), ("xla", _xla_impl, True),
                              ("pallas", _pallas_impl, False), ("native", _native_impl, True)):
     ATTENTION.register(_name, _fn, stacked_cache=_stacked, check=False, builtin=True)

@@ -43,6 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 KINDS = ("q4_1", "q4_0", "int8")
 Q4_KINDS = ("q4_1", "q4_0")
@@ -172,3 +173,18 @@ def dequantize(qa: QuantizedArray, dtype=jnp.float32) -> jnp.ndarray:
     else:
         w = qa.values.reshape(*lead, k // g, g, n).astype(jnp.float32) * s
     return w.reshape(*lead, k, n).astype(dtype)
+
+
+def random_quantized(rng: np.random.Generator, kind: str, group_size: int | None, k: int, out: int) -> QuantizedArray:
+    """A `QuantizedArray` `[k, out]` of random quants and scales (float16, as GGUF), every bit pattern of the format
+    in use (no quantizer involved)."""
+    g = k if group_size is None else group_size
+    scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(k // g, out)).astype(np.float16))
+    if kind in Q4_KINDS:
+        q = jnp.asarray(rng.integers(0, 16, size=(k, out)), jnp.int32)
+        mins = jnp.asarray(rng.uniform(-0.1, 0.0, size=(k // g, out)).astype(np.float16)) if kind == "q4_1" else None
+        return QuantizedArray(values=pack_q4(q, g), scales=scales, mins=mins, kind=kind, group_size=g, shape=(k, out))
+    if kind != "int8":
+        raise ValueError(f"unknown kind {kind!r}")
+    q = jnp.asarray(rng.integers(-127, 128, size=(k, out)), jnp.int8)
+    return QuantizedArray(values=q, scales=scales, mins=None, kind=kind, group_size=g, shape=(k, out))

@@ -95,11 +95,12 @@ class KernelRegistry:
 
     family: the family's name (used in messages); required / optional: the keyword arguments the contract passes
     (besides the positional ones, `positional` of them); check: `check(impl)` runs the contract on a small case and
-    raises `KernelContractError`; auto: backend name -> implementation name for "auto".
+    raises `KernelContractError` (the family's kernel module sets it, `set_contract`); auto: backend name ->
+    implementation name for "auto".
     """
 
     def __init__(self, family: str, *, positional: int, required: tuple[str, ...], optional: tuple[str, ...],
-                 check: Callable[[KernelImpl], None], auto: Callable[[], str]):
+                 auto: Callable[[], str], check: Callable[[KernelImpl], None] | None = None):
         self.family = family
         self.positional = positional
         self.required = required
@@ -108,6 +109,10 @@ class KernelRegistry:
         self._auto = auto
         self._impls: dict[str, KernelImpl] = {}
         self._lock = threading.Lock()
+
+    def set_contract(self, check: Callable[[KernelImpl], None]) -> None:
+        """The contract check of the family (called once by its kernel module, before it registers built-ins)."""
+        self._check = check
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, fn: Callable[..., Any], *, stacked_cache: bool = False, check: bool = True,
@@ -139,6 +144,9 @@ class KernelRegistry:
                                   "name or pass replace=True")
         self.check_signature(impl)
         if check:
+            if self._check is None:
+                raise KernelError(f"{self.family}: its contract is not loaded; import pallas_kernels (the package "
+                                  "loads the kernel modules) before registering")
             self._check(impl)
         with self._lock:
             self._impls[name] = impl
@@ -322,42 +330,25 @@ def _default_backend_auto() -> str:
     return "pallas" if on_gpu() else "xla"
 
 
-# The families. Their contracts and built-ins are registered by the kernel modules when they are imported (this
-# module must not import them: they import it).
-def _lazy_check(module: str, attr: str) -> Callable[[KernelImpl], None]:
-    def check(impl: KernelImpl) -> None:
-        getattr(importlib.import_module(module), attr)(impl)
-
-    return check
-
-
+# The families. Their contracts and built-ins are registered by the kernel modules (`paged_attention`,
+# `dequant_matmul`), which the package imports (`pallas_kernels/__init__.py`): this module imports none of them.
 ATTENTION = KernelRegistry(
     "paged_attention", positional=7,
     required=("sm_scale",),
     optional=("sliding_window", "soft_cap", "k_scales", "v_scales", "layout", "tuning"),
-    check=_lazy_check("pallas_kernels.paged_attention", "check_contract"),
     auto=_default_backend_auto,
 )
 MATMUL = KernelRegistry(
     "dequant_matmul", positional=2, required=(), optional=("tuning",),
-    check=_lazy_check("pallas_kernels.dequant_matmul", "check_contract"),
     auto=_default_backend_auto,
 )
 
 
-def _ensure_builtins() -> None:
-    """Import the kernel modules, which register the built-ins."""
-    importlib.import_module("pallas_kernels.paged_attention")
-    importlib.import_module("pallas_kernels.dequant_matmul")
-
-
 def attention_registry() -> KernelRegistry:
-    _ensure_builtins()
     return ATTENTION
 
 
 def matmul_registry() -> KernelRegistry:
-    _ensure_builtins()
     return MATMUL
 
 

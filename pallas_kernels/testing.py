@@ -39,7 +39,7 @@ from pallas_kernels.paged_attention import (
     quantize_kv,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.quant_format import Q4_KINDS, QuantizedArray, pack_q4
+from pallas_kernels.quant_format import QuantizedArray, random_quantized
 
 # --------------------------------------------------------------------------------------------------- attention
 
@@ -324,21 +324,6 @@ def matmul_cases(level: str = "quick") -> list[MatmulCase]:
     return list(_MM_QUICK) + (list(_MM_FULL_EXTRA) if level == "full" else [])
 
 
-def random_quantized(rng: np.random.Generator, kind: str, group_size: int | None, k: int, out: int) -> QuantizedArray:
-    """A `QuantizedArray` `[k, out]` of random quants and scales (float16, as GGUF), every bit pattern of the format
-    in use (no quantizer involved)."""
-    g = k if group_size is None else group_size
-    scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(k // g, out)).astype(np.float16))
-    if kind in Q4_KINDS:
-        q = jnp.asarray(rng.integers(0, 16, size=(k, out)), jnp.int32)
-        mins = jnp.asarray(rng.uniform(-0.1, 0.0, size=(k // g, out)).astype(np.float16)) if kind == "q4_1" else None
-        return QuantizedArray(values=pack_q4(q, g), scales=scales, mins=mins, kind=kind, group_size=g, shape=(k, out))
-    if kind != "int8":
-        raise ValueError(f"unknown kind {kind!r}")
-    q = jnp.asarray(rng.integers(-127, 128, size=(k, out)), jnp.int8)
-    return QuantizedArray(values=q, scales=scales, mins=None, kind=kind, group_size=g, shape=(k, out))
-
-
 def numpy_dequantize(qa: QuantizedArray) -> np.ndarray:
     """float64 `[in, out]` from the raw leaves of one (unstacked) `qa`, element by element from the documented
     format: element `i` of column `o` is in group `g = i // G`; for q4 kinds its quant is the low nibble of packed
@@ -419,7 +404,6 @@ __all__ = [
     "numpy_dequantize",
     "numpy_matmul",
     "quantize_pages",
-    "random_quantized",
     "reference_attention",
     "run_attention",
 ]

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pallas_kernels.tuning import AttentionTuning
-
 H100 = "NVIDIA H100 80GB HBM3"
 
-# device_kind -> attention_key -> tuning
-ATTENTION: dict[str, dict[tuple, AttentionTuning]] = {}
+# device_kind -> attention_key -> a `pallas_kernels.tuning.AttentionTuning` (this table imports nothing of the
+# project: `tuning.default_tuning` reads it)
+ATTENTION: dict[str, dict[tuple, Any]] = {}
 
 # device_kind -> matmul_key -> MatmulTuning fields. H100, 2026-11-24 (bench_kernels --sweep, 64 / 12 candidates, at
 # 1-16 rows): the 4096 x 14336 q4_1 GEMV 0.147 -> 0.075 ms, SmolLM2's 576 x 1536 q4_1 GEMV 0.061 -> 0.049 ms. Since
@@ -49,7 +48,7 @@ def attention_key(*, max_query_len: int, num_kv_heads: int, page_size: int, page
     return ("decode" if max_query_len <= 1 else _bucket(max_query_len), num_kv_heads, page_size, _bucket(pages_per_row))
 
 
-def lookup_attention(device_kind: str, **shape) -> AttentionTuning | None:
+def lookup_attention(device_kind: str, **shape) -> Any:
     return ATTENTION.get(device_kind, {}).get(attention_key(**shape))
 
 

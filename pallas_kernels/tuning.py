@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.tuned_tables import lookup_attention
+
 
 def _is_power_of_two(n: int) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
@@ -68,8 +70,6 @@ def default_tuning(
     device and shape class if there is one, else the heuristics below. Everything here is static (shapes, not
     values)."""
     import jax
-
-    from pallas_kernels.tuned_tables import lookup_attention
 
     measured = lookup_attention(jax.devices()[0].device_kind, max_query_len=max_query_len,
                                 num_kv_heads=num_kv_heads, page_size=page_size, pages_per_row=pages_per_row)

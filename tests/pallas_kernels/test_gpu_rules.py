@@ -35,7 +35,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     ragged_paged_attention_pallas,
 )
-from pallas_kernels.testing import random_quantized
+from pallas_kernels.quant_format import random_quantized
 from pallas_kernels.tuning import AttentionTuning as T
 from tests.pallas_kernels.helpers import names_of, spy
 

@@ -241,15 +241,15 @@ def test_builtin_attention_conforms(impl, case):
 @pytest.mark.parametrize("impl", ["xla", "pallas", "reference", "native"])
 @pytest.mark.parametrize("case", testing.matmul_cases("quick"), ids=lambda c: c.name)
 def test_builtin_matmul_conforms(impl, case):
-    if impl == "native" and native.unavailable_reason() is not None:
-        pytest.skip(f"native kernel: {native.unavailable_reason()}")
+    if impl == "native" and native.library_reason() is not None:
+        pytest.skip(f"native kernel: {native.library_reason()}")
     testing.check_matmul(impl, case)
 
 
 def _pytest(path, *args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "--pyargs",
            "pallas_kernels.conformance", *args]
-    return subprocess.run(cmd, cwd=path, env=_env(path), capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=path, env=_env(path), capture_output=True, text=True)
 
 
 @pytest.mark.slow
@@ -274,7 +274,7 @@ def test_the_benchmark_checks_then_times_an_external_kernel(kernel_dir):
     cmd = [sys.executable, "-m", "experiments.bench_kernels", "--ops=attention",
            "--attn_impls=xla,ext_good:attention,ext_noscale:attention", "--attn_shapes=decode2x40,mixed8+1x64",
            "--heads=1x2x16", "--page_size=8", "--iters=1", "--repeats=2", f"--json_out={out}"]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True)
     assert done.returncode == 1, done.stderr[-2000:]  # the wrong kernel is reported, not timed
     rec = json.loads(out.read_text())
     by = {(r["impl"], r["shape"].split()[0]): r for r in rec["results"]}
@@ -385,8 +385,7 @@ def test_generate_and_bench_serving_run_an_external_kernel(kernel_dir, tmp_path)
     for impl in ("xla", "ext_good:attention"):
         out = tmp_path / f"{impl.replace(':', '_')}.jsonl"
         done = subprocess.run([sys.executable, "-m", "experiments.generate", *common, f"--attn_impl={impl}",
-                               f"--output={out}"], cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True,
-                              timeout=600)
+                               f"--output={out}"], cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         texts[impl] = json.loads(out.read_text().splitlines()[0])["completion"]
     assert texts["ext_good:attention"] == texts["xla"] != ""  # greedy: the same text
@@ -395,6 +394,6 @@ def test_generate_and_bench_serving_run_an_external_kernel(kernel_dir, tmp_path)
          "--input_len=6", "--output_len=3", "--max_concurrency=1", "--page_size=8", "--max_seq_len=32",
          "--max_chunk_size=16", "--num_warmup=0", "--nocompile_all_buckets", "--noprogress", "--nomeasure_hardware",
          "--attn_impl=ext_good:attention", f"--output_dir={tmp_path}", "--run_name=k"],
-        cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=_env(kernel_dir), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ext_good:attention" in (tmp_path / "k.jsonl").read_text()

@@ -42,7 +42,10 @@ def test_a_gpu_backend_makes_the_cpu_kernel_unavailable(monkeypatch):
         dequant_matmul(x, qa, impl="native")
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.unavailable_reason()}")
+# Skipped only where the library cannot be called at all (`library_reason`): where it is built, a kernel that fails
+# its smoke test (and so is unavailable to the dispatcher) fails these tests instead of skipping them
+needs_native = pytest.mark.skipif(native.library_reason() is not None,
+                                  reason=f"native kernel: {native.library_reason()}")
 ISAS = native.supported_isas() or ["avx2"]
 
 

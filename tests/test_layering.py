@@ -192,3 +192,150 @@ def test_checker_restricts_third_party_imports_of_the_kernels(tmp_path):
         "pallas_kernels/__init__.py:2 imports flax: pallas_kernels may import only the standard library and jax, "
         "jaxlib, numpy"
     ]
+
+
+# ------------------------------------------------------------------------------------------- rooms inside packages
+# Inside a package the same rule holds between its rooms (docs/architecture.md, "Rooms inside paged/"): a module
+# imports only modules of its own room or of the rooms below, and no package has an import cycle among its modules
+# (function-local imports count: an import placed in a function to dodge a cycle is the cycle still). Package faces
+# (`__init__.py` re-exports) are left out of the cycle check, as a re-export is not coupling.
+PAGED_ROOMS: list[tuple[str, tuple[str, ...]]] = [  # bottom to top; a name ending in "." is a whole subpackage
+    ("floor", ("paged.errors", "paged.validate", "paged.clock")),
+    ("device", ("paged.device.",)),
+    ("requests", ("paged.settings", "paged.filters", "paged.embeddings", "paged.job", "paged.token_sets",
+                  "paged.streaming")),
+    ("policies", ("paged.policies.",)),
+    ("speculation", ("paged.speculation.",)),
+    ("host", ("paged.host.",)),
+    ("sim", ("paged.sim", "paged.testing")),
+    ("face", ("paged", "paged.compat")),
+]
+
+
+def module_name(file: Path, root: Path) -> str:
+    parts = list(file.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(package: str, root: Path = ROOT, faces: bool = True) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (anywhere in it). `from pkg import sub` counts as importing
+    the submodule where `sub` is one, else the package. `faces=False` leaves `__init__.py` modules out."""
+    files = {module_name(f, root): f for f in sorted((root / package).rglob("*.py"))
+             if faces or f.name != "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for mod, file in files.items():
+        deps = set()
+        tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
+        from_lines = {n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        found = imports_of(file, root)
+        by_line = {i.line: i.module for i in found}
+        for imp in found:  # imports and import_module() calls
+            if imp.line not in from_lines and imp.module.split(".")[0] == package:
+                deps.add(imp.module)
+        for node in ast.walk(tree):  # `from pkg import sub` imports the submodule pkg.sub, else pkg's names
+            if isinstance(node, ast.ImportFrom):
+                base = by_line[node.lineno]
+                if base.split(".")[0] == package:
+                    subs = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files}
+                    deps |= subs if len(subs) == len(node.names) else subs | {base}
+        graph[mod] = {d for d in deps if d in files and d != mod}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def room_of(module: str, rooms=PAGED_ROOMS) -> int | None:
+    for i, (_, members) in enumerate(rooms):
+        if any(module.startswith(m) or module == m[:-1] if m.endswith(".") else module == m for m in members):
+            return i
+    return None
+
+
+def room_violations(root: Path = ROOT, rooms=PAGED_ROOMS) -> list[str]:
+    bad = []
+    for mod, deps in module_graph("paged", root).items():
+        mine = room_of(mod, rooms)
+        if mine is None:
+            bad.append(f"{mod} is in no room of PAGED_ROOMS: place it")
+            continue
+        for d in sorted(deps):
+            theirs = room_of(d, rooms)
+            if theirs is not None and theirs > mine:
+                bad.append(f"{mod} ({rooms[mine][0]}) imports {d} ({rooms[theirs][0]}, a room above it)")
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_import_cycle_inside_a_package(package):
+    cycles = import_cycles(module_graph(package, faces=False))
+    assert not cycles, "import cycles (a module should import only from below it):\n  " + "\n  ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_paged_rooms_import_only_the_rooms_below():
+    bad = room_violations()
+    assert not bad, "room order broken:\n  " + "\n  ".join(bad)
+
+
+def test_paged_has_no_folder_of_more_than_15_modules():
+    for folder in [ROOT / "paged", *[p.parent for p in (ROOT / "paged").glob("*/__init__.py")]]:
+        modules = [f for f in folder.glob("*.py") if f.name != "__init__.py"]
+        assert len(modules) <= 15, f"{folder.relative_to(ROOT)} holds {len(modules)} modules: group them in rooms"
+
+
+def test_the_room_and_cycle_checks_catch_what_they_are_for(tmp_path):
+    root = _tree(tmp_path, {
+        "paged/__init__.py": "from paged.host.gen import G\n",
+        "paged/errors.py": "",
+        "paged/device/__init__.py": "",
+        "paged/device/step.py": "from paged.device import engine\n",
+        "paged/device/engine.py": """\
+            def f():
+                from paged.device.step import g  # lazy: still a cycle
+                from paged.host.other import H  # a room above
+            """,
+        "paged/host/__init__.py": "",
+        "paged/host/other.py": "",
+        "paged/host/gen.py": "from paged.device.engine import f\nfrom paged import errors\n",
+        "paged/stray.py": "",
+    })
+    graph = module_graph("paged", root, faces=False)
+    assert graph["paged.host.gen"] == {"paged.device.engine", "paged.errors"}
+    assert import_cycles(graph) == [["paged.device.engine", "paged.device.step"]]
+    assert room_violations(root) == [
+        "paged.device.engine (device) imports paged.host.other (host, a room above it)",
+        "paged.stray is in no room of PAGED_ROOMS: place it",
+    ]

@@ -69,6 +69,21 @@ def hlo_of(engine) -> tuple[str, float]:
     return compiled.as_text(), float(cost["flops"])
 
 
+def token_rows(engine) -> dict[str, list[int]]:
+    """Which rows of an [8, H] hidden-state array each device holds after the step's token constraint
+    (`constrain_tokens`), keyed by the device's mesh coordinates "dp,tp": the split over `dp` made visible (outputs
+    alone stay equal whatever axis the tokens are split over)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged.device.sharding import constrain_tokens
+
+    with jax.set_mesh(engine.mesh):
+        out = jax.jit(constrain_tokens)(jnp.zeros((8, CFG.hidden_size), jnp.float32))
+    coords = {int(d.id): ",".join(map(str, ix)) for ix, d in np.ndenumerate(engine.mesh.devices)}
+    return {coords[int(s.device.id)]: [s.index[0].start or 0, s.index[0].stop or 8] for s in out.addressable_shards}
+
+
 def release() -> None:
     """Drop the compiled programs of the configuration just checked: this one process runs ~30 engine
     configurations, and their programs' memory maps (hundreds each) reached ~57,000 of Linux's 65,530 per process
@@ -107,6 +122,7 @@ def main():
             "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
             "flops_per_device_vs_one": flops / ref_flops,
             "mesh_shape": dict(g.engine.mesh.shape),
+            "token_rows": token_rows(g.engine),
         }
         release()
     g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")

@@ -153,6 +153,19 @@ def test_chain_hash_depends_on_the_whole_prefix():
     assert a[0] != b[0] and a[1] != b[1]  # same second page, different prefix -> different hash
 
 
+def test_chain_hash_depends_on_the_root():
+    """The root (a LoRA adapter's digest) enters every page's hash, not only the first's: the same tokens under
+    another root, or none, share no page."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    plain, a, b = (chain_hashes(tokens, 4, 2, root=r) for r in (b"", b"adapter-a", b"adapter-b"))
+    for i in range(2):
+        assert len({plain[i], a[i], b[i]}) == 3, i
+    assert chain_hashes(tokens, 4, 2, root=b"adapter-a") == a  # deterministic
+    # a later page differs even where the earlier page's hash were equal: the root is mixed in at each page
+    assert chain_hashes(tokens[4:], 4, 1, prev=a[0], root=b"adapter-b") != chain_hashes(tokens[4:], 4, 1, prev=a[0],
+                                                                                         root=b"adapter-a")
+
+
 def test_hash_collision_is_caught_by_token_verification():
     pool = PagePool(8, 4)
     h = chain_hashes([1, 2, 3, 4], 4, 1)

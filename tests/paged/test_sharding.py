@@ -17,7 +17,7 @@ import pytest
 from models import ModelConfig, init_random_weights
 from models.loader import Model
 from paged import DynamicGenerator
-from paged import sharding as sh
+from paged.device import sharding as sh
 from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer
@@ -27,7 +27,7 @@ from paged.testing import ByteTokenizer
 def check():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-m", "tests.paged.sharding_check"], capture_output=True, text=True,
-                       env={**env, "JAX_PLATFORMS": "cpu"}, timeout=600, cwd=os.path.dirname(os.path.dirname(
+                       env={**env, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(
                            os.path.dirname(os.path.abspath(__file__)))))
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SHARDING_CHECK ")), None)
     assert line is not None, p.stderr[-3000:]
@@ -62,6 +62,13 @@ def test_the_cache_is_split_by_kv_head_and_never_gathered(check, mesh, dp, tp):
     assert got["flops_per_device_vs_one"] < 1.2 / (dp * tp)
     if dp > 1:
         assert got["all_gathers"] > 0  # the new tokens' K/V reach every replica's copy of the cache
+    # the hidden states are split by token over dp, and only over dp: the devices of one dp replica hold the same
+    # rows, the replicas one slice each (a split over the wrong axis had kept every output and count equal)
+    rows = got["token_rows"]
+    assert sorted(rows) == [f"{i},{j}" for i in range(dp) for j in range(tp)]
+    for key, (start, stop) in rows.items():
+        i = int(key.split(",")[0])
+        assert [start, stop] == [i * 8 // dp, (i + 1) * 8 // dp], (key, rows)
 
 
 # the meshes each quantized model runs under in sharding_check: dp alone (whole weights on each replica, the tokens

@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 def run_bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     return subprocess.run([sys.executable, "-m", "experiments.bench_speculative", *args], capture_output=True,
-                          text=True, env=env, timeout=600)
+                          text=True, env=env)
 
 
 def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # noqa: F811

@@ -63,6 +63,6 @@ def test_a_script_rejects_a_bad_json_out_before_it_starts(tmp_path):
     import sys
 
     p = subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--model=tiny", f"--json_out={tmp_path}"],
-                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert p.returncode != 0 and f"{tmp_path} is a folder" in p.stderr, p.stderr[-2000:]
     assert "tok/s" not in p.stdout  # nothing was measured

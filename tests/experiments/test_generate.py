@@ -518,7 +518,7 @@ def _two_processes(model_dir, *extra: str) -> list[tuple[int, str, str]]:
         for i in range(2)]
     outs = []
     for p in procs:
-        out, err = p.communicate(timeout=400)
+        out, err = p.communicate()
         outs.append((p.returncode, out, err))
     return outs
 

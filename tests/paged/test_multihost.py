@@ -5,11 +5,13 @@ comes from process 0) and as one device, with the cache split across both proces
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -34,14 +36,19 @@ def processes():
     procs = [subprocess.Popen([sys.executable, "-m", "tests.paged.multihost_check", str(i), "2", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for i in range(2)]
+    # No fixed time limit (a loaded machine only makes them slower); a process that fails makes the other one, which
+    # would wait for it forever, stop too.
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:  # (reading both pipes as they run)
+        reads = [pool.submit(p.communicate) for p in procs]
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                for q in procs:
+                    q.kill()
+                break
+            time.sleep(0.5)
+        texts = [r.result() for r in reads]
     outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=420)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    for out, err in texts:
         line = next((ln for ln in out.splitlines() if ln.startswith("MULTIHOST ")), None)
         assert line is not None, err[-3000:]
         outs.append(json.loads(line.removeprefix("MULTIHOST ")))

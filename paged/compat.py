@@ -14,7 +14,7 @@ implementation. ExLlamaV2's argument names and defaults are kept (`gen_settings`
 meaning off, `completion_only=False` in `generate()`, ...). What ExLlamaV2 has and this project does not (yet)
 raises `UnsupportedFeatureError` (a `NotImplementedError`) naming the setting: never silently ignored. Knobs that only
 tune ExLlamaV2's CUDA implementation (`max_q_size`, sampling threads, background filter evaluation) have no
-equivalent here; a non-default value gives a warning. The mapping is documented in docs/api.md.
+equivalent here; a non-default value gives a warning. The mapping is documented in docs/compat.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seqs", 16, "decode rows")

@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -47,7 +47,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    from experiments.common import load_experiment_model
+    from experiments.lib.common import load_experiment_model
     from paged.device.batch import RowInput
     from paged.device.engine import Engine
 

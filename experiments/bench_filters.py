@@ -21,7 +21,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 flags.DEFINE_string("model", "smollm2-135m", "model (a name, a .gguf, or an HF directory)")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "jobs per run")
@@ -93,8 +93,8 @@ def run_config(gen, tok, batch: int, fraction: float, timer: dict) -> dict:
 
 def main(argv):
     del argv
-    from experiments.common import load_experiment_model
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.common import load_experiment_model
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from paged import DynamicGenerator
     from paged.filters import ll_tokenizer
     from paged.host import generator as generator_module

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 
@@ -147,7 +147,7 @@ def time_one(name: str, shape: str, rows: int, layers: int, repeats: int, rng, c
 
 def main(argv):
     del argv
-    from experiments.serving.env import device_info, load_average, versions
+    from experiments.lib.serving.env import device_info, load_average, versions
     from pallas_kernels import native
 
     names = list(FLAGS.formulations)

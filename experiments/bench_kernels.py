@@ -28,7 +28,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
@@ -231,8 +231,8 @@ def main(argv):
 
     import jax
 
-    from experiments.serving.env import device_info, git_info, load_average, versions
-    from experiments.serving.hardware import measure_peaks
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.serving.hardware import measure_peaks
     from pallas_kernels.registry import attention_registry, matmul_registry
 
     gpu = jax.default_backend() == "gpu"

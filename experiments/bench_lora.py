@@ -21,8 +21,8 @@ import time
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import check_out_flag
+from experiments.lib import engine_flags
+from experiments.lib.common import check_out_flag
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), shared with the other scripts
@@ -100,7 +100,7 @@ def measure(model, *, rows: int, rank: int, counts: list[int], context: int, ite
 
 def main(argv):
     del argv
-    from experiments.common import write_record
+    from experiments.lib.common import write_record
 
     model = engine_flags.load_model()
     results, matmul_impl = measure(model, rows=FLAGS.lora_rows, rank=FLAGS.lora_rank,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 
@@ -110,7 +110,7 @@ def programs(target: str, w: dict, layers: int):
 
 def main(argv):
     del argv
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from pallas_kernels import native
 
     builds = FLAGS.builds

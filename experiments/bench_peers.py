@@ -36,8 +36,8 @@ import time
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import check_out_flag, write_record
+from experiments.lib import engine_flags
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model (ours; a .gguf is also given to the peers), --quant, --page_size, --cache_dtype, ...
@@ -332,7 +332,7 @@ def main(argv):
     if FLAGS.json_out:
         import jax
 
-        from experiments.serving.env import matmul_auto
+        from experiments.lib.serving.env import matmul_auto
 
         names = ("engines", "workloads", "batch_sizes", "prompt_len", "prefill_len", "decode_tokens", "threads",
                  "isolate", "model", "quant", "cache_dtype", "page_size", "decode_steps", "cpu_dispatch")

@@ -18,7 +18,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag
+from experiments.lib.common import check_out_flag
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rows", 64, "batch rows S")
@@ -125,7 +125,7 @@ def main(argv):
         print(f"{name:24s} {1e3 * np.median(times):9.2f} ms  (min {1e3 * np.min(times):.2f})")
     if FLAGS.greedy_final_rows:
         record["greedy_final_ms"] = time_greedy_final([int(r) for r in FLAGS.greedy_final_rows], v, FLAGS.iters)
-    from experiments.common import write_record
+    from experiments.lib.common import write_record
 
     write_record(FLAGS.json_out, record)
 

@@ -9,7 +9,7 @@ Closed loop (`--max_concurrency N`: N requests in flight), open loop (`--request
 shape `--burstiness`), or both. Each concurrency value is one run; each run appends one JSON record to
 `<output_dir>/<run_name>.jsonl` and prints a summary table. Compilation (`generator.warmup()`) and `--num_warmup`
 requests are excluded; the prompt cache is reset before each measured run. See docs/performance.md, "Serving
-benchmark", for the metric definitions and the record's schema. The logic lives in `experiments/serving/`.
+benchmark", for the metric definitions and the record's schema. The logic lives in `experiments/lib/serving/`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import check_out_flag
-from experiments.serving import flags as workload_flags
+from experiments.lib import engine_flags
+from experiments.lib.common import check_out_flag
+from experiments.lib.serving import flags as workload_flags
 
 FLAGS = flags.FLAGS
 _BEFORE = set(FLAGS) - set(engine_flags.NAMES)
@@ -50,7 +50,8 @@ check_out_flag("output_dir", folder=True)
 flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
-# model / engine: experiments/engine_flags.py (--max_penalty_range defaults to 0 here: the benchmark uses no penalties)
+# model / engine: experiments/lib/engine_flags.py (--max_penalty_range defaults to 0 here: the benchmark uses no
+# penalties)
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
 
 SCHEMA = "bench_serving/1"
@@ -114,7 +115,7 @@ def run() -> list:
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    from experiments.serving import env, hardware, metrics, plots, runner, workloads
+    from experiments.lib.serving import env, hardware, metrics, plots, runner, workloads
 
     try:
         slo = metrics.parse_slo(FLAGS.slo)

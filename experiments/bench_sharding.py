@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from experiments.common import check_out_flag, write_record  # noqa: E402
+from experiments.lib.common import check_out_flag, write_record  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 4, "virtual CPU devices (read before JAX starts)")
@@ -94,7 +94,7 @@ def main(argv):
 
     import jax
 
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
 
     model = bench_model(FLAGS.model)
     tok = model.tokenizer

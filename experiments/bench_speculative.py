@@ -15,7 +15,7 @@ warms up
 (compiles) first; then, per workload and batch size b, the same
 `--num_prompts` seeded prompts run with at most b jobs in the generator at once (a finished job's slot takes the
 next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
-record carries the flags, git state, device and versions (`experiments.serving.env`).
+record carries the flags, git state, device and versions (`experiments.lib.serving.env`).
 
 `--rounds R` runs each (workload, batch size) R times, every configuration once per round, one after another, the
 configurations' order rotated by one each round: a machine whose speed drifts over minutes (a 2-core CPU moves
@@ -39,8 +39,8 @@ import time
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import chat_prompt, check_out_flag, workload, write_record
+from experiments.lib import engine_flags
+from experiments.lib.common import chat_prompt, check_out_flag, workload, write_record
 from paged.speculation.rows import ACCEPTANCE_RULES
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
@@ -68,7 +68,7 @@ flags.DEFINE_integer("rounds", 1, "runs of every configuration per workload and 
                      lower_bound=1)
 flags.DEFINE_string("json_out", None, "write the record here")
 check_out_flag("json_out")
-if "quant" not in flags.FLAGS:  # (experiments.engine_flags defines the same flag where both are imported)
+if "quant" not in flags.FLAGS:  # (experiments.lib.engine_flags defines the same flag where both are imported)
     flags.DEFINE_string("quant", "keep", "weights: 'keep' a GGUF's quantized blocks (the native CPU kernel decodes "
                         "them), 'none' dequantizes to float32, 'int8' / 'int4' requantize")
 engine_flags.define_cpu_dispatch()
@@ -83,7 +83,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings

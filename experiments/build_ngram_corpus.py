@@ -1,6 +1,6 @@
 """Build the n-gram drafter's corpus table (`paged.speculation.ngram_corpus.NgramCorpus`) from the model's own answers.
 
-The model answers a seeded prompt set with greedy decoding and continuous batching (`experiments.answers`): open
+The model answers a seeded prompt set with greedy decoding and continuous batching (`experiments.lib.answers`): open
 requests (none of them a benchmark prompt), then copy requests over those answers (`--num_prompts`, half each,
 as the distilled draft's training text). Every answer, with the last `--max_ngram` tokens of its prompt (the chat
 template's "assistant" header, so the table knows how answers begin), goes into the table; `--prompts_file`
@@ -23,7 +23,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, read_jsonl
+from experiments.lib.common import check_out_flag, read_jsonl
 
 flags.DEFINE_string("model", "smollm2-135m", "the model (anything models.load_model accepts)")
 flags.DEFINE_string("quant", "keep", "its weights, as the benchmark runs it: keep (GGUF blocks), none, int8, int4")
@@ -48,7 +48,7 @@ FLAGS = flags.FLAGS
 
 
 def prompt_of(obj, lineno: int, index: int) -> str:
-    """A `--prompts_file` line's "prompt" (`experiments.common.read_jsonl`'s parser)."""
+    """A `--prompts_file` line's "prompt" (`experiments.lib.common.read_jsonl`'s parser)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
         raise ValueError('needs a non-empty "prompt" string')
     return obj["prompt"]
@@ -74,7 +74,7 @@ def main(argv):
                 own_texts.append(fh.read())
         except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
-    from experiments.answers import answer_prompt_set, generate_answers
+    from experiments.lib.answers import answer_prompt_set, generate_answers
     from models import load_model
     from paged.speculation.ngram_corpus import NgramCorpus
 

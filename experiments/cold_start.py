@@ -19,7 +19,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", "Give me three facts about octopuses.", "the prompt (the README's)")

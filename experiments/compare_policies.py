@@ -14,7 +14,7 @@ bar while it runs, writes one JSON record (`--json_out`: flags, git sha, device,
 metrics, per-step timings and shapes) and, with `--plot`, TTFT/E2E CDFs and per-policy bars. Every request is a job
 with no stop condition that produces exactly its output length; `--page_budget` shrinks the KV cache to force memory
 pressure (preemptions for `on_demand` policies, queueing for `reserve` ones). Engine flags:
-experiments/engine_flags.py (`--max_batch_size` defaults to 16, `--max_seq_len` to 1024, `--decode_steps` to 1
+experiments/lib/engine_flags.py (`--max_batch_size` defaults to 16, `--max_seq_len` to 1024, `--decode_steps` to 1
 here).
 """
 
@@ -31,9 +31,9 @@ import time
 import numpy as np
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import check_out_flag
-from experiments.serving import flags as workload_flags
+from experiments.lib import engine_flags
+from experiments.lib.common import check_out_flag
+from experiments.lib.serving import flags as workload_flags
 
 FLAGS = flags.FLAGS
 _BEFORE = set(FLAGS) - set(engine_flags.NAMES)
@@ -51,7 +51,7 @@ flags.DEFINE_enum("engine", "sim", ["real", "sim"], "real: the model (--model) o
 flags.DEFINE_string("step_time_model", DEFAULT_STEP_TIME_MODEL, "sim: StepTimeModel JSON (experiments/profile_step.py "
                     "--fit_out writes one)")
 flags.DEFINE_enum("workload", "poisson", ["poisson", "gamma", "sharegpt", "shared_prompt", "bursty"],
-                  "request workload and arrival process (experiments/serving/workloads.py, make_scenario)")
+                  "request workload and arrival process (experiments/lib/serving/workloads.py, make_scenario)")
 flags.DEFINE_float("rate", 2.0, "mean arrivals per second")
 flags.DEFINE_integer("num_requests", 64, "measured requests per policy")
 flags.DEFINE_integer("burst_size", 16, "bursty: requests per burst")
@@ -100,7 +100,7 @@ def engine_config():
 
 
 def build_workload(vocab_size: int, special_ids, max_seq_len: int):
-    from experiments.serving import workloads
+    from experiments.lib.serving import workloads
 
     try:
         return workloads.make_scenario(
@@ -134,7 +134,7 @@ class RealBackend:
     kind = "real"
 
     def __init__(self):
-        from experiments.serving import env
+        from experiments.lib.serving import env
         from paged.device.engine import Engine
 
         self.model = engine_flags.load_model()
@@ -157,7 +157,7 @@ class RealBackend:
         return time.perf_counter, time.sleep
 
     def warm_up(self, requests) -> None:
-        from experiments.serving import runner
+        from experiments.lib.serving import runner
 
         if requests:
             runner.run_benchmark(self.generator("exllamav2"), requests, max_concurrency=self.config.max_batch_size)
@@ -219,7 +219,7 @@ def step_shapes(res) -> dict[str, list]:
 
 
 def run_policy(backend, spec: str, wl, arrivals, slo: dict, label: str | None = None) -> PolicyRun:
-    from experiments.serving import metrics, runner
+    from experiments.lib.serving import metrics, runner
     from paged.policies import make_policy
     from paged.settings import SamplingSettings
 
@@ -298,7 +298,7 @@ def compare(backend, wl, arrivals) -> list[PolicyRun]:
 
 
 def slo_of_flags() -> dict:
-    from experiments.serving import metrics
+    from experiments.lib.serving import metrics
 
     try:
         return metrics.parse_slo(FLAGS.slo or DEFAULT_SLO)
@@ -321,7 +321,7 @@ def write_json(path: str, record: dict) -> None:
 
 
 def write_outputs(backend, wl, runs: list[PolicyRun], extra: dict | None = None) -> None:
-    from experiments.serving import env, plots
+    from experiments.lib.serving import env, plots
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     record = {"schema": SCHEMA, "timestamp": stamp, "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
@@ -345,7 +345,7 @@ def main(argv):
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    from experiments.serving import env
+    from experiments.lib.serving import env
 
     validate_flags()
     if FLAGS.engine == "real":

@@ -19,8 +19,8 @@ import time
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import check_out_flag, write_record
+from experiments.lib import engine_flags
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant, --compilation_cache_dir and every EngineConfig field

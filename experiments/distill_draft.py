@@ -12,7 +12,7 @@ Training text: the target's own **greedy** answers (`--gen_temperature`, default
 in the chat template the benchmark and `generate.py` use: open requests (`TASKS` x `TOPICS` first, then the wide
 pool with `MORE_TASKS` and `MORE_TOPICS`: 2860 distinct requests), then copy-style requests (repeat, correct, quote;
 `COPY_INSTRUCTIONS`) over the target's earlier answers, generated with continuous batching (`--gen_batch` jobs).
-Neither the benchmark's texts nor its chat prompts (`experiments.common`) are in it. Each example is one prompt +
+Neither the benchmark's texts nor its chat prompts (`experiments.lib.common`) are in it. Each example is one prompt +
 answer, so a copy request keeps the text it copies in context. Loss (`--loss`): "ce", cross-entropy on the answer
 tokens (with greedy text they are the target's argmax: what greedy acceptance checks; no teacher forward, so a step
 is cheap); "topk" (the default), cross-entropy against the target's distribution over its `--topk` most likely
@@ -42,7 +42,7 @@ import time
 
 from absl import app, flags
 
-from experiments.answers import (  # noqa: F401 (the prompt set and generation, here since before answers.py)
+from experiments.lib.answers import (  # noqa: F401 (the prompt set and generation, here since before answers.py)
     COPY_INSTRUCTIONS,
     MORE_TASKS,
     MORE_TOPICS,
@@ -53,7 +53,7 @@ from experiments.answers import (  # noqa: F401 (the prompt set and generation, 
     generate_answers,
     open_prompts,
 )
-from experiments.common import check_out_flag
+from experiments.lib.common import check_out_flag
 
 flags.DEFINE_string("target", "smollm2-135m", "target model (anything models.load_model accepts)")
 flags.DEFINE_string("out", None, "output directory (model.safetensors + config.json)")
@@ -86,7 +86,7 @@ flags.DEFINE_float("kl_temperature", 1.0, "--loss=kl: temperature of both distri
 flags.DEFINE_float("holdout", 0.05, "share of the open answers held out to measure agreement, each with the copy "
                   "requests over it (no held-out text is trained on)")
 flags.DEFINE_list("eval_workloads", ["copy", "chat"], "after training, the draft's agreement with the target on "
-                  "these benchmark workloads (experiments.common.workload; their prompts are not trained on)")
+                  "these benchmark workloads (experiments.lib.common.workload; their prompts are not trained on)")
 flags.DEFINE_integer("eval_prompts", 16, "prompts per evaluation workload")
 flags.DEFINE_integer("eval_tokens", 96, "target answer tokens per evaluation prompt")
 flags.DEFINE_integer("seed", 0, "seed of the prompt set, the generation and the batches")
@@ -197,7 +197,7 @@ def main(argv):
     import optax
     from tqdm import tqdm
 
-    from experiments.common import workload
+    from experiments.lib.common import workload
     from models import load_model
     from models.draft import reduced_head, save_hf_llama
     from models.llama import forward, hidden_states, rms_norm
@@ -322,7 +322,7 @@ def main(argv):
 
     held_out = agreement(hold)  # prompts of the training distribution, not trained on
     workload_top1 = {}
-    for name in FLAGS.eval_workloads:  # the benchmark's prompts (experiments.common.workload): other wording/texts
+    for name in FLAGS.eval_workloads:  # the benchmark's prompts (experiments.lib.common.workload): other wording/texts
         ev = generate_answers(speaker, workload(name, FLAGS.eval_prompts, 0), FLAGS.eval_tokens, 0.0, FLAGS.seed,
                               float("inf"), f"target answers ({name} workload)")
         workload_top1[name] = agreement(ev)

@@ -42,7 +42,6 @@ its output is complete (--filter_prefer_eos: as soon as the filters accept it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -51,8 +50,8 @@ from typing import IO, Any
 
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import read_jsonl
+from experiments.lib import engine_flags
+from experiments.lib.common import read_jsonl, write_jsonl
 from paged.speculation.rows import ACCEPTANCE_RULES
 
 FLAGS = flags.FLAGS
@@ -138,7 +137,7 @@ flags.DEFINE_string("json_schema", None, "a JSON-schema file: the output is one 
 flags.DEFINE_string("regex", None, "the output matches this regular expression as a whole (Rust regex syntax)")
 flags.DEFINE_string("grammar", None, "a Lark grammar file (start rule `start`): the output is a sentence of it")
 flags.DEFINE_bool("filter_prefer_eos", False, "end a filtered job as soon as its filters accept the output")
-# --- cache and engine: experiments/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
+# --- cache and engine: experiments/lib/engine_flags.py (--max_batch_size defaults to 16 in bulk mode, 1 otherwise)
 
 LORA_NAME = "lora"  # the name --lora's adapter is loaded under
 PROMPT_KEYS = ("id", "prompt", "messages", "system", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop")
@@ -527,12 +526,6 @@ def make_record(req: Request, final: dict) -> dict:
     }
 
 
-def write_record(sink: IO[str] | None, record: dict) -> None:
-    if sink is not None:
-        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-        sink.flush()
-
-
 class OrderedWriter:
     """Writes records in input order as soon as every earlier one is done (a crash keeps a clean prefix)."""
 
@@ -544,7 +537,7 @@ class OrderedWriter:
     def add(self, index: int, record: dict) -> None:
         self.ready[index] = record
         while self.next in self.ready:
-            write_record(self.sink, self.ready.pop(self.next))
+            write_jsonl(self.sink, self.ready.pop(self.next))
             self.next += 1
 
 
@@ -620,7 +613,7 @@ def run_single(gen, tok, req: Request, *, sink: IO[str] | None = None, compiled:
     line = speculation_line(gen.metrics())
     if line:
         print(line, file=sys.stderr)
-    write_record(sink, record)
+    write_jsonl(sink, record)
     return record
 
 
@@ -742,7 +735,7 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
         print()
         record = make_record(req, final)
         records.append(record)
-        write_record(sink, record)
+        write_jsonl(sink, record)
         print(timing_line(record, compiled=compiled or len(records) > 1), file=sys.stderr)
         if templated:
             history += [user, {"role": "assistant", "content": final["full_completion"]}]

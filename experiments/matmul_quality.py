@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from absl import app, flags
 
-from experiments import engine_flags
-from experiments.common import CHAT, TEXTS, chat_prompt, check_out_flag, write_record
+from experiments.lib import engine_flags
+from experiments.lib.common import CHAT, TEXTS, chat_prompt, check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 engine_flags.define()  # --model, --quant (keep: a GGUF's blocks as stored), ... shared with the other scripts
@@ -130,7 +130,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def main(argv):
     del argv
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from models import load_model
 
     model = engine_flags.load_model()

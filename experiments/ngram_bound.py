@@ -25,7 +25,7 @@ as the generator's `adaptive_draft=True` decides: `paged.speculation.draft_gate.
 (exactly the drafts that will be accepted: no policy with this drafter does better); `--min_match` leaves matches
 shorter than that unverified. Each run is also priced with a cost per verification width W (a row of W - 1 drafts):
 `--price` times a plain and a verification step at batch 1 in the generator for every width of `--widths` and every
-k + 1 (`experiments.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
+k + 1 (`experiments.lib.common.price_steps`); without it, c(W) = A + B (W - 1) from `--cost_model`. Two predictions:
 `predicted_speedup_fixed_width`, every verification at width k + 1 (the generator as built: one verification width),
 and `predicted_speedup_widths`, each at the narrowest of `--widths` below k + 1, or k + 1, that holds its drafts (an
 engine with a verification bucket per width, which the generator does not have). `--ngram_corpus` replays the
@@ -42,7 +42,7 @@ import dataclasses
 
 from absl import app, flags
 
-from experiments.common import chat_prompt, check_out_flag, price_steps, workload, write_record
+from experiments.lib.common import chat_prompt, check_out_flag, price_steps, workload, write_record
 from paged.speculation.ngram import REPLAY_POLICIES, Replay, replay
 
 
@@ -94,7 +94,7 @@ def main(argv):
     del argv
     import numpy as np
 
-    from experiments.serving.env import device_info, git_info, versions
+    from experiments.lib.serving.env import device_info, git_info, versions
     from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
 
@@ -126,7 +126,7 @@ def main(argv):
         record["ngram_corpus"] = repr(corpus)
     prices = None
     if FLAGS.price:
-        from experiments.serving.env import load_average
+        from experiments.lib.serving.env import load_average
 
         record["load_before_pricing"] = load_average("ngram_bound")
         prices = price_steps(model, [w - 1 for w in all_widths], workload("copy", 4, FLAGS.seed), FLAGS.max_new_tokens)

@@ -30,8 +30,8 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
-from experiments.trace_ops import op_breakdown
+from experiments.lib.common import check_out_flag, write_record
+from experiments.lib.trace_ops import op_breakdown
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("quant", "keep", "target weights: keep (GGUF blocks as stored, as bench_speculative), none, int8")
@@ -105,8 +105,8 @@ def main(argv):
     del argv
     import numpy as np
 
-    from experiments.common import chat_prompt, workload
-    from experiments.serving.env import device_info, git_info, load_average
+    from experiments.lib.common import chat_prompt, workload
+    from experiments.lib.serving.env import device_info, git_info, load_average
     from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, Job, SamplingSettings

@@ -31,7 +31,7 @@ import time
 
 from absl import app, flags
 
-from experiments.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -111,7 +111,7 @@ def device_breakdown(model, rows: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from experiments.serving.hardware import best_time
+    from experiments.lib.serving.hardware import best_time
     from models.llama import compute_logits, embed_tokens, run_layers
     from paged.device.batch import RowInput, build_batch
     from paged.device.engine import Engine
@@ -177,7 +177,7 @@ def fit_step_time(model) -> dict:
     """Median `Engine.run` wall time of every grid shape, plus the host loop's overhead per step, fitted."""
     import numpy as np
 
-    from experiments.serving import env
+    from experiments.lib.serving import env
     from paged import DynamicGenerator, Job, SamplingSettings
     from paged.device.batch import RowInput
     from paged.device.config import EngineConfig
@@ -253,7 +253,7 @@ def main(argv):
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
     import jax
 
-    from experiments.common import load_experiment_model
+    from experiments.lib.common import load_experiment_model
 
     model = load_experiment_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     load = os.getloadavg()

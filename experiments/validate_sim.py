@@ -74,7 +74,7 @@ def main(argv):
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    from experiments.serving import env
+    from experiments.lib.serving import env
 
     cp.validate_flags()
     env.load_average("at start")

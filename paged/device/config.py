@@ -2,7 +2,7 @@
 
 Every default and every range check lives here, once. `DynamicGenerator(**kwargs)` builds one from its keyword
 arguments, the `Engine` and `BucketSpec` are derived from it, and the experiments' absl flags are declared from its
-fields (`experiments/engine_flags.py`). Fields left `None` (`num_pages`, `max_seq_len`) are model-dependent and are
+fields (`experiments/lib/engine_flags.py`). Fields left `None` (`num_pages`, `max_seq_len`) are model-dependent and are
 filled by `resolve(model_config)`.
 """
 

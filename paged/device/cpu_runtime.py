@@ -15,7 +15,7 @@ The switch is JAX's `jax_cpu_enable_async_dispatch`: process-wide, and read once
 ignores a later change without a word). `set_cpu_dispatch` sets it and raises `InvalidConfigError` when the backend
 has already started in the other mode; call it first thing in a program, before any JAX computation or model load.
 The experiment scripts do that from their `--cpu_dispatch` flag (default `async`, JAX's), and their records say which
-mode ran (`runtime_info`, in `experiments.serving.env.device_info`). Only the CPU client reads the setting: on a GPU
+mode ran (`runtime_info`, in `experiments.lib.serving.env.device_info`). Only the CPU client reads the setting: on a GPU
 it changes nothing.
 """
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from experiments import bench_lora
-from experiments.common import load_experiment_model
+from experiments.lib.common import load_experiment_model
 
 
 def test_every_configuration_is_measured_against_the_engine_without_lora():

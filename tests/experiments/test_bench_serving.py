@@ -1,4 +1,4 @@
-"""The serving benchmark (experiments/bench_serving.py, experiments/serving/): metrics on hand-made records,
+"""The serving benchmark (experiments/bench_serving.py, experiments/lib/serving/): metrics on hand-made records,
 seeded workloads and arrivals, the host loop on the fake engine, and one end-to-end run on the tiny model."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from absl import app, flags
 
-from experiments.serving import hardware, metrics, runner, workloads
-from experiments.serving.metrics import RequestRecord
+from experiments.lib.serving import hardware, metrics, runner, workloads
+from experiments.lib.serving.metrics import RequestRecord
 from paged import DynamicGenerator
 from paged.testing import ByteTokenizer, FakeEngine
 

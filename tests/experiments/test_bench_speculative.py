@@ -28,7 +28,7 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     # the corpus drafter's table: the model's own greedy outputs on the run's prompts, so that its drafts are right
     import numpy as np
 
-    from experiments.common import chat_prompt, workload
+    from experiments.lib.common import chat_prompt, workload
     from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
     from paged.speculation.ngram_corpus import NgramCorpus

@@ -1,4 +1,4 @@
-"""experiments/common.py's record writer, shared by every script's --json_out."""
+"""experiments/lib/common.py's record writer, shared by every script's --json_out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from experiments.common import out_path_problem, write_record
+from experiments.lib.common import out_path_problem, write_record
 
 
 def test_write_record_makes_the_folder_and_writes_what_json_cannot_hold_as_text(tmp_path, capsys):

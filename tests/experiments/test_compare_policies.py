@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from absl import app, flags
 
-from experiments.serving import workloads
+from experiments.lib.serving import workloads
 from paged.sim import StepTimeModel
 
 

@@ -18,7 +18,7 @@ ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 HELPERS = r"""
 import json
-from experiments.common import CHAT
+from experiments.lib.common import CHAT
 import numpy as np
 from experiments.distill_draft import (MORE_TASKS, MORE_TOPICS, TASKS, TOPICS, copy_prompts, head_token_ids,
                                        make_examples, open_prompts, soft_cross_entropy, teacher_columns)

@@ -1,4 +1,5 @@
-"""experiments/feature_draft_study.py: the acceptance counting and the greedy replay (hand-computed), the batched
+"""experiments/studies/feature_draft_study.py: the acceptance counting and the greedy replay (hand-computed), the
+batched
 chain evaluation against a step-by-step autoregressive run of the draft, and the script end to end on a tiny random
 Llama. Subprocesses: the script's absl flags (shared with distill_draft) would clash with the other scripts'."""
 
@@ -25,7 +26,7 @@ def run_snippet(code: str, *args: str) -> dict:
 COUNTING = r"""
 import json
 import numpy as np
-from experiments.feature_draft_study import accepted_lengths, replay_steps
+from experiments.studies.feature_draft_study import accepted_lengths, replay_steps
 tokens = np.array([[10, 11, 12, 13, 14, 15, 16]])          # x[0..6]
 answer = np.array([[0, 0, 1, 1, 1, 1, 1]], bool)            # the answer is x[2..6]
 drafts = np.full((1, 6, 3), -1)                             # start t proposes x[t + 2], x[t + 3], x[t + 4]
@@ -46,7 +47,7 @@ print(json.dumps({"full": full.tolist(), "two": two.tolist(),
 ALIGNMENT = r"""
 import json
 import numpy as np
-from experiments.feature_draft_study import teacher_inputs, training_targets
+from experiments.studies.feature_draft_study import teacher_inputs, training_targets
 toks = np.array([[10, 11, 12, 13]])
 fts = np.arange(4)[None, :, None] * np.ones((1, 4, 2)) + 100   # f[t] = 100 + t
 labs = np.array([[11, 12, 13, 0]])                               # labels[t] = x[t + 1] (make_examples)
@@ -82,7 +83,7 @@ CHAINS = r"""
 import json
 import dataclasses
 import jax, jax.numpy as jnp, numpy as np
-from experiments.feature_draft_study import draft_chains, draft_layer, head_logits
+from experiments.studies.feature_draft_study import draft_chains, draft_layer, head_logits
 from models import ModelConfig, init_random_weights
 from models.llama import dense_causal_attention
 cfg = ModelConfig(model_type="llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -128,7 +129,7 @@ def test_chains_match_a_step_by_step_run():
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     pytest.importorskip("torch")
     out = tmp_path / "study.json"
-    p = subprocess.run([sys.executable, "-m", "experiments.feature_draft_study", f"--target={model_dir}",
+    p = subprocess.run([sys.executable, "-m", "experiments.studies.feature_draft_study", f"--target={model_dir}",
                         "--target_quant=none", "--num_prompts=6", "--gen_tokens=8", "--steps=3", "--batch_size=2",
                         "--seq_len=64", "--head_vocab=24", "--eval_workloads=copy,chat", "--eval_prompts=2",
                         "--eval_tokens=8", "--chain=2", "--price_ks=1,2", "--extra_text_tokens=200",

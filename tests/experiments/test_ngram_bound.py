@@ -108,7 +108,7 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     # a corpus table of the model's own greedy outputs on the script's prompts: its drafts are taken and accepted
     import numpy as np
 
-    from experiments.common import chat_prompt, workload
+    from experiments.lib.common import chat_prompt, workload
     from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
     from paged.speculation.ngram_corpus import NgramCorpus

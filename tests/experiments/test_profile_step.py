@@ -41,7 +41,7 @@ def test_the_narrow_path_is_the_native_kernels_row_limit(monkeypatch):
     import jax.numpy as jnp
     import pytest
 
-    from experiments.serving import env
+    from experiments.lib.serving import env
     from models.quant import quantize
     from pallas_kernels import native
 

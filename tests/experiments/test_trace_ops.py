@@ -1,4 +1,4 @@
-"""experiments/trace_ops.py: the per-operation breakdown `profile_speculative --ops` prints (its end-to-end run on a
+"""experiments/lib/trace_ops.py: the per-operation breakdown `profile_speculative --ops` prints (its end-to-end run on a
 tiny model is in test_profile_speculative.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from experiments.trace_ops import hlo_labels, leaf_times, op_breakdown
+from experiments.lib.trace_ops import hlo_labels, leaf_times, op_breakdown
 
 
 def ev(name, ts, dur, module="jit_step_forward", run="1"):

@@ -54,7 +54,7 @@ def test_engine_flags_set_the_mode_before_the_backend_starts():
     """`validate` sets --cpu_dispatch before it checks the engine flags (which starts the backend)."""
     code = """
     from absl import flags
-    from experiments import engine_flags
+    from experiments.lib import engine_flags
     from paged.device import cpu_runtime
     engine_flags.define()
     flags.FLAGS(["x"{flag}])
@@ -90,7 +90,7 @@ def test_engine_flags_reject_a_late_explicit_mode():
     from absl import app, flags
     from absl.testing import flagsaver
 
-    from experiments import engine_flags
+    from experiments.lib import engine_flags
 
     jax.devices()
     engine_flags.define()

@@ -178,7 +178,7 @@ class CountingPolicy(VLLMPolicy):
 def test_one_policy_object_drives_the_real_engine_and_the_simulator():
     """The same CountingPolicy instance schedules a tiny real model and the simulator; on the real engine the
     preempted run's greedy output equals the unpreempted one (reserve pages, one job at a time, same engine)."""
-    from experiments.common import load_experiment_model
+    from experiments.lib.common import load_experiment_model
 
     model = load_experiment_model("tiny")
     policy = CountingPolicy()

@@ -345,7 +345,7 @@ def test_engine_flags_take_paths_and_tunings(kernel_dir):
     from absl import flags
     from absl.testing import flagsaver
 
-    from experiments import engine_flags
+    from experiments.lib import engine_flags
 
     engine_flags.define()
     with flagsaver.flagsaver():

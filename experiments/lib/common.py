@@ -7,7 +7,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 
 def _json_default(o: Any) -> Any:
@@ -31,6 +31,14 @@ def _record_list(path: str) -> tuple[list | None, str | None]:
     if not isinstance(old, list):
         return None, f"{path} cannot be appended to: it holds a JSON {type(old).__name__}, not a list of records"
     return old, None
+
+
+def write_jsonl(sink: IO[str] | None, record: dict) -> None:
+    """One record as a line of JSON to an open `sink` (None: nothing), flushed: a stream of records a crash leaves
+    whole up to the last line (`write_record` writes a file's one record or list)."""
+    if sink is not None:
+        sink.write(json.dumps(record, ensure_ascii=False) + "\n")
+        sink.flush()
 
 
 def write_record(path: str | None, record: dict, *, append: bool = False) -> None:
@@ -164,7 +172,7 @@ def chat_prompt(tok, text: str) -> str:
 def price_steps(target, ks: list[int], prompts: list[str], max_new: int) -> dict:
     """Median wall time of a plain decode step and of a verification step of k + 1 tokens, per k, at batch 1 in the
     generator (n-gram drafts; greedy; the first step of each job, its prefill, left out; each generator warmed up and
-    the prompts run twice, the first pass discarded). `experiments.feature_draft_study` and
+    the prompts run twice, the first pass discarded). `experiments.studies.feature_draft_study` and
     `experiments.ngram_bound` price steps with it."""
     import numpy as np
 

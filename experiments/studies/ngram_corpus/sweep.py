@@ -6,9 +6,9 @@ n-gram drafter with the adaptive gate (`paged.speculation.ngram.replay`, policy 
 table's pruning), CORPUS_BELOW (prompt-lookup matches shorter than this give way to the table) and min_confidence
 (the chain's cut). Prints tokens per step and the speed-up predicted at this host's verification prices.
 
-    PYTHONPATH=. python experiments/results/ngram_corpus/study/gen_corpus.py 2000
-    PYTHONPATH=. python experiments/results/ngram_corpus/study/gen_workloads.py
-    PYTHONPATH=. python experiments/results/ngram_corpus/study/sweep.py
+    PYTHONPATH=. python experiments/studies/ngram_corpus/gen_corpus.py 2000
+    PYTHONPATH=. python experiments/studies/ngram_corpus/gen_workloads.py
+    PYTHONPATH=. python experiments/studies/ngram_corpus/sweep.py
 """
 
 import pickle

@@ -20,8 +20,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from experiments.serving.metrics import RequestRecord
-from experiments.serving.workloads import Request, arrival_times
+from experiments.lib.serving.metrics import RequestRecord
+from experiments.lib.serving.workloads import Request, arrival_times
 
 
 @dataclasses.dataclass

@@ -5,7 +5,7 @@ import pickle
 import sys
 import time
 
-from experiments.answers import copy_prompts, generate_answers, open_prompts
+from experiments.lib.answers import copy_prompts, generate_answers, open_prompts
 from models import load_model
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000

@@ -1,6 +1,6 @@
 """How well a draft model's confidence in its proposal predicts its acceptance (k = 1, batch 1, greedy).
 
-Run from the repository root: `PYTHONPATH=. python experiments/results/draft_confidence/draft_confidence.py`
+Run from the repository root: `PYTHONPATH=. python experiments/studies/draft_confidence/draft_confidence.py`
 (the top-32 draft at /tmp/draft-topk: `python -m experiments.distill_draft --out=/tmp/draft-topk`). It wraps
 `DraftModel.propose` (reads each burst's distributions back: the run is slower than the generator's, the tokens
 the same) and `DraftModel.accepted`, prints acceptance by the draft's probability of its own proposal on the 16
@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 
-from experiments.common import chat_prompt, workload
+from experiments.lib.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.speculation.draft import DraftModel

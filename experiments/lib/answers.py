@@ -3,7 +3,7 @@
 
 Open requests (`TASKS` x `TOPICS` first, then the wide pool with `MORE_TASKS` and `MORE_TOPICS`: 2860 distinct
 requests) and copy-style requests (`COPY_INSTRUCTIONS`) over the model's earlier answers. Neither the speculative
-benchmark's texts nor its chat prompts (`experiments.common`) are among them. No flags here, so that scripts with
+benchmark's texts nor its chat prompts (`experiments.lib.common`) are among them. No flags here, so that scripts with
 flags of their own can import it.
 """
 
@@ -23,7 +23,7 @@ TASKS = ["Write a short story about {}.", "Explain {} to a child.", "Give three 
          "Describe {} in a few sentences.", "Give me some tips about {}.", "Why do people care about {}?",
          "Write a Python function related to {} and explain it."]
 # More topics and tasks: the wide pool, drawn from only after every TASKS x TOPICS request (so a run of up to 480 open
-# prompts asks exactly what it asked before these existed). None is a benchmark prompt (experiments.common.CHAT).
+# prompts asks exactly what it asked before these existed). None is a benchmark prompt (experiments.lib.common.CHAT).
 MORE_TOPICS = ["glaciers", "a city park", "the printing press", "bees and flowers", "a rainy day", "space travel",
                "the brain", "pirates", "a school play", "photography", "the Great Wall of China", "earthquakes",
                "a farmer's market", "knitting", "jazz", "penguins", "a treasure map", "solar panels", "the Olympics",
@@ -45,7 +45,7 @@ MORE_TASKS = ["Write a limerick about {}.", "List five questions a student might
               "Write a short speech about {}.", "Explain {} in one paragraph.",
               "Write a JavaScript function related to {}.", "Tell a joke about {}."]
 # Copy-style requests over the target's own earlier answers (the benchmark's copy workload uses other wording
-# and other texts: experiments.common.COPY_TASKS / TEXTS)
+# and other texts: experiments.lib.common.COPY_TASKS / TEXTS)
 COPY_INSTRUCTIONS = ["Copy the text below word for word:\n\n{}", "Please repeat this back exactly as written:\n\n{}",
                      "Correct any spelling mistakes in this text:\n\n{}",
                      "Here is a passage. Quote it, then say what it means:\n\n{}",
@@ -96,7 +96,7 @@ def generate_answers(target, prompts: list[str], max_new: int, temperature: floa
     import numpy as np
     from tqdm import tqdm
 
-    from experiments.common import chat_prompt
+    from experiments.lib.common import chat_prompt
     from paged import DynamicGenerator, Job, SamplingSettings
 
     tok = target.tokenizer

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from experiments.serving.metrics import LATENCIES, RequestRecord, latencies
+from experiments.lib.serving.metrics import LATENCIES, RequestRecord, latencies
 
 TITLES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2EL"}
 

@@ -1,5 +1,5 @@
 """A draft burst's wall time with and without its two-slot window (every row with a catch-up token) at 1 / 4 / 16
-rows: `PYTHONPATH=. python experiments/results/draft_ahead/window_fold_ab/window_cost.py [k]` (the top-32 draft at
+rows: `PYTHONPATH=. python experiments/studies/draft_ahead/window_cost.py [k]` (the top-32 draft at
 /tmp/draft-topk, int4; median of 20 bursts after 5, each waited for). Output of the run at 9d7a73b in
 window_cost.txt."""
 

@@ -147,9 +147,9 @@ def apply_cpu_dispatch() -> str:
 
 
 def load_model() -> Any:
-    """The model the flags name (`tiny`: the random test model of `experiments.common`), loaded after
+    """The model the flags name (`tiny`: the random test model of `experiments.lib.common`), loaded after
     `apply_cpu_dispatch()` (loading starts JAX's backend)."""
-    from experiments.common import load_experiment_model
+    from experiments.lib.common import load_experiment_model
 
     apply_cpu_dispatch()
     return load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)

@@ -4,7 +4,7 @@ would accept), and how often the draft's argmax is the target's token when its r
 target's own head rows (for every token, or only for the prompt's tokens: the rare words a copy quotes).
 
 The draft runs teacher-forced over each prompt + the target's greedy answer (96 tokens, the benchmark's 16 copy
-and 16 chat prompts), float32 weights. `PYTHONPATH=. python experiments/results/draft_confidence/draft_alternatives.py`
+and 16 chat prompts), float32 weights. `PYTHONPATH=. python experiments/studies/draft_confidence/draft_alternatives.py`
 (the top-32 draft at /tmp/draft-topk); record in draft_alternatives.json."""
 
 import json
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import workload
 from experiments.distill_draft import generate_answers
+from experiments.lib.common import workload
 from models import load_model
 from models.llama import hidden_states, rms_norm
 

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 import numpy as np
 
 DATASETS = ("random", "sharegpt", "prefix")
-SHAREGPT_LIKE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
-                                  "sharegpt_like_lengths.json")
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # experiments/
+SHAREGPT_LIKE_PATH = os.path.join(EXPERIMENTS, "data", "sharegpt_like_lengths.json")
 
 
 @dataclasses.dataclass

@@ -16,7 +16,8 @@ What the script does:
 2. Trains the draft (optax AdamW, `--steps` / `--batch_size` / `--lr`): smooth L1 between the predicted and the
    target's feature (scaled to unit RMS) plus `--ce_weight` x cross-entropy on the next-next answer token. The layer
    starts from the target's last one; fc from [N(0, 0.02); I] (the feature passed through).
-3. On the benchmark's workloads (`experiments.common.workload`, prompts not trained on): the target's greedy answers;
+3. On the benchmark's workloads (`experiments.lib.common.workload`, prompts not trained on): the target's greedy
+answers;
    for every answer position t, the draft's chain of `--chain` drafts given the target's features up to t (the
    layer's cache holds the teacher inputs; the chain's own entries are attended as they would be); the acceptance
    at each depth; and a greedy replay of the answer (each step accepts the chain's longest correct prefix plus the
@@ -27,7 +28,7 @@ What the script does:
    Predicted speed-up at k = tokens per step / ((verification + chain) / plain), with the steps that verify as the
    replay counts them (every step here: greedy chains always propose).
 
-    python -m experiments.feature_draft_study --json_out=experiments/results/feature_draft_study_cpu.json
+    python -m experiments.studies.feature_draft_study --json_out=experiments/results/feature_draft_study_cpu.json
 
 The record (`--json_out`) carries the flags, git state, device, the training history, per-workload acceptance by
 depth, tokens per step by k, the step prices and the predictions.
@@ -40,7 +41,7 @@ import time
 from absl import app, flags
 
 from experiments import distill_draft  # noqa: F401  (defines the data and training flags this study shares)
-from experiments.common import check_out_flag, price_steps, write_record
+from experiments.lib.common import check_out_flag, price_steps, write_record
 
 flags.DEFINE_integer("chain", 4, "drafts per chain (the largest k evaluated)")
 flags.DEFINE_float("ce_weight", 0.1, "weight of the token cross-entropy next to the feature regression")
@@ -230,9 +231,9 @@ def main(argv):
     import optax
     from tqdm import tqdm
 
-    from experiments.common import workload
     from experiments.distill_draft import copy_prompts, generate_answers, head_token_ids, make_examples, open_prompts
-    from experiments.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib.common import workload
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from models import load_model
     from models.draft import reduced_head
     from models.linear import matmul

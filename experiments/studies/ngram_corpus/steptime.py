@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from experiments.common import chat_prompt, workload
+from experiments.lib.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.speculation.ngram_corpus import NgramCorpus

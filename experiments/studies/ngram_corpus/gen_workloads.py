@@ -5,7 +5,7 @@ import pickle
 
 import numpy as np
 
-from experiments.common import chat_prompt, workload
+from experiments.lib.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
 

@@ -1,12 +1,12 @@
 """Which of the target's greedy output tokens the distilled draft can propose at all: its reduced LM head covers the
 8192 tokens the target used most in the training text (`distill_draft --head_vocab`), and a token outside it gets a
--inf logit in the draft. `PYTHONPATH=. python experiments/results/draft_confidence/head_coverage.py` (the top-32
+-inf logit in the draft. `PYTHONPATH=. python experiments/studies/draft_confidence/head_coverage.py` (the top-32
 draft at /tmp/draft-topk); output of the run at 8eb0fdc in head_coverage.txt."""
 
 import numpy as np
 from safetensors.numpy import load_file
 
-from experiments.common import chat_prompt, workload
+from experiments.lib.common import chat_prompt, workload
 from models import load_model
 from paged import DynamicGenerator, Job, SamplingSettings
 

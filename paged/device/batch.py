@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -144,6 +145,92 @@ def _cfg_points(rows: Sequence[RowInput], point_of: Sequence[int]) -> dict[int, 
     return out
 
 
+class _Fill:
+    """The arrays of one batch being built, and the two ways a row enters them (both builders use them): `row` puts
+    a row's tokens, positions, page table and lengths in batch row `s` at token slot `t0`; `point` puts a row's
+    sampler inputs (settings, CFG partner, penalty history, bias, token mask, token sets) at sample point `pt`."""
+
+    def __init__(self, shape: BatchShape, page_size: int, vocab_size: int | None, points: int):
+        s_count, t_count = shape.num_rows, shape.num_tokens
+        self.shape, self.page_size, self.vocab_size, self.points = shape, page_size, vocab_size, points
+        self.token_ids = np.zeros(t_count, np.int32)
+        self.positions = np.zeros(t_count, np.int32)
+        self.token_rows = np.full(t_count, s_count, np.int32)
+        self.query_lens = np.zeros(s_count, np.int32)
+        self.lora_slots = np.zeros(s_count, np.int32)
+        self.kv_lens = np.zeros(s_count, np.int32)
+        self.page_table = np.full((s_count, shape.pages_per_row), NULL_PAGE, np.int32)
+        self.decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
+        self.last_tokens = np.zeros(s_count, np.int32)
+        self.history = np.full((points, shape.history_len), -1, np.int32)
+        self.bias_ids = np.full((points, shape.num_bias), -1, np.int32)
+        self.bias_values = np.zeros((points, shape.num_bias), np.float32)
+        self.dense: np.ndarray | None = None  # [points, V], only if some point has more bias entries than num_bias
+        self.masks = _Masks(points, vocab_size)
+        self.sets = _TokenSets(points, vocab_size)
+        self.sampling_rows: list[Mapping] = [{} for _ in range(points)]
+
+    def row(self, i: int, r: RowInput, s: int, t0: int) -> None:
+        n, p = len(r.tokens), self.shape.pages_per_row
+        self.token_ids[t0 : t0 + n] = r.tokens
+        self.positions[t0 : t0 + n] = np.arange(r.start_pos, r.start_pos + n)
+        self.token_rows[t0 : t0 + n] = s
+        self.last_tokens[s] = t0 + n - 1
+        self.query_lens[s] = n
+        self.lora_slots[s] = r.lora_slot
+        self.kv_lens[s] = r.start_pos + n
+        need = -(-self.kv_lens[s] // self.page_size)
+        if len(r.pages) < need:
+            raise ValueError(f"row {i} needs {need} pages for {self.kv_lens[s]} tokens but has {len(r.pages)}")
+        if need > p:
+            raise ValueError(f"row {i} needs {need} pages, more than the bucket's {p}")
+        self.page_table[s, : min(len(r.pages), p)] = list(r.pages)[:p]
+
+    def point(self, pt: int, i: int, r: RowInput, cfg_partner: int | None, history: Sequence[int],
+              bias: Mapping[int, float] | None, mask: Any) -> None:
+        if r.sampling:
+            self.sampling_rows[pt] = r.sampling
+        if cfg_partner is not None:
+            self.sampling_rows[pt] = {**self.sampling_rows[pt], "cfg_partner": cfg_partner}
+        hl = self.shape.history_len
+        if hl and len(history):
+            h = list(history)[-hl:]
+            self.history[pt, hl - len(h) :] = h
+        if bias and len(bias) <= self.shape.num_bias:
+            ids = list(bias)
+            self.bias_ids[pt, : len(ids)] = ids
+            self.bias_values[pt, : len(ids)] = [bias[k] for k in ids]
+        elif bias:
+            if self.vocab_size is None:
+                raise ValueError(f"row {i} has {len(bias)} bias entries, more than the bucket's "
+                                 f"{self.shape.num_bias}, and no vocab_size was given for the dense bias")
+            if self.dense is None:
+                self.dense = np.zeros((self.points, self.vocab_size), np.float32)
+            ids = np.fromiter(bias.keys(), np.int64, len(bias))
+            vals = np.fromiter(bias.values(), np.float32, len(bias))
+            ok = (ids >= 0) & (ids < self.vocab_size)  # like the sparse path, which drops out-of-range ids
+            self.dense[pt, ids[ok]] = vals[ok]
+        self.masks.put(pt, mask, i)
+        self.sets.put(pt, r, i)
+
+    def batch(self, sample_positions: np.ndarray, **extra: Any) -> Batch:
+        # The arrays stay numpy: the jitted step takes them as arguments and copies them in its own dispatch, a few
+        # microseconds each, where a jax.device_put of them all took ~0.2 ms of host time per step (and jnp.asarray
+        # may compile a conversion for a new shape).
+        dense, mask_rows, set_rows = _rare_to_device(self.dense, self.masks.rows, self.sets.rows)
+        v = self.vocab_size
+        return Batch(
+            token_ids=self.token_ids, positions=self.positions, token_rows=self.token_rows,
+            query_lens=self.query_lens, kv_lens=self.kv_lens, page_table=self.page_table,
+            decode_tokens=self.decode_tokens, last_tokens=self.last_tokens,
+            sampling=SamplingRows.make(self.sampling_rows), sample_positions=sample_positions, history=self.history,
+            bias_ids=self.bias_ids, bias_values=self.bias_values,
+            bias_dense=None if v is None else (_zero_bias(self.points, v) if dense is None else dense),
+            bias_dense_on=None if v is None else np.bool_(dense is not None),
+            **self.masks.fields(mask_rows), **self.sets.fields(set_rows), lora_slots=self.lora_slots, **extra,
+        )
+
+
 def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, vocab_size: int | None = None,
                 sample_rows: int | None = None, slots: Sequence[int] | None = None) -> tuple[Batch, list[int]]:
     """Lay `rows` out in `shape`: multi-token rows in prefill windows (the longest first), single-token rows in the
@@ -162,28 +249,14 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         raise ValueError(f"verification rows need a verification bucket (verify_len > 0), got {shape}")
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
-    s_count, t_count, p = shape.num_rows, shape.num_tokens, shape.pages_per_row
+    s_count, t_count = shape.num_rows, shape.num_tokens
     s_sample = s_count if sample_rows is None else sample_rows
     pre = sorted((i for i, r in enumerate(rows) if not r.is_decode), key=lambda i: -len(rows[i].tokens))
     dec = [i for i, r in enumerate(rows) if r.is_decode]
     if len(pre) > sp or len(dec) > shape.num_decode_rows:
         raise ValueError(f"{len(pre)} prefill + {len(dec)} decode rows do not fit {shape}")
-    token_ids = np.zeros(t_count, np.int32)
-    positions = np.zeros(t_count, np.int32)
-    token_rows = np.full(t_count, s_count, np.int32)
-    query_lens = np.zeros(s_count, np.int32)
-    lora_slots = np.zeros(s_count, np.int32)
-    kv_lens = np.zeros(s_count, np.int32)
-    page_table = np.full((s_count, p), NULL_PAGE, np.int32)
-    decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
-    last_tokens = np.zeros(s_count, np.int32)
-    history = np.full((s_sample, shape.history_len), -1, np.int32)
-    bias_ids = np.full((s_sample, shape.num_bias), -1, np.int32)
-    bias_values = np.zeros((s_sample, shape.num_bias), np.float32)
-    dense: np.ndarray | None = None  # [S', V], only if some row has more bias entries than num_bias
-    masks = _Masks(s_sample, vocab_size)
-    sets = _TokenSets(s_sample, vocab_size)
-    sampling_rows: list[Mapping] = [{} for _ in range(s_sample)]
+    fill = _Fill(shape, page_size, vocab_size, s_sample)
+    decode_tokens = fill.decode_tokens
     slot_of = [0] * len(rows)
     start = [0] * len(rows)  # token slot of each row's first token
     for j, i in enumerate(pre):
@@ -211,57 +284,9 @@ def build_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: int, voc
         raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
     cfg = _cfg_points(rows, slot_of)
     for i, r in enumerate(rows):
-        s, t0, n = slot_of[i], start[i], len(r.tokens)
-        token_ids[t0 : t0 + n] = r.tokens
-        positions[t0 : t0 + n] = np.arange(r.start_pos, r.start_pos + n)
-        token_rows[t0 : t0 + n] = s
-        last_tokens[s] = t0 + n - 1
-        query_lens[s] = n
-        lora_slots[s] = r.lora_slot
-        kv_lens[s] = r.start_pos + n
-        need = -(-kv_lens[s] // page_size)
-        if len(r.pages) < need:
-            raise ValueError(f"row {i} needs {need} pages for {kv_lens[s]} tokens but has {len(r.pages)}")
-        if need > p:
-            raise ValueError(f"row {i} needs {need} pages, more than the bucket's {p}")
-        page_table[s, : min(len(r.pages), p)] = list(r.pages)[:p]
-        if shape.history_len and len(r.history):
-            h = list(r.history)[-shape.history_len :]
-            history[s, shape.history_len - len(h) :] = h
-        if r.bias and len(r.bias) <= shape.num_bias:
-            ids = list(r.bias)
-            bias_ids[s, : len(ids)] = ids
-            bias_values[s, : len(ids)] = [r.bias[k] for k in ids]
-        elif r.bias:
-            if vocab_size is None:
-                raise ValueError(f"row {i} has {len(r.bias)} bias entries, more than the bucket's {shape.num_bias}, "
-                                 "and no vocab_size was given for the dense bias")
-            if dense is None:
-                dense = np.zeros((s_sample, vocab_size), np.float32)
-            ids = np.fromiter(r.bias.keys(), np.int64, len(r.bias))
-            vals = np.fromiter(r.bias.values(), np.float32, len(r.bias))
-            ok = (ids >= 0) & (ids < vocab_size)  # like the sparse path, which drops out-of-range ids
-            dense[s, ids[ok]] = vals[ok]
-        masks.put(s, r.mask, i)
-        sets.put(s, r, i)
-        if r.sampling:
-            sampling_rows[s] = r.sampling
-        if i in cfg:
-            sampling_rows[s] = {**sampling_rows[s], "cfg_partner": cfg[i]}
-    # The arrays stay numpy: the jitted step takes them as arguments and copies them in its own dispatch, a few
-    # microseconds each, where a jax.device_put of them all took ~0.2 ms of host time per step (and jnp.asarray may
-    # compile a conversion for a new shape).
-    sample_positions = kv_lens[:s_sample].copy()
-    dense, mask_rows, set_rows = _rare_to_device(dense, masks.rows, sets.rows)
-    batch = Batch(
-        token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
-        page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
-        sampling=SamplingRows.make(sampling_rows), sample_positions=sample_positions, history=history,
-        bias_ids=bias_ids, bias_values=bias_values,
-        bias_dense=None if vocab_size is None else (_zero_bias(s_sample, vocab_size) if dense is None else dense),
-        bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
-        **masks.fields(mask_rows), **sets.fields(set_rows), lora_slots=lora_slots,
-    )
+        fill.row(i, r, slot_of[i], start[i])
+        fill.point(slot_of[i], i, r, cfg.get(i), r.history, r.bias, r.mask)
+    batch = fill.batch(fill.kv_lens[:s_sample].copy())
     return batch, slot_of
 
 
@@ -275,7 +300,7 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     w = shape.verify_len
     lay = shape.layout
     sp, qm = lay.num_prefill_rows, lay.max_q_len
-    s_count, t_count, p = shape.num_rows, shape.num_tokens, shape.pages_per_row
+    s_count, t_count = shape.num_rows, shape.num_tokens
     s_sample = s_count if sample_rows is None else sample_rows
     n_pts = s_sample * w
     steps = [i for i, r in enumerate(rows) if r.is_step_row]
@@ -291,26 +316,12 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
         if r.verify and not 1 <= len(r.tokens) <= w:
             raise ValueError(f"verification row {i} has {len(r.tokens)} tokens; a bucket of verify_len={w} holds "
                              f"1 to {w}")
-    token_ids = np.zeros(t_count, np.int32)
-    positions = np.zeros(t_count, np.int32)
-    token_rows = np.full(t_count, s_count, np.int32)
-    query_lens = np.zeros(s_count, np.int32)
-    lora_slots = np.zeros(s_count, np.int32)
-    kv_lens = np.zeros(s_count, np.int32)
-    page_table = np.full((s_count, p), NULL_PAGE, np.int32)
-    decode_tokens = np.full(shape.num_decode_rows, t_count, np.int32)
-    last_tokens = np.zeros(s_count, np.int32)
+    fill = _Fill(shape, page_size, vocab_size, n_pts)
+    decode_tokens = fill.decode_tokens
     sample_tokens = np.zeros((s_count, w), np.int32)
     sample_positions = np.zeros(n_pts, np.int32)
     drafts = np.full((s_sample, w - 1), -1, np.int32)
     num_drafts = np.zeros(s_sample, np.int32)
-    history = np.full((n_pts, shape.history_len), -1, np.int32)
-    bias_ids = np.full((n_pts, shape.num_bias), -1, np.int32)
-    bias_values = np.zeros((n_pts, shape.num_bias), np.float32)
-    dense: np.ndarray | None = None
-    masks = _Masks(n_pts, vocab_size)
-    sets = _TokenSets(n_pts, vocab_size)
-    sampling_rows: list[Mapping] = [{} for _ in range(n_pts)]
     slot_of = [0] * len(rows)
     start = [0] * len(rows)
     if shape.step_rows_in_windows:
@@ -331,50 +342,14 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
     if rows and max(slot_of) >= s_sample:
         raise ValueError(f"row slots up to {max(slot_of)} do not fit sample_rows={s_sample}")
 
-    def put_bias(pt: int, bias: Mapping[int, float] | None, i: int) -> None:
-        nonlocal dense
-        if not bias:
-            return
-        if len(bias) <= shape.num_bias:
-            ids = list(bias)
-            bias_ids[pt, : len(ids)] = ids
-            bias_values[pt, : len(ids)] = [bias[k] for k in ids]
-            return
-        if vocab_size is None:
-            raise ValueError(f"row {i} has {len(bias)} bias entries, more than the bucket's {shape.num_bias}, and "
-                             "no vocab_size was given for the dense bias")
-        if dense is None:
-            dense = np.zeros((n_pts, vocab_size), np.float32)
-        ids = np.fromiter(bias.keys(), np.int64, len(bias))
-        vals = np.fromiter(bias.values(), np.float32, len(bias))
-        ok = (ids >= 0) & (ids < vocab_size)
-        dense[pt, ids[ok]] = vals[ok]
-
     cfg = _cfg_points(rows, [x * w for x in slot_of])
     for i in cfg:
         if rows[i].verify:
             raise ValueError(f"row {i}: a CFG row cannot be a verification row (CFG jobs are not drafted for)")
 
-    def put_history(pt: int, hist: Sequence[int]) -> None:
-        if shape.history_len and len(hist):
-            h = list(hist)[-shape.history_len :]
-            history[pt, shape.history_len - len(h) :] = h
-
     for i, r in enumerate(rows):
         s, t0, n = slot_of[i], start[i], len(r.tokens)
-        token_ids[t0 : t0 + n] = r.tokens
-        positions[t0 : t0 + n] = np.arange(r.start_pos, r.start_pos + n)
-        token_rows[t0 : t0 + n] = s
-        last_tokens[s] = t0 + n - 1
-        query_lens[s] = n
-        lora_slots[s] = r.lora_slot
-        kv_lens[s] = r.start_pos + n
-        need = -(-kv_lens[s] // page_size)
-        if len(r.pages) < need:
-            raise ValueError(f"row {i} needs {need} pages for {kv_lens[s]} tokens but has {len(r.pages)}")
-        if need > p:
-            raise ValueError(f"row {i} needs {need} pages, more than the bucket's {p}")
-        page_table[s, : min(len(r.pages), p)] = list(r.pages)[:p]
+        fill.row(i, r, s, t0)
         points = n if r.verify else 1
         if r.verify:
             sample_tokens[s, :n] = np.arange(t0, t0 + n)
@@ -384,30 +359,15 @@ def _build_verify_batch(rows: Sequence[RowInput], shape: BatchShape, page_size: 
             sample_tokens[s, 0] = t0 + n - 1
         for j in range(points):
             pt = s * w + j
-            sample_positions[pt] = kv_lens[s] - points + 1 + j
-            if r.sampling:
-                sampling_rows[pt] = r.sampling
-            if i in cfg:
-                sampling_rows[pt] = {**sampling_rows[pt], "cfg_partner": cfg[i]}
+            sample_positions[pt] = fill.kv_lens[s] - points + 1 + j
             if r.verify and r.position_history is not None:
-                put_history(pt, r.position_history[j])
+                history = r.position_history[j]
             elif r.verify:
-                put_history(pt, list(r.history) + list(r.tokens)[1 : j + 1] if len(r.history) else ())
+                history = list(r.history) + list(r.tokens)[1 : j + 1] if len(r.history) else ()
             else:
-                put_history(pt, r.history)
+                history = r.history
             pb = r.position_bias[j] if r.verify and r.position_bias is not None else None
-            put_bias(pt, r.bias if pb is None else pb, i)
-            masks.put(pt, r.position_mask[j] if r.verify and r.position_mask is not None else r.mask, i)
-            sets.put(pt, r, i)
-    dense, mask_rows, set_rows = _rare_to_device(dense, masks.rows, sets.rows)  # as in build_batch
-    batch = Batch(
-        token_ids=token_ids, positions=positions, token_rows=token_rows, query_lens=query_lens, kv_lens=kv_lens,
-        page_table=page_table, decode_tokens=decode_tokens, last_tokens=last_tokens,
-        sampling=SamplingRows.make(sampling_rows), sample_positions=sample_positions, history=history,
-        bias_ids=bias_ids, bias_values=bias_values,
-        bias_dense=None if vocab_size is None else (_zero_bias(n_pts, vocab_size) if dense is None else dense),
-        bias_dense_on=None if vocab_size is None else np.bool_(dense is not None),
-        **masks.fields(mask_rows), **sets.fields(set_rows),
-        sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts, lora_slots=lora_slots,
-    )
+            mask = r.position_mask[j] if r.verify and r.position_mask is not None else r.mask
+            fill.point(pt, i, r, cfg.get(i), history, r.bias if pb is None else pb, mask)
+    batch = fill.batch(sample_positions, sample_tokens=sample_tokens, drafts=drafts, num_drafts=num_drafts)
     return batch, slot_of

@@ -77,6 +77,17 @@ class _Prepared:
 _HOST_SETTINGS = ("decode_steps",)
 
 
+def _row_items(rows: list, out: Any) -> list[Accepted]:
+    """A plain step's output (or one step of a burst, `_StepView`) as one `Accepted` per row: the row's sampled
+    token if it samples, every token of the row having K/V."""
+    def at(a: Any, i: int) -> Any:
+        return None if a is None else a[i : i + 1]
+
+    return [Accepted(tokens=[int(out.token[i])] if row.sample else [], logprobs=at(out.logprob, i),
+                     top_ids=at(out.top_ids, i), top_logprobs=at(out.top_logprobs, i), logits=at(out.logits, i),
+                     kv_advance=len(row.tokens)) for i, row in enumerate(rows)]
+
+
 class _StepView:
     """Step `i` of a multi-step `StepOutput` (arrays `[steps, n]`), restricted to the input rows `cols`."""
 
@@ -545,20 +556,18 @@ class DynamicGenerator:
         self.timings["schedule_s"] += t1 - t0
         self.timings["engine_s"] += t2 - t1
         try:
-            if items is not None:
-                for row, job, item in zip(rows, owners, items):
-                    try:
-                        self._collect_accepted(row, job, item, out.seconds, now, results)
-                    except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
-                        results.append(self._fail(job, e, now))
+            if items is not None:  # a speculative step: accepted drafts, then the target's token, per row
+                self._collect(rows, owners, items, out.seconds, now, results)
             elif k == 1:
-                self._collect(rows, owners, out, now, results)
+                self._collect(rows, owners, _row_items(rows, out), out.seconds, now, results)
             else:  # step i's tokens are fed as if they came from single steps, skipping jobs that ended
                 live = [(r, j, i) for i, (r, j) in enumerate(zip(rows, owners))]
                 for i in range(k):
                     live = [(r, j, c) for r, j, c in live if j in self.active]
-                    self._collect([r for r, _, _ in live], [j for _, j, _ in live],
-                                  _StepView(out, i, [c for _, _, c in live]), now, results)
+                    live_rows = [r for r, _, _ in live]
+                    self._collect(live_rows, [j for _, j, _ in live],
+                                  _row_items(live_rows, _StepView(out, i, [c for _, _, c in live])), out.seconds,
+                                  now, results)
         finally:
             self.timings["results_s"] += time.perf_counter() - t2
         return results
@@ -604,52 +613,24 @@ class DynamicGenerator:
         keep = [i for i in range(len(rows)) if i not in bad and id(owners[i].cfg_owner) not in ended]
         return [rows[i] for i in keep], [owners[i] for i in keep]
 
-    def _collect(self, rows: list, owners: list[Job], out: Any, now: float, results: list[dict]) -> None:
-        """Advance each row's job by the step's output and append its result dicts. A failure while handling one
+    def _collect(self, rows: list, owners: list[Job], items: list[Accepted], seconds: float, now: float,
+                 results: list[dict]) -> None:
+        """Advance each row's job by what its row produced (`items`: one `Accepted` per row, from a plain step
+        through `_row_items` or from a speculative one) and append its result dicts. A failure while handling one
         job's output ends that job alone."""
-        for i, (row, job) in enumerate(zip(rows, owners)):
+        for row, job, item in zip(rows, owners, items):
             try:
-                self._collect_one(i, row, job, out, now, results)
+                self._collect_row(row, job, item, seconds, now, results)
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 results.append(self._fail(job, e, now))
 
-    def _collect_one(self, i: int, row: Any, job: Job, out: Any, now: float, results: list[dict]) -> None:
+    def _collect_row(self, row: Any, job: Job, item: Accepted, seconds: float, now: float,
+                     results: list[dict]) -> None:
+        """One row's output: none (a prefill chunk that does not sample), one token, or a speculative row's accepted
+        drafts and the target's next token, fed one at a time (`JobOutput.feed`) as if each came from its own step;
+        `item.kv_advance` of the row's tokens now have K/V."""
         n = len(row.tokens)
-        if job.cfg_owner is not None:  # a CFG negative prompt: its prefill chunks; its sampling row follows the job's
-            if not row.sample:
-                self.output.advance(job, n)
-                self.tokens_prefilled += n
-            return
-        if job.time_first_prefill is None:
-            job.time_first_prefill = now - out.seconds
-        self.output.advance(job, n)
-        if not row.sample:
-            self.tokens_prefilled += n
-            results.append({**self.output.base(job, "prefill"), "curr_progress": job.kv_position,
-                            "max_progress": len(job.sequence)})  # the prompt (plus, once preempted, its output)
-            return
-        if n > 1:
-            self.tokens_prefilled += n
-        extras = _extras(job, int(out.token[i]), float(out.logprob[i]), out.top_ids[i], out.top_logprobs[i],
-                         None if out.logits is None else out.logits[i])
-        _mirostat_update(job, float(out.logprob[i]))
-        if job.cfg_partner is not None:
-            self.output.advance(job.cfg_partner, 1)
-        r = self.output.receive(job, int(out.token[i]), extras, now)
-        if job.cfg_partner is not None:
-            self.output.follow(job, final=r["eos"])
-        self.tokens_generated += 1
-        results.append(r)
-        if r["eos"]:
-            self._retire(job)
-            self.jobs_completed += 1
-
-    def _collect_accepted(self, row: Any, job: Job, item: Accepted, seconds: float, now: float,
-                          results: list[dict]) -> None:
-        """`_collect_one` for a speculative step: the row's tokens (none, one, or accepted drafts and the target's
-        next token) are fed one at a time (`JobOutput.feed`)."""
-        n = len(row.tokens)
-        if job.cfg_owner is not None:  # a CFG negative prompt (never drafted): as in `_collect_one`
+        if job.cfg_owner is not None:  # a CFG negative prompt: its prefill chunks (its job's row samples for both)
             if not item.tokens:
                 self.output.advance(job, item.kv_advance)
                 self.tokens_prefilled += n

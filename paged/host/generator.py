@@ -54,8 +54,9 @@ from paged.host.scheduler import Scheduler, members
 from paged.job import Job
 from paged.policies import Policy, make_policy
 from paged.settings import SamplingSettings
+from paged.speculation.config import SpeculationConfig
 from paged.speculation.rows import Accepted
-from paged.speculation.spec_step import SpeculativeStep, check_speculation_args, empty_metrics
+from paged.speculation.spec_step import SpeculativeStep, empty_metrics
 from paged.streaming import TextStream
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
 
@@ -165,13 +166,18 @@ class DynamicGenerator:
         with the target's keys so that the two draws are coupled; a seeded job then emits the tokens it would without
         speculation whatever the drafter, and a draft model's drafts are accepted a little less often than by
         rejection sampling), or "exllamav2" (the same, a draft model proposing its argmax, as ExLlamaV2 does).
-        `ngram_corpus` (with `use_ngram_draft=True`): a `paged.speculation.ngram_corpus.NgramCorpus`, or the path of a
-        saved
-        one, that drafts where prompt lookup finds no match of 2 or more tokens (the continuations the model wrote
-        most often in a corpus of its own answers: experiments/build_ngram_corpus.py).
+        `ngram_corpus` (with `use_ngram_draft=True`): a `paged.speculation.ngram_corpus.NgramCorpus`, or the path of
+        a saved one, that drafts where prompt lookup finds no match of 2 or more tokens (the continuations the model
+        wrote most often in a corpus of its own answers: experiments/build_ngram_corpus.py). The speculation
+        arguments become one `paged.speculation.config.SpeculationConfig` (`self.speculation_config`), checked once.
         """
-        speculate = check_speculation_args(draft_model, num_draft_tokens, use_ngram_draft, max_ngram, adaptive_draft,
-                                           draft_token_cost, draft_acceptance, ngram_corpus)
+        try:
+            spec = SpeculationConfig.of(draft_model=draft_model, use_ngram_draft=use_ngram_draft,
+                                        num_draft_tokens=num_draft_tokens, max_ngram=max_ngram, adaptive=adaptive_draft,
+                                        draft_token_cost=draft_token_cost, acceptance=draft_acceptance,
+                                        ngram_corpus=ngram_corpus)
+        except InvalidConfigError as e:
+            raise type(e)(f"DynamicGenerator: {e}") from None
         given = {k: v for k, v in dict(
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
@@ -227,12 +233,10 @@ class DynamicGenerator:
                                    self.clock)
         self.output = JobOutput(self.pool, self.page_size, self._piece)
         self.speculation: SpeculativeStep | None = None
-        if speculate:
-            self.speculation = SpeculativeStep(engine, self.scheduler, draft_model=draft_model,
-                                               num_draft_tokens=num_draft_tokens, use_ngram_draft=use_ngram_draft,
-                                               max_ngram=max_ngram, tokenizer=tokenizer, adaptive=adaptive_draft,
-                                               draft_token_cost=draft_token_cost, acceptance=draft_acceptance,
-                                               ngram_corpus=ngram_corpus)
+        self.speculation_config = spec
+        if spec is not None:
+            self.speculation = SpeculativeStep(engine, self.scheduler, spec, draft_model=draft_model,
+                                               tokenizer=tokenizer)
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)

@@ -1,7 +1,8 @@
 """The generator's side of speculative decoding: which rows of a step may speculate and how far, the step itself
 (`Speculator.plan` -> `engine.run` -> `Speculator.accept`), and the per-job counters. `DynamicGenerator` holds one
-`SpeculativeStep` when it was given a drafter (`draft_model=` or `use_ngram_draft=True`) and none otherwise, in
-which case nothing here runs and the step is exactly the non-speculative one.
+`SpeculativeStep` when it was given a drafter (`draft_model=` or `use_ngram_draft=True`, made into a
+`paged.speculation.config.SpeculationConfig`) and none otherwise, in which case nothing here runs and the step is
+exactly the non-speculative one.
 
 A decoding job's row (one token to feed) verifies up to `max_drafts` drafts:
     min(num_draft_tokens,
@@ -17,59 +18,15 @@ from single steps (see the module docstring of `paged.speculation.speculator` fo
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from paged.device.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
-from paged.speculation.ngram_corpus import check_corpus_type
-from paged.speculation.rows import ACCEPTANCE_RULES, Accepted, SpecRow, check_num_draft_tokens
+from paged.speculation.config import SpeculationConfig
+from paged.speculation.rows import Accepted, SpecRow
 from paged.speculation.speculator import Speculator
-
-
-def check_speculation_args(draft_model: Any, num_draft_tokens: Any, use_ngram_draft: Any, max_ngram: Any,
-                           adaptive_draft: Any = False, draft_token_cost: Any = None,
-                           draft_acceptance: Any = "rejection", ngram_corpus: Any = None) -> bool:
-    """Validate the generator's speculative-decoding arguments (`InvalidConfigError`); True when a drafter is
-    given. The draft model's vocabulary and tokenizer are checked when the `Speculator` is built."""
-    try:
-        check_num_draft_tokens(num_draft_tokens)
-    except InvalidConfigError as e:
-        raise InvalidConfigError(f"DynamicGenerator: {e}") from None
-    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
-        raise InvalidConfigError(f"DynamicGenerator: max_ngram must be an int >= 1, got {max_ngram!r}")
-    if not isinstance(use_ngram_draft, bool):
-        raise InvalidConfigError(f"DynamicGenerator: use_ngram_draft must be a bool, got {use_ngram_draft!r}")
-    if draft_model is not None and use_ngram_draft:
-        raise InvalidConfigError("DynamicGenerator: speculative decoding takes one drafter: pass draft_model= or "
-                                 "use_ngram_draft=True, not both")
-    if not isinstance(adaptive_draft, bool):
-        raise InvalidConfigError(f"DynamicGenerator: adaptive_draft must be a bool, got {adaptive_draft!r}")
-    if draft_token_cost is not None and (isinstance(draft_token_cost, bool)
-                                         or not isinstance(draft_token_cost, (int, float))
-                                         or not math.isfinite(draft_token_cost) or draft_token_cost < 0):
-        raise InvalidConfigError(f"DynamicGenerator: draft_token_cost must be a finite number >= 0 (the cost of "
-                                 f"one query token over a step's fixed cost) or None, got {draft_token_cost!r}")
-    if draft_token_cost is not None and not adaptive_draft:
-        raise InvalidConfigError("DynamicGenerator: draft_token_cost applies to adaptive_draft=True only")
-    if (adaptive_draft or draft_token_cost is not None) and draft_model is None and not use_ngram_draft:
-        raise InvalidConfigError("DynamicGenerator: adaptive_draft / draft_token_cost need a drafter (draft_model= "
-                                 "or use_ngram_draft=True)")
-    if draft_acceptance not in ACCEPTANCE_RULES:
-        raise InvalidConfigError(f"DynamicGenerator: draft_acceptance must be one of {ACCEPTANCE_RULES} (lossless "
-                                 f"rejection sampling, sample-then-match with coupled draws, or with greedy drafts "
-                                 f"as ExLlamaV2), got {draft_acceptance!r}")
-    if draft_acceptance != "rejection" and draft_model is None and not use_ngram_draft:
-        raise InvalidConfigError("DynamicGenerator: draft_acceptance needs a drafter (draft_model= or "
-                                 "use_ngram_draft=True)")
-    if ngram_corpus is not None and not use_ngram_draft:
-        raise InvalidConfigError("DynamicGenerator: ngram_corpus is the n-gram drafter's table: pass it with "
-                                 "use_ngram_draft=True")
-    if ngram_corpus is not None:
-        check_corpus_type(ngram_corpus)
-    return draft_model is not None or use_ngram_draft
 
 
 class SpeculativeStep:
@@ -79,20 +36,16 @@ class SpeculativeStep:
     None where every token is banned) and the engine config; `engine` must support verification rows
     (`enable_verification`), and a draft model needs the JAX `paged.device.engine.Engine`."""
 
-    def __init__(self, engine: Any, scheduler: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None, acceptance: str = "rejection", ngram_corpus: Any = None):
+    def __init__(self, engine: Any, scheduler: Any, config: SpeculationConfig, *, draft_model: Any = None,
+                 tokenizer: Any = None):
         if not hasattr(engine, "enable_verification"):
             raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
                                      f"(enable_verification); {type(engine).__name__} does not")
         if draft_model is not None and not (hasattr(engine, "verify_plan") and hasattr(engine, "model")):
             raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.device.engine.Engine as the "
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
-        self.speculator = Speculator(engine, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
-                                     use_ngram_draft=use_ngram_draft, max_ngram=max_ngram, tokenizer=tokenizer,
-                                     adaptive=adaptive, draft_token_cost=draft_token_cost, acceptance=acceptance,
-                                     ngram_corpus=ngram_corpus)
-        self.k = num_draft_tokens
+        self.speculator = Speculator(engine, config, draft_model=draft_model, tokenizer=tokenizer)
+        self.k = config.num_draft_tokens
         self.scheduler = scheduler
         self.page_size = scheduler.config.page_size
         self.max_penalty_range = scheduler.config.max_penalty_range

@@ -31,19 +31,18 @@ mirrors the target's). The generator must not use decode bursts (`decode_steps >
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from paged.errors import InvalidConfigError
+from paged.speculation.config import SpeculationConfig
 from paged.speculation.draft import DraftModel
 from paged.speculation.draft_gate import DraftGate
 from paged.speculation.ngram import NgramIndex
 from paged.speculation.ngram_corpus import load_corpus, propose_lookup
 from paged.speculation.rows import (
-    ACCEPTANCE_RULES,
     Accepted,
     SpecPlan,
     SpecRow,
@@ -56,41 +55,32 @@ class Speculator:
     """Drafts tokens for the decoding rows of each step and turns the verification results into accepted tokens.
 
     `target`: the generator's `paged.device.engine.Engine` (its verification buckets are enabled here: construct the
-    speculator before `warmup()`). One drafter: `draft_model` (a `models.Model` sharing the target's vocabulary and
-    tokenizer; its engine gets the target's config, so the same page ids index both caches) or `use_ngram_draft`
-    (prompt lookup, `max_ngram`; with `ngram_corpus`, a `paged.speculation.ngram_corpus.NgramCorpus` or its path,
-    drafting where
-    prompt lookup's match is short). `num_draft_tokens` k >= 1. `acceptance`: how sampled rows accept drafts,
-    "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft model's
-    draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily); greedy rows
-    accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its drafts are
-    expected to pay for the verification (`paged.speculation.draft_gate`, with `draft_token_cost` its rho; None: the
-    backend's
-    measured default); else every step with drafts verifies (ExLlamaV2's behaviour). Invalid combinations raise
-    `InvalidConfigError`.
+    speculator before `warmup()`). `config` (`paged.speculation.config.SpeculationConfig`, validated there) says how:
+    its drafter is a draft model (`draft_model`, a `models.Model` sharing the target's vocabulary and tokenizer; its
+    engine gets the target's config, so the same page ids index both caches) or prompt lookup (`max_ngram`; with
+    `ngram_corpus`, a table drafting where prompt lookup's match is short). `acceptance`: how sampled rows accept
+    drafts, "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft
+    model's draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily);
+    greedy rows accept the drafts equal to the target's argmax either way. `adaptive`: a step verifies only where its
+    drafts are expected to pay for the verification (`paged.speculation.draft_gate`, with `draft_token_cost` its rho;
+    None: the backend's measured default); else every step with drafts verifies (ExLlamaV2's behaviour).
     """
 
-    def __init__(self, target: Any, *, draft_model: Any = None, num_draft_tokens: int = 4,
-                 use_ngram_draft: bool = False, max_ngram: int = 4, tokenizer: Any = None, adaptive: bool = False,
-                 draft_token_cost: float | None = None, acceptance: str = "rejection", ngram_corpus: Any = None):
-        if draft_model is not None and use_ngram_draft:
-            raise InvalidConfigError("speculative decoding takes one drafter: pass draft_model= or "
-                                     "use_ngram_draft=True, not both")
-        if draft_model is None and not use_ngram_draft:
-            raise InvalidConfigError("Speculator needs a drafter: draft_model= or use_ngram_draft=True")
-        check_num_draft_tokens(num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
-        if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < 1:
-            raise InvalidConfigError(f"max_ngram must be an int >= 1, got {max_ngram!r}")
-        if acceptance not in ACCEPTANCE_RULES:
-            raise InvalidConfigError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    def __init__(self, target: Any, config: SpeculationConfig, *, draft_model: Any = None, tokenizer: Any = None):
+        if (config.drafter == "model") != (draft_model is not None):
+            raise InvalidConfigError(f"Speculator: drafter={config.drafter!r} "
+                                     + ("needs the draft model (draft_model=)" if draft_model is None else
+                                        "takes no draft model (its drafter is prompt lookup)"))
+        check_num_draft_tokens(config.num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
+        num_draft_tokens, max_ngram, acceptance = config.num_draft_tokens, config.max_ngram, config.acceptance
+        adaptive, draft_token_cost, ngram_corpus = config.adaptive, config.draft_token_cost, config.ngram_corpus
+        self.config = config
         self.target = target
         self.acceptance = acceptance
         self.k = num_draft_tokens
         self.max_ngram = max_ngram
         self.corpus = None
         if ngram_corpus is not None:
-            if not use_ngram_draft:
-                raise InvalidConfigError("ngram_corpus= is the n-gram drafter's: pass it with use_ngram_draft=True")
             self.corpus = load_corpus(ngram_corpus, target.vocab_size)
         self.draft = None
         if draft_model is not None:
@@ -106,11 +96,11 @@ class Speculator:
         if acceptance == "rejection":
             target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
         else:  # matching reads no draft distributions
-            params = inspect.signature(target.enable_verification).parameters
-            if "match" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            try:
+                target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+            except TypeError as e:  # an engine from before sample-then-match
                 raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
-                                         f"takes match=True; {type(target).__name__}'s does not")
-            target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+                                         f"takes match=True; {type(target).__name__}'s does not ({e})") from e
         if self.draft is None and hasattr(target, "enable_fed_drafts"):
             target.enable_fed_drafts(False)  # one-hot drafts come from the host (an engine a draft model used before)
         self._ngrams: dict[Hashable, Any] = {}
@@ -120,6 +110,16 @@ class Speculator:
         self.accepted_at = np.zeros(num_draft_tokens, np.int64)  # rows whose draft j was accepted
         self.corpus_drafted = 0  # drafts the n-gram corpus proposed (evidence class < 0), verified
         self.corpus_accepted = 0
+
+    @classmethod
+    def of(cls, target: Any, *, draft_model: Any = None, tokenizer: Any = None, **settings: Any) -> Speculator:
+        """A speculator from the generator's keyword arguments (`use_ngram_draft`, `num_draft_tokens`, `max_ngram`,
+        `adaptive`, `draft_token_cost`, `acceptance`, `ngram_corpus`: `SpeculationConfig.of`), for scripts and
+        tests that drive an engine without a generator."""
+        config = SpeculationConfig.of(draft_model=draft_model, **settings)
+        if config is None:
+            raise InvalidConfigError("Speculator needs a drafter: draft_model= or use_ngram_draft=True")
+        return cls(target, config, draft_model=draft_model, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ per job
     def release(self, key: Hashable) -> None:

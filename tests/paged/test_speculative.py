@@ -137,7 +137,7 @@ def test_drafts_on_the_device_verify_as_drafts_on_the_host():
     np.testing.assert_allclose(got.logprob[0, :3], want.logprob[0, :3], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="draft_tokens="):
         b.run([row(drafts)])
-    Speculator(b, use_ngram_draft=True, num_draft_tokens=4)
+    Speculator.of(b, use_ngram_draft=True, num_draft_tokens=4)
     assert b.fed_rows == 0
     np.testing.assert_array_equal(b.run([row(drafts)]).token, want.token)
 
@@ -308,7 +308,7 @@ def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
     engine = Engine(MODEL, **SETTINGS)
     kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),
           "truncated": dict(draft_model=truncated_model(MODEL, 1)), "unrelated": dict(draft_model=OTHER)}[drafter]
-    spec = Speculator(engine, num_draft_tokens=3, **kw)
+    spec = Speculator.of(engine, num_draft_tokens=3, **kw)
     outs, _ = _loop(engine, spec, PROMPTS, 12, GREEDY)
     assert outs == greedy_reference
     stats = spec.stats()
@@ -324,12 +324,12 @@ def test_a_reduced_head_over_every_token_is_the_target_at_temperature_one():
     covers the vocabulary in any order: rejection sampling accepts every draft."""
     draft = reduced_head(MODEL, np.random.default_rng(5).permutation(CFG.vocab_size))
     engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator(engine, num_draft_tokens=3, draft_model=draft)
+    spec = Speculator.of(engine, num_draft_tokens=3, draft_model=draft)
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
     outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
     assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
     again = Engine(MODEL, **SETTINGS)
-    assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
+    assert _loop(again, Speculator.of(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
 def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
@@ -337,10 +337,10 @@ def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
     small head, not the embedding table it gathers its inputs from."""
     engine = Engine(MODEL, **SETTINGS)
     small = reduced_head(MODEL, np.arange(8))
-    spec = Speculator(engine, num_draft_tokens=2, draft_model=small, adaptive=True)
+    spec = Speculator.of(engine, num_draft_tokens=2, draft_model=small, adaptive=True)
     want = small.params.step_read_bytes() / MODEL.params.step_read_bytes()
     assert spec.gate.draft_step_cost == pytest.approx(want)
-    full = Speculator(Engine(MODEL, **SETTINGS), num_draft_tokens=2, draft_model=MODEL, adaptive=True)
+    full = Speculator.of(Engine(MODEL, **SETTINGS), num_draft_tokens=2, draft_model=MODEL, adaptive=True)
     assert full.gate.draft_step_cost == pytest.approx(1.0) and want < 0.95
 
 
@@ -348,13 +348,13 @@ def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     """Rejection sampling, not sample-then-match: with q = p (the target drafting for itself) every draft is
     accepted, at temperature 1 as well as greedy."""
     engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL)
+    spec = Speculator.of(engine, num_draft_tokens=3, draft_model=MODEL)
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
     outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
     assert all(len(o) == 10 for o in outs)
     assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
     again = Engine(MODEL, **SETTINGS)
-    assert _loop(again, Speculator(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
+    assert _loop(again, Speculator.of(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
 def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
@@ -368,7 +368,7 @@ def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
     rates = {}
     for rule, coupled in (("match", True), ("match", False), ("exllamav2", False)):
         engine = Engine(MODEL, **SETTINGS)
-        spec = Speculator(engine, num_draft_tokens=3, draft_model=MODEL, acceptance=rule)
+        spec = Speculator.of(engine, num_draft_tokens=3, draft_model=MODEL, acceptance=rule)
         assert spec.draft.coupled == (rule == "match") and spec.draft.greedy == (rule == "exllamav2")
         spec.draft.coupled = coupled
         draft_rows, run = [], spec.draft.engine.draft
@@ -392,7 +392,7 @@ def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
 @pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator
 def test_draft_cache_mirrors_the_targets_page_ids():
     engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator(engine, num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))
+    spec = Speculator.of(engine, num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))
     _loop(engine, spec, PROMPTS[:2], 4, GREEDY)
     used_t = np.flatnonzero(np.abs(np.asarray(engine.state.k[0])).sum(axis=(0, 2, 3)))
     used_d = np.flatnonzero(np.abs(np.asarray(spec.draft.engine.state.k[0])).sum(axis=(0, 2, 3)))
@@ -404,15 +404,15 @@ def test_draft_cache_mirrors_the_targets_page_ids():
 def test_invalid_speculation_configs():
     engine = Engine(MODEL, **SETTINGS)
     with pytest.raises(InvalidConfigError, match="not both"):
-        Speculator(engine, draft_model=MODEL, use_ngram_draft=True)
+        Speculator.of(engine, draft_model=MODEL, use_ngram_draft=True)
     with pytest.raises(InvalidConfigError, match="num_draft_tokens"):
-        Speculator(engine, use_ngram_draft=True, num_draft_tokens=0)
+        Speculator.of(engine, use_ngram_draft=True, num_draft_tokens=0)
     with pytest.raises(InvalidConfigError, match="acceptance must be one of"):
-        Speculator(engine, use_ngram_draft=True, acceptance="accept-all")
+        Speculator.of(engine, use_ngram_draft=True, acceptance="accept-all")
     small = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(InvalidConfigError, match="vocabulary"):
-        Speculator(engine, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
+        Speculator.of(engine, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
                                              source="small"))
 
 

@@ -206,7 +206,7 @@ def test_warmup_covers_speculative_steps(drafter):
     engine = Engine(MODEL, **settings)
     plain = len(engine.variants())
     kw = dict(use_ngram_draft=True) if drafter == "ngram" else dict(draft_model=truncated_model(MODEL, 1))
-    spec = Speculator(engine, num_draft_tokens=3, **kw)
+    spec = Speculator.of(engine, num_draft_tokens=3, **kw)
     engines = [engine] + ([spec.draft.engine] if spec.draft is not None else [])
     kinds = [v[0] for e in engines for v in e.variants()]
     assert len(engine.variants()) == plain + len(engine.spec.verify_shapes()) + len(engine.spec.decode_rows) - 1

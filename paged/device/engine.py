@@ -154,6 +154,8 @@ class Engine:
         self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
         self.draft_rows = 0  # the row count the drafts on the device are padded to (`draft`)
         self.fed_rows = 0  # > 0: verification steps take their drafts from the device (`enable_fed_drafts`)
+        self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
+        self._no_move_arrays: dict[int, tuple] = {}  # by bucket rows: the `_no_move` window inputs
 
     @_under_mesh
     def load_embeddings(self, rows: Sequence[int], vectors: np.ndarray) -> None:
@@ -214,8 +216,8 @@ class Engine:
             raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
         self.draft_len = num_draft_tokens
         self.draft_rows = pad_rows
-        self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
-        self._no_move_arrays: dict[int, tuple] = {}  # by bucket rows: the `_no_move` window inputs
+        self._last_burst = None
+        self._no_move_arrays = {}
 
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without

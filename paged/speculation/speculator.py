@@ -72,32 +72,29 @@ class Speculator:
                                      + ("needs the draft model (draft_model=)" if draft_model is None else
                                         "takes no draft model (its drafter is prompt lookup)"))
         check_num_draft_tokens(config.num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
-        num_draft_tokens, max_ngram, acceptance = config.num_draft_tokens, config.max_ngram, config.acceptance
-        adaptive, draft_token_cost, ngram_corpus = config.adaptive, config.draft_token_cost, config.ngram_corpus
+        k, acceptance = config.num_draft_tokens, config.acceptance
         self.config = config
         self.target = target
         self.acceptance = acceptance
-        self.k = num_draft_tokens
-        self.max_ngram = max_ngram
-        self.corpus = None
-        if ngram_corpus is not None:
-            self.corpus = load_corpus(ngram_corpus, target.vocab_size)
+        self.k = k
+        self.max_ngram = config.max_ngram
+        self.corpus = None if config.ngram_corpus is None else load_corpus(config.ngram_corpus, target.vocab_size)
         self.draft = None
         if draft_model is not None:
-            self.draft = DraftModel(target, draft_model, num_draft_tokens, tokenizer=tokenizer,
-                                    coupled=acceptance == "match", greedy=acceptance == "exllamav2")
+            self.draft = DraftModel(target, draft_model, k, tokenizer=tokenizer, coupled=acceptance == "match",
+                                    greedy=acceptance == "exllamav2")
         self.gate = None
-        if adaptive:
+        if config.adaptive:
             step_cost = 0.0
             if draft_model is not None:  # a draft step over a target step: the weight bytes each step reads
                 # (a reduced head's draft reads its small head, not the embedding table it gathers from)
                 step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
-            self.gate = DraftGate(num_draft_tokens, draft_token_cost, draft_step_cost=step_cost)
+            self.gate = DraftGate(k, config.draft_token_cost, draft_step_cost=step_cost)
         if acceptance == "rejection":
-            target.enable_verification(num_draft_tokens, draft_probs=self.draft is not None)
+            target.enable_verification(k, draft_probs=self.draft is not None)
         else:  # matching reads no draft distributions
             try:
-                target.enable_verification(num_draft_tokens, draft_probs=False, match=True)
+                target.enable_verification(k, draft_probs=False, match=True)
             except TypeError as e:  # an engine from before sample-then-match
                 raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
                                          f"takes match=True; {type(target).__name__}'s does not ({e})") from e
@@ -107,7 +104,7 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0  # verification rows run
-        self.accepted_at = np.zeros(num_draft_tokens, np.int64)  # rows whose draft j was accepted
+        self.accepted_at = np.zeros(k, np.int64)  # rows whose draft j was accepted
         self.corpus_drafted = 0  # drafts the n-gram corpus proposed (evidence class < 0), verified
         self.corpus_accepted = 0
 

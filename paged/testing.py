@@ -290,6 +290,17 @@ class Collected:
     finals: dict
 
 
+def page_refs(gen) -> dict[int, int]:
+    """page -> how many live jobs hold it (a CFG job's negative prompt too): the counts `PagePool.check`
+    (`expected_refs=`) holds the pool to."""
+    out: dict[int, int] = {}
+    for job in gen.active:
+        for m in (job,) if job.cfg_partner is None else (job, job.cfg_partner):
+            for p in m.pages:
+                out[p] = out.get(p, 0) + 1
+    return out
+
+
 def drain(gen, limit=10_000):
     """Run the generator until empty; collect results, streamed text per identifier, final dicts."""
     results, texts, finals = [], {}, {}

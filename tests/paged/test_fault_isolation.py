@@ -24,7 +24,7 @@ from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidConfigError, JobFailure, StepError
 from paged.filters import RegexFilter
 from paged.host.async_generator import AsyncDynamicGenerator
-from paged.testing import ByteTokenizer, FakeEngine, FaultInjector, InjectedFault, drain
+from paged.testing import ByteTokenizer, FakeEngine, FaultInjector, InjectedFault, drain, page_refs
 
 GREEDY = SamplingSettings.greedy()
 POISON = 250  # the failing tokenizer raises on this token
@@ -237,13 +237,6 @@ def test_page_accounting_is_exact_with_injected_faults(ops, fail_calls):
     rng = np.random.default_rng(0)
     jobs, finals = [], {}
 
-    def refs():
-        out = {}
-        for j in gen.active:
-            for p in j.pages:
-                out[p] = out.get(p, 0) + 1
-        return out
-
     def step():
         try:
             for r in gen.iterate():
@@ -264,12 +257,12 @@ def test_page_accounting_is_exact_with_injected_faults(ops, fail_calls):
             gen.cancel(jobs[x % len(jobs)])
         else:
             step()
-        gen.pool.check(expected_refs=refs())
+        gen.pool.check(expected_refs=page_refs(gen))
     for _ in range(500):
         if not gen.num_remaining_jobs():
             break
         step()
-        gen.pool.check(expected_refs=refs())
+        gen.pool.check(expected_refs=page_refs(gen))
     check_clean(gen)
     for ident, r in finals.items():
         j = jobs[ident]
@@ -419,14 +412,6 @@ def test_seeded_soak_with_injected_faults(tmp_path):
     cancelled: set[int] = set()
     stats = collections.Counter()
 
-    def refs():
-        out = {}
-        for j in gen.active:
-            for m in (j, j.cfg_partner) if j.cfg_partner is not None else (j,):
-                for p in m.pages:
-                    out[p] = out.get(p, 0) + 1
-        return out
-
     def step():
         try:
             results = gen.iterate()
@@ -479,7 +464,7 @@ def test_seeded_soak_with_injected_faults(tmp_path):
                 step()
             check_drained()
             stats["drains"] += 1
-        gen.pool.check(expected_refs=refs())
+        gen.pool.check(expected_refs=page_refs(gen))
     for _ in range(2000):
         if not gen.num_remaining_jobs():
             break

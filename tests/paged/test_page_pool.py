@@ -12,17 +12,9 @@ from hypothesis import strategies as st
 from paged import Job, SamplingSettings
 from paged.errors import JobTooLargeError
 from paged.host.page_pool import PagePool, chain_hashes
-from paged.testing import ByteTokenizer, FakeEngine
+from paged.testing import ByteTokenizer, FakeEngine, page_refs
 
 TOK = ByteTokenizer()
-
-
-def held_refs(gen) -> dict[int, int]:
-    refs: dict[int, int] = {}
-    for j in gen.active:
-        for p in j.pages:
-            refs[p] = refs.get(p, 0) + 1
-    return refs
 
 
 def fake_completion(prompt: list[int], n: int, ban_cd: bool) -> list[int]:
@@ -67,7 +59,7 @@ def run_random_operations(ops, page_size, num_pages, totals: Counter) -> None:
     finals: dict[int, dict] = {}
 
     def check():
-        gen.pool.check(held_refs(gen))
+        gen.pool.check(page_refs(gen))
         for j in gen.active:  # every active job's written context is what the cache holds (shared pages too)
             for pos in range(j.kv_position):
                 page = j.pages[pos // page_size]

@@ -10,7 +10,7 @@ from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError, InvalidConfigTypeError, PolicyError, StepError
 from paged.policies import POLICIES, LongestPrefixMatch, Policy, make_policy, register_policy
 from paged.sim import SimulatedEngine, StepTimeModel
-from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain
+from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain, page_refs
 
 TOK = ByteTokenizer()
 
@@ -312,18 +312,10 @@ def test_a_policy_handing_back_a_job_twice_cannot_leak_pages():
                                               r"the job is running \(started already") as info:
             gen.iterate()
         assert isinstance(info.value, StepError) and isinstance(info.value, InvalidConfigError)
-        gen.pool.check(expected_refs=_refs(gen))
+        gen.pool.check(expected_refs=page_refs(gen))
         started, finals = run_collect(gen)  # the jobs it started once run on
         assert {k: r["full_completion"] for k, r in finals.items()} == want
         assert gen.pool.num_referenced == 0 and not gen.pending and not gen.active
-
-
-def _refs(gen):
-    out = {}
-    for j in gen.active:
-        for p in j.pages:
-            out[p] = out.get(p, 0) + 1
-    return out
 
 
 def test_a_policy_starting_a_job_that_does_not_fit_gets_a_named_error():
@@ -331,7 +323,7 @@ def test_a_policy_starting_a_job_that_does_not_fit_gets_a_named_error():
     gen.enqueue([job("a" * 15, 8, identifier="big"), job("b" * 15, 8, identifier="big2"), job("c", 2)])
     with pytest.raises(PolicyError, match=r"admit\(\): start\(Job.*does not fit now.*fits\(job\)"):
         gen.iterate()  # (had been the page pool's internal "check pages_needed() before allocate()")
-    gen.pool.check(expected_refs=_refs(gen))
+    gen.pool.check(expected_refs=page_refs(gen))
     assert [j.identifier for j in gen.active] == ["big"] and len(gen.pending) == 2
     stranger = Job(TOK.encode("zz"), 2)
 
@@ -385,7 +377,7 @@ def test_a_bad_victim_or_a_raising_hook_is_a_named_policy_error():
     with pytest.raises(PolicyError, match=r"victim\(\): returned Job.*not a running job.*None for the needy job"):
         for _ in range(40):
             gen.iterate()
-    gen.pool.check(expected_refs=_refs(gen))
+    gen.pool.check(expected_refs=page_refs(gen))
     assert len(gen.active) == 2
     gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy=Raises())
     gen.enqueue([job("abc", 2), job("de", 2)])

@@ -8,11 +8,9 @@ Drafter names: `none`, `ngram`, `corpus` (prompt lookup with the corpus table of
 `DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
 (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
 `paged/speculation/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
-where
-both): its proposal bursts wait for each verification's results on the host instead of going ahead
+where both): its proposal bursts wait for each verification's results on the host instead of going ahead
 (`paged.speculation.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration
-warms up
-(compiles) first; then, per workload and batch size b, the same
+warms up (compiles) first; then, per workload and batch size b, the same
 `--num_prompts` seeded prompts run with at most b jobs in the generator at once (a finished job's slot takes the
 next prompt), so every batch size sees the same text and a single-stream figure is not one prompt's luck. The JSON
 record carries the flags, git state, device and versions (`experiments.lib.serving.env`).

@@ -6,8 +6,7 @@ that serving-like calls afterwards compile nothing.
     python -m experiments.compile_report --compilation_cache_dir /tmp/jax_cache   # run twice: cold, then warm
 
 The variants (`Engine.variants`, see paged/device/buckets.py): the forward of every layout bucket, the sampler of every
-row
-count, and with `--decode_steps` > 1 the burst of every decode-only bucket. Each is compiled by `Engine.warmup` on a
+row count, and with `--decode_steps` > 1 the burst of every decode-only bucket. Each is compiled by `Engine.warmup` on a
 padding batch; the report then re-runs `warmup` (must hit the jit caches) and steps with top-k, logits, large
 logit bias and penalties (runtime values: must not compile either), counting JAX traces and backend compilations.
 """

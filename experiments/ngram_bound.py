@@ -6,8 +6,7 @@ measures the first factor exactly and prices the second with a model: it generat
 the plain generator (the same seeded prompts as `experiments.bench_speculative`), then replays the generator's
 drafting over it step by step: the prefill step emits the first token; every later step proposes up to
 min(k, max_new_tokens - new_tokens - 1) tokens from `paged.speculation.ngram.NgramIndex` over prompt + output so far (a
-step
-with no match is a plain decode step), accepts the longest prefix that the output continues with, and emits it plus
+step with no match is a plain decode step), accepts the longest prefix that the output continues with, and emits it plus
 one token. Greedy verification accepts exactly that prefix, so these are the steps a fixed n-gram drafter takes on
 that output (greedy outputs under speculation are plain decoding's, bit for bit on the native CPU kernels since
 2026-11-28; with float matmuls up to near-ties: docs/speculative.md, "Limits").

@@ -155,8 +155,7 @@ class FakeEngine:
 
     def _run_verify(self, rows, return_top_k, return_logits):
         """Results per position `[n, W]` and `num_accepted [n]`, as `paged.device.engine.Engine` returns them: position
-        j of
-        a verification row is sampled from the row cut after its j-th token (with `position_bias[j]`), drafts are
+        j of a verification row is sampled from the row cut after its j-th token (with `position_bias[j]`), drafts are
         accepted while they equal those samples, and the sample at the first mismatch (or after the last draft) ends
         the row's tokens (-1 after it)."""
         w = getattr(self, "verify_len", 0)

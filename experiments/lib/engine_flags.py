@@ -31,8 +31,7 @@ NAMES = ("model", "dtype", "quant", *ENGINE_NAMES, "policy", "compilation_cache_
 
 def define() -> None:
     """Define the shared flags (a second call is a no-op). Every `paged.device.config.EngineConfig` field becomes a
-    flag of
-    the same name, type, default (unless `EXPERIMENT_DEFAULTS` says otherwise) and help text."""
+    flag of the same name, type, default (unless `EXPERIMENT_DEFAULTS` says otherwise) and help text."""
     if "decode_steps" in FLAGS:
         return
     flags.DEFINE_string("model", "smollm2-135m", "'smollm2-135m' (embedded), 'tiny' (random 2-layer test model, "

@@ -112,8 +112,7 @@ def accept_drafts(
     that position, a seeded job emits the tokens it would without speculation (up to the float differences between
     a verification row's logits and a decode row's). A draft model then draws with the target's keys
     (`paged.speculation.draft.DraftModel.coupled`), so a draft is accepted with probability at least (1 - TV) / (1 +
-    TV) per
-    position (Gumbel-max coupling; rejection sampling: 1 - TV = sum min(p, q); independent draws: sum p q).
+    TV) per position (Gumbel-max coupling; rejection sampling: 1 - TV = sum min(p, q); independent draws: sum p q).
     `always_accept` and `residual_renorm=False` are deliberately wrong rules, kept for the tests that show the
     losslessness test fails them: accept every draft; draw the correction from p instead of norm(max(0, p - q)).
     """
@@ -204,8 +203,7 @@ def verify_step_jit(
 ) -> tuple[EngineState, Results]:
     """`step_forward` (with its `draft_feed`) then `verify_sample` in one program, for a decode-only verification
     bucket (`paged.device.step.fuses_sampler(shape)`; `shape` is `forward_shape` of it, `batch` the whole batch): the
-    same
-    results, one dispatch. Compiles once per bucket (and per presence of `draft_feed` and `draft_logprobs`)."""
+    same results, one dispatch. Compiles once per bucket (and per presence of `draft_feed` and `draft_logprobs`)."""
     if not fuses_sampler(shape):
         raise ValueError(f"verify_step_jit needs a decode-only verification bucket, got {shape}")
     state, (h,) = forward_points(params, state, forward_inputs(batch), draft_feed, cfg, shape, attn_impl,

@@ -4,8 +4,7 @@ dicts (`JobOutput`).
 
 The device work is one call to `engine.run`; everything here is bookkeeping on Python ints. The engine is anything
 that implements `paged.device.engine_api.EngineProtocol`, which is how the scheduler is tested with a hand-checkable
-fake
-model.
+fake model.
 
 Faults stay where they belong. Arguments are validated before a job touches the generator (`enqueue` is atomic).
 A failure that belongs to one job while it runs ends that job alone: its pages are released and its final result

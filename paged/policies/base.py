@@ -1,8 +1,7 @@
 """The policy interface: what a scheduling policy decides, and the view of the scheduler it decides with.
 
 The mechanism (`paged.host.scheduler.Scheduler`, driven by `DynamicGenerator`) owns the page pool, the batch rows and
-the
-token budgets; it asks the policy four questions and enforces the answers:
+the token budgets; it asks the policy four questions and enforces the answers:
 
 - `order(waiting, s)`: in which order waiting jobs are considered;
 - `admit(waiting, s)`: which of them start now (`s.start(job)` after `s.fits(job)`), and, for a preemptive policy,

@@ -127,8 +127,7 @@ def replay(prompt: Sequence[int], output: Sequence[int], k: int, max_ngram: int,
 
     `corpus`: a `paged.speculation.ngram_corpus.NgramCorpus` that drafts where prompt lookup's match is short, as in a
     generator given `ngram_corpus=` (`paged.speculation.ngram_corpus.propose_lookup`); its drafts' evidence classes are
-    negative,
-    and `min_match` applies to prompt lookup's only.
+    negative, and `min_match` applies to prompt lookup's only.
 
     Page room never limits drafts here: right for the default `reserve` page allocation, an upper bound under
     `on_demand`. `experiments/ngram_bound.py` uses it to bound what prompt lookup can gain on a workload."""

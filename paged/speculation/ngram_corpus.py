@@ -302,8 +302,7 @@ def corpus_class(confidence: float) -> int:
 
 def propose_lookup(index: Any, corpus: NgramCorpus | None, k: int) -> tuple[list[int], int]:
     """The n-gram drafter's proposal for the sequence `index` (a synced `paged.speculation.ngram.NgramIndex`) holds: up
-    to `k`
-    drafts and their evidence class. Prompt lookup's, unless its match is shorter than `CORPUS_BELOW` tokens and
+    to `k` drafts and their evidence class. Prompt lookup's, unless its match is shorter than `CORPUS_BELOW` tokens and
     the corpus has a chain, whose class is then `corpus_class` of its first draft."""
     drafts, n = index.propose_match(k)
     if corpus is None or n >= CORPUS_BELOW or k < 1:

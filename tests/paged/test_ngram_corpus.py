@@ -1,6 +1,5 @@
 """The n-gram drafter's corpus table (`paged.speculation.ngram_corpus`): building, chained proposals, files, the
-combined
-drafter, and a generator given `ngram_corpus=` (output unchanged, drafts taken from the table)."""
+combined drafter, and a generator given `ngram_corpus=` (output unchanged, drafts taken from the table)."""
 
 from __future__ import annotations
 

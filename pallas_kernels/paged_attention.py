@@ -170,6 +170,7 @@ def ragged_paged_attention_reference(
     vis &= valid[:, None]
     s = jnp.where(vis[:, None, None, :], s, NEG_INF)
     w = jax.nn.softmax(s, axis=-1) * vis[:, None, None, :]
+    v = jnp.where(vis[None, :, :, None], v, 0.0)  # an invisible slot's value may be non-finite: 0 * NaN = NaN
     o = jnp.einsum("tkgl,ktld->tkgd", w, v)
     return o.reshape(t_count, nh, d).astype(q.dtype)
 
@@ -199,10 +200,13 @@ def _attend_rows(
     denom = jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
     w = e / denom
     if v_scale is not None:
-        w = w * v_scale[:, :, None, None, :]
+        w = jnp.where(vis, w * v_scale[:, :, None, None, :], 0.0)
+    # Slots past a row's kv_len (a page's tail, the null page of a short row) hold whatever was written there last,
+    # possibly another job's non-finite values: zero them, or their weight 0 would still make 0 * NaN = NaN.
+    v = jnp.where((k_pos[None, :] < kv_len[:, None])[:, None, :, None], v.astype(jnp.float32), 0.0)
     # Contract into [R, KH, G, Q, D] and transpose after: asked for `rqkgd` directly, XLA:CPU lays the product out
     # with G minor and runs it as a slow batched matmul (decode, 8 rows x 384 keys: 0.66 ms vs 0.09 ms).
-    o = jnp.einsum("rkgql,rkld->rkgqd", w, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+    o = jnp.einsum("rkgql,rkld->rkgqd", w, v, preferred_element_type=jnp.float32)
     return o.transpose(0, 3, 1, 2, 4)
 
 
@@ -281,7 +285,7 @@ def ragged_paged_attention_xla(
         q_pos = (kv_lens[:sp] - query_lens[:sp])[:, None] + jnp.arange(qm)[None, :]  # [Sp, Qm]
         o = _attend_rows(qp, k, v, q_pos, kv_lens[:sp], sm_scale, sliding_window, soft_cap, ksc, vsc)
         real = jnp.arange(qm)[None, :] < query_lens[:sp, None]  # [Sp, Qm]
-        outs.append((o * real[:, :, None, None, None]).reshape(sp * qm, nh, d))
+        outs.append(jnp.where(real[:, :, None, None, None], o, 0.0).reshape(sp * qm, nh, d))
     if sd:
         def decode(qd, kv_l, pt):  # [C, KH, G, D], [C], [C, P] -> [C, nH, D]
             k, v, ksc, vsc = gather_pages(pt)
@@ -298,7 +302,7 @@ def ragged_paged_attention_xla(
         else:
             o = decode(qd, kv_lens[sp:], page_table[sp:])
         real = query_lens[sp:] > 0
-        outs.append(o * real[:, None, None])
+        outs.append(jnp.where(real[:, None, None], o, 0.0))
     return jnp.concatenate(outs, axis=0).astype(q.dtype) if len(outs) > 1 else outs[0].astype(q.dtype)
 
 
@@ -404,7 +408,9 @@ def _ragged_kernel(
             p = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)  # [M, Bk]
             l_i = corr * l_i + jnp.sum(p, axis=1)
             if v_scales_ref is not None:
-                p = p * v_scales_ref[pages].reshape(1, block_k)
+                p = jnp.where(vis, p * v_scales_ref[pages].reshape(1, block_k), 0.0)
+            # a slot past kv_len may hold a non-finite value (a page's stale tail): 0 * NaN would be NaN
+            v = jnp.where((k_pos < kv).reshape(block_k, 1), v, jnp.zeros((), v.dtype))
             pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)  # [M, D]
             return corr[:, None] * acc + pv, m_new, l_i

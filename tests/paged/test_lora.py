@@ -361,10 +361,13 @@ def test_non_finite_adapters_are_rejected_at_load(adapters, tmp_path):
     assert sorted(g.loras) == ["a"] and g.loras["a"][0] == 0
 
 
-def test_a_non_finite_adapter_weight_reaches_only_its_own_tokens(adapters):
+@pytest.mark.parametrize("attn_impl", ["auto", "xla"])
+def test_a_non_finite_adapter_weight_reaches_only_its_own_tokens(adapters, attn_impl):
     """An adapter's delta is selected for its own tokens after the product, so even a NaN / inf that got past the
     load check (written straight into an engine slot here) cannot reach another job: a plain job decoding while a
-    poisoned adapter's job joins keeps its solo tokens (a masked multiply had ended it with "log-probability nan")."""
+    poisoned adapter's job joins keeps its solo tokens (a masked multiply had ended it with "log-probability nan").
+    Under "xla" (the attention of a machine without the native build) the poisoned job's NaN keys and values sit in
+    cache slots the plain job's rows do not see; the attention drops them rather than weighting them by 0."""
     import dataclasses
 
     bad = load_lora(adapters["a"], CFG)
@@ -374,8 +377,8 @@ def test_a_non_finite_adapter_weight_reaches_only_its_own_tokens(adapters):
         y[0, 0] = np.nan if k[1] in ("q", "gate", "down") else np.inf
         weights[k] = (x, y)
     bad = dataclasses.replace(bad, weights=weights)
-    solo = run(MODEL, [Job(PROMPTS[2], 8, gen_settings=GREEDY, identifier="plain")])
-    g = DynamicGenerator(MODEL, **GEN)
+    solo = run(MODEL, [Job(PROMPTS[2], 8, gen_settings=GREEDY, identifier="plain")], attn_impl=attn_impl)
+    g = DynamicGenerator(MODEL, **GEN, attn_impl=attn_impl)
     g.engine.load_lora(0, bad)  # past load_lora's check
     g.loras["n"] = (0, bad)
     g.enqueue(Job(PROMPTS[2], 8, gen_settings=GREEDY, identifier="plain"))

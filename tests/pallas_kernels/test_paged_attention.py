@@ -519,3 +519,32 @@ def test_layer_of_a_stacked_cache_equals_that_layers_slice(monkeypatch, impl, in
         assert IMPL_OF[name] == impl
         if impl == "xla":  # handed the whole stack and the layer index, not a slice
             assert call_args[1].shape == kp.shape and int(call_kw["layer"]) == layer
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "native"])
+def test_non_finite_values_in_slots_no_row_sees_leave_the_output_alone(impl, int8):
+    """The cache slots past a row's kv_len (its last page's tail, the null page 0 that pads a short row's page table)
+    hold what was written there last, possibly another job's NaN or inf. A row never sees them, so its output is the
+    one with those slots clean: an implementation that weights them by 0 instead of dropping them gets 0 * NaN."""
+    if impl == "native" and not NATIVE:
+        pytest.skip(f"native attention: {native_attention.library_reason()}")
+    case = pa.contract_case(stacked=False, int8=int8)  # rows: 3 queries over 11 keys (pages 1, 2); 1 over 5 (3, 0)
+    clean = pa.paged_attention(impl=impl, interpret=True, **case)
+    assert np.isfinite(np.asarray(clean)).all()
+    poisoned = dict(case)
+    for name, scale in (("k_pages", "k_scales"), ("v_pages", "v_scales")):
+        pool = np.array(case[name])
+        bad = np.iinfo(np.int8).max if int8 else np.nan
+        pool[:, 2, 3:] = bad  # page 2 past row 0's kv_len 11 (8 + 3)
+        pool[:, 3, 5:] = bad  # page 3 past row 1's kv_len 5
+        pool[:, 0] = bad  # the null page padding row 1's table
+        poisoned[name] = jnp.asarray(pool)
+        if int8:  # an int8 cache's poison is in its scales
+            s = np.array(case[scale])
+            s[:, 2, 3:] = np.inf
+            s[:, 3, 5:] = np.nan
+            s[:, 0] = np.inf
+            poisoned[scale] = jnp.asarray(s)
+    got = pa.paged_attention(impl=impl, interpret=True, **poisoned)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))

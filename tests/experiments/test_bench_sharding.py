@@ -4,14 +4,18 @@ the same jobs, reports tokens/s, and says whether its outputs equal the first tp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
+import pytest
 
+from tests.compile_settings import script_env
+
+
+@pytest.mark.slow
 def test_bench_sharding_runs_each_tp_and_checks_outputs(tmp_path):
     out = tmp_path / "s.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     p = subprocess.run([sys.executable, "-m", "experiments.bench_sharding", "--tp=1,2", "--dp=1,2", "--cpu_devices=2",
                         "--jobs=2", "--max_new_tokens=4", f"--json_out={out}"], capture_output=True, text=True,
                        env={**env, "JAX_PLATFORMS": "cpu"})

@@ -23,6 +23,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
                           text=True, env=env)
 
 
+@pytest.mark.slow
 def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "spec.json"
     # the corpus drafter's table: the model's own greedy outputs on the run's prompts, so that its drafts are right
@@ -93,6 +94,7 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert engine["matmul_tuning"] is None
 
 
+@pytest.mark.slow
 def test_a_late_draft_model_waits_for_the_results(model_dir, tmp_path):  # noqa: F811
     """`_late`: the draft model's bursts wait for each verification's results on the host (none dispatched ahead);
     without it most steps of a single stream use a burst dispatched ahead; both emit plain decoding's tokens."""
@@ -110,6 +112,7 @@ def test_a_late_draft_model_waits_for_the_results(model_dir, tmp_path):  # noqa:
     assert bad.returncode != 0 and "unknown ['ngram_late']" in bad.stderr
 
 
+@pytest.mark.slow
 def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "spec.json"
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=none,ngram", "--batch_sizes=1",

@@ -17,6 +17,7 @@ from tests.experiments.test_generate import engine_args, flags_set, generate, mo
 pytest.importorskip("torch")
 
 
+@pytest.mark.slow
 def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
     out = tmp_path / "tables" / "corpus.npz"  # a folder that does not exist yet: made before the model answers
     text = tmp_path / "extra.txt"

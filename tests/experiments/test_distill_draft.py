@@ -102,6 +102,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_answers_come_back_in_prompt_order_with_continuous_batching(model_dir):  # noqa: F811
     """generate_answers keeps up to `batch` jobs running over chunks of 8 x batch prompts: each answer is its own
     prompt's (the same as generated alone), in order, across chunk boundaries (21 prompts, chunks of 16)."""
@@ -121,6 +122,7 @@ def test_answers_come_back_in_prompt_order_with_continuous_batching(model_dir): 
 
 
 @pytest.mark.parametrize("loss", ["topk", "ce"])
+@pytest.mark.slow
 def test_script_end_to_end(model_dir, tmp_path, loss):  # noqa: F811
     pytest.importorskip("torch")
     out = tmp_path / "draft"

@@ -118,6 +118,7 @@ print(json.dumps({"got": got.tolist(), "ref": ref.tolist(), "ids": np.asarray(id
 """
 
 
+@pytest.mark.slow
 def test_chains_match_a_step_by_step_run():
     r = run_snippet(CHAINS)
     assert r["got"] == r["ref"]
@@ -126,6 +127,7 @@ def test_chains_match_a_step_by_step_run():
     assert drafted <= set(r["ids"]) and len(drafted) > 3  # head columns mapped to token ids; not one constant
 
 
+@pytest.mark.slow
 def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
     pytest.importorskip("torch")
     out = tmp_path / "study.json"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -20,6 +19,7 @@ from absl import app, flags
 from absl.testing import flagsaver
 
 from experiments import generate
+from tests.compile_settings import script_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -420,6 +420,7 @@ def test_negative_prompt_flags_guide_every_job(model_dir, tmp_path, chunks):
                 generate.main(["generate"])
 
 
+@pytest.mark.slow
 def test_lora_flag_applies_the_adapter_to_every_job(model_dir, tmp_path, chunks):
     import numpy as np
 
@@ -450,6 +451,7 @@ def test_lora_flag_applies_the_adapter_to_every_job(model_dir, tmp_path, chunks)
             generate.main(["generate"])
 
 
+@pytest.mark.slow
 def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chunks):
     """--ngram_draft / --draft_model self:N with --adaptive_draft and --draft_token_cost: the greedy output is the
     plain one, the summary reports the drafts, and misuse is a usage error."""
@@ -488,6 +490,7 @@ def test_speculation_flags_reach_the_generator(model_dir, tmp_path, capsys, chun
                 generate.main(["generate"])
 
 
+@pytest.mark.slow
 def test_several_processes_run_the_same_jobs_and_process_0_alone_writes(model_dir, tmp_path):
     """`--num_processes 2` on localhost (2 virtual CPU devices each, one `dp=2,tp=2` mesh over both): process 0 writes
     the records a single process writes; process 1 prints nothing."""
@@ -510,7 +513,7 @@ def _two_processes(model_dir, *extra: str) -> list[tuple[int, str, str]]:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     procs = [subprocess.Popen([sys.executable, "-m", "experiments.generate", *engine_args(
         model_dir, "--temperature=0", "--mesh=dp=2,tp=2", "--num_processes=2", f"--process_id={i}",
         f"--coordinator_address=localhost:{port}", "--cpu_devices_per_process=2", "--noprogress", *extra)],

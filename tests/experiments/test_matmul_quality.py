@@ -33,6 +33,7 @@ def test_teacher_forced_identical_runs_agree_and_a_perturbed_model_does_not():
     assert 1.0 < report["xla"]["perplexity"] < 10 * CFG.vocab_size
 
 
+@pytest.mark.slow
 def test_greedy_report_counts_identical_outputs():
     report, outs = greedy_report(MODEL, ["xla", "reference"], [s[:4] for s in SEQS[:2]], max_new_tokens=5)
     assert [len(o) for o in outs["xla"]] == [5, 5]

@@ -148,6 +148,7 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
         assert by["oracle"]["drafted"] == by["oracle"]["accepted"] <= by["all"]["drafted"]
 
 
+@pytest.mark.slow
 def test_script_prices_widths_in_the_generator(model_dir, tmp_path):  # noqa: F811
     pytest.importorskip("torch")
     rec = run_script(model_dir, tmp_path / "priced.json", "--num_draft_tokens=2", "--widths=2,3,9", "--price")

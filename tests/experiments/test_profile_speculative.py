@@ -14,6 +14,7 @@ from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "self"])
+@pytest.mark.slow
 def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     pytest.importorskip("torch")
     out = tmp_path / "records" / "prof.json"  # a folder that does not exist yet: the script makes it

@@ -4,16 +4,19 @@ mixed steps read more KV slots (`kv_read`) than their rows' own contexts add up 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
+import pytest
+
 from paged.sim import FEATURES, StepTimeModel
+from tests.compile_settings import script_env
 
 
+@pytest.mark.slow
 def test_profile_step_fits_over_uniform_and_mixed_context_steps(tmp_path):
     out = tmp_path / "fit.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     p = subprocess.run([sys.executable, "-m", "experiments.profile_step", "--model=tiny", "--page_size=16",
                         "--grid_prefill=0,16", "--grid_decode=1,2,4", "--grid_context=16,96", "--iters=1",
                         "--fit_max_batch_size=4", "--fit_max_seq_len=128", "--fit_narrow_tokens=0",

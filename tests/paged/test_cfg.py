@@ -64,6 +64,7 @@ def test_apply_cfg_mixes_rows_with_their_partners_and_leaves_the_others():
         np.testing.assert_array_equal(np.asarray(x)[1:], logits[1:])
 
 
+@pytest.mark.slow
 def test_guided_tokens_and_logits_match_the_hand_computed_mixture():
     """Two CFG jobs with other scales and prompts of other lengths (the prompts finish prefilling in different
     steps), a plain job, and a long prompt arriving mid-run (its prefill chunk shares steps with the CFG rows):

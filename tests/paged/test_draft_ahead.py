@@ -25,6 +25,7 @@ from tests.paged.test_speculative_generator import (
 pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
 
 
+@pytest.mark.slow
 def test_a_rewind_drops_the_burst_dispatched_ahead():
     """A banned string rewinds a job to an earlier position after a burst for its next row was dispatched ahead:
     that burst drafted for a row the job no longer has and is dropped; the draft cache still holds the target's K/V
@@ -51,6 +52,7 @@ def test_a_rewind_drops_the_burst_dispatched_ahead():
 
 @pytest.mark.parametrize("draft,num_jobs,max_batch", [("self", 2, 1), ("unrelated", 2, 1), ("self", 4, 4),
                                                         pytest.param("unrelated", 4, 4, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch):
     """A draft model dispatches the next step's burst before the host has seen a verification's results where the
     step allows it (every row drafting, no penalty history). One job at a time (every step after the first few
@@ -89,6 +91,7 @@ def test_draft_bursts_dispatched_ahead_change_nothing(draft, num_jobs, max_batch
         assert m_on["acceptance_rate"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_failed_step_does_not_hand_its_burst_ahead_to_the_retry(monkeypatch):
     """A verification step that fails after its dispatch (`StepError`: the generator retries the same rows) had
     already sent the next burst ahead from its results; that burst drafted a whole verification further on, so the

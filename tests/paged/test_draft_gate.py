@@ -98,6 +98,7 @@ def test_adaptive_verifies_good_drafts_and_everything_at_zero_cost():
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self", "unrelated"])
+@pytest.mark.slow
 def test_adaptive_greedy_identity_on_a_tiny_model(drafter):
     spec = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),
             "unrelated": dict(draft_model=OTHER)}[drafter]
@@ -137,6 +138,7 @@ def test_invalid_adaptive_arguments():
     assert g.speculation.speculator.gate.rho == 0.5
 
 
+@pytest.mark.slow
 def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
     """With a draft model, a decode row that does not draft in a step is not mirrored on the draft
     (`paged.speculation.draft`): a

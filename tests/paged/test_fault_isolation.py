@@ -389,6 +389,7 @@ def soak_adapter(path):
     return path
 
 
+@pytest.mark.slow
 def test_seeded_soak_with_injected_faults(tmp_path):
     """Thousands of seeded random operations (enqueue of plain, sampled, n-gram-drafted, filtered, CFG, LoRA and
     preempted jobs; iterate; cancel; drain) with faults injected into the engine step, the drafting and the mask

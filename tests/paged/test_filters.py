@@ -328,6 +328,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"typ
           "required": ["n", "ok", "tag"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_real_model_sampled_outputs_always_follow_the_grammar_across_seeds():
     from paged.device.engine import count_compiles
 
@@ -377,6 +378,7 @@ def test_a_token_outside_the_mask_is_never_sampled():
     check_clean(gen)
 
 
+@pytest.mark.slow
 def test_a_draft_model_verifies_filtered_jobs_under_each_positions_mask():
     """A draft model's drafts normally stay on the device (the target's forward reads them there); a filtered job's
     verification row needs each position's mask after the earlier drafts, so its drafts come to the host first:

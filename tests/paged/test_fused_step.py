@@ -66,6 +66,7 @@ def streams(c) -> dict:
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+@pytest.mark.slow
 def test_one_program_gives_the_two_programs_results(drafter, monkeypatch):
     calls = spy_paths(monkeypatch)
     runs = {}
@@ -101,6 +102,7 @@ def test_one_program_gives_the_two_programs_results(drafter, monkeypatch):
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model"])
+@pytest.mark.slow
 def test_warmup_compiles_the_fused_variants_and_serving_compiles_nothing(drafter):
     """warmup() compiles exactly `variants()` (a draft model's engine never fuses: its rows do not sample through
     `run`), and serving then compiles nothing: the fused programs see the same arguments from `run` as from warmup,

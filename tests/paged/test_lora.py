@@ -145,6 +145,7 @@ def test_an_adapter_gives_the_logits_of_the_merged_weights(adapters):
     assert g.generate(prompt, 5, gen_settings=GREEDY, lora="a") == want != g.generate(prompt, 5, gen_settings=GREEDY)
 
 
+@pytest.mark.slow
 def test_a_batch_mixing_adapters_gives_each_job_its_own_output(adapters):
     """Two adapters and none, prompts of other lengths (prefill chunks and decode rows in the same steps), a job
     arriving late, sampled as well as greedy: each job gives what its merged model gives alone."""
@@ -231,6 +232,7 @@ def test_unload_and_reuse_a_slot(adapters):
         g.unload_lora("zz")
 
 
+@pytest.mark.slow
 def test_cfg_and_speculation_run_lora_jobs(adapters):
     """A CFG job with an adapter (both prompts through it), and n-gram speculation over a LoRA job, keep the
     output of the plain runs."""

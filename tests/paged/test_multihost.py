@@ -17,6 +17,7 @@ import pytest
 
 from paged.device.sharding import initialize_distributed, is_main_process, shared_seed
 from paged.errors import InvalidConfigError
+from tests.compile_settings import script_env
 from tests.paged import multihost_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +31,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def processes():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "tests.paged.multihost_check", str(i), "2", str(port)],
@@ -55,6 +56,7 @@ def processes():
     return outs
 
 
+@pytest.mark.slow
 def test_two_processes_run_one_mesh_over_all_their_devices(processes):
     for i, got in enumerate(processes):
         assert got["process"] == i and got["processes"] == 2 and got["main"] == (i == 0)
@@ -63,6 +65,7 @@ def test_two_processes_run_one_mesh_over_all_their_devices(processes):
         assert got["k_spec"] == "P(None, 'tp')" and got["k_local_shards"] == 2  # each drives its own two shards
 
 
+@pytest.mark.slow
 def test_every_process_sees_the_same_results_as_one_device(processes):
     a, b = (p["finals"] for p in processes)
     assert a == b and len(a) == 4  # job 2 is unseeded: the same seed in both processes
@@ -70,6 +73,7 @@ def test_every_process_sees_the_same_results_as_one_device(processes):
     assert {k: v for k, v in a.items() if k != "2"} == {k: v for k, v in ref.items() if k != "2"}
 
 
+@pytest.mark.slow
 def test_a_mesh_must_span_every_process(processes):
     for got in processes:
         assert "the mesh must span all of them" in got["narrow_mesh_error"]

@@ -412,6 +412,7 @@ def run_jobs(settings, n=24, **kw):
     return toks, probs, jobs, g, calls
 
 
+@pytest.mark.slow
 def test_bursts_give_the_tokens_of_single_steps():
     """decode_steps=4 slides DRY's and the decaying penalties' history on the device: the same tokens and
     probabilities as one step at a time (the per-row ranges make the slide exact)."""
@@ -443,6 +444,7 @@ def test_mirostat_mu_is_each_jobs_own_and_follows_its_feedback():
     assert np.mean(-np.log2(probs[0])) < np.mean(-np.log2(probs[2]))
 
 
+@pytest.mark.slow
 def test_speculation_keeps_outputs_with_the_full_sampler():
     """Greedy DRY and decay jobs give exactly their non-speculative tokens with prompt-lookup drafts (the drafts
     enter the per-position histories); mirostat jobs are never drafted for, so their seeded tokens are unchanged;

@@ -21,11 +21,12 @@ from paged.device import sharding as sh
 from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer
+from tests.compile_settings import script_env
 
 
 @pytest.fixture(scope="module")
 def check():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     p = subprocess.run([sys.executable, "-m", "tests.paged.sharding_check"], capture_output=True, text=True,
                        env={**env, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(
                            os.path.dirname(os.path.abspath(__file__)))))
@@ -35,6 +36,7 @@ def check():
 
 
 @pytest.mark.parametrize("mesh", ["tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"])
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_parallel_outputs_equal_one_device(check, mesh):
     assert check["devices"] == 4
     got = check[mesh]
@@ -45,6 +47,7 @@ def test_parallel_outputs_equal_one_device(check, mesh):
 
 @pytest.mark.parametrize("mesh, dp, tp", [("tp=2", 1, 2), ("tp=4", 1, 4), ("dp=2", 2, 1), ("dp=2,tp=2", 2, 2),
                                           ("dp=4", 4, 1)])
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_the_cache_is_split_by_kv_head_and_never_gathered(check, mesh, dp, tp):
     got = check[mesh]
     assert got["mesh_shape"] == {"dp": dp, "tp": tp}
@@ -85,6 +88,7 @@ QUANT_SPECS = {  # [values, scales] of each projection
 
 @pytest.mark.parametrize("kind, mesh", [(kind, mesh) for kind, meshes in QUANT_MESHES.items() for mesh in meshes])
 @pytest.mark.parametrize("impl", ["xla", "native"])
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_quantized_weights_shard_with_their_scales(check, kind, impl, mesh):
     """Quantized projections split like float ones, values and group scales together, and the matmul (the native
     kernel is a custom call XLA cannot partition) runs per device on its shard and its tokens: same tokens as one
@@ -101,10 +105,12 @@ def test_quantized_weights_shard_with_their_scales(check, kind, impl, mesh):
     assert (got["token_split"] > 0) == ("dp" in mesh)
 
 
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_int8_cache_and_its_scales_shard_too(check):
     assert check["int8"] == {"greedy_equal": True, "k_scale_spec": "P(None, 'tp')"}
 
 
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_speculative_verification_steps_run_under_the_mesh(check):
     assert check["ngram"]["greedy_equal"] and check["ngram"]["verification_rows"] > 0
     d = check["draft_model"]
@@ -112,6 +118,7 @@ def test_speculative_verification_steps_run_under_the_mesh(check):
     assert not any(d["compiled_after_warmup"].values()), d["compiled_after_warmup"]  # nothing compiles after warmup
 
 
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_meshes_that_cannot_work_are_config_errors(check):
     e = check["errors"]
     assert "needs 8 devices; 4 available" in e["tp=8"] and "needs 8 devices" in e["dp=4,tp=2"]
@@ -121,6 +128,7 @@ def test_meshes_that_cannot_work_are_config_errors(check):
 
 
 @pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+@pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_the_pallas_kernel_runs_per_device_on_its_kv_heads(check, mesh):
     got = check[f"pallas {mesh}"]
     assert got["greedy_equal"] and got["cache_gathers"] == 0

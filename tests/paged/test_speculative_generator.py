@@ -354,6 +354,7 @@ def greedy_reference():
 
 # fast tier: n-gram and an unrelated draft model; the self-draft in the slow tier
 @pytest.mark.parametrize("drafter", [pytest.param("self", marks=pytest.mark.slow), "unrelated", "ngram", "corpus"])
+@pytest.mark.slow
 def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
     """Four jobs of different prompt lengths: the long prompts prefill (one chunk per step) while the short ones
     already speculate, so verification rows and prefill chunks share steps. "corpus": prompt lookup with a corpus
@@ -376,6 +377,7 @@ def test_greedy_identity_with_every_drafter(drafter, greedy_reference):
         assert f["accepted_draft_tokens"] + f["rejected_draft_tokens"] <= f["new_tokens"] * 3
 
 
+@pytest.mark.slow
 def test_a_draft_with_a_reduced_head(greedy_reference):
     """A reduced LM head (`models.draft.reduced_head`) drafts only its tokens: over every token in shuffled order
     it is the target itself (every draft accepted: its columns map back to the right ids); over a random half of
@@ -419,6 +421,7 @@ def test_mixed_steps_happen_with_a_draft_model():
 
 
 @pytest.mark.parametrize("drafter", [pytest.param("model", marks=pytest.mark.slow), "ngram"])
+@pytest.mark.slow
 def test_same_seed_same_output_at_temperature(drafter):
     sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
     spec = dict(draft_model=truncated_model(MODEL, 1)) if drafter == "model" else dict(use_ngram_draft=True)
@@ -434,6 +437,7 @@ def test_same_seed_same_output_at_temperature(drafter):
 
 @pytest.mark.parametrize("rule, drafter, temperature", [("match", "model", 0.5), ("match", "ngram", 0.01),
                                                          ("match", "corpus", 0.01), ("exllamav2", "self", 0.01)])
+@pytest.mark.slow
 def test_sample_then_match_emits_the_non_speculative_draws(rule, drafter, temperature):
     """draft_acceptance="match" / "exllamav2": a seeded sampled job emits exactly the tokens it emits without
     speculation (each position's draw uses plain decoding's key), accepted drafts and corrections alike, whatever the
@@ -454,6 +458,7 @@ def test_sample_then_match_emits_the_non_speculative_draws(rule, drafter, temper
         assert m["corpus_accepted_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_sample_then_match_with_penalties_and_truncation():
     """The same identity with ExLlamaV2's default truncation (top-k 50, top-p 0.8), a repetition penalty over a
     window and frequency / presence penalties, which see the earlier drafts of a verification row."""
@@ -467,6 +472,7 @@ def test_sample_then_match_with_penalties_and_truncation():
     assert m["accepted_draft_tokens"] > 0 and m["rejected_draft_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference):
     """Settings built from the reference output (so they trigger): a stop string, a banned string, min/max tokens;
     the self-draft (every draft accepted) must reproduce the non-speculative results exactly."""
@@ -489,9 +495,9 @@ def test_stop_strings_banned_strings_and_limits_on_a_real_model(greedy_reference
 
 
 @pytest.mark.skipif(native_unavailable() is not None, reason=f"native kernels: {native_unavailable()}")
-@pytest.mark.parametrize("spec", [dict(use_ngram_draft=True, max_ngram=3),
-                                  pytest.param(dict(draft="self"), marks=pytest.mark.slow)],
+@pytest.mark.parametrize("spec", [dict(use_ngram_draft=True, max_ngram=3), dict(draft="self")],
                          ids=["ngram", "self-draft"])
+@pytest.mark.slow
 def test_greedy_identity_is_bitwise_with_the_native_kernels(spec):
     """With the native matmul (int8 activations) and attention, a verification row's logits are the decode step's,
     bit for bit, at every position, next to other rows or alone: so greedy outputs with speculation are the plain
@@ -565,7 +571,9 @@ def test_greedy_identity_is_bitwise_on_the_gpu_paths_kernels_interpreted():
     import subprocess
     import sys
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    from tests.compile_settings import TEST_XLA_FLAGS
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_backend_optimization_level=0"}
     code = "from tests.paged.test_speculative_generator import pallas_path_identity; pallas_path_identity()"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
@@ -573,7 +581,7 @@ def test_greedy_identity_is_bitwise_on_the_gpu_paths_kernels_interpreted():
 
 
 # ---------------------------------------------------------------------------------------------- SmolLM2 (slow)
-@pytest.mark.slow
+@pytest.mark.real_weights
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
 def test_smollm2_greedy_identity(drafter):
     from models import load_model

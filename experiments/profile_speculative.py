@@ -87,8 +87,8 @@ def wrap_parts(times: dict, calls: list | None = None) -> None:
             detail = ""
             if _name == "step_forward":
                 lay = k["shape"].layout
-                detail = (f"{k['cfg'].num_layers} layers, {lay.num_prefill_rows} prefill rows x {lay.max_q_len}, "
-                          f"{lay.num_decode_rows} decode rows")
+                detail = (f"{k['statics'].cfg.num_layers} layers, {lay.num_prefill_rows} prefill rows x "
+                          f"{lay.max_q_len}, {lay.num_decode_rows} decode rows")
             elif _name == "draft_burst_jit":  # with a window (a two-slot first forward: catch-up tokens, or rows
                 # moved on from a verification on the device: a burst dispatched ahead) or without
                 detail = "window" if (a[3] if len(a) > 3 else k.get("window")) is not None else "no catch-up"

@@ -26,6 +26,7 @@ from paged.device.sharding import make_mesh, shard_params, shard_state, to_host
 from paged.device.state import Batch, BatchShape, EngineState, Results
 from paged.device.step import (
     TOP_K_WIDTH,
+    StepStatics,
     decode_burst_jit,
     draft_burst_jit,
     forward_inputs,
@@ -145,6 +146,8 @@ class Engine:
         check_kernels_fit(model, self.config)
         self.spec = BucketSpec.from_config(self.config, head_dim=self.cfg.head_dim)
         self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
+        # every jitted call's static arguments, in one hashable value
+        self.statics = StepStatics(self.cfg, self.attn_impl, self.matmul_impl, TOP_K_WIDTH)
         # Where the wall time of `run` goes (seconds, cumulative): padding the rows into a batch on the host,
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
@@ -262,9 +265,8 @@ class Engine:
             feed[list(got_slots)] = list(catch_up)
             window = (feed, *self._no_move(shape))
         t1 = time.perf_counter()
-        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, window, cfg=self.cfg,
+        self.state, tokens, q = draft_burst_jit(self.model.params, self.state, batch, window, statics=self.statics,
                                                 shape=forward_shape(shape), num_drafts=self.draft_len,
-                                                attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
                                                 pad_rows=self.draft_rows)
         self._last_burst = (batch, shape)
         t2 = time.perf_counter()
@@ -287,9 +289,8 @@ class Engine:
         batch, shape = self._last_burst
         window = (np.full(shape.num_rows, -1, np.int32), emitted, num_accepted)
         self.state, tokens, q = draft_burst_jit(
-            self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
-            num_drafts=self.draft_len, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl,
-            pad_rows=self.draft_rows)
+            self.model.params, self.state, batch, window, statics=self.statics, shape=forward_shape(shape),
+            num_drafts=self.draft_len, pad_rows=self.draft_rows)
         self.timings["dispatch_s"] += time.perf_counter() - t0
         return q, tokens
 
@@ -346,9 +347,8 @@ class Engine:
         """The jitted forward of `shape`'s bucket over `batch` (K/V written, `self.state` replaced: it is donated);
         returns the hidden states of each of `shape.sampled_row_counts` (`step_forward`; `draft_feed` its device
         drafts and their token slots)."""
-        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), draft_feed, cfg=self.cfg,
-                                      shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                      matmul_impl=self.matmul_impl)
+        self.state, hs = step_forward(self.model.params, self.state, forward_inputs(batch), draft_feed,
+                                      statics=self.statics, shape=forward_shape(shape))
         return hs
 
     def fused(self, shape: BatchShape) -> bool:
@@ -361,21 +361,18 @@ class Engine:
         rows."""
         want = np.bool_(want_top_k)
         if num_steps == 1 and self.fused(shape):
-            self.state, res = fused_step_jit(self.model.params, self.state, batch, want, cfg=self.cfg,
-                                             shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                             matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH)
+            self.state, res = fused_step_jit(self.model.params, self.state, batch, want, statics=self.statics,
+                                             shape=forward_shape(shape))
             return res
         if num_steps > 1:
             self.state, res = decode_burst_jit(self.model.params, self.state, batch, want, num_steps=num_steps,
-                                               top_k_width=TOP_K_WIDTH, cfg=self.cfg, shape=forward_shape(shape),
-                                               attn_impl=self.attn_impl, matmul_impl=self.matmul_impl)
+                                               statics=self.statics, shape=forward_shape(shape))
             return res
         hs = self._forward(batch, shape)
         return self._sample(hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])], batch, want)
 
     def _sample(self, h: jax.Array, batch: Batch, want: np.bool_) -> Results:
-        return step_sample(self._head, h, sample_inputs(batch), want, cfg=self.cfg, matmul_impl=self.matmul_impl,
-                           top_k_width=TOP_K_WIDTH)
+        return step_sample(self._head, h, sample_inputs(batch), want, statics=self.statics)
 
     @_under_mesh
     def run(
@@ -455,13 +452,12 @@ class Engine:
         verify = _verify_inputs(batch, feed)
         if self.fused(shape):
             self.state, res = verify_step_jit(self.model.params, self.state, batch, feed, verify, want, q,
-                                              cfg=self.cfg, shape=forward_shape(shape), attn_impl=self.attn_impl,
-                                              matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH,
+                                              statics=self.statics, shape=forward_shape(shape),
                                               match=self.verify_match)
             return res
         h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
-        return verify_sample(self._head, h, sample_inputs(batch), verify, want, q, cfg=self.cfg,
-                             matmul_impl=self.matmul_impl, top_k_width=TOP_K_WIDTH, match=self.verify_match)
+        return verify_sample(self._head, h, sample_inputs(batch), verify, want, q, statics=self.statics,
+                             match=self.verify_match)
 
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
                     draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None,
@@ -591,8 +587,8 @@ class Engine:
             if kind.startswith("draft"):
                 window = (np.full(shape.num_rows, -1, np.int32), *self._no_move(shape)) if kind == "draft" else None
                 self.state, tokens, _ = draft_burst_jit(
-                    self.model.params, self.state, batch, window, cfg=self.cfg, shape=forward_shape(shape),
-                    num_drafts=n, attn_impl=self.attn_impl, matmul_impl=self.matmul_impl, pad_rows=self.draft_rows)
+                    self.model.params, self.state, batch, window, statics=self.statics, shape=forward_shape(shape),
+                    num_drafts=n, pad_rows=self.draft_rows)
                 outs.append(tokens)
                 continue
             verify = bool(shape.verify_len)
@@ -617,8 +613,8 @@ class Engine:
                     outs.append(self._sample(h, small, no).token)
                     continue
                 outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small, fed), no,
-                                          warm_q(rows, shape), cfg=self.cfg, matmul_impl=self.matmul_impl,
-                                          top_k_width=TOP_K_WIDTH, match=self.verify_match).token)
+                                          warm_q(rows, shape), statics=self.statics,
+                                          match=self.verify_match).token)
         jax.block_until_ready((outs, self.state))
         return len(work)
 

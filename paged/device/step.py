@@ -67,6 +67,20 @@ TOP_K_WIDTH = 64
 TAIL_DECODE_GROUP = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class StepStatics:
+    """The static arguments of every jitted entry point of the step, in one frozen (hashable) value: the model's
+    config, the attention and quantized-matmul implementations (a registered name, or a `Tuned` name with its
+    tuning: `EngineConfig.attn_impl` / `attn_tuning`), and the number of top tokens the sampler prepares. An engine
+    makes one (`paged.device.engine.Engine.statics`) and hands it to each call; any other value is another program.
+    The bucket (`BatchShape`) and a call's own static choices (burst length, drafts, `match`) are passed beside it."""
+
+    cfg: ModelConfig
+    attn_impl: str | Tuned = "auto"
+    matmul_impl: str | Tuned = "auto"
+    top_k_width: int = TOP_K_WIDTH
+
+
 def resolved_attn_impl(attn_impl: str | Tuned, *, head_dim: int, page_size: int) -> str | Tuned:
     """The implementation `paged_attention` runs for `attn_impl` on the current backend and this model's shape
     ("auto" resolved by `pallas_kernels.paged_attention.auto_impl`; a `Tuned` keeps its tuning)."""
@@ -171,12 +185,11 @@ def forward_inputs(batch: Batch) -> Batch:
                          num_drafts=None, dry_breakers=None, xtc_exempt=None)
 
 
-def _forward(
-    params: Weights, state: EngineState, batch: Batch, cfg: ModelConfig, shape: BatchShape, attn_impl: str,
-    matmul_impl: str = "auto",
-) -> tuple[EngineState, jnp.ndarray]:
+def _forward(params: Weights, state: EngineState, batch: Batch, statics: StepStatics,
+             shape: BatchShape) -> tuple[EngineState, jnp.ndarray]:
     """Run the model over the batch's tokens, writing K/V; returns the new state and the hidden state `[S, H]` of
     each row's last real token (verification buckets: `[S * W, H]`, every sample point)."""
+    cfg = statics.cfg
     ps = state.page_size
     s_count = shape.num_rows
     rows = batch.token_rows  # [T], S for padding slots
@@ -188,7 +201,7 @@ def _forward(
     write_page = jnp.where(real, batch.page_table[jnp.minimum(rows, s_count - 1), pos // ps], NULL_PAGE)  # [T]
     write_off = jnp.where(real, pos % ps, 0)
     common = dict(sm_scale=cfg.head_dim**-0.5, sliding_window=cfg.sliding_window)
-    impl = resolved_attn_impl(attn_impl, head_dim=cfg.head_dim, page_size=ps)
+    impl = resolved_attn_impl(statics.attn_impl, head_dim=cfg.head_dim, page_size=ps)
     buckets = shape.page_buckets if impl_name(impl) != "pallas" and shape.page_buckets else (shape.pages_per_row,)
     bucket = page_bucket_index(batch.kv_lens, ps, buckets) if len(buckets) > 1 else None
 
@@ -227,7 +240,7 @@ def _forward(
                                       batch.lora_slots[jnp.minimum(batch.token_rows, s_count - 1)], 0))
     h = constrain_tokens(h)  # data parallel: each replica computes its share of the tokens (rows)
     h, (k, v, ks, vs) = run_layers(params, cfg, h, pos, attend, (state.k, state.v, state.k_scale, state.v_scale),
-                                   matmul_impl, lora)
+                                   statics.matmul_impl, lora)
     k, v, ks, vs = constrain_cache(k, v, ks, vs)  # under a mesh: the cache stays split by KV head
     new = EngineState(k=k, v=v, k_scale=ks, v_scale=vs, extra_embed=state.extra_embed, lora=state.lora)
     if shape.verify_len:  # every sample point: [S * W, H], point j of row s at s * W + j
@@ -250,16 +263,15 @@ def sample_inputs(batch: Batch) -> dict[str, Any]:
                 dry_breakers=batch.dry_breakers, xtc_exempt=batch.xtc_exempt)
 
 
-def _sample_rows(head: Weights, cfg: ModelConfig, h: jnp.ndarray, inputs: dict[str, Any], want_top_k: jnp.ndarray,
-                 top_k_width: int, matmul_impl: str = "auto", keep_logits: bool = True,
-                 keep_final: bool = True) -> Results:
-    """Logits of the rows' last tokens `h` [S, H] and the sampler; top tokens (`top_k_width` of them) only where
-    `want_top_k` (bool [], a runtime value). `keep_logits` / `keep_final`: also return the raw logits / the final
-    distribution (both are materialized anyway, so returning them costs no compute)."""
-    logits = compute_logits(head, cfg, h, matmul_impl)  # [S, V]
+def _sample_rows(head: Weights, statics: StepStatics, h: jnp.ndarray, inputs: dict[str, Any],
+                 want_top_k: jnp.ndarray, keep_logits: bool = True, keep_final: bool = True) -> Results:
+    """Logits of the rows' last tokens `h` [S, H] and the sampler; top tokens (`statics.top_k_width` of them) only
+    where `want_top_k` (bool [], a runtime value). `keep_logits` / `keep_final`: also return the raw logits / the
+    final distribution (both are materialized anyway, so returning them costs no compute)."""
+    logits = compute_logits(head, statics.cfg, h, statics.matmul_impl)  # [S, V]
     inputs = dict(inputs)
     final, token, logprob = sample_final(logits, inputs.pop("sampling"), **inputs)
-    s, w = final.shape[0], min(top_k_width, final.shape[1])
+    s, w = final.shape[0], min(statics.top_k_width, final.shape[1])
     top_logprobs, top_ids = jax.lax.cond(
         want_top_k,
         lambda: tuple(jax.lax.top_k(final, w)),
@@ -274,17 +286,15 @@ def forward_shape(shape: BatchShape) -> BatchShape:
     return dataclasses.replace(shape, history_len=0, num_bias=0)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("statics", "shape"), donate_argnames=("state",))
 def step_forward(
     params: Weights,
     state: EngineState,
     batch: Batch,
     draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None = None,
     *,
-    cfg: ModelConfig,
+    statics: StepStatics,
     shape: BatchShape,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
 ) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
     """The forward half of a step over `forward_inputs(batch)`: the new state, and the hidden states of the rows'
     last tokens for each of `shape.sampled_row_counts` (the first n rows, `[n, H]` each; `[n * W, H]`, every
@@ -295,37 +305,35 @@ def step_forward(
     `draft_burst_jit`), written into the batch's token slots before the forward: `token_ids[index] = tokens`, an
     index past the last slot writes nothing. A verification step then needs no host round trip between the
     draft's burst and the target's forward (`paged.device.engine.Engine.run(draft_tokens=)`)."""
-    return forward_points(params, state, batch, draft_feed, cfg, shape, attn_impl, matmul_impl)
+    return forward_points(params, state, batch, draft_feed, statics, shape)
 
 
 def forward_points(params: Weights, state: EngineState, batch: Batch,
-                   draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None, cfg: ModelConfig, shape: BatchShape,
-                   attn_impl: str | Tuned, matmul_impl: str | Tuned) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
+                   draft_feed: tuple[jnp.ndarray, jnp.ndarray] | None, statics: StepStatics,
+                   shape: BatchShape) -> tuple[EngineState, tuple[jnp.ndarray, ...]]:
     """`step_forward`'s body (not jitted: `fused_step_jit` and `paged.device.verify.verify_step_jit` put it in one
     program with a sampler)."""
     if draft_feed is not None:
         tokens, index = draft_feed
         batch = batch.replace(token_ids=jnp.asarray(batch.token_ids).at[index.reshape(-1)].set(
             tokens.reshape(-1).astype(jnp.int32), mode="drop"))
-    state, h = _forward(params, state, batch, cfg, shape, attn_impl, matmul_impl)
+    state, h = _forward(params, state, batch, statics, shape)
     w = shape.points_per_row
     return state, tuple(h[: n * w] for n in shape.sampled_row_counts)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width"))
+@functools.partial(jax.jit, static_argnames=("statics",))
 def step_sample(
     head: Weights,
     h: jnp.ndarray,
     inputs: dict[str, Any],
     want_top_k: jnp.ndarray,
     *,
-    cfg: ModelConfig,
-    matmul_impl: str = "auto",
-    top_k_width: int = TOP_K_WIDTH,
+    statics: StepStatics,
 ) -> Results:
     """The sampling half of a step: logits of `h` [S', H] through `head` (`lm_head(params)`), and the sampler over
     `inputs` (`sample_inputs(batch)`). Compiles once per row count S' (R, B and V are fixed per engine)."""
-    return _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
+    return _sample_rows(head, statics, h, inputs, want_top_k)
 
 
 def fuses_sampler(shape: BatchShape) -> bool:
@@ -337,19 +345,15 @@ def fuses_sampler(shape: BatchShape) -> bool:
     return decode_only and len(shape.sampled_row_counts) == 1
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl", "top_k_width"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("statics", "shape"), donate_argnames=("state",))
 def fused_step_jit(
     params: Weights,
     state: EngineState,
     batch: Batch,
     want_top_k: jnp.ndarray,
     *,
-    cfg: ModelConfig,
+    statics: StepStatics,
     shape: BatchShape,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
-    top_k_width: int = TOP_K_WIDTH,
 ) -> tuple[EngineState, Results]:
     """`step_forward` then `step_sample` in one program, for a bucket where `fuses_sampler(shape)` (`shape` is
     `forward_shape` of it; `batch` the whole batch, sampler inputs included): the same results, one dispatch and
@@ -358,8 +362,8 @@ def fused_step_jit(
     if not fuses_sampler(shape):
         raise ValueError(f"fused_step_jit needs a bucket that samples one row count without prefill windows, got "
                          f"{shape}")
-    state, (h,) = forward_points(params, state, forward_inputs(batch), None, cfg, shape, attn_impl, matmul_impl)
-    return state, _sample_rows(lm_head(params), cfg, h, sample_inputs(batch), want_top_k, top_k_width, matmul_impl)
+    state, (h,) = forward_points(params, state, forward_inputs(batch), None, statics, shape)
+    return state, _sample_rows(lm_head(params), statics, h, sample_inputs(batch), want_top_k)
 
 
 def step(
@@ -377,11 +381,10 @@ def step(
     """One engine step over a ragged batch of prefill chunks and decode rows: `step_forward` then `step_sample` on
     the batch's sampled rows. `state` is donated. Results have `top_ids`/`top_logprobs` `[S', return_top_k]` and
     `logits` only if asked."""
-    state, hs = step_forward(params, state, forward_inputs(batch), cfg=cfg, shape=forward_shape(shape),
-                             attn_impl=attn_impl, matmul_impl=matmul_impl)
+    statics = StepStatics(cfg, attn_impl, matmul_impl)
+    state, hs = step_forward(params, state, forward_inputs(batch), statics=statics, shape=forward_shape(shape))
     h = hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])]
-    res = step_sample(lm_head(params), h, sample_inputs(batch), jnp.asarray(return_top_k > 0), cfg=cfg,
-                      matmul_impl=matmul_impl)
+    res = step_sample(lm_head(params), h, sample_inputs(batch), jnp.asarray(return_top_k > 0), statics=statics)
     if 0 < return_top_k <= res.top_ids.shape[1]:
         top_logprobs, top_ids = res.top_logprobs[:, :return_top_k], res.top_ids[:, :return_top_k]
     elif return_top_k > 0:  # wider than the sampler prepares: from the final distribution
@@ -394,7 +397,7 @@ def step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "shape", "num_steps", "attn_impl", "matmul_impl", "top_k_width", "return_logits"),
+    static_argnames=("statics", "shape", "num_steps", "return_logits"),
     donate_argnames=("state",),
 )
 def decode_burst_jit(
@@ -403,24 +406,20 @@ def decode_burst_jit(
     batch: Batch,
     want_top_k: jnp.ndarray,
     *,
-    cfg: ModelConfig,
+    statics: StepStatics,
     shape: BatchShape,
     num_steps: int,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
-    top_k_width: int = TOP_K_WIDTH,
     return_logits: bool = False,
 ) -> tuple[EngineState, Results]:
     """`num_steps` decode steps in one call (see `decode_burst`; `shape` is `forward_shape` of the bucket). Results
     are stacked `[num_steps, S, ...]`; the final distribution is not returned, the raw logits only with
     `return_logits` (static: the generator never asks for them in a burst)."""
-    return _burst(params, state, batch, want_top_k, None, cfg, shape, num_steps, attn_impl, matmul_impl,
-                  top_k_width, return_logits, keep_final=False)
+    return _burst(params, state, batch, want_top_k, None, statics, shape, num_steps, return_logits, keep_final=False)
 
 
 def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.ndarray, forced: jnp.ndarray | None,
-           cfg: ModelConfig, shape: BatchShape, num_steps: int, attn_impl: str, matmul_impl: str, top_k_width: int,
-           return_logits: bool, keep_final: bool) -> tuple[EngineState, Results]:
+           statics: StepStatics, shape: BatchShape, num_steps: int, return_logits: bool,
+           keep_final: bool) -> tuple[EngineState, Results]:
     """The scan of `decode_burst_jit`: each step's sampled token is fed to the next step, or, where `forced`
     (i32 [num_steps, S], -1: no) is given and >= 0, `forced[t]` is fed after step t instead."""
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
@@ -430,9 +429,9 @@ def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.nd
 
     def body(carry, forced_t):
         state, b = carry
-        state, h = _forward(params, state, forward_inputs(b), cfg, shape, attn_impl, matmul_impl)
-        res = _sample_rows(head, cfg, h, sample_inputs(b), want_top_k, top_k_width, matmul_impl,
-                           keep_logits=return_logits, keep_final=keep_final)
+        state, h = _forward(params, state, forward_inputs(b), statics, shape)
+        res = _sample_rows(head, statics, h, sample_inputs(b), want_top_k, keep_logits=return_logits,
+                           keep_final=keep_final)
         tok = res.token if forced_t is None else jnp.where(forced_t >= 0, forced_t, res.token)
         return (state, _advance(b, tok, active)), res
 
@@ -495,8 +494,7 @@ def _moved_on(batch: Batch, catch_up: jnp.ndarray, emitted: jnp.ndarray, num_acc
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "shape", "num_drafts", "attn_impl", "matmul_impl", "pad_rows"),
-    donate_argnames=("state",),
+    jax.jit, static_argnames=("statics", "shape", "num_drafts", "pad_rows"), donate_argnames=("state",),
 )
 def draft_burst_jit(
     params: Weights,
@@ -504,11 +502,9 @@ def draft_burst_jit(
     batch: Batch,
     window: tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray] | None = None,
     *,
-    cfg: ModelConfig,
+    statics: StepStatics,
     shape: BatchShape,
     num_drafts: int,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
     pad_rows: int = 0,
 ) -> tuple[EngineState, jnp.ndarray, jnp.ndarray]:
     """A draft model's proposal for every row of a decode-only `batch` (`shape` is `forward_shape` of its bucket):
@@ -540,20 +536,19 @@ def draft_burst_jit(
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
         raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
     if window is None:
-        state, res = _burst(params, state, batch, jnp.asarray(False), None, cfg, shape, num_drafts, attn_impl,
-                            matmul_impl, TOP_K_WIDTH, return_logits=False, keep_final=True)
+        state, res = _burst(params, state, batch, jnp.asarray(False), None, statics, shape, num_drafts,
+                            return_logits=False, keep_final=True)
         tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
     else:
         batch, catch_up = _moved_on(batch, *window, shape.num_rows, num_drafts)
         win = _catch_up_window(batch, catch_up)
-        state, h = _forward(params, state, win, cfg, catch_up_shape(shape), attn_impl, matmul_impl)  # [2S, H]
-        first = _sample_rows(lm_head(params), cfg, h[win.last_tokens], sample_inputs(batch), jnp.asarray(False),
-                             TOP_K_WIDTH, matmul_impl, keep_logits=False, keep_final=True)
+        state, h = _forward(params, state, win, statics, catch_up_shape(shape))  # [2S, H]
+        first = _sample_rows(lm_head(params), statics, h[win.last_tokens], sample_inputs(batch), jnp.asarray(False),
+                             keep_logits=False, keep_final=True)
         tokens, final = first.token[:, None], first.final[:, None]
         if num_drafts > 1:
             state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
-                                None, cfg, shape, num_drafts - 1, attn_impl, matmul_impl, TOP_K_WIDTH,
-                                return_logits=False, keep_final=True)
+                                None, statics, shape, num_drafts - 1, return_logits=False, keep_final=True)
             tokens = jnp.concatenate([tokens, res.token.T], axis=1)
             final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
     if pad_rows > tokens.shape[0]:
@@ -577,9 +572,9 @@ def decode_burst(
     """`num_steps` decode steps in one call; `batch` must be decode-only (no prefill rows) and its page tables must
     already cover positions up to `kv_lens + num_steps - 1`. Results are stacked `[num_steps, S, ...]`."""
     width = max(TOP_K_WIDTH, return_top_k)
-    state, res = decode_burst_jit(params, state, batch, jnp.asarray(return_top_k > 0), cfg=cfg,
-                                  shape=forward_shape(shape), num_steps=num_steps, attn_impl=attn_impl,
-                                  matmul_impl=matmul_impl, top_k_width=width, return_logits=return_logits)
+    state, res = decode_burst_jit(params, state, batch, jnp.asarray(return_top_k > 0),
+                                  statics=StepStatics(cfg, attn_impl, matmul_impl, width), shape=forward_shape(shape),
+                                  num_steps=num_steps, return_logits=return_logits)
     k = return_top_k
     return state, res.replace(top_ids=res.top_ids[..., :k], top_logprobs=res.top_logprobs[..., :k])
 
@@ -587,6 +582,7 @@ def decode_burst(
 __all__ = [
     "ATTN_IMPLS",
     "TOP_K_WIDTH",
+    "StepStatics",
     "decode_burst",
     "catch_up_shape",
     "decode_burst_jit",

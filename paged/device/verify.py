@@ -27,12 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
 from models.weights import Weights
 from paged.device.sampling import first_argmax, gumbel_max_at, row_keys, threefry_draws_supported, top_k_f32
 from paged.device.state import Batch, BatchShape, EngineState, Results
 from paged.device.step import (
-    TOP_K_WIDTH,
+    StepStatics,
     _sample_rows,
     forward_inputs,
     forward_points,
@@ -159,7 +158,7 @@ def accept_drafts(
     return tokens.astype(jnp.int32), a
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "matmul_impl", "top_k_width", "match"))
+@functools.partial(jax.jit, static_argnames=("statics", "match"))
 def verify_sample(
     head: Weights,
     h: jax.Array,
@@ -168,9 +167,7 @@ def verify_sample(
     want_top_k: jax.Array,
     draft_logprobs: jax.Array | None,
     *,
-    cfg: ModelConfig,
-    matmul_impl: str = "auto",
-    top_k_width: int = TOP_K_WIDTH,
+    statics: StepStatics,
     match: bool = False,
 ) -> Results:
     """The sampler of a verification step: h [S' * W, H] (every sample point, `step_forward` of a verification
@@ -180,11 +177,10 @@ def verify_sample(
     logprob [S', W] (see `accept_drafts`; logprob under p), top_ids / top_logprobs [S', W, K], logits and final
     [S', W, V], num_accepted [S']. `match`: sample-then-match acceptance for sampling rows (`accept_drafts`).
     Compiles once per S' (and per presence of `draft_logprobs`)."""
-    return _verify_rows(head, h, inputs, verify, want_top_k, draft_logprobs, cfg, matmul_impl, top_k_width, match)
+    return _verify_rows(head, h, inputs, verify, want_top_k, draft_logprobs, statics, match)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "shape", "attn_impl", "matmul_impl", "top_k_width", "match"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("statics", "shape", "match"), donate_argnames=("state",))
 def verify_step_jit(
     params: Weights,
     state: EngineState,
@@ -194,11 +190,8 @@ def verify_step_jit(
     want_top_k: jax.Array,
     draft_logprobs: jax.Array | None,
     *,
-    cfg: ModelConfig,
+    statics: StepStatics,
     shape: BatchShape,
-    attn_impl: str = "auto",
-    matmul_impl: str = "auto",
-    top_k_width: int = TOP_K_WIDTH,
     match: bool = False,
 ) -> tuple[EngineState, Results]:
     """`step_forward` (with its `draft_feed`) then `verify_sample` in one program, for a decode-only verification
@@ -206,21 +199,20 @@ def verify_step_jit(
     same results, one dispatch. Compiles once per bucket (and per presence of `draft_feed` and `draft_logprobs`)."""
     if not fuses_sampler(shape):
         raise ValueError(f"verify_step_jit needs a decode-only verification bucket, got {shape}")
-    state, (h,) = forward_points(params, state, forward_inputs(batch), draft_feed, cfg, shape, attn_impl,
-                                 matmul_impl)
-    return state, _verify_rows(lm_head(params), h, sample_inputs(batch), verify, want_top_k, draft_logprobs, cfg,
-                               matmul_impl, top_k_width, match)
+    state, (h,) = forward_points(params, state, forward_inputs(batch), draft_feed, statics, shape)
+    return state, _verify_rows(lm_head(params), h, sample_inputs(batch), verify, want_top_k, draft_logprobs, statics,
+                               match)
 
 
 def _verify_rows(head: Weights, h: jax.Array, inputs: dict[str, Any], verify: dict[str, jax.Array],
-                 want_top_k: jax.Array, draft_logprobs: jax.Array | None, cfg: ModelConfig, matmul_impl: str,
-                 top_k_width: int, match: bool) -> Results:
+                 want_top_k: jax.Array, draft_logprobs: jax.Array | None, statics: StepStatics,
+                 match: bool) -> Results:
     """`verify_sample`'s body (not jitted: `verify_step_jit` puts it in one program with the forward)."""
     num_drafts = verify["num_drafts"]
     s = num_drafts.shape[0]
     drafts = verify["drafts"][:s]
     w = drafts.shape[1] + 1
-    res = _sample_rows(head, cfg, h, inputs, want_top_k, top_k_width, matmul_impl)
+    res = _sample_rows(head, statics, h, inputs, want_top_k)
     v = res.final.shape[-1]
     final = res.final.reshape(s, w, v)
     sampling = inputs["sampling"]

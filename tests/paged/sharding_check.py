@@ -60,7 +60,7 @@ def hlo_of(engine) -> tuple[str, float]:
             RowInput(tokens=[9], start_pos=3, pages=[2], sample=True)]
     shape = engine.shape_for(rows)
     batch, _ = build_batch(rows, shape, engine.page_size, engine.vocab_size, sample_rows=shape.sample_rows_for(2))
-    kw = dict(cfg=engine.cfg, shape=forward_shape(shape), attn_impl=engine.attn_impl, matmul_impl=engine.matmul_impl)
+    kw = dict(statics=engine.statics, shape=forward_shape(shape))
     ctx = jax.set_mesh(engine.mesh) if engine.mesh is not None else contextlib.nullcontext()
     with ctx:
         compiled = step_forward.lower(engine.model.params, engine.state, forward_inputs(batch), **kw).compile()

@@ -20,7 +20,7 @@ from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.batch import RowInput, build_batch
 from paged.device.buckets import BIAS_WIDTH
 from paged.device.engine import Engine, count_compiles, host_top_k
-from paged.device.step import TOP_K_WIDTH, lm_head, sample_inputs, step_sample
+from paged.device.step import TOP_K_WIDTH, StepStatics, lm_head, sample_inputs, step_sample
 from paged.testing import drain
 
 TOK = load_tokenizer_from_dir("tests/models/data/tiny_bpe")  # 601 ids: enough for ban lists wider than BIAS_WIDTH
@@ -135,7 +135,7 @@ def test_dense_bias_rows_sample_like_sparse_ones():
 
     def final(shape):
         batch, _ = build_batch(rows, shape, 8, CFG.vocab_size)
-        res = step_sample(head, h, sample_inputs(batch), np.bool_(True), cfg=CFG)
+        res = step_sample(head, h, sample_inputs(batch), np.bool_(True), statics=StepStatics(CFG))
         return batch, jax.device_get(res)
 
     dense_batch, dense = final(shape)

@@ -268,15 +268,6 @@ def test_int8_kv_cache_stays_close_to_float():
     assert (q.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_context_and_prefill_buckets_double():
-    spec = BucketSpec(max_batch_size=4, max_chunk_size=256, max_pages_per_row=32, page_size=64, min_context=256)
-    assert spec.pages == (4, 8, 16, 32)  # decode attention reads the whole bucket: at most 2x padding
-    assert spec.q_lens == (16, 32, 64, 128, 256)
-    assert dataclasses.replace(spec, growth=4).q_lens == (16, 64, 256)
-    assert spec.shape_for([], 3, 5, 0).page_buckets == (4, 8, 16, 32)  # chosen at run time: 8 here
-    assert dataclasses.replace(spec, page_growth=4).pages == (4, 16, 32)
-
-
 def test_engine_run_accounts_its_wall_time():
     from models.loader import Model
     from paged.device.engine import Engine

@@ -14,13 +14,15 @@ import collections
 import dataclasses
 import math
 import random
+from typing import Any
 
 import numpy as np
 
 from paged.device.buckets import BucketSpec
-from paged.device.config import EngineConfig
+from paged.device.config import EngineConfig, Verification
 from paged.device.engine_api import StepOutput
 from paged.errors import InvalidConfigError
+from paged.speculation.config import SpeculationConfig
 
 
 class ByteTokenizer:
@@ -53,6 +55,22 @@ def fake_top_k(token: int, pos: int, k: int, vocab_size: int = 258) -> tuple[lis
     return [(token + j) % vocab_size for j in range(k)], [fake_logprob(token, pos) - j / 2 for j in range(k)]
 
 
+# the generator's speculation arguments -> `SpeculationConfig.of`'s
+_SPECULATION_ARGS = {"draft_model": "draft_model", "use_ngram_draft": "use_ngram_draft",
+                     "num_draft_tokens": "num_draft_tokens", "max_ngram": "max_ngram", "adaptive_draft": "adaptive",
+                     "draft_token_cost": "draft_token_cost", "draft_acceptance": "acceptance",
+                     "ngram_corpus": "ngram_corpus"}
+
+
+def verification_for(**generator_kwargs: Any) -> Verification | None:
+    """The role an engine needs under a generator given these keyword arguments (its speculation ones; the others are
+    ignored): `SpeculationConfig.verification()` of the speculation they describe, None without a drafter. For an
+    engine built outside the generator: `FakeEngine(verification=verification_for(**spec))`."""
+    config = SpeculationConfig.of(**{_SPECULATION_ARGS[k]: v for k, v in generator_kwargs.items()
+                                     if k in _SPECULATION_ARGS})
+    return None if config is None else config.verification()
+
+
 class FakeEngine:
     """next token = (last input token + 1) % vocab, or a scripted continuation: `script[first prompt token] =
     (prompt_len, tokens)` makes a job whose prompt starts with that token emit `tokens` in order. Tokens with a
@@ -61,14 +79,22 @@ class FakeEngine:
     token."""
 
     def __init__(self, num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=128,
-                 max_prefill_rows=1, vocab_size=258, script=None, record=True, config=None):
+                 max_prefill_rows=1, vocab_size=258, script=None, record=True, config=None, verification=None):
         """`record=False` keeps no history (`calls`, `written`): for long simulations (a `script` needs the
-        written cache). `config`: an `EngineConfig` to use instead of the size arguments."""
+        written cache). `config`: an `EngineConfig` to use instead of the size arguments. `verification`: its
+        verifying role (`paged.device.config.Verification`, e.g. `SpeculationConfig.verification()` of the
+        generator's speculation): verification rows of up to that many one-hot drafts, checked greedily against the
+        fake's own next token (the fake is deterministic, so greedy acceptance is exact, and the same as
+        sample-then-match)."""
         # implements paged.device.engine_api.EngineProtocol
         if config is None:
             config = EngineConfig(num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size,
                                   max_chunk_size=max_chunk_size, max_seq_len=max_seq_len,
-                                  max_prefill_rows=max_prefill_rows)
+                                  max_prefill_rows=max_prefill_rows, verification=verification)
+        elif verification is not None:
+            config = dataclasses.replace(config, verification=verification)
+        if config.verification is not None and (config.verification.draft_probs or config.verification.fed_drafts):
+            raise ValueError("FakeEngine verifies one-hot drafts from the host only (n-gram), not a draft model's")
         if script and not record:
             raise ValueError("FakeEngine: a script needs record=True (it reads the written cache)")
         self.config = config
@@ -79,6 +105,7 @@ class FakeEngine:
         self.max_seq_len = max_seq_len
         self.vocab_size = vocab_size
         self.spec = BucketSpec.from_config(self.config)
+        self.verify_len = 0 if config.verification is None else config.verification.num_draft_tokens + 1
         self.timings = {}
         self.script = script or {}
         self.calls = []  # rows of every step
@@ -145,22 +172,14 @@ class FakeEngine:
         return t, fake_logprob(t, pos), ids, lps
 
     # ------------------------------------------------------------------ speculative verification (n-gram drafts)
-    def enable_verification(self, num_draft_tokens, draft_probs=False, match=False):
-        """Accept verification rows (`RowInput.verify`) of up to `num_draft_tokens` one-hot drafts, checked greedily
-        against the fake's own next token (the fake is deterministic, so greedy acceptance is exact, and the same as
-        sample-then-match, `match`)."""
-        if draft_probs:
-            raise ValueError("FakeEngine verifies one-hot drafts only (n-gram), not a draft model's")
-        self.verify_len = num_draft_tokens + 1
-
     def _run_verify(self, rows, return_top_k, return_logits):
         """Results per position `[n, W]` and `num_accepted [n]`, as `paged.device.engine.Engine` returns them: position
         j of a verification row is sampled from the row cut after its j-th token (with `position_bias[j]`), drafts are
         accepted while they equal those samples, and the sample at the first mismatch (or after the last draft) ends
         the row's tokens (-1 after it)."""
-        w = getattr(self, "verify_len", 0)
+        w = self.verify_len
         if not w:
-            raise ValueError("verification rows need enable_verification() on the engine")
+            raise ValueError("verification rows need a FakeEngine built with verification=")
         if self.record:
             self.calls.append(rows)
         n, k = len(rows), return_top_k

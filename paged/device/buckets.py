@@ -28,7 +28,7 @@ forward variants and 5 sampler variants (1, 2, 4, 8, 16 rows); `decode_steps > 1
 decode layout. The previous scheme (every layout x context x history bucket, static bias width, top-k and logits
 switches) had 280 variants for the same engine, and compiled more while serving.
 
-Speculative verification (`verify_len` W = k + 1 > 0, set by `Engine.enable_verification`) adds one verification
+Speculative verification (`verify_len` W = k + 1 > 0, from `EngineConfig.verification`) adds one verification
 bucket per plain one (`verify_shapes`): decode-only layouts of n windows of W slots (n = 1, 2, 4, ... as the decode
 layouts), and the prefill layouts with their step rows at a stride of W in the last window (the full-chunk window
 grows to max_chunk_size + (max_batch_size - 1) * W). Their sampler runs over n * W sample points, one variant per

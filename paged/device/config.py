@@ -23,8 +23,36 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: per-token-per
 DEFAULT_MAX_SEQ_LEN = 2048  # cap on the model's max positions when max_seq_len is not given
 
 
-def _field(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
+def _field(default: Any, help: str, role: bool = False) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "role": role})
+
+
+@dataclasses.dataclass(frozen=True)
+class Verification:
+    """The verifying role of an engine (a speculating generator's target): `run` takes verification rows of up to
+    `num_draft_tokens` drafts each (`RowInput.verify`; the buckets gain a verification bucket per plain one).
+    `draft_probs`: the drafts come with the distributions they were drawn from (a draft model under rejection
+    sampling; `run(draft_logprobs=)`), else they are one-hot proposals. `match`: sampled rows accept a draft where it
+    equals the target's own draw (`paged.device.verify.accept_drafts`) instead of by rejection sampling.
+    `fed_drafts`: every verification step reads its drafts from the device (a draft model's burst,
+    `run(draft_tokens=)`). Made from a `paged.speculation.config.SpeculationConfig` (`.verification()`)."""
+
+    num_draft_tokens: int
+    draft_probs: bool = False
+    match: bool = False
+    fed_drafts: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafting:
+    """The drafting role of an engine (a draft model's): `draft()` proposes `num_draft_tokens` per row, its drafts on
+    the device padded to `pad_rows` rows (the target's `fed_rows`)."""
+
+    num_draft_tokens: int
+    pad_rows: int = 0
+
+
+ROLES = {"verification": Verification, "drafting": Drafting}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +91,10 @@ class EngineConfig:
     attn_tuning: Any = _field(None, "tuning of the attention implementation (e.g. 'block_q=16,pages_per_block=4', a "
                               "JSON file, a dict or its tuning dataclass; None: its default)")
     matmul_tuning: Any = _field(None, "tuning of the matmul implementation (as attn_tuning; e.g. 'block_n=16')")
+    # The engine's roles besides plain steps, fixed when it is built (not settings: no flag, made by the generator
+    # from its speculation config).
+    verification: Verification | None = _field(None, "verify drafts (a speculating generator's target)", role=True)
+    drafting: Drafting | None = _field(None, "propose drafts (a draft model's engine)", role=True)
 
     def __post_init__(self):
         c = Checker("EngineConfig", InvalidConfigError)
@@ -82,6 +114,15 @@ class EngineConfig:
         c.int_("max_loras", self.max_loras, 0)
         c.int_("max_lora_rank", self.max_lora_rank, 1)
         parse_mesh(self.mesh)
+        for name, kind in ROLES.items():
+            role = getattr(self, name)
+            if isinstance(role, dict):  # (from `to_dict()`)
+                role = kind(**role)
+                object.__setattr__(self, name, role)
+            if role is not None and not isinstance(role, kind):
+                c.fail_type(name, role, f"a paged.device.config.{kind.__name__} or None")
+            if role is not None:
+                c.int_(f"{name}.num_draft_tokens", role.num_draft_tokens, 1)
         for name, registry in (("attn", attention_registry()), ("matmul", matmul_registry())):
             impl = getattr(self, f"{name}_impl")
             if not isinstance(impl, str):
@@ -136,5 +177,6 @@ class EngineConfig:
 
 
 def config_fields() -> list[dataclasses.Field]:
-    """The fields of `EngineConfig`, with their defaults and help texts (for flag definitions and docs)."""
-    return list(dataclasses.fields(EngineConfig))
+    """The settings of `EngineConfig` (its fields but the roles), with their defaults and help texts (for flag
+    definitions and docs)."""
+    return [f for f in dataclasses.fields(EngineConfig) if not f.metadata["role"]]

@@ -152,11 +152,17 @@ class Engine:
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
-        self.verify_probs = False  # verification steps take the draft's distributions (else one-hot drafts)
-        self.verify_match = False  # sampled rows: sample-then-match acceptance instead of rejection sampling
-        self.draft_len = 0  # > 0: this engine drafts that many tokens per call (`draft`)
-        self.draft_rows = 0  # the row count the drafts on the device are padded to (`draft`)
-        self.fed_rows = 0  # > 0: verification steps take their drafts from the device (`enable_fed_drafts`)
+        # Its roles, fixed here (`EngineConfig.verification` / `.drafting`, `paged.device.config.Verification`):
+        verify = self.config.verification
+        if verify is not None:  # verification buckets, W = num_draft_tokens + 1
+            self.spec = dataclasses.replace(self.spec, verify_len=verify.num_draft_tokens + 1)
+        self.verify_probs = verify is not None and verify.draft_probs  # the drafts come with their distributions
+        self.verify_match = verify is not None and verify.match  # sampled rows: sample-then-match acceptance
+        # > 0: verification steps take their drafts from the device (a draft model's burst, `run(draft_tokens=)`)
+        self.fed_rows = self.config.max_batch_size if verify is not None and verify.fed_drafts else 0
+        drafting = self.config.drafting
+        self.draft_len = 0 if drafting is None else drafting.num_draft_tokens  # > 0: `draft` proposes this many
+        self.draft_rows = 0 if drafting is None else drafting.pad_rows  # the rows its drafts are padded to
         self._last_burst: tuple[Batch, BatchShape] | None = None  # the last proposal burst's batch (`draft_ahead`)
         self._no_move_arrays: dict[int, tuple] = {}  # by bucket rows: the `_no_move` window inputs
 
@@ -190,38 +196,6 @@ class Engine:
         self.state = self.state.replace(lora=write_slot(stack, np.int32(slot), a, b))
 
     # ------------------------------------------------------------------ speculative decoding
-    def enable_verification(self, num_draft_tokens: int, draft_probs: bool, match: bool = False) -> None:
-        """Add the verification buckets (`verify_len = num_draft_tokens + 1`) to `spec`, so that `run` takes
-        `RowInput.verify` rows. `draft_probs`: the drafts come with their distributions (a draft model; `run` then
-        needs `draft_logprobs=`), else they are one-hot proposals (n-gram). `match`: sampled rows accept a draft
-        where it equals the target's own draw (`paged.device.verify.accept_drafts`) instead of by rejection sampling.
-        Call before `warmup()`."""
-        if num_draft_tokens < 1:
-            raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-        self.spec = dataclasses.replace(self.spec, verify_len=num_draft_tokens + 1)
-        self.verify_probs = bool(draft_probs)
-        self.verify_match = bool(match)
-
-    def enable_fed_drafts(self, on: bool = True) -> None:
-        """Make verification steps read their drafts from the device: `run(rows, draft_tokens=)` with a draft
-        model's burst (`draft(pad_rows=fed_rows)`, i32 `[fed_rows, k]` by batch row) writes them into the rows'
-        token slots inside the forward (`step_forward(draft_feed=)`) and gives them to the verification sampler,
-        so the host does not wait for the burst before it builds and dispatches the verification step (the rows'
-        own draft tokens are then placeholders). Every verification step of this engine then needs
-        `draft_tokens=` (`on=False`: none may pass them). Call before `warmup()`."""
-        self.fed_rows = self.config.max_batch_size if on else 0
-
-    def enable_drafting(self, num_draft_tokens: int, pad_rows: int = 0) -> None:
-        """Make this engine a draft model's: `draft()` proposes `num_draft_tokens` per row (one compiled burst per
-        decode bucket, covered by `warmup()`), its drafts on the device padded to `pad_rows` rows (a fed target's
-        `fed_rows`)."""
-        if num_draft_tokens < 1:
-            raise InvalidConfigError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-        self.draft_len = num_draft_tokens
-        self.draft_rows = pad_rows
-        self._last_burst = None
-        self._no_move_arrays = {}
-
     def verify_plan(self, rows: Sequence[RowInput]) -> tuple[BatchShape, int, list[int]]:
         """(bucket, sampled row count S', batch row of each input row) of a verification step over `rows`, without
         building it: a draft model lays its proposals out in the same rows (`draft`)."""
@@ -252,10 +226,10 @@ class Engine:
         `[len(rows), draft_len]`; None unless `host`: then nothing waits for the burst, and the burst's time
         shows in the target's `timings["wait_s"]` instead of this engine's), their distributions
         (device, f32 log-probs `[num_rows, draft_len, V]`, by batch row), and the drafts on the device (i32
-        `[max(num_rows, pad_rows), draft_len]` by batch row, `pad_rows` from `enable_drafting`, zero rows after
+        `[max(num_rows, pad_rows), draft_len]` by batch row, `pad_rows` from `Drafting.pad_rows`, zero rows after
         `num_rows`: a fed target's `run(draft_tokens=)`)."""
         if not self.draft_len:
-            raise InvalidConfigError("this engine does not draft: call enable_drafting() first")
+            raise InvalidConfigError("this engine does not draft: build it with EngineConfig(drafting=Drafting(k))")
         t0 = time.perf_counter()
         shape = self.spec.shape(PrefillDecodeLayout(0, 1, num_rows))
         batch, got_slots = build_batch(rows, shape, self.page_size, self.vocab_size, slots=slots)
@@ -387,11 +361,11 @@ class Engine:
         final distribution on the host. Only what is asked for is copied to the host. A burst that asks for logits
         or more than `TOP_K_WIDTH` top tokens runs as single steps (the generator never asks for logits in one).
 
-        Rows with `verify` make it a verification step (`enable_verification`; results per position, see
+        Rows with `verify` make it a verification step (`EngineConfig.verification`; results per position, see
         `StepOutput`); `draft_logprobs` (device f32 `[S', k, V]` by batch row, from the draft engine's `draft()`
         laid out by `verify_plan`) is then required if the engine verifies a draft model's proposals, and
         `draft_tokens` (device i32 `[fed_rows, k]` by batch row, `draft(pad_rows=fed_rows)`) if it takes its drafts
-        from the device (`enable_fed_drafts`; the verification rows' draft tokens are then placeholders).
+        from the device (`Verification.fed_drafts`; the verification rows' draft tokens are then placeholders).
         `after_dispatch` (a verification step only) is called with the step's device results, by batch row, once the
         step is dispatched and before anything waits for it (a draft model's next burst:
         `paged.speculation.draft.DraftModel`)."""
@@ -463,12 +437,12 @@ class Engine:
                     draft_logprobs: jax.Array | None, draft_tokens: jax.Array | None = None,
                     after_dispatch: Callable[[Results], None] | None = None) -> StepOutput:
         if not self.spec.verify_len:
-            raise InvalidConfigError("verification rows need enable_verification() on the engine")
+            raise InvalidConfigError("verification rows need an engine built with EngineConfig(verification=...)")
         if self.verify_probs and draft_logprobs is None:
             raise ValueError("this engine verifies a draft model's proposals: pass draft_logprobs=")
         if bool(self.fed_rows) != (draft_tokens is not None):
             raise ValueError("this engine takes its drafts from the device: pass draft_tokens=" if self.fed_rows else
-                             "draft_tokens= needs enable_fed_drafts() on the engine")
+                             "draft_tokens= needs an engine built with Verification(fed_drafts=True)")
         k = min(return_top_k, self.vocab_size)
         wide = k > TOP_K_WIDTH
         t_build = time.perf_counter()

@@ -190,7 +190,9 @@ class DynamicGenerator:
         if engine is None:
             _check_model(model)
             base = config if config is not None else EngineConfig()
-            cfg = EngineConfig.from_kwargs(**{**base.to_dict(), **given})
+            # its role: verifying this speculation's drafts, or none (fixed when the engine is built)
+            role = {"verification": None if spec is None else spec.verification()}
+            cfg = EngineConfig.from_kwargs(**{**base.to_dict(), **given, **role})
             engine = Engine(model, cfg, compilation_cache_dir=compilation_cache_dir)
         else:
             if not isinstance(engine, EngineProtocol):

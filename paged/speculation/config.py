@@ -12,6 +12,7 @@ import dataclasses
 import math
 from typing import Any
 
+from paged.device.config import Verification
 from paged.errors import InvalidConfigError
 from paged.speculation.ngram_corpus import check_corpus_type
 from paged.speculation.rows import ACCEPTANCE_RULES, check_num_draft_tokens
@@ -59,6 +60,14 @@ class SpeculationConfig:
                 raise InvalidConfigError("ngram_corpus is the n-gram drafter's table: pass it with "
                                          "use_ngram_draft=True")
             check_corpus_type(self.ngram_corpus)
+
+    def verification(self) -> Verification:
+        """The role the target engine needs (`EngineConfig.verification`): verification rows of up to
+        `num_draft_tokens` drafts; a draft model's drafts read on the device (`fed_drafts`) and, under rejection
+        sampling, with their distributions (`draft_probs`); sample-then-match acceptance (`match`) otherwise."""
+        model = self.drafter == "model"
+        return Verification(self.num_draft_tokens, draft_probs=model and self.acceptance == "rejection",
+                            match=self.acceptance != "rejection", fed_drafts=model)
 
     @classmethod
     def of(cls, *, draft_model: Any = None, use_ngram_draft: Any = False, num_draft_tokens: Any = 4,

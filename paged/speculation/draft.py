@@ -40,9 +40,10 @@ from typing import Any
 import jax
 
 from paged.device.batch import RowInput
+from paged.device.config import Drafting
 from paged.device.engine import Engine
 from paged.errors import InvalidConfigError
-from paged.speculation.rows import DRAFT_SEED_SALT, verification_row
+from paged.speculation.rows import DRAFT_SEED_SALT, Proposal, verification_row
 
 
 def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any = None) -> None:
@@ -68,7 +69,10 @@ def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any
 
 
 class DraftModel:
-    """The draft side of `paged.speculation.speculator.Speculator` for a draft model."""
+    """The draft side of `paged.speculation.speculator.Speculator` for a draft model (a
+    `paged.speculation.drafter.Drafter`: its drafts cost a forward, so the adaptive gate decides first)."""
+
+    gate_first = True
 
     def __init__(self, target: Any, model: Any, num_draft_tokens: int, tokenizer: Any = None,
                  coupled: bool = False, greedy: bool = False):
@@ -81,9 +85,13 @@ class DraftModel:
         self.k = num_draft_tokens
         self.coupled = coupled  # draw with the target's keys (see the module docstring)
         self.greedy = greedy  # propose the argmax instead of a draw
-        self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0))  # (drafts without adapters)
-        target.enable_fed_drafts()  # the target's verification reads the burst's drafts on the device (`propose`)
-        self.engine.enable_drafting(num_draft_tokens, pad_rows=target.fed_rows)
+        if not target.fed_rows:
+            raise InvalidConfigError("a draft model's target verifies drafts read on the device: build it with "
+                                     "Verification(fed_drafts=True) (SpeculationConfig.verification())")
+        # the draft engine: the target's sizes, no adapters, no verification; it proposes k drafts per row, padded to
+        # the rows of the target's verification steps (`propose`)
+        self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0, verification=None,
+                                                        drafting=Drafting(num_draft_tokens, pad_rows=target.fed_rows)))
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
         self.pipeline = True  # dispatch the next step's burst ahead where the step allows (`ahead`)
         self._can_ahead: tuple | None = None  # the last burst's rows, when `ahead` may follow it
@@ -116,8 +124,21 @@ class DraftModel:
             for key, r in g:
                 self.kv[key] = r.start_pos + len(r.tokens)
 
-    def propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True
-                ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], jax.Array | None]:
+    def propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True) -> Proposal:
+        """`Drafter.propose`: `_propose`'s drafts (see there), every row of evidence class 0."""
+        drafts, q, want, on_device = self._propose(target, specs, want, host)
+        return Proposal(want=want, drafts=drafts, classes=[0] * len(specs), draft_logprobs=q, on_device=on_device)
+
+    def stats(self) -> dict:
+        return {"draft_bursts_ahead": self.ahead_bursts[0], "draft_bursts_ahead_used": self.ahead_bursts[1]}
+
+    def step_cost(self, target: Any) -> float:
+        """A draft step over a target step: the weight bytes each step reads (a reduced head's draft reads its small
+        head, not the embedding table it gathers from)."""
+        return self.engine.model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
+
+    def _propose(self, target: Any, specs: Sequence[Any], want: list[int], host: bool = True
+                 ) -> tuple[list[list[int]] | None, jax.Array | None, list[int], jax.Array | None]:
         """Feed the draft what it lacks (the step's prefill chunks, and the catch-up chunks of the module docstring),
         then draft `self.k` tokens for every row with `want[i] > 0` in one jitted
         call laid out like the target's verification batch (a row whose token before its own has no KV in the draft

@@ -1,6 +1,7 @@
-"""The vocabulary of speculative decoding on the host: a step's row as the speculator sees it (`SpecRow`), the plan
-of a step (`SpecPlan`), what a row produced (`Accepted`), the verification row of a decode row
-(`verification_row`), and the bounds every drafter shares (`ACCEPTANCE_RULES`, `MAX_DRAFT_TOKENS`)."""
+"""The vocabulary of speculative decoding on the host: a step's row as the speculator sees it (`SpecRow`), a
+drafter's answer (`Proposal`), the plan of a step (`SpecPlan`), what a row produced (`Accepted`), the verification
+row of a decode row (`verification_row`), and the bounds every drafter shares (`ACCEPTANCE_RULES`,
+`MAX_DRAFT_TOKENS`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,21 @@ class SpecRow:
     penalty_window: int = 0  # the job's history window: penalties and DRY (0: none)
     host_drafts: bool = False  # a draft model's drafts must reach the host before verification (a grammar's masks
     # follow them; a row with a `penalty_window` or a history needs them too, which `plan` sees by itself)
+
+
+@dataclasses.dataclass
+class Proposal:
+    """A drafter's answer for one step's rows (`Drafter.propose`), by row: `want` the drafts to verify (at most what
+    was asked), `drafts` the tokens on the host (None: only on the device, `on_device`, i32 `[R, k]` by the target's
+    batch row), `classes` each row's evidence class for the adaptive gate (the length of prompt lookup's match, a
+    corpus draft's is negative, 0: no evidence), `draft_logprobs` the distributions the drafts were drawn from
+    (`[S', k, V]` by batch row) where the target's rejection sampling needs them."""
+
+    want: list[int]
+    drafts: list[list[int]] | None
+    classes: list[int]
+    draft_logprobs: Any = None
+    on_device: Any = None
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ from paged.device.batch import RowInput
 from paged.errors import InvalidConfigError
 from paged.filters import compute_masks, mask_allows
 from paged.speculation.config import SpeculationConfig
+from paged.speculation.drafter import make_drafter
 from paged.speculation.rows import Accepted, SpecRow
 from paged.speculation.speculator import Speculator
 
@@ -34,17 +35,21 @@ class SpeculativeStep:
 
     `scheduler` provides `sample_bias(job, index)` (the logit bias of the row that samples sequence index `index`, or
     None where every token is banned) and the engine config; `engine` must support verification rows
-    (`enable_verification`), and a draft model needs the JAX `paged.device.engine.Engine`."""
+    (built with `EngineConfig(verification=config.verification())`), and a draft model needs the JAX
+    `paged.device.engine.Engine`."""
 
     def __init__(self, engine: Any, scheduler: Any, config: SpeculationConfig, *, draft_model: Any = None,
                  tokenizer: Any = None):
-        if not hasattr(engine, "enable_verification"):
-            raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine that verifies drafts "
-                                     f"(enable_verification); {type(engine).__name__} does not")
         if draft_model is not None and not (hasattr(engine, "verify_plan") and hasattr(engine, "model")):
             raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.device.engine.Engine as the "
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
-        self.speculator = Speculator(engine, config, draft_model=draft_model, tokenizer=tokenizer)
+        if getattr(getattr(engine, "config", None), "verification", None) is None:
+            raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine built to verify drafts "
+                                     f"(EngineConfig(verification={config.verification()})); "
+                                     f"{type(engine).__name__} was built without")
+        # the drafter is built from the config and handed to the speculator
+        drafter = make_drafter(config, engine, draft_model=draft_model, tokenizer=tokenizer)
+        self.speculator = Speculator(engine, config, drafter)
         self.k = config.num_draft_tokens
         self.scheduler = scheduler
         self.page_size = scheduler.config.page_size

@@ -1,6 +1,7 @@
-"""`Speculator`: the host side of speculative decoding, which the generator calls each step (drafters: a draft model
-through `paged.speculation.draft.DraftModel`, or n-gram prompt lookup through `paged.speculation.ngram.NgramIndex`;
-verification on the device: `paged.device.verify`). Call sequence for the generator, each `iterate()`:
+"""`Speculator`: the host side of speculative decoding, which the generator calls each step (its drafter, a
+`paged.speculation.drafter.Drafter`: a draft model, `paged.speculation.draft.DraftModel`, or prompt lookup,
+`paged.speculation.drafter.NgramDrafter`; verification on the device: `paged.device.verify`). Call sequence for
+the generator, each `iterate()`:
 
     rows, owners, failed = scheduler.plan(active)                      # as now
     plan = speculator.plan([SpecRow(key=job, row=row, sequence=job.sequence,
@@ -40,13 +41,11 @@ from paged.errors import InvalidConfigError
 from paged.speculation.config import SpeculationConfig
 from paged.speculation.draft import DraftModel
 from paged.speculation.draft_gate import DraftGate
-from paged.speculation.ngram import NgramIndex
-from paged.speculation.ngram_corpus import load_corpus, propose_lookup
+from paged.speculation.drafter import Drafter, check_target, make_drafter
 from paged.speculation.rows import (
     Accepted,
     SpecPlan,
     SpecRow,
-    check_num_draft_tokens,
     verification_row,
 )
 
@@ -54,8 +53,9 @@ from paged.speculation.rows import (
 class Speculator:
     """Drafts tokens for the decoding rows of each step and turns the verification results into accepted tokens.
 
-    `target`: the generator's `paged.device.engine.Engine` (its verification buckets are enabled here: construct the
-    speculator before `warmup()`). `config` (`paged.speculation.config.SpeculationConfig`, validated there) says how:
+    `target`: the generator's `paged.device.engine.Engine`, built for this speculation's verification
+    (`EngineConfig(verification=config.verification())`: its verification buckets, fixed at construction).
+    `config` (`paged.speculation.config.SpeculationConfig`, validated there) says how:
     its drafter is a draft model (`draft_model`, a `models.Model` sharing the target's vocabulary and tokenizer; its
     engine gets the target's config, so the same page ids index both caches) or prompt lookup (`max_ngram`; with
     `ngram_corpus`, a table drafting where prompt lookup's match is short). `acceptance`: how sampled rows accept
@@ -66,41 +66,22 @@ class Speculator:
     None: the backend's measured default); else every step with drafts verifies (ExLlamaV2's behaviour).
     """
 
-    def __init__(self, target: Any, config: SpeculationConfig, *, draft_model: Any = None, tokenizer: Any = None):
-        if (config.drafter == "model") != (draft_model is not None):
-            raise InvalidConfigError(f"Speculator: drafter={config.drafter!r} "
-                                     + ("needs the draft model (draft_model=)" if draft_model is None else
-                                        "takes no draft model (its drafter is prompt lookup)"))
-        check_num_draft_tokens(config.num_draft_tokens, getattr(getattr(target, "config", None), "max_seq_len", None))
-        k, acceptance = config.num_draft_tokens, config.acceptance
+    def __init__(self, target: Any, config: SpeculationConfig, drafter: Drafter):
+        check_target(target, config)
+        if not isinstance(drafter, Drafter):
+            raise InvalidConfigError(f"Speculator: drafter must implement paged.speculation.drafter.Drafter, got "
+                                     f"{type(drafter).__name__}")
+        k = config.num_draft_tokens
         self.config = config
         self.target = target
-        self.acceptance = acceptance
+        self.acceptance = config.acceptance
         self.k = k
-        self.max_ngram = config.max_ngram
-        self.corpus = None if config.ngram_corpus is None else load_corpus(config.ngram_corpus, target.vocab_size)
-        self.draft = None
-        if draft_model is not None:
-            self.draft = DraftModel(target, draft_model, k, tokenizer=tokenizer, coupled=acceptance == "match",
-                                    greedy=acceptance == "exllamav2")
+        self.drafter = drafter
+        # the draft model's own handle (its engine, the bursts dispatched ahead), None for other drafters
+        self.draft = drafter if isinstance(drafter, DraftModel) else None
         self.gate = None
         if config.adaptive:
-            step_cost = 0.0
-            if draft_model is not None:  # a draft step over a target step: the weight bytes each step reads
-                # (a reduced head's draft reads its small head, not the embedding table it gathers from)
-                step_cost = draft_model.params.step_read_bytes() / max(target.model.params.step_read_bytes(), 1)
-            self.gate = DraftGate(k, config.draft_token_cost, draft_step_cost=step_cost)
-        if acceptance == "rejection":
-            target.enable_verification(k, draft_probs=self.draft is not None)
-        else:  # matching reads no draft distributions
-            try:
-                target.enable_verification(k, draft_probs=False, match=True)
-            except TypeError as e:  # an engine from before sample-then-match
-                raise InvalidConfigError(f"acceptance={acceptance!r} needs an engine whose enable_verification "
-                                         f"takes match=True; {type(target).__name__}'s does not ({e})") from e
-        if self.draft is None and hasattr(target, "enable_fed_drafts"):
-            target.enable_fed_drafts(False)  # one-hot drafts come from the host (an engine a draft model used before)
-        self._ngrams: dict[Hashable, Any] = {}
+            self.gate = DraftGate(k, config.draft_token_cost, draft_step_cost=drafter.step_cost(target))
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0  # verification rows run
@@ -116,75 +97,60 @@ class Speculator:
         config = SpeculationConfig.of(draft_model=draft_model, **settings)
         if config is None:
             raise InvalidConfigError("Speculator needs a drafter: draft_model= or use_ngram_draft=True")
-        return cls(target, config, draft_model=draft_model, tokenizer=tokenizer)
+        return cls(target, config, make_drafter(config, target, draft_model=draft_model, tokenizer=tokenizer))
+
+    @property
+    def corpus(self) -> Any:
+        """The n-gram drafter's corpus table (None: none, or another drafter)."""
+        return getattr(self.drafter, "corpus", None)
 
     # ------------------------------------------------------------------ per job
     def release(self, key: Hashable) -> None:
         """Forget a job (finished, failed or cancelled)."""
-        self._ngrams.pop(key, None)
         if self.gate is not None:
             self.gate.release(key)
-        if self.draft is not None:
-            self.draft.release(key)
+        self.drafter.release(key)
 
     def warmup(self, progress: bool = False) -> int:
-        """Compile the draft model's variants (the target's verification buckets come with its own warmup)."""
-        return 0 if self.draft is None else self.draft.warmup(progress)
+        """Compile the drafter's variants (the target's verification buckets come with its own warmup)."""
+        return self.drafter.warmup(progress)
 
     def stats(self) -> dict:
         return {"drafted_tokens": self.drafted, "accepted_draft_tokens": self.accepted,
                 "rejected_draft_tokens": self.drafted - self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_length": 1 + self.accepted / self.rounds if self.rounds else 0.0,
-                "accepted_at_position": self.accepted_at.tolist(),
-                "draft_bursts_ahead": self.draft.ahead_bursts[0] if self.draft is not None else 0,
-                "draft_bursts_ahead_used": self.draft.ahead_bursts[1] if self.draft is not None else 0,
+                "accepted_at_position": self.accepted_at.tolist(), "draft_bursts_ahead": 0,
+                "draft_bursts_ahead_used": 0, **self.drafter.stats(),
                 "corpus_drafted_tokens": self.corpus_drafted, "corpus_accepted_draft_tokens": self.corpus_accepted,
                 **({} if self.gate is None else self.gate.stats())}
 
     # ------------------------------------------------------------------ per step
-    def _propose_ngram(self, spec: SpecRow, n: int) -> tuple[list[int], int]:
-        """Up to `n` drafts by prompt lookup (or the corpus, `paged.speculation.ngram_corpus.propose_lookup`), and their
-        evidence class (the length of the suffix that matched; a corpus draft's is negative)."""
-        index = self._ngrams.get(spec.key)
-        if index is None:
-            index = self._ngrams[spec.key] = NgramIndex(self.max_ngram)
-        index.sync(spec.sequence)
-        return propose_lookup(index, self.corpus, n)
-
     def _plain(self, specs: Sequence[SpecRow]) -> SpecPlan:
         return SpecPlan(rows=[s.row for s in specs], draft_logprobs=None, inputs=list(specs),
                         num_drafts=[0] * len(specs))
 
     def plan(self, specs: Sequence[SpecRow]) -> SpecPlan:
         """Draft for every decode row with `max_drafts > 0` and lay the step's rows out for verification (see the
-        module docstring for the call sequence)."""
+        module docstring for the call sequence). The adaptive gate decides before drafting where drafts cost a
+        forward (`Drafter.gate_first`), else after, from the drafts' evidence."""
         want = [min(self.k, s.max_drafts) if (s.row.is_decode and s.row.sample) else 0 for s in specs]
         sampling_rows = sum(bool(s.row.sample) for s in specs)
-        if self.draft is None:
-            found = [self._propose_ngram(s, n) if n else ([], 0) for s, n in zip(specs, want)]
-            drafts = [d for d, _ in found]
-            classes = [length for _, length in found]
-            if not any(drafts) or (self.gate is not None and not self.gate.decide(
-                    [(s.key, c, len(d)) for s, d, c in zip(specs, drafts, classes)], sampling_rows)):
-                return self._plain(specs)
-            vrows = [verification_row(s, d) if d else s.row for s, d in zip(specs, drafts)]
-            return SpecPlan(rows=vrows, draft_logprobs=None, inputs=list(specs), num_drafts=[len(d) for d in drafts],
-                            classes=classes)
-        if self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
-                                                          sampling_rows):
-            want = [0] * len(specs)  # the draft model still mirrors the step's rows (its cache follows the target's)
-        # The drafts stay on the device (the target's forward writes them into the rows' token slots) unless a row
-        # needs them on the host before the step: its penalty history or its grammar masks follow them.
+        first = self.drafter.gate_first
+        if first and self.gate is not None and not self.gate.decide([(s.key, 0, n) for s, n in zip(specs, want)],
+                                                                    sampling_rows):
+            want = [0] * len(specs)  # a drafter with a cache still sees the step's rows (it follows the target's)
+        # A draft model's drafts stay on the device (the target's forward writes them into the rows' token slots)
+        # unless a row needs them on the host before the step: its penalty history or its grammar masks follow them.
         host = any(s.host_drafts or s.penalty_window or len(s.row.history) for s, n in zip(specs, want) if n)
-        drafts, q, want, on_device = self.draft.propose(self.target, specs, want, host=host)
-        if not any(want):
+        p = self.drafter.propose(self.target, specs, want, host)
+        if not any(p.want) or (not first and self.gate is not None and not self.gate.decide(
+                [(s.key, c, n) for s, c, n in zip(specs, p.classes, p.want)], sampling_rows)):
             return self._plain(specs)
-        if drafts is None:
-            drafts = [[0] * n for n in want]  # placeholders: the forward reads `on_device`
-        vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, want)]
-        return SpecPlan(rows=vrows, draft_logprobs=q, inputs=list(specs), num_drafts=list(want),
-                        classes=[0] * len(specs), draft_tokens=on_device)
+        drafts = p.drafts if p.drafts is not None else [[0] * n for n in p.want]  # (placeholders: on the device)
+        vrows = [verification_row(s, d[:n]) if n else s.row for s, d, n in zip(specs, drafts, p.want)]
+        return SpecPlan(rows=vrows, draft_logprobs=p.draft_logprobs, inputs=list(specs), num_drafts=list(p.want),
+                        classes=p.classes, draft_tokens=p.on_device)
 
     def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
         """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""
@@ -217,7 +183,6 @@ class Speculator:
             else:
                 item = Accepted(tokens=[], logprobs=np.zeros(0, np.float32), top_ids=np.zeros((0, 0), np.int32),
                                 top_logprobs=np.zeros((0, 0), np.float32), logits=None, kv_advance=len(row.tokens))
-            if self.draft is not None:
-                self.draft.accepted(spec, item, m)
+            self.drafter.accepted(spec, item, m)
             res.append(item)
         return res

@@ -12,7 +12,7 @@ from paged import DynamicGenerator
 from paged.errors import InvalidConfigError
 from paged.speculation import draft_gate as dg
 from paged.speculation.draft_gate import DraftGate
-from paged.testing import FakeEngine
+from paged.testing import FakeEngine, verification_for
 from tests.paged.test_speculative_generator import (
     MODEL,
     NGRAM,
@@ -133,8 +133,8 @@ def test_invalid_adaptive_arguments():
         DynamicGenerator(MODEL, adaptive_draft=True, **SETTINGS)
     with pytest.raises(InvalidConfigError, match="applies to adaptive_draft=True only"):
         DynamicGenerator(MODEL, use_ngram_draft=True, draft_token_cost=0.2, **SETTINGS)
-    g = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), use_ngram_draft=True, adaptive_draft=True,
-                         draft_token_cost=0.5)
+    spec = dict(use_ngram_draft=True, adaptive_draft=True, draft_token_cost=0.5)
+    g = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(verification=verification_for(**spec)), **spec)
     assert g.speculation.speculator.gate.rho == 0.5
 
 

@@ -33,7 +33,7 @@ from paged.filters import (
     mask_allows,
 )
 from paged.host import generator as generator_module
-from paged.testing import ByteTokenizer, FakeEngine, drain
+from paged.testing import ByteTokenizer, FakeEngine, drain, verification_for
 
 TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>
 GREEDY = SamplingSettings.greedy()
@@ -305,7 +305,8 @@ def test_speculative_verification_masks_every_position():
     script = {prompt[0]: (len(prompt), list(b"ab1ab4ab"))}
 
     def run(**kw):
-        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(script=script), **kw)
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(script=script, verification=verification_for(**kw)),
+                               **kw)
         gen.enqueue(Job(prompt, 12, filters=RegexFilter(r"ab[2-9]ab[4-9]"), identifier="j"))
         return gen, drain(gen).finals["j"]
 

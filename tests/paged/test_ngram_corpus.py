@@ -17,7 +17,7 @@ from paged.speculation.ngram_corpus import (
     load_corpus,
     propose_lookup,
 )
-from paged.testing import ByteTokenizer, FakeEngine, drain
+from paged.testing import ByteTokenizer, FakeEngine, drain, verification_for
 
 TOK = ByteTokenizer()
 
@@ -188,6 +188,7 @@ def test_replay_with_a_corpus():
 
 # ---------------------------------------------------------------------------------------------- the generator
 KW = dict(num_pages=64, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96)
+NGRAM_ROLE = verification_for(use_ngram_draft=True)  # (the default k)
 PROMPTS = ["one two three", "four five six", "seven eight", "nine ten eleven twelve"]
 
 
@@ -197,7 +198,7 @@ def jobs(max_new=24):
 
 
 def run(**spec):
-    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), **spec)
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW, verification=verification_for(**spec)), **spec)
     gen.enqueue(jobs())
     c = drain(gen)
     gen.pool.check({})
@@ -242,12 +243,13 @@ def test_ngram_corpus_arguments_are_checked(tmp_path):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), use_ngram_draft=True, ngram_corpus={1: 2})
     small = NgramCorpus.build([[1, 2, 3, 1, 2, 3]], 100)
     with pytest.raises(InvalidConfigError, match="vocabulary of 100 tokens, the model has 258"):
-        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), use_ngram_draft=True, ngram_corpus=small)
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW, verification=NGRAM_ROLE), use_ngram_draft=True,
+                         ngram_corpus=small)
     with pytest.raises(NgramCorpusError, match="cannot read"):
-        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), use_ngram_draft=True,
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW, verification=NGRAM_ROLE), use_ngram_draft=True,
                          ngram_corpus=str(tmp_path / "missing.npz"))
     corpus.save(tmp_path / "c.npz")
-    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW), use_ngram_draft=True,
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(**KW, verification=NGRAM_ROLE), use_ngram_draft=True,
                            ngram_corpus=tmp_path / "c.npz")
     assert gen.speculation.speculator.corpus.entries(2) == corpus.entries(2) != {}
     assert load_corpus(corpus, 258) is corpus

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from paged import DynamicGenerator, Job, SamplingSettings
+from paged.device.config import Verification
 from paged.testing import ByteTokenizer, FakeEngine
 
 TOK = ByteTokenizer()
@@ -22,7 +23,7 @@ def decoding(job: Job, new: int = 1, vocab_size: int = 258) -> tuple[DynamicGene
     """A generator speculating k = 4 drafts with `job` admitted, `new` tokens generated, its row planned."""
     g = DynamicGenerator(tokenizer=TOK, use_ngram_draft=True, num_draft_tokens=K,
                          engine=FakeEngine(num_pages=32, page_size=8, max_batch_size=4, max_chunk_size=16,
-                                           max_seq_len=128, vocab_size=vocab_size))
+                                           max_seq_len=128, vocab_size=vocab_size, verification=Verification(K)))
     g.enqueue(job)
     g.scheduler.admit(lambda job: None)
     job.sequence.extend([7] * new)

@@ -13,9 +13,11 @@ from models import ModelConfig, init_random_weights
 from models.draft import reduced_head, truncated_model
 from models.loader import Model
 from paged.device.batch import RowInput
+from paged.device.config import Drafting, Verification
 from paged.device.engine import Engine
 from paged.device.verify import _gumbel_argmax, _point_keys, accept_drafts, residual_fits
 from paged.errors import InvalidConfigError
+from paged.speculation.config import SpeculationConfig
 from paged.speculation.rows import SpecRow
 from paged.speculation.speculator import Speculator
 from paged.token_sets import pack
@@ -44,14 +46,19 @@ FULL = {"temperature": 0.9, "top_a": 0.01, "tfs": 0.999, "min_temp": 0.6, "max_t
 SETS = dict(dry_breakers=pack([11], CFG.vocab_size), xtc_exempt=pack([5], CFG.vocab_size))
 
 
+def speculating(**kw) -> tuple[Engine, Speculator]:
+    """A target engine built for the speculation `kw` describes (`Speculator.of`'s arguments), and its speculator."""
+    engine = Engine(MODEL, **SETTINGS, verification=SpeculationConfig.of(**kw).verification())
+    return engine, Speculator.of(engine, **kw)
+
+
 @pytest.mark.parametrize("mixed,first", [pytest.param(False, "penalties", marks=pytest.mark.slow),
                                          (True, "penalties"), (False, "full")])
 def test_verification_rows_give_the_results_of_single_positions(mixed, first):
     """A verification row's per-position logits, final distribution (top-k) and the target's token at each position
     are those of feeding the positions one at a time, penalties (and DRY, with the full sampler) seeing the earlier
     drafts; also with a prefill chunk sharing the step (a mixed verification bucket)."""
-    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
-    a.enable_verification(3, draft_probs=False)
+    a, b = Engine(MODEL, **SETTINGS, verification=Verification(3)), Engine(MODEL, **SETTINGS)
     prompts = [[5, 7, 9, 11, 13, 2, 3], [40, 41, 42, 43, 44]]
     pages = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     other = RowInput(tokens=list(range(60, 72)), start_pos=0, pages=[13, 14, 15], sample=False)
@@ -91,8 +98,7 @@ def test_verification_rows_give_the_results_of_single_positions(mixed, first):
 
 
 def test_greedy_acceptance_keeps_the_matching_prefix_then_the_targets_token():
-    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
-    a.enable_verification(4, draft_probs=False)
+    a, b = Engine(MODEL, **SETTINGS, verification=Verification(4)), Engine(MODEL, **SETTINGS)
     prompt, pages = [3, 1, 4, 1, 5, 9, 2, 6], [1, 2, 3, 4, 5]
     for e in (a, b):
         e.run([RowInput(tokens=prompt[:-1], start_pos=0, pages=pages, sample=False)])
@@ -114,13 +120,11 @@ def test_greedy_acceptance_keeps_the_matching_prefix_then_the_targets_token():
 
 @pytest.mark.slow
 def test_drafts_on_the_device_verify_as_drafts_on_the_host():
-    """`enable_fed_drafts`: a verification row of placeholder tokens with its drafts on the device (garbage past the
-    row's drafts) gives what the same row with the drafts in its tokens gives; a fed engine refuses a verification
-    without them, and a prompt-lookup `Speculator` taking the engine over makes it read host drafts again."""
-    a, b = Engine(MODEL, **SETTINGS), Engine(MODEL, **SETTINGS)
-    for e in (a, b):
-        e.enable_verification(4, draft_probs=False)
-    b.enable_fed_drafts()
+    """`Verification(fed_drafts=True)`: a verification row of placeholder tokens with its drafts on the device
+    (garbage past the row's drafts) gives what the same row with the drafts in its tokens gives; a fed engine refuses
+    a verification without them, and a prompt-lookup `Speculator` cannot take it over (its role is fixed)."""
+    a = Engine(MODEL, **SETTINGS, verification=Verification(4))
+    b = Engine(MODEL, **SETTINGS, verification=Verification(4, fed_drafts=True))
     prompt, pages = [3, 1, 4, 1, 5, 9, 2, 6], [1, 2, 3, 4, 5]
     for e in (a, b):
         e.run([RowInput(tokens=prompt[:-1], start_pos=0, pages=pages, sample=False)])
@@ -138,9 +142,10 @@ def test_drafts_on_the_device_verify_as_drafts_on_the_host():
     np.testing.assert_allclose(got.logprob[0, :3], want.logprob[0, :3], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="draft_tokens="):
         b.run([row(drafts)])
-    Speculator.of(b, use_ngram_draft=True, num_draft_tokens=4)
-    assert b.fed_rows == 0
-    np.testing.assert_array_equal(b.run([row(drafts)]).token, want.token)
+    with pytest.raises(InvalidConfigError, match="fed_drafts=True"):
+        Speculator.of(b, use_ngram_draft=True, num_draft_tokens=4)
+    assert b.fed_rows == 4
+    Speculator.of(a, use_ngram_draft=True, num_draft_tokens=4)  # the engine built for it
 
 # ------------------------------------------------------------------------------------- rejection sampling
 P0 = np.array([0.55, 0.25, 0.12, 0.08])
@@ -307,10 +312,9 @@ def greedy_reference():
                                      pytest.param("unrelated", marks=pytest.mark.slow)])
 @pytest.mark.slow
 def test_greedy_output_is_identical_with_speculation(drafter, greedy_reference):
-    engine = Engine(MODEL, **SETTINGS)
     kw = {"ngram": dict(use_ngram_draft=True, max_ngram=3), "self": dict(draft_model=MODEL),
           "truncated": dict(draft_model=truncated_model(MODEL, 1)), "unrelated": dict(draft_model=OTHER)}[drafter]
-    spec = Speculator.of(engine, num_draft_tokens=3, **kw)
+    engine, spec = speculating(num_draft_tokens=3, **kw)
     outs, _ = _loop(engine, spec, PROMPTS, 12, GREEDY)
     assert outs == greedy_reference
     stats = spec.stats()
@@ -326,24 +330,21 @@ def test_a_reduced_head_over_every_token_is_the_target_at_temperature_one():
     """q of a reduced head (its columns scattered back to their ids, -inf elsewhere) is exactly p when the head
     covers the vocabulary in any order: rejection sampling accepts every draft."""
     draft = reduced_head(MODEL, np.random.default_rng(5).permutation(CFG.vocab_size))
-    engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator.of(engine, num_draft_tokens=3, draft_model=draft)
+    engine, spec = speculating(num_draft_tokens=3, draft_model=draft)
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
     outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
     assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
-    again = Engine(MODEL, **SETTINGS)
-    assert _loop(again, Speculator.of(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
+    assert _loop(*speculating(num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
 def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
     """A draft step's cost (in target steps) is the weight bytes each step reads: a reduced head's draft reads its
     small head, not the embedding table it gathers its inputs from."""
-    engine = Engine(MODEL, **SETTINGS)
     small = reduced_head(MODEL, np.arange(8))
-    spec = Speculator.of(engine, num_draft_tokens=2, draft_model=small, adaptive=True)
+    spec = speculating(num_draft_tokens=2, draft_model=small, adaptive=True)[1]
     want = small.params.step_read_bytes() / MODEL.params.step_read_bytes()
     assert spec.gate.draft_step_cost == pytest.approx(want)
-    full = Speculator.of(Engine(MODEL, **SETTINGS), num_draft_tokens=2, draft_model=MODEL, adaptive=True)
+    full = speculating(num_draft_tokens=2, draft_model=MODEL, adaptive=True)[1]
     assert full.gate.draft_step_cost == pytest.approx(1.0) and want < 0.95
 
 
@@ -351,14 +352,12 @@ def test_the_adaptive_gate_prices_a_draft_step_by_the_bytes_it_reads():
 def test_draft_equal_to_the_target_accepts_every_draft_at_temperature_one():
     """Rejection sampling, not sample-then-match: with q = p (the target drafting for itself) every draft is
     accepted, at temperature 1 as well as greedy."""
-    engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator.of(engine, num_draft_tokens=3, draft_model=MODEL)
+    engine, spec = speculating(num_draft_tokens=3, draft_model=MODEL)
     sampling = [{"temperature": 1.0, "seed": 11 + i} for i in range(3)]
     outs, _ = _loop(engine, spec, PROMPTS, 10, sampling)
     assert all(len(o) == 10 for o in outs)
     assert spec.stats()["acceptance_rate"] == 1.0 and spec.stats()["drafted_tokens"] >= 15
-    again = Engine(MODEL, **SETTINGS)
-    assert _loop(again, Speculator.of(again, num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
+    assert _loop(*speculating(num_draft_tokens=3, draft_model=MODEL), PROMPTS, 10, sampling)[0] == outs
 
 
 @pytest.mark.slow
@@ -372,8 +371,7 @@ def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
     plain, _ = _loop(Engine(MODEL, **SETTINGS), None, PROMPTS, 10, sampling)
     rates = {}
     for rule, coupled in (("match", True), ("match", False), ("exllamav2", False)):
-        engine = Engine(MODEL, **SETTINGS)
-        spec = Speculator.of(engine, num_draft_tokens=3, draft_model=MODEL, acceptance=rule)
+        engine, spec = speculating(num_draft_tokens=3, draft_model=MODEL, acceptance=rule)
         assert spec.draft.coupled == (rule == "match") and spec.draft.greedy == (rule == "exllamav2")
         spec.draft.coupled = coupled
         draft_rows, run = [], spec.draft.engine.draft
@@ -396,8 +394,7 @@ def test_sample_then_match_couples_the_drafts_noise_with_the_targets():
 
 @pytest.mark.slow  # fast tier: the unrelated draft model runs through the generator in test_speculative_generator
 def test_draft_cache_mirrors_the_targets_page_ids():
-    engine = Engine(MODEL, **SETTINGS)
-    spec = Speculator.of(engine, num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))
+    engine, spec = speculating(num_draft_tokens=2, draft_model=truncated_model(MODEL, 1))
     _loop(engine, spec, PROMPTS[:2], 4, GREEDY)
     used_t = np.flatnonzero(np.abs(np.asarray(engine.state.k[0])).sum(axis=(0, 2, 3)))
     used_d = np.flatnonzero(np.abs(np.asarray(spec.draft.engine.state.k[0])).sum(axis=(0, 2, 3)))
@@ -416,8 +413,12 @@ def test_invalid_speculation_configs():
         Speculator.of(engine, use_ngram_draft=True, acceptance="accept-all")
     small = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(InvalidConfigError, match=r"built without verification; this speculation needs one built "
+                                                  r"with EngineConfig\(verification=Verification\(num_draft_tokens=4"):
+        Speculator.of(engine, use_ngram_draft=True)  # an engine's roles are fixed when it is built
+    target = Engine(MODEL, **SETTINGS, verification=SpeculationConfig("model").verification())
     with pytest.raises(InvalidConfigError, match="vocabulary"):
-        Speculator.of(engine, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
+        Speculator.of(target, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
                                              source="small"))
 
 
@@ -429,8 +430,7 @@ def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_dr
     row without a catch-up token in the same burst drafts as before. Rows sit at slots with gaps (the target's
     verification rows), one sampled with penalties, one greedy."""
 
-    engine = Engine(MODEL, **SETTINGS)
-    engine.enable_drafting(3, pad_rows=4)
+    engine = Engine(MODEL, **SETTINGS, drafting=Drafting(3, pad_rows=4))
     engine.run_forward([RowInput(tokens=[3, 1, 4, 1], start_pos=0, pages=[1], sample=False)])
     engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
     rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED), history=[3, 1, 4, 1, 6]),
@@ -462,8 +462,7 @@ def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
     next rows laid out on the host; and again after the host moved the burst's rows on to what the first burst ahead
     fed (`Engine.advance_burst`: two steps ahead in a row)."""
 
-    engine = Engine(MODEL, **SETTINGS)
-    engine.enable_drafting(2, pad_rows=4)
+    engine = Engine(MODEL, **SETTINGS, drafting=Drafting(2, pad_rows=4))
     engine.run_forward([RowInput(tokens=[3, 1, 4, 1, 6], start_pos=0, pages=[1, 3], sample=False)])
     engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
     sampled = {k: v for k, v in SAMPLED.items() if "penalty" not in k}  # (rows without a penalty history go ahead)

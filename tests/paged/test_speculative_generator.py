@@ -22,8 +22,16 @@ from models.draft import reduced_head, truncated_model
 from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2DynamicGeneratorAsync
+from paged.device.config import Verification
 from paged.errors import InvalidConfigError
-from paged.testing import ByteTokenizer, ContextFakeEngine, FakeEngine, drain, quantized_tiny_model
+from paged.testing import (
+    ByteTokenizer,
+    ContextFakeEngine,
+    FakeEngine,
+    drain,
+    quantized_tiny_model,
+    verification_for,
+)
 from pallas_kernels.native import unavailable_reason as native_unavailable
 
 # each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
@@ -86,7 +94,8 @@ def fake_jobs():
 
 def run_fake(engine_cls=FakeEngine, spec=None, policy="exllamav2", jobs=None, **engine_kw):
     kw = dict(num_pages=64, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96)
-    gen = DynamicGenerator(tokenizer=TOK, engine=engine_cls(**{**kw, **engine_kw}), policy=policy, **(spec or {}))
+    engine = engine_cls(**{**kw, **engine_kw}, verification=verification_for(**(spec or {})))
+    gen = DynamicGenerator(tokenizer=TOK, engine=engine, policy=policy, **(spec or {}))
     gen.enqueue(jobs if jobs is not None else fake_jobs())
     c = drain(gen)
     gen.pool.check({})
@@ -159,8 +168,9 @@ def test_preemption_with_speculation_keeps_outputs_and_pages_exact(policy):
     _, ref = run_fake(CopyFakeEngine, jobs=jobs(), page_size=4, num_pages=64, max_seq_len=48)
     released = collections.Counter()
     gen = DynamicGenerator(tokenizer=TOK, engine=CopyFakeEngine(num_pages=14, page_size=4, max_batch_size=4,
-                                                                max_chunk_size=16, max_seq_len=48), policy=policy,
-                           **NGRAM)
+                                                                max_chunk_size=16, max_seq_len=48,
+                                                                verification=verification_for(**NGRAM)),
+                           policy=policy, **NGRAM)
     release = gen.scheduler.on_release
 
     def spy(job):
@@ -176,7 +186,7 @@ def test_preemption_with_speculation_keeps_outputs_and_pages_exact(policy):
     assert stream_of(got.results) == stream_of(ref.results)
     for j in jobs_:  # each preemption dropped the job's drafter state
         assert released[j.identifier] == j.preemptions
-    assert not gen.speculation.speculator._ngrams  # and so did the end of every job
+    assert not gen.speculation.speculator.drafter._index  # and so did the end of every job
 
 
 ops = st.lists(
@@ -197,7 +207,8 @@ def test_page_accounting_is_exact_under_random_operations_with_speculation():
     @given(ops=ops, num_pages=st.integers(10, 24), policy=st.sampled_from(["exllamav2", "vllm"]))
     def check(ops, num_pages, policy):
         gen = DynamicGenerator(tokenizer=TOK, engine=CopyFakeEngine(num_pages=num_pages, page_size=4, max_batch_size=3,
-                                                                    max_chunk_size=8, max_seq_len=40),
+                                                                    max_chunk_size=8, max_seq_len=40,
+                                                                    verification=verification_for(**NGRAM)),
                                policy=policy, **NGRAM)
         jobs, cancelled, finals = [], set(), {}
 
@@ -234,7 +245,7 @@ def test_page_accounting_is_exact_under_random_operations_with_speculation():
             verify()
         drain(gen)
         gen.pool.check({})
-        assert gen.pool.num_referenced == 0 and not gen.speculation.speculator._ngrams
+        assert gen.pool.num_referenced == 0 and not gen.speculation.speculator.drafter._index
         totals["accepted"] += gen.metrics()["accepted_draft_tokens"]
         totals["preemptions"] += gen.metrics()["preemptions"]
 
@@ -288,17 +299,20 @@ def test_invalid_speculation_arguments():
     with pytest.raises(InvalidConfigError, match="draft_acceptance needs a drafter"):
         DynamicGenerator(MODEL, draft_acceptance="match", **SETTINGS)
 
-    class OldEngine(FakeEngine):  # an engine from before sample-then-match
-        def enable_verification(self, num_draft_tokens, draft_probs=False):
-            super().enable_verification(num_draft_tokens, draft_probs)
-
-    with pytest.raises(InvalidConfigError, match="takes match=True"):
-        DynamicGenerator(tokenizer=TOK, engine=OldEngine(), use_ngram_draft=True, draft_acceptance="exllamav2")
+    # an engine's roles are fixed when it is built: one built for other drafts, or none, is refused
+    with pytest.raises(InvalidConfigError, match=r"built to verify drafts \(EngineConfig\(verification="):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), use_ngram_draft=True)
+    with pytest.raises(InvalidConfigError, match="match=True"):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(verification=Verification(4)), use_ngram_draft=True,
+                         draft_acceptance="exllamav2")
+    with pytest.raises(InvalidConfigError, match="num_draft_tokens=3"):
+        DynamicGenerator(tokenizer=TOK, engine=FakeEngine(verification=Verification(4)), use_ngram_draft=True,
+                         num_draft_tokens=3)
 
 
 def test_compat_aliases_accept_the_speculation_arguments():
     g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, use_ngram_draft=True, num_draft_tokens=3, max_ngram=2, **SETTINGS)
-    assert g.speculation is not None and g.speculation.k == 3 and g.speculation.speculator.max_ngram == 2
+    assert g.speculation is not None and g.speculation.k == 3 and g.speculation.speculator.drafter.max_ngram == 2
     g = ExLlamaV2DynamicGenerator(MODEL, None, TOK, draft_model=truncated_model(MODEL, 1), **SETTINGS)
     assert g.speculation.speculator.draft is not None
     a = ExLlamaV2DynamicGeneratorAsync(MODEL, None, TOK, use_ngram_draft=True, **SETTINGS)

@@ -197,15 +197,16 @@ def test_warmup_covers_speculative_steps(drafter):
     beside prefill chunks, greedy and sampled rows, penalties) then compiles nothing. With it off, the variants are
     exactly the plain ones (test_warmup_covers_everything_serving_hits)."""
     from models.draft import truncated_model
+    from paged.speculation.config import SpeculationConfig
     from paged.speculation.speculator import Speculator
     from tests.paged.test_speculative import _loop
 
     settings = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64,
                     max_prefill_rows=1, max_penalty_range=16)
     jax.clear_caches()  # count this test's compilations alone (the parametrizations share buckets)
-    engine = Engine(MODEL, **settings)
-    plain = len(engine.variants())
+    plain = len(Engine(MODEL, **settings).variants())
     kw = dict(use_ngram_draft=True) if drafter == "ngram" else dict(draft_model=truncated_model(MODEL, 1))
+    engine = Engine(MODEL, **settings, verification=SpeculationConfig.of(num_draft_tokens=3, **kw).verification())
     spec = Speculator.of(engine, num_draft_tokens=3, **kw)
     engines = [engine] + ([spec.draft.engine] if spec.draft is not None else [])
     kinds = [v[0] for e in engines for v in e.variants()]

@@ -10,13 +10,13 @@ import numpy as np
 
 from models import load_model
 from paged.device.batch import RowInput
+from paged.device.config import Drafting
 from paged.device.engine import Engine
 
 draft = load_model("/tmp/draft-topk", load_tokenizer=False, quant="int4")
 k = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 for rows in (1, 4, 16):
-    eng = Engine(draft, num_pages=16 * 8 + 1, page_size=64, max_batch_size=16, max_seq_len=512)
-    eng.enable_drafting(k)
+    eng = Engine(draft, num_pages=16 * 8 + 1, page_size=64, max_batch_size=16, max_seq_len=512, drafting=Drafting(k))
     batch = [RowInput(tokens=[100 + i], start_pos=200, pages=list(range(1 + 8 * i, 9 + 8 * i))) for i in range(rows)]
     ms = {}
     for name, catch_up in (("plain", [-1] * rows), ("window", [5] * rows)):

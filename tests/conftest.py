@@ -80,11 +80,12 @@ def release_compiled_programs_after_each_test():
 # two workers (`--dist loadfile`) in collection order (`--no-loadscope-reorder`: xdist would otherwise sort the
 # files by their number of tests), so a heavy file reached near the end leaves the other worker idle; started first,
 # the rest of the files fill in around them.
-HEAVY_FIRST = ("tests/paged/test_speculative_generator.py", "tests/paged/test_sharding.py",
-               "tests/paged/test_fused_step.py", "tests/paged/test_speculative.py", "tests/paged/test_warmup.py",
-               "tests/paged/test_step.py", "tests/experiments/test_distill_draft.py",
+HEAVY_FIRST = ("tests/paged/speculation/test_speculative_generator.py", "tests/paged/device/test_sharding.py",
+               "tests/paged/device/test_fused_step.py", "tests/paged/speculation/test_speculative.py",
+               "tests/paged/device/test_warmup.py", "tests/paged/device/test_step.py",
+               "tests/experiments/test_distill_draft.py",
                "tests/experiments/test_generate.py", "tests/models/test_quantized_models.py",
-               "tests/paged/test_draft_ahead.py")
+               "tests/paged/speculation/test_draft_ahead.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a real_weights test is a slow one

@@ -1,6 +1,6 @@
 """`models.invariant`: the values are the plain formulas' (up to the summation order) and so are the gradients
 (training goes through the forward: `experiments/distill_draft.py`). Batch invariance itself is checked end to end,
-bit for bit, in tests/paged/test_generator.py and tests/paged/test_speculative_generator.py."""
+bit for bit, in tests/paged/host/test_generator.py and tests/paged/speculation/test_speculative_generator.py."""
 
 from __future__ import annotations
 

@@ -252,7 +252,8 @@ def test_job_and_generator_arguments():
     j = ExLlamaV2DynamicJob(input_ids=[np.asarray([[1, 2]])], max_new_tokens=3, stop_conditions={2, "x", 1})
     assert j.input_ids == [1, 2] and j.stop_tokens == {1, 2} and j.stop_strings == ["x"]
     assert isinstance(j, Job)
-    # speculative decoding is supported (tests/paged/test_speculative_generator.py); bad combinations are errors
+    # speculative decoding is supported (tests/paged/speculation/test_speculative_generator.py); bad combinations are
+    # errors
     with pytest.raises(InvalidConfigError, match="not both"):
         ExLlamaV2DynamicGenerator(MODEL, None, TOK, draft_model=MODEL, use_ngram_draft=True)
     with pytest.raises(InvalidConfigError, match="draft_cache"):

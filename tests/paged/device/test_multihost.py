@@ -1,7 +1,7 @@
 """Several processes (`paged.device.sharding.initialize_distributed`, JAX's multi-controller model): two processes on
 localhost, 2 virtual CPU devices each, run the same generator over one `dp=2,tp=2` mesh spanning both
-(`tests/paged/multihost_check.py`). They must produce the same results as each other (the unseeded job too: its seed
-comes from process 0) and as one device, with the cache split across both processes' devices."""
+(`tests/paged/device/multihost_check.py`). They must produce the same results as each other (the unseeded job too:
+its seed comes from process 0) and as one device, with the cache split across both processes' devices."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 from paged.device.sharding import initialize_distributed, is_main_process, shared_seed
 from paged.errors import InvalidConfigError
 from tests.compile_settings import script_env
-from tests.paged import multihost_check
+from tests.paged.device import multihost_check
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _free_port() -> int:
@@ -34,7 +34,7 @@ def processes():
     env = script_env()
     env["JAX_PLATFORMS"] = "cpu"
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.paged.multihost_check", str(i), "2", str(port)],
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.paged.device.multihost_check", str(i), "2", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for i in range(2)]
     # No fixed time limit (a loaded machine only makes them slower); a process that fails makes the other one, which

@@ -13,12 +13,12 @@ import pytest
 from tests.compile_settings import script_env
 
 pytestmark = pytest.mark.real_weights
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_smollm2_greedy_is_the_same_on_one_device_tp3_and_dp3():
     env = script_env()
-    p = subprocess.run([sys.executable, "-m", "tests.paged.smollm2_mesh_check"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "tests.paged.device.smollm2_mesh_check"], capture_output=True, text=True,
                        env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SMOLLM2_MESH ")), None)
     assert line is not None, p.stderr[-3000:]

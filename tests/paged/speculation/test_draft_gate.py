@@ -13,7 +13,7 @@ from paged.errors import InvalidConfigError
 from paged.speculation import draft_gate as dg
 from paged.speculation.draft_gate import DraftGate
 from paged.testing import FakeEngine, verification_for
-from tests.paged.test_speculative_generator import (
+from tests.paged.speculation.test_speculative_generator import (
     MODEL,
     NGRAM,
     OTHER,
@@ -150,7 +150,7 @@ def test_a_gated_step_runs_no_draft_forward_and_the_draft_catches_up():
     from itertools import cycle
 
     from paged.testing import drain
-    from tests.paged.test_speculative_generator import check_draft_cache
+    from tests.paged.speculation.test_speculative_generator import check_draft_cache
 
     ref = run_model(jobs=model_jobs(max_new=24))[1]
     gen = DynamicGenerator(MODEL, **SETTINGS, draft_model=MODEL, num_draft_tokens=2, adaptive_draft=True)

@@ -1,6 +1,6 @@
-"""Run by tests/paged/test_smollm2_mesh.py in a fresh process with 3 virtual CPU devices: the embedded SmolLM2-135M
-(Q4_1 GGUF kept quantized; 3 KV heads) greedy on one device, with tp=3 and with dp=3, on the CPU's default kernels
-(the native matmul and the native paged attention). Prints one JSON object.
+"""Run by tests/paged/device/test_smollm2_mesh.py in a fresh process with 3 virtual CPU devices: the embedded
+SmolLM2-135M (Q4_1 GGUF kept quantized; 3 KV heads) greedy on one device, with tp=3 and with dp=3, on the CPU's
+default kernels (the native matmul and the native paged attention). Prints one JSON object.
 
 On 2026-11-27 the first prompt's greedy output differed between one device and both meshes with the native attention
 (" Paris.\n\nThe United States ..." against " Paris.\n\nThe answer is: 201") and this check ran XLA's attention; on

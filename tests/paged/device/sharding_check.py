@@ -1,4 +1,4 @@
-"""Run by tests/paged/test_sharding.py in a fresh process (the virtual CPU devices must exist before JAX starts):
+"""Run by tests/paged/device/test_sharding.py in a fresh process (the virtual CPU devices must exist before JAX starts):
 the generator on one device and with `mesh="tp=2"` / `"tp=4"` over 4 virtual CPU devices (`chex.set_n_cpu_devices`),
 on a tiny random Llama (8 query heads, 4 KV heads). Prints one JSON object of findings; the test asserts on it."""
 
@@ -24,7 +24,7 @@ from paged.device.step import forward_inputs, step_forward  # noqa: E402
 from paged.errors import InvalidConfigError  # noqa: E402
 from paged.testing import ByteTokenizer, drain  # noqa: E402
 from pallas_kernels import native  # noqa: E402
-from tests.paged.test_sharding import QUANT_MESHES  # noqa: E402
+from tests.paged.device.test_sharding import QUANT_MESHES  # noqa: E402
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,

@@ -86,7 +86,7 @@ def _workload(rng: np.random.Generator) -> list[list[Job]]:
     return waves
 
 
-@pytest.mark.slow  # fast tier: tests/paged/test_generator.py::test_warmup_compiles_every_bucket_once...
+@pytest.mark.slow  # fast tier: tests/paged/host/test_generator.py::test_warmup_compiles_every_bucket_once...
 def test_warmup_covers_everything_serving_hits():
     gen = DynamicGenerator(MODEL, num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64,
                            max_prefill_rows=2, max_penalty_range=32, decode_steps=3)
@@ -199,7 +199,7 @@ def test_warmup_covers_speculative_steps(drafter):
     from models.draft import truncated_model
     from paged.speculation.config import SpeculationConfig
     from paged.speculation.speculator import Speculator
-    from tests.paged.test_speculative import _loop
+    from tests.paged.speculation.test_speculative import _loop
 
     settings = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64,
                     max_prefill_rows=1, max_penalty_range=16)

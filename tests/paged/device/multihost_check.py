@@ -1,6 +1,6 @@
-"""Run by tests/paged/test_multihost.py as two processes on localhost (`python -m tests.paged.multihost_check
-PROCESS_ID NUM_PROCESSES PORT`), each with 2 virtual CPU devices, joined by
-`paged.device.sharding.initialize_distributed`:
+"""Run by tests/paged/device/test_multihost.py as two processes on localhost
+(`python -m tests.paged.device.multihost_check PROCESS_ID NUM_PROCESSES PORT`), each with 2 virtual CPU devices,
+joined by `paged.device.sharding.initialize_distributed`:
 both run the same generator over a `dp=2,tp=2` mesh spanning all 4 devices, with the same jobs, the way a multi-host
 user launches it. Each prints one JSON object of what it saw; the test compares them with each other and with one
 device in its own process."""

@@ -12,7 +12,7 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.testing import drain
-from tests.paged.test_speculative_generator import GREEDY, MODEL, TOK, check_draft_cache
+from tests.paged.speculation.test_speculative_generator import GREEDY, MODEL, TOK, check_draft_cache
 
 SET = dict(num_pages=64, page_size=8, max_batch_size=1, max_chunk_size=16, max_seq_len=96, max_penalty_range=0)
 

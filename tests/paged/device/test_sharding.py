@@ -1,8 +1,8 @@
 """Tensor parallelism (`EngineConfig.mesh="tp=N"`, `paged/device/sharding.py`). The multi-device checks run in a fresh
-process with 4 virtual CPU devices (`tests/paged/sharding_check.py`): greedy and seeded sampled outputs with tp=2 and
-tp=4 identical to one device (mixed prefill/decode steps, a shared prefix served from the cache, a cancelled job, an
-int8 cache), the cache really split by KV head, and no all-gather of the cache in the compiled step. The rest runs
-here, on this process's one device."""
+process with 4 virtual CPU devices (`tests/paged/device/sharding_check.py`): greedy and seeded sampled outputs with
+tp=2 and tp=4 identical to one device (mixed prefill/decode steps, a shared prefix served from the cache, a cancelled
+job, an int8 cache), the cache really split by KV head, and no all-gather of the cache in the compiled step. The
+rest runs here, on this process's one device."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer
 from tests.compile_settings import script_env
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 
 @pytest.fixture(scope="module")
 def check():
     env = script_env()
-    p = subprocess.run([sys.executable, "-m", "tests.paged.sharding_check"], capture_output=True, text=True,
-                       env={**env, "JAX_PLATFORMS": "cpu"}, cwd=os.path.dirname(os.path.dirname(
-                           os.path.dirname(os.path.abspath(__file__)))))
+    p = subprocess.run([sys.executable, "-m", "tests.paged.device.sharding_check"], capture_output=True, text=True,
+                       env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SHARDING_CHECK ")), None)
     assert line is not None, p.stderr[-3000:]
     return json.loads(line.removeprefix("SHARDING_CHECK "))

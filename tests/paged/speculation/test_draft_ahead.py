@@ -9,7 +9,7 @@ import pytest
 
 from paged import DynamicGenerator, Job
 from paged.testing import drain
-from tests.paged.test_speculative_generator import (
+from tests.paged.speculation.test_speculative_generator import (
     GREEDY,
     MODEL,
     OTHER,

@@ -17,8 +17,8 @@ from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.engine import count_compiles
 from paged.errors import InvalidConfigError
 from paged.testing import drain
-from tests.paged.test_speculative_generator import MODEL, SETTINGS, TOK
-from tests.paged.test_warmup import count_jax_compiles
+from tests.paged.device.test_warmup import count_jax_compiles
+from tests.paged.speculation.test_speculative_generator import MODEL, SETTINGS, TOK
 
 MOTIF = {int(t): 6.0 for t in TOK.encode("abc")}  # a bias that makes the outputs repeat it: prompt lookup drafts
 GREEDY = SamplingSettings.greedy(token_bias=MOTIF)

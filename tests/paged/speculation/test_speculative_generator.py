@@ -588,8 +588,8 @@ def test_greedy_identity_is_bitwise_on_the_gpu_paths_kernels_interpreted():
     from tests.compile_settings import TEST_XLA_FLAGS
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{TEST_XLA_FLAGS} --xla_backend_optimization_level=0"}
-    code = "from tests.paged.test_speculative_generator import pallas_path_identity; pallas_path_identity()"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = "from tests.paged.speculation.test_speculative_generator import pallas_path_identity; pallas_path_identity()"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-3000:]
 

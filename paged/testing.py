@@ -336,6 +336,29 @@ def drain(gen, limit=10_000):
     return Collected(results, texts, finals)
 
 
+TINY_SHAPE = dict(hidden_size=32, intermediate_size=48, num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def tiny_config(vocab_size: int, num_layers: int = 2, **overrides: Any):
+    """The tests' tiny random Llama: hidden 32, MLP 48, 4 query and 2 KV heads of 8 (`TINY_SHAPE`), `num_layers`
+    layers, `vocab_size` tokens; `overrides` are further `models.ModelConfig` fields (max_position_embeddings,
+    rope_theta, tie_word_embeddings, ...). One definition instead of the same config written in every test file:
+    the same config also means the same compiled programs, which the suite's compilation cache shares."""
+    from models import ModelConfig
+
+    return ModelConfig(model_type="llama", vocab_size=vocab_size, num_layers=num_layers, **{**TINY_SHAPE, **overrides})
+
+
+def tiny_model(config: Any, seed: int = 0, tokenizer: Any = None, source: str = "tiny", **weights: Any):
+    """A `models.loader.Model` of `config` (e.g. `tiny_config(...)`) with random weights (`init_random_weights(config,
+    seed=seed, **weights)`)."""
+    from models import init_random_weights
+    from models.loader import Model
+
+    return Model(config=config, params=init_random_weights(config, seed=seed, **weights), tokenizer=tokenizer,
+                 source=source)
+
+
 def quantized_tiny_model(tokenizer=None, seed: int = 0, scale: float = 0.05):
     """A tiny random Llama (2 layers, hidden 128, 6 query and 2 KV heads of SmolLM2's head size 64, vocabulary 258)
     whose projections and LM head are Q4_1 in groups of 32, as SmolLM2's GGUF: on the CPU they run through the native

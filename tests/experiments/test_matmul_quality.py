@@ -9,12 +9,10 @@ import numpy as np
 import pytest
 
 from experiments.matmul_quality import _common_prefix, greedy_report, teacher_forced_report
-from models import ModelConfig, init_random_weights
-from models.loader import Model
+from paged.testing import tiny_config, tiny_model
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1, scale=0.2), tokenizer=None, source="tiny")
+CFG = tiny_config(64)
+MODEL = tiny_model(CFG, seed=1, scale=0.2)
 SEQS = [[1, 5, 9, 3, 7, 2, 11], [4, 4, 8, 15, 16, 23, 42, 8, 1], [3, 2]]
 
 

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
 from models.draft import reduced_head, save_hf_llama, truncated_model
 from models.errors import InvalidLoadOptionError
 from models.llama import forward
 from models.loader import Model
+from paged.testing import tiny_config, tiny_model
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1, scale=0.2), tokenizer=None, source="tiny")
+CFG = tiny_config(64, num_layers=4)
+MODEL = tiny_model(CFG, seed=1, scale=0.2)
 TOKENS = jnp.asarray([[3, 14, 15, 9, 26, 5, 35]], jnp.int32)
 
 
@@ -77,7 +76,7 @@ def test_reduced_head_rejects_bad_token_ids(ids):
 
 # tied embeddings, as the distilled drafts have; int8-loadable (every input width a multiple of 32)
 TIED_CFG = dataclasses.replace(CFG, intermediate_size=64, tie_word_embeddings=True)
-TIED = Model(config=TIED_CFG, params=init_random_weights(TIED_CFG, seed=2, scale=0.2), tokenizer=None, source="t")
+TIED = tiny_model(TIED_CFG, seed=2, source="t", scale=0.2)
 
 
 @pytest.mark.parametrize("src", ["tied", "untied", "reduced", "reduced_untied"])

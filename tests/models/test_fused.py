@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights, quant
+from models import init_random_weights, quant
 from models.fused import gate_up_parts, group_columns, grouped_order, qkv_parts, rows_split, split_columns
 from models.llama import forward
+from paged.testing import tiny_config
 from pallas_kernels.quant_format import LayerSlice, dequantize
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=8)
+CFG = tiny_config(64)
 
 
 def test_grouped_order_interleaves_the_parts_by_group():

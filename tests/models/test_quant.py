@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from models import quant
 from models.linear import MATMUL_IMPLS, matmul
+from paged.testing import tiny_config
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels.quant_format import QuantizedArray, check, dequantize
 from pallas_kernels.registry import MATMUL
@@ -305,10 +306,9 @@ def test_step_read_bytes_counts_the_head_not_a_separate_embedding(tied):
     gathered, so it is left out -- but a tied table is the head and is counted."""
     import dataclasses
 
-    from models import ModelConfig, init_random_weights
+    from models import init_random_weights
 
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    cfg = tiny_config(64, tie_word_embeddings=tied)
     w = init_random_weights(cfg)
     embed = 64 * 32 * 4
     assert w.step_read_bytes() == w.nbytes() - (0 if tied else embed)

@@ -8,20 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
 from models.llama import forward
-from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.sampling import SamplingRows, adjusted_logits, apply_cfg
 from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
 from paged.filters import RegexFilter, compute_masks
 from paged.host import generator as generator_module
-from paged.testing import ByteTokenizer, drain
+from paged.testing import ByteTokenizer, drain, tiny_config, tiny_model
 
 TOK = ByteTokenizer()
-CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=5), tokenizer=TOK, source="tiny")
+CFG = tiny_config(TOK.vocab_size, max_position_embeddings=256)
+MODEL = tiny_model(CFG, seed=5, tokenizer=TOK)
 GEN = dict(num_pages=64, page_size=8, max_batch_size=6, max_chunk_size=16, max_seq_len=96)
 RNG = np.random.default_rng(3)
 POS = [int(t) for t in RNG.integers(0, 256, size=37)]  # 5 pages; prefilled in 3 chunks of <= 16

@@ -11,8 +11,6 @@ import warnings
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.compat import (
     WHOLE_CONTEXT,
@@ -26,12 +24,11 @@ from paged.compat import (
 )
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
 from paged.filters import ChoiceFilter, RegexFilter
-from paged.testing import ByteTokenizer
+from paged.testing import ByteTokenizer, tiny_config, tiny_model
 
 TOK = ByteTokenizer()
-CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=3), tokenizer=TOK, source="tiny")
+CFG = tiny_config(TOK.vocab_size, max_position_embeddings=256)
+MODEL = tiny_model(CFG, seed=3, tokenizer=TOK)
 SMALL = dict(max_batch_size=4, max_chunk_size=16, page_size=8)
 
 

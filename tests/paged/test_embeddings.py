@@ -6,17 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
 from paged import DynamicGenerator, Job, MMEmbedding, SamplingSettings
 from paged.embeddings import RESERVED_ID_BASE, encode_with_embeddings
 from paged.errors import InvalidJobError
-from paged.testing import ByteTokenizer, FakeEngine, drain
+from paged.testing import ByteTokenizer, FakeEngine, drain, tiny_config, tiny_model
 
 TOK = ByteTokenizer()
-CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=5), tokenizer=TOK, source="tiny")
+CFG = tiny_config(TOK.vocab_size, max_position_embeddings=256)
+MODEL = tiny_model(CFG, seed=5, tokenizer=TOK)
 GEN = dict(num_pages=48, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96, max_embedding_tokens=32)
 GREEDY = SamplingSettings.greedy()
 RNG = np.random.default_rng(0)

@@ -15,8 +15,7 @@ import llguidance.numpy
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
+from models import ModelConfig
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.batch import mask_words
 from paged.device.sampling import apply_token_mask
@@ -33,7 +32,7 @@ from paged.filters import (
     mask_allows,
 )
 from paged.host import generator as generator_module
-from paged.testing import ByteTokenizer, FakeEngine, drain, verification_for
+from paged.testing import ByteTokenizer, FakeEngine, drain, tiny_model, verification_for
 
 TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>
 GREEDY = SamplingSettings.greedy()
@@ -322,7 +321,7 @@ def test_speculative_verification_masks_every_position():
 # ------------------------------------------------------------------------------------------- tiny real model
 CFG = ModelConfig(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=3), tokenizer=TOK, source="tiny")
+MODEL = tiny_model(CFG, seed=3, tokenizer=TOK)
 SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64)
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"},
                                            "tag": {"enum": ["a", "b"]}},

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
+from models import ModelConfig
 from models.errors import (
     CorruptFileError,
     MissingWeightError,
@@ -23,12 +23,11 @@ from models.lora import PROJECTIONS, load_lora, projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.engine import count_compiles
 from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError, NonFiniteAdapterError
-from paged.testing import ByteTokenizer, drain
+from paged.testing import ByteTokenizer, drain, tiny_config, tiny_model
 
 TOK = ByteTokenizer()
-CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=5), tokenizer=TOK, source="tiny")
+CFG = tiny_config(TOK.vocab_size, max_position_embeddings=256)
+MODEL = tiny_model(CFG, seed=5, tokenizer=TOK)
 GEN = dict(num_pages=64, page_size=8, max_batch_size=6, max_chunk_size=16, max_seq_len=96, max_loras=3,
            max_lora_rank=8)
 GREEDY = SamplingSettings.greedy()

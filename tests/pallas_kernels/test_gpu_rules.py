@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
+from models import init_random_weights
 from models.loader import Model
 from models.quant import quantize
 from paged.device.engine import Engine
 from paged.device.step import resolved_attn_impl
 from paged.errors import InvalidConfigError
+from paged.testing import tiny_config, tiny_model
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import registry
@@ -153,13 +154,12 @@ def test_auto_matmul_on_a_gpu_falls_back_to_xla_per_matrix(gpu, monkeypatch, out
     assert names_of(calls) == [f"dequant_matmul_{want}"]
 
 
-TINY = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
-                   num_heads=4, num_kv_heads=2, head_dim=8)
+TINY = tiny_config(96, num_layers=1)
 SETTINGS = dict(num_pages=8, page_size=8, max_batch_size=2, max_chunk_size=8, max_seq_len=32)
 
 
 def test_explicit_pallas_attention_on_a_gpu_is_refused_at_construction(gpu):
-    model = Model(config=TINY, params=init_random_weights(TINY, seed=0), tokenizer=None, source="tiny")
+    model = tiny_model(TINY, seed=0)
     with pytest.raises(InvalidConfigError, match=r"attn_impl='pallas' .*head_dim=8.*attn_impl='auto'"):
         Engine(model, attn_impl="pallas", **SETTINGS)
     engine = Engine(model, **SETTINGS)  # "auto": the XLA path, with its page buckets

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from paged.testing import tiny_model
 from pallas_kernels import native, testing
 from pallas_kernels.registry import (
     KernelContractError,
@@ -288,8 +289,7 @@ def test_the_benchmark_checks_then_times_an_external_kernel(kernel_dir):
 
 # ------------------------------------------------------------------------------------ in the engine config
 def _greedy_tokens(config) -> list[int]:
-    from models import ModelConfig, init_random_weights
-    from models.loader import Model
+    from models import ModelConfig
     from paged.host.generator import DynamicGenerator
     from paged.job import Job
     from paged.settings import SamplingSettings
@@ -297,7 +297,7 @@ def _greedy_tokens(config) -> list[int]:
     cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
 
-    model = Model(config=cfg, params=init_random_weights(cfg, seed=3), tokenizer=None, source="tiny")
+    model = tiny_model(cfg, seed=3)
     gen = DynamicGenerator(model, config=config)
     jobs = [Job(list(range(1, 1 + n)), 6, gen_settings=SamplingSettings.greedy()) for n in (5, 19)]
     gen.enqueue(jobs)

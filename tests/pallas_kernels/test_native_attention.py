@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged.testing import tiny_model
 from pallas_kernels import native_attention, testing
 from pallas_kernels import paged_attention as pa
 from pallas_kernels.testing import AttentionCase
@@ -138,8 +139,7 @@ def test_it_says_why_when_it_cannot_run(monkeypatch):
 def test_the_engine_generates_the_same_tokens_as_with_xla_attention(cache_dtype):
     """A tiny random model, greedy, prefill chunks and decode rows in one batch, and a sliding window: the native
     kernel's tokens and log-probabilities against the XLA path's."""
-    from models import ModelConfig, init_random_weights
-    from models.loader import Model
+    from models import ModelConfig
     from paged.device.config import EngineConfig
     from paged.host.generator import DynamicGenerator
     from paged.job import Job
@@ -147,7 +147,7 @@ def test_the_engine_generates_the_same_tokens_as_with_xla_attention(cache_dtype)
 
     cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=6, num_kv_heads=2, head_dim=16, sliding_window=12)
-    model = Model(config=cfg, params=init_random_weights(cfg, seed=5), tokenizer=None, source="tiny")
+    model = tiny_model(cfg, seed=5)
 
     def run(attn_impl: str):
         config = EngineConfig(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import sys
 
-from models import ModelConfig, init_random_weights
+from models import ModelConfig
 from models.loader import Model
-from paged.testing import ByteTokenizer
+from paged.testing import ByteTokenizer, tiny_model
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
@@ -23,7 +23,7 @@ PROMPTS = ["the cat sat on the mat and then it sat again on the hat", "the cat s
 
 
 def model() -> Model:
-    return Model(config=CFG, params=init_random_weights(CFG, seed=0, scale=0.08), tokenizer=TOK, source="tiny")
+    return tiny_model(CFG, seed=0, tokenizer=TOK, scale=0.08)
 
 
 def run(mesh: str) -> tuple[object, dict]:

@@ -15,21 +15,21 @@ chex.set_n_cpu_devices(4)
 
 import jax  # noqa: E402
 
-from models import ModelConfig, init_random_weights, quant  # noqa: E402
+from models import ModelConfig, quant  # noqa: E402
 from models.loader import Model  # noqa: E402
 from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
 from paged.device.batch import RowInput, build_batch  # noqa: E402
 from paged.device.engine import forward_shape  # noqa: E402
 from paged.device.step import forward_inputs, step_forward  # noqa: E402
 from paged.errors import InvalidConfigError  # noqa: E402
-from paged.testing import ByteTokenizer, drain  # noqa: E402
+from paged.testing import ByteTokenizer, drain, tiny_model  # noqa: E402
 from pallas_kernels import native  # noqa: E402
 from tests.paged.device.test_sharding import QUANT_MESHES  # noqa: E402
 
 TOK = ByteTokenizer()
 CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=8,
                   num_kv_heads=4, head_dim=16)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0, scale=0.08), tokenizer=TOK, source="tiny")
+MODEL = tiny_model(CFG, seed=0, tokenizer=TOK, scale=0.08)
 SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=96, max_penalty_range=0)
 SHARED = "the cat sat on the mat and then it sat again on the "  # 52 tokens: prefix pages shared between jobs
 

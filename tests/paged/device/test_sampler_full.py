@@ -370,16 +370,13 @@ def test_token_sets_pack_as_the_device_reads_them():
 # In the generator: per-job state, decode bursts, speculative decoding, validation
 # ----------------------------------------------------------------------------------------------------------------
 
-from models import ModelConfig, init_random_weights  # noqa: E402
-from models.loader import Model  # noqa: E402
 from paged import DynamicGenerator, Job, SamplingSettings  # noqa: E402
 from paged.errors import InvalidJobError, InvalidSettingsError  # noqa: E402
-from paged.testing import ByteTokenizer, drain  # noqa: E402
+from paged.testing import ByteTokenizer, drain, tiny_config, tiny_model  # noqa: E402
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, tokens_with_chars  # noqa: E402
 
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1), tokenizer=None, source="tiny")
+CFG = tiny_config(96)
+MODEL = tiny_model(CFG, seed=1)
 GEN = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_penalty_range=32)
 FULL = SamplingSettings(temperature=0.9, top_k=30, top_p=0.95, top_a=0.02, tfs=0.97, min_temp=0.5, max_temp=1.4,
                         xtc_probability=0.5, xtc_threshold=0.05, skew=0.3, dry_multiplier=0.8, dry_allowed_length=1,

@@ -14,13 +14,11 @@ import sys
 import jax
 import pytest
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
 from paged import DynamicGenerator
 from paged.device import sharding as sh
 from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError
-from paged.testing import ByteTokenizer
+from paged.testing import ByteTokenizer, tiny_config, tiny_model
 from tests.compile_settings import script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -146,10 +144,9 @@ def test_mesh_settings_here():
         EngineConfig(mesh=2)
     assert sh.spec_of("cache.k") == sh.P(None, "tp", None, None, None) and sh.spec_of("layers.wqkv") == sh.P(
         None, None, "tp") and sh.spec_of("unknown") == sh.P()
-    cfg = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=8)
+    cfg = tiny_config(258, num_layers=1)
     assert sh.make_mesh("tp=1", cfg) is None and sh.make_mesh("", cfg) is None
-    model = Model(config=cfg, params=init_random_weights(cfg), tokenizer=ByteTokenizer(), source="tiny")
+    model = tiny_model(cfg, tokenizer=ByteTokenizer())
     settings = dict(num_pages=8, page_size=8, max_batch_size=1, max_chunk_size=8, max_seq_len=16)
     hint = r" \(on the CPU, set XLA_FLAGS" if jax.default_backend() == "cpu" else "$"
     with pytest.raises(InvalidConfigError, match=r"needs 2 devices; 1 available" + hint):

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
+from models import init_random_weights
 from models.llama import forward
 from paged.device.batch import RowInput, build_batch
 from paged.device.buckets import BucketSpec
 from paged.device.state import EngineState
 from paged.device.step import decode_burst, step
+from paged.testing import tiny_config
 
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
+CFG = tiny_config(96)
 PARAMS = init_random_weights(CFG, seed=0)
 
 

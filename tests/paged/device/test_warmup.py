@@ -13,20 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
 from models.tokenizer import load_tokenizer_from_dir
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.batch import RowInput, build_batch
 from paged.device.buckets import BIAS_WIDTH
 from paged.device.engine import Engine, count_compiles, host_top_k
 from paged.device.step import TOP_K_WIDTH, StepStatics, lm_head, sample_inputs, step_sample
-from paged.testing import drain
+from paged.testing import drain, tiny_config, tiny_model
 
 TOK = load_tokenizer_from_dir("tests/models/data/tiny_bpe")  # 601 ids: enough for ban lists wider than BIAS_WIDTH
-CFG = ModelConfig(model_type="llama", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=31000.0)  # a config no other module uses
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=4), tokenizer=TOK, source="tiny-bpe")
+CFG = tiny_config(TOK.vocab_size, rope_theta=31000.0)  # a config no other module uses
+MODEL = tiny_model(CFG, seed=4, tokenizer=TOK, source="tiny-bpe")
 SPECIAL = getattr(TOK, "special_token_ids", frozenset())
 ORDINARY = np.asarray([i for i in range(CFG.vocab_size) if i not in SPECIAL])
 

@@ -17,14 +17,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models import ModelConfig, init_random_weights
-from models.loader import Model
 from models.lora import projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.errors import InvalidConfigError, JobFailure, StepError
 from paged.filters import RegexFilter
 from paged.host.async_generator import AsyncDynamicGenerator
-from paged.testing import ByteTokenizer, FakeEngine, FaultInjector, InjectedFault, drain, page_refs
+from paged.testing import (
+    ByteTokenizer,
+    FakeEngine,
+    FaultInjector,
+    InjectedFault,
+    drain,
+    page_refs,
+    tiny_config,
+    tiny_model,
+)
 
 GREEDY = SamplingSettings.greedy()
 POISON = 250  # the failing tokenizer raises on this token
@@ -274,9 +281,8 @@ def test_page_accounting_is_exact_with_injected_faults(ops, fail_calls):
 
 
 # ---------------------------------------------------------------------------------------------- real tiny model
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1), tokenizer=None, source="tiny")
+CFG = tiny_config(96)
+MODEL = tiny_model(CFG, seed=1)
 
 
 @pytest.mark.slow  # fast tier: the same families on the fake engine (hypothesis) above
@@ -344,10 +350,9 @@ def test_the_fault_injector_is_seeded_validated_and_removable():
             FaultInjector(gen, masks=bad)
 
 
-SOAK_CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+SOAK_CFG = tiny_config(258, max_position_embeddings=128)
 SOAK_TOK = ByteTokenizer()
-SOAK_MODEL = Model(config=SOAK_CFG, params=init_random_weights(SOAK_CFG, seed=3), tokenizer=SOAK_TOK, source="tiny")
+SOAK_MODEL = tiny_model(SOAK_CFG, seed=3, tokenizer=SOAK_TOK)
 # n-gram speculation with sample-then-match (sampled output is plain sampling's, whatever was drafted), on-demand
 # pages with preemption (vllm), one LoRA slot; 14 usable pages of 8 tokens for up to 4 jobs of up to 6 pages
 SOAK = dict(num_pages=15, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_loras=1,

@@ -6,17 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
 from models.llama import greedy_generate
-from models.loader import Model
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.testing import drain, quantized_tiny_model
+from paged.testing import drain, quantized_tiny_model, tiny_config, tiny_model
 from pallas_kernels import native_attention
 from pallas_kernels.native import unavailable_reason as native_unavailable
 
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=1), tokenizer=None, source="tiny")
+CFG = tiny_config(96)
+MODEL = tiny_model(CFG, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +182,7 @@ def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
 
     tok = load_tokenizer_from_dir("tests/models/data/tiny_bpe")
     cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
-    model = Model(config=cfg, params=init_random_weights(cfg, seed=2), tokenizer=tok, source="tiny-bpe")
+    model = tiny_model(cfg, seed=2, tokenizer=tok, source="tiny-bpe")
     gen = DynamicGenerator(model, num_pages=16, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64)
     ids = tok.encode("the quick brown fox jump")
     dropped = tok.token_bytes(ids[-1])

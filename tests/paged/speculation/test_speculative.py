@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import ModelConfig, init_random_weights
+from models import init_random_weights
 from models.draft import reduced_head, truncated_model
 from models.loader import Model
 from paged.device.batch import RowInput
@@ -20,15 +20,15 @@ from paged.errors import InvalidConfigError
 from paged.speculation.config import SpeculationConfig
 from paged.speculation.rows import SpecRow
 from paged.speculation.speculator import Speculator
+from paged.testing import tiny_config, tiny_model
 from paged.token_sets import pack
 
 # each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
 
-CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0), tokenizer=None, source="tiny")
-OTHER = Model(config=CFG, params=init_random_weights(CFG, seed=7), tokenizer=None, source="tiny-other")
+CFG = tiny_config(96)
+MODEL = tiny_model(CFG, seed=0)
+OTHER = tiny_model(CFG, seed=7, source="tiny-other")
 SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_prefill_rows=1,
                 max_penalty_range=16)
 # penalties strong enough to move every token's probability: the whole final distribution is compared
@@ -411,8 +411,7 @@ def test_invalid_speculation_configs():
         Speculator.of(engine, use_ngram_draft=True, num_draft_tokens=0)
     with pytest.raises(InvalidConfigError, match="acceptance must be one of"):
         Speculator.of(engine, use_ngram_draft=True, acceptance="accept-all")
-    small = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+    small = tiny_config(64, num_layers=1)
     with pytest.raises(InvalidConfigError, match=r"built without verification; this speculation needs one built "
                                                   r"with EngineConfig\(verification=Verification\(num_draft_tokens=4"):
         Speculator.of(engine, use_ngram_draft=True)  # an engine's roles are fixed when it is built

@@ -30,6 +30,8 @@ from paged.testing import (
     FakeEngine,
     drain,
     quantized_tiny_model,
+    tiny_config,
+    tiny_model,
     verification_for,
 )
 from pallas_kernels.native import unavailable_reason as native_unavailable
@@ -255,10 +257,9 @@ def test_page_accounting_is_exact_under_random_operations_with_speculation():
 
 
 # ---------------------------------------------------------------------------------------------- configuration
-CFG = ModelConfig(model_type="llama", vocab_size=258, hidden_size=32, intermediate_size=48, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0)
-MODEL = Model(config=CFG, params=init_random_weights(CFG, seed=0), tokenizer=TOK, source="tiny")
-OTHER = Model(config=CFG, params=init_random_weights(CFG, seed=7), tokenizer=TOK, source="tiny-other")
+CFG = tiny_config(258)
+MODEL = tiny_model(CFG, seed=0, tokenizer=TOK)
+OTHER = tiny_model(CFG, seed=7, tokenizer=TOK, source="tiny-other")
 SETTINGS = dict(num_pages=48, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_penalty_range=0)
 
 
@@ -279,8 +280,7 @@ def test_invalid_speculation_arguments():
     with pytest.raises(InvalidConfigError, match="max_seq_len=64 exceeds the draft model's max_position_embeddings=32"):
         DynamicGenerator(MODEL, draft_model=Model(config=short, params=OTHER.params, tokenizer=TOK, source="short"),
                          **SETTINGS)
-    small = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1,
-                        num_heads=4, num_kv_heads=2, head_dim=8)
+    small = tiny_config(96, num_layers=1)
     with pytest.raises(InvalidConfigError, match="vocabulary"):
         DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
                                                   source="small"), **SETTINGS)

@@ -96,14 +96,16 @@ class BucketSpec:
 
     @classmethod
     def from_config(cls, config: EngineConfig, attn_impl: str | None = None, head_dim: int = 64) -> BucketSpec:
-        """The buckets of a resolved `EngineConfig`; `attn_impl`: the implementation attention resolves to
-        ("auto" resolved; default: the config's, resolved on the current backend for the model's `head_dim`)."""
+        """The buckets of a resolved `EngineConfig` (with verification buckets where the engine verifies drafts:
+        `EngineConfig.verification`); `attn_impl`: the implementation attention resolves to ("auto" resolved;
+        default: the config's, resolved on the current backend for the model's `head_dim`)."""
         impl = resolved_attn_impl(config.attn_impl if attn_impl is None else attn_impl, head_dim=head_dim,
                                   page_size=config.page_size)
         return cls(
             max_batch_size=config.max_batch_size, max_chunk_size=config.max_chunk_size,
             max_pages_per_row=config.max_pages_per_row, max_prefill_rows=config.max_prefill_rows,
             page_size=config.page_size, history_len=config.max_penalty_range, page_switch=impl != "pallas",
+            verify_len=0 if config.verification is None else config.verification.num_draft_tokens + 1,
         )
 
     @property

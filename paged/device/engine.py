@@ -153,9 +153,7 @@ class Engine:
         # (compute not hidden behind the dispatch, plus the device->host copy).
         self.timings = {"build_s": 0.0, "dispatch_s": 0.0, "wait_s": 0.0}
         # Its roles, fixed here (`EngineConfig.verification` / `.drafting`, `paged.device.config.Verification`):
-        verify = self.config.verification
-        if verify is not None:  # verification buckets, W = num_draft_tokens + 1
-            self.spec = dataclasses.replace(self.spec, verify_len=verify.num_draft_tokens + 1)
+        verify = self.config.verification  # (its verification buckets are in `spec` already)
         self.verify_probs = verify is not None and verify.draft_probs  # the drafts come with their distributions
         self.verify_match = verify is not None and verify.match  # sampled rows: sample-then-match acceptance
         # > 0: verification steps take their drafts from the device (a draft model's burst, `run(draft_tokens=)`)

@@ -74,3 +74,12 @@ def test_verification_buckets_hold_their_step_rows_at_a_stride_of_w():
         dataclasses.replace(spec, verify_len=0).verify_shape_for([], 1, 1)
     with pytest.raises(ValueError, match="verify_len 0"):
         dataclasses.replace(spec, verify_len=1)
+
+
+def test_an_engine_built_to_verify_gets_its_verification_buckets_from_its_config():
+    from paged.device.config import Verification
+
+    config = EngineConfig(max_batch_size=4, max_chunk_size=16, verification=Verification(3)).resolve(256)
+    spec = BucketSpec.from_config(config, attn_impl="xla")
+    assert spec.verify_len == 4 and len(spec.verify_shapes()) == len(spec.layouts())
+    assert BucketSpec.from_config(dataclasses.replace(config, verification=None), attn_impl="xla").verify_len == 0

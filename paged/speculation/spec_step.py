@@ -43,10 +43,6 @@ class SpeculativeStep:
         if draft_model is not None and not (hasattr(engine, "verify_plan") and hasattr(engine, "model")):
             raise InvalidConfigError(f"DynamicGenerator: a draft model needs the JAX paged.device.engine.Engine as the "
                                      f"target (it mirrors its cache), not {type(engine).__name__}")
-        if getattr(getattr(engine, "config", None), "verification", None) is None:
-            raise InvalidConfigError(f"DynamicGenerator: speculative decoding needs an engine built to verify drafts "
-                                     f"(EngineConfig(verification={config.verification()})); "
-                                     f"{type(engine).__name__} was built without")
         # the drafter is built from the config and handed to the speculator
         drafter = make_drafter(config, engine, draft_model=draft_model, tokenizer=tokenizer)
         self.speculator = Speculator(engine, config, drafter)

@@ -300,7 +300,8 @@ def test_invalid_speculation_arguments():
         DynamicGenerator(MODEL, draft_acceptance="match", **SETTINGS)
 
     # an engine's roles are fixed when it is built: one built for other drafts, or none, is refused
-    with pytest.raises(InvalidConfigError, match=r"built to verify drafts \(EngineConfig\(verification="):
+    with pytest.raises(InvalidConfigError, match=r"built without verification; this speculation needs one built with "
+                                                  r"EngineConfig\(verification="):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), use_ngram_draft=True)
     with pytest.raises(InvalidConfigError, match="match=True"):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(verification=Verification(4)), use_ngram_draft=True,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.device.config import EngineConfig
+from paged.device.config import Drafting, EngineConfig, Verification, config_fields
 from paged.errors import (
     GeneratorError,
     InvalidConfigError,
@@ -278,10 +278,19 @@ def test_a_job_can_be_enqueued_after_a_rejected_list():
     (dict(cache_dtype="float8"), InvalidConfigError, "cache_dtype"),
     (dict(attn_impl="cuda"), InvalidConfigError, "attn_impl"),
     (dict(matmul_impl=3), InvalidConfigTypeError, "matmul_impl"),
+    (dict(verification=4), InvalidConfigTypeError, "verification must be a paged.device.config.Verification"),
+    (dict(verification=Verification(0)), InvalidConfigError, "verification.num_draft_tokens"),
+    (dict(drafting=Verification(2)), InvalidConfigTypeError, "drafting must be a paged.device.config.Drafting"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, error, match):
     with pytest.raises(error, match=match):
         EngineConfig(**kwargs)
+
+
+def test_the_engine_roles_survive_to_dict_and_are_no_flags():
+    config = EngineConfig(verification=Verification(3, match=True), drafting=Drafting(2, pad_rows=4))
+    assert EngineConfig.from_kwargs(**config.to_dict()) == config  # (the nested dicts become roles again)
+    assert {f.name for f in config_fields()}.isdisjoint({"verification", "drafting"})
 
 
 def test_generator_construction_errors():

@@ -10,7 +10,10 @@ real-weights tests, which run optimised, were faster with the classic emitters t
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 QUICK_COMPILE = os.environ.get("PAGED_TEST_OPTIMIZE", "") != "1"
 TEST_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false" if QUICK_COMPILE else ""
@@ -23,3 +26,16 @@ def script_env(**extra: str) -> dict[str, str]:
     if TEST_XLA_FLAGS:
         env["XLA_FLAGS"] = TEST_XLA_FLAGS
     return {**env, **extra}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def run_check_script(module: str, tag: str) -> dict:
+    """Run `python -m module` from the repository on the CPU (`script_env`) and return the JSON object it printed on
+    its line starting with `tag + " "`; the script's stderr tail is the assertion message when it printed none."""
+    p = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True,
+                       env=script_env(JAX_PLATFORMS="cpu"), cwd=ROOT)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith(tag + " ")), None)
+    assert line is not None, p.stderr[-3000:]
+    return json.loads(line.removeprefix(tag + " "))

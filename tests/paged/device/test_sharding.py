@@ -6,11 +6,6 @@ rest runs here, on this process's one device."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import pytest
 
@@ -19,19 +14,12 @@ from paged.device import sharding as sh
 from paged.device.config import EngineConfig
 from paged.errors import InvalidConfigError
 from paged.testing import ByteTokenizer, tiny_config, tiny_model
-from tests.compile_settings import script_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.compile_settings import run_check_script
 
 
 @pytest.fixture(scope="module")
 def check():
-    env = script_env()
-    p = subprocess.run([sys.executable, "-m", "tests.paged.device.sharding_check"], capture_output=True, text=True,
-                       env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SHARDING_CHECK ")), None)
-    assert line is not None, p.stderr[-3000:]
-    return json.loads(line.removeprefix("SHARDING_CHECK "))
+    return run_check_script("tests.paged.device.sharding_check", "SHARDING_CHECK")
 
 
 @pytest.mark.parametrize("mesh", ["tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"])

@@ -9,16 +9,18 @@ model, on a virtual clock, so policies can be compared at scales (and on hardwar
 - `StepTimeModel`: seconds of one engine step as `base_s + sum(coef[f] * shape.f)`, plus `coef["wide_step"]` once for
   a step wider than `narrow_tokens` token slots (where the CPU engine leaves its native decode kernel for XLA's
   dequantize-then-dot path: a cost of its own); `constant(s)` for hand-checkable tests, `fit(samples)`
-  (non-negative least squares) for measured step times. Saved as JSON with the device and model it was measured on
-  (`experiments/profile_step.py --fit_out` writes one; `experiments/results/` holds the 2-core CPU + SmolLM2 fit).
-- `SimulatedEngine`: implements `paged.device.engine_api.EngineProtocol`. Tokens come from the deterministic fake model
-of
-  `paged.testing.FakeEngine` (next token = last token + 1); each `run` advances its `clock` (a `VirtualClock`) by
-  the model's prediction for the step's shape. A generator built on it takes that clock (`DynamicGenerator(engine=
-  sim)`), so arrival, TTFT, ITL and queue times are virtual seconds.
+  (non-negative least squares) for measured step times. Saved as JSON with its `setup`: what it was measured on
+  (host CPU and instruction sets or GPU, kernels, model, quantization, cache dtype, page size, date, commit).
+  `experiments/fit_and_validate.py` measures, fits and validates one; the named fits are in
+  `experiments/data/step_time/`.
+- `SimulatedEngine`: implements `paged.device.engine_api.EngineProtocol`. Tokens come from the deterministic fake
+  model of `paged.testing.FakeEngine` (next token = last token + 1); each `run` advances its `clock` (a
+  `VirtualClock`) by the model's prediction for the step's shape. A generator built on it takes that clock
+  (`DynamicGenerator(engine=sim)`), so arrival, TTFT, ITL and queue times are virtual seconds. A fit measured on
+  another setup than the engine it simulates is warned (`StepTimeMismatchWarning`, naming the differences).
 
     sim = SimulatedEngine(EngineConfig(num_pages=257, max_seq_len=2048, max_batch_size=32),
-                          StepTimeModel.load("experiments/results/step_time_smollm2_cpu.json"))
+                          StepTimeModel.load("experiments/data/step_time/cpu_epyc_smollm2_q4.json"))
     gen = DynamicGenerator(engine=sim, policy="vllm")
 """
 
@@ -28,7 +30,8 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +45,16 @@ from paged.testing import FakeEngine
 
 FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step", "kv_read")
 SCHEMA = "step_time_model/1"
+# What a fit records it was measured on (`StepTimeModel.setup`): the host (CPU model and instruction sets, or the GPU),
+# the kernels, the model and its weights, the cache, and when and from which commit. `ENGINE_SETUP` must match the
+# engine simulated; `HOST_SETUP` must match the machine when a fit is validated against the real engine there.
+ENGINE_SETUP = ("model", "quantization", "attn_impl", "matmul_impl", "cache_dtype", "page_size")
+HOST_SETUP = ("cpu", "isa", "gpu")
+SETUP_KEYS = (*HOST_SETUP, *ENGINE_SETUP, "backend", "cpus", "max_batch_size", "max_seq_len", "date", "commit")
+
+
+class StepTimeMismatchWarning(UserWarning):
+    """A step-time fit is used for an engine (or on a machine) other than the one it was measured on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +115,7 @@ class StepTimeModel:
     notes: str = ""
     fit_stats: dict = dataclasses.field(default_factory=dict)
     narrow_tokens: int = 0
+    setup: dict = dataclasses.field(default_factory=dict)  # what it was measured on (SETUP_KEYS); {}: unrecorded
 
     def __post_init__(self):
         unknown = sorted(set(self.coef) - set(FEATURES))
@@ -110,10 +124,45 @@ class StepTimeModel:
         for name, v in [("base_s", self.base_s), *self.coef.items()]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise InvalidConfigError(f"StepTimeModel: {name} must be a finite number >= 0 (seconds), got {v!r}")
+        if not isinstance(self.setup, Mapping):
+            raise InvalidConfigError(f"StepTimeModel: setup must be a dict (keys among {list(SETUP_KEYS)}), got "
+                                     f"{type(self.setup).__name__}")
         n = self.narrow_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidConfigError(f"StepTimeModel: narrow_tokens must be an int >= 0 (0: no wide_step term), got "
                                      f"{n!r}")
+
+    def differences(self, setup: Mapping[str, Any]) -> list[str]:
+        """How `setup` (the engine simulated, or the machine validated on) differs from what this fit was measured
+        on, one line per key both name (an "auto" kernel on the engine side matches anything). A fit loaded from a
+        file that records no setup gives one line saying so."""
+        if self.setup.get("synthetic"):
+            return []
+        if not self.setup:
+            return ["the fit records no setup (host, kernels, model, cache): it may come from other hardware, "
+                    "kernels or weights; refit with `python -m experiments.fit_and_validate`"] if setup else []
+        out = []
+        for k in (*HOST_SETUP, *ENGINE_SETUP):
+            a, b = self.setup.get(k), setup.get(k)
+            if a is None or b is None or b == "auto":
+                continue
+            if k == "isa":  # instruction sets: the fit's must all be there
+                missing = sorted(set(a) - set(b))
+                if missing:
+                    out.append(f"isa: the fit used {', '.join(missing)}, which this host lacks")
+            elif str(a) != str(b):
+                out.append(f"{k}: fit {a!r}, here {b!r}")
+        return out
+
+    def warn_differences(self, setup: Mapping[str, Any], what: str = "the engine simulated") -> list[str]:
+        """`differences(setup)`, each warned as a `StepTimeMismatchWarning` naming `what` and the fit."""
+        diffs = self.differences(setup)
+        if diffs:
+            name = self.setup.get("name") or f"{self.device} / {self.model}"
+            warnings.warn(f"step-time fit {name!r} was measured on a different setup than {what}: "
+                          + "; ".join(diffs) + " (its step times may not transfer)", StepTimeMismatchWarning,
+                          stacklevel=3)
+        return diffs
 
     def predict(self, shape: StepShape) -> float:
         values = dict(zip(FEATURES, shape.features(self.narrow_tokens)))
@@ -122,14 +171,16 @@ class StepTimeModel:
     @classmethod
     def constant(cls, seconds: float) -> StepTimeModel:
         """Every step takes `seconds` (hand-checkable tests)."""
-        return cls(base_s=seconds, notes="constant")
+        return cls(base_s=seconds, notes="constant", setup={"synthetic": True})
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], *, device: str = "unspecified",
-            model: str = "unspecified", notes: str = "", narrow_tokens: int = 0) -> StepTimeModel:
+            model: str = "unspecified", notes: str = "", narrow_tokens: int = 0,
+            setup: Mapping[str, Any] | None = None) -> StepTimeModel:
         """Non-negative least squares of `seconds` on the features (plus an intercept), minimising relative error
         (each sample weighted by 1 / its time, so short decode steps count as much as long prefill steps).
-        `narrow_tokens`: the widest step of the engine's narrow matmul path (0: one path, no `wide_step` term)."""
+        `narrow_tokens`: the widest step of the engine's narrow matmul path (0: one path, no `wide_step` term);
+        `setup`: what the times were measured on (SETUP_KEYS)."""
         if len(shapes) != len(seconds) or len(shapes) < len(FEATURES) + 1:
             raise InvalidConfigError(f"StepTimeModel.fit: need as many times as shapes and at least "
                                      f"{len(FEATURES) + 1} samples, got {len(shapes)} shapes, {len(seconds)} times")
@@ -145,7 +196,7 @@ class StepTimeModel:
                  "max_abs_rel_error": float(rel.max()),
                  "r2": float(1 - np.sum((pred - y) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-30))}
         return cls(base_s=float(coef[0]), coef={f: float(c) for f, c in zip(FEATURES, coef[1:])}, device=device,
-                   model=model, notes=notes, fit_stats=stats, narrow_tokens=narrow_tokens)
+                   model=model, notes=notes, fit_stats=stats, narrow_tokens=narrow_tokens, setup=dict(setup or {}))
 
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, **dataclasses.asdict(self)}
@@ -186,19 +237,33 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         del active[int(np.argmin(sol))]
 
 
+def engine_setup(config: EngineConfig, extra: Mapping[str, Any] | None = None) -> dict:
+    """The setup keys an `EngineConfig` fixes (page size, cache dtype, kernels), plus `extra` (the model and its
+    quantization, which the config does not name)."""
+    out = {"page_size": config.page_size, "cache_dtype": config.cache_dtype, "attn_impl": config.attn_impl,
+           "matmul_impl": config.matmul_impl}
+    return {**out, **dict(extra or {})}
+
+
 class SimulatedEngine(FakeEngine):
     """The fake model on a virtual clock: each step advances `clock` by `step_time.predict(StepShape)`.
+
+    The step-time fit is checked against the engine simulated (`engine_setup(config, setup)`; `setup` adds the
+    model and quantization): a difference is warned (`StepTimeMismatchWarning`), naming it.
 
     `records` (when `record_steps`) holds one `(StepShape, seconds)` per step for the experiment's per-step log."""
 
     def __init__(self, config: EngineConfig, step_time: StepTimeModel, *, vocab_size: int = 258,
-                 clock: VirtualClock | None = None, record_steps: bool = False, pad_to_buckets: bool = True):
+                 clock: VirtualClock | None = None, record_steps: bool = False, pad_to_buckets: bool = True,
+                 setup: Mapping[str, Any] | None = None):
         if not isinstance(config, EngineConfig) or not config.resolved:
             raise InvalidConfigError("SimulatedEngine: config must be a resolved paged.EngineConfig (num_pages and "
                                      "max_seq_len set)")
         if not isinstance(step_time, StepTimeModel):
             raise InvalidConfigError(f"SimulatedEngine: step_time must be a paged.sim.StepTimeModel, got "
                                      f"{type(step_time).__name__}")
+        self.setup = engine_setup(config, setup)
+        step_time.warn_differences(self.setup)
         super().__init__(config=config, vocab_size=vocab_size, record=False)
         self.spec = BucketSpec.from_config(config, attn_impl="xla")
         self.step_time = step_time

@@ -1,0 +1,195 @@
+"""The host loop's results are pinned: seeded simulated runs of the real generator, scheduler, policies, page pool and
+text streams must give exactly the results they gave when these fingerprints were recorded (before the host loop was
+made faster, issue 58), so a speed-up that changes any decision, any row the engine sees or any result dict fails here.
+
+A fingerprint covers, per run: every row of every engine call (tokens, position, pages, sampling values, history,
+bias, mask, the call's arguments), every step's `StepShape` and simulated seconds, every result dict in order (the job
+as its serial), every request's token times, and `metrics()` without its wall-clock timings. The runs have a tight
+page budget (preemptions under `on_demand` policies, queueing under `reserve` ones), shared prompt prefixes (the prompt
+cache), a queue that builds up, and in the "text" case a byte tokenizer with stop strings, banned strings (rewinds),
+stop tokens, min_new_tokens, partial UTF-8, token probabilities and top-k, penalties' history, mirostat, token
+healing and CFG pairs; "burst" runs multi-step decodes (`decode_steps=4`).
+
+To see the current values (after a change that is meant to change results, and only then):
+`python -m tests.paged.test_sim_equivalence`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+import pytest
+
+from paged import DynamicGenerator, Job, SamplingSettings
+from paged.device.config import EngineConfig
+from paged.sim import SimulatedEngine, StepTimeModel
+from paged.testing import ByteTokenizer
+
+# A synthetic fit with every feature, so the step's shape (padding, KV read) decides the virtual clock.
+STEP_TIME = StepTimeModel(base_s=0.01, coef={"prefill_tokens": 1e-4, "decode_rows": 1e-3, "kv_tokens": 1e-6,
+                                             "padded_tokens": 2e-4, "kv_read": 1e-8},
+                          setup={"synthetic": True})
+CONFIG = EngineConfig(page_size=16, max_batch_size=8, max_chunk_size=64, max_prefill_rows=2, max_seq_len=256,
+                      num_pages=41, max_penalty_range=32)
+DIGESTS = ("rows", "shapes", "results", "token_times", "metrics")  # the order of fingerprint()'s "digests"
+WALL_TIMINGS = ("time_schedule_s", "time_engine_s", "time_results_s")
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:12]
+
+
+def _canon(x):
+    """A value as plain, ordered, comparable data (jobs as their serials, arrays as dtype, shape and values)."""
+    if isinstance(x, Job):
+        return ("job", x.serial)
+    if isinstance(x, np.ndarray):
+        return ("array", str(x.dtype), x.shape, x.tolist())
+    if isinstance(x, np.generic):
+        return ("scalar", str(x.dtype), x.item())
+    if isinstance(x, dict):
+        return ("dict", sorted((repr(k), _canon(v)) for k, v in x.items()))
+    if isinstance(x, (set, frozenset)):
+        return ("set", sorted(x))
+    if isinstance(x, (list, tuple)):
+        return [_canon(v) for v in x]
+    return x
+
+
+def _row(r) -> tuple:
+    return (list(r.tokens), r.start_pos, list(r.pages), r.sample, _canon(r.sampling), list(r.history),
+            _canon(r.bias), _canon(r.mask), _canon(r.dry_breakers), _canon(r.xtc_exempt), r.lora_slot, r.verify,
+            r.cfg_negative is not None)
+
+
+def _requests(case: str, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    text = case == "text"
+    prefixes = [[rng.randrange(32, 127) for _ in range(rng.choice((16, 32, 40)))] for _ in range(3)]
+    out = []
+    for i in range(n):
+        lo, hi = (32, 127) if text and rng.random() < 0.8 else (0, 256)
+        prompt = [rng.randrange(lo, hi) for _ in range(rng.randrange(4, 72))]
+        if rng.random() < 0.35:
+            prompt = rng.choice(prefixes) + prompt
+        kw = dict(max_new_tokens=rng.randrange(1, 48), priority=rng.randrange(3))
+        kw["expected_new_tokens"] = kw["max_new_tokens"]
+        if text:
+            kind = rng.randrange(10)
+            if kind == 0:
+                kw["stop_conditions"] = [rng.choice(("pq", "xyz", "5", "}~"))]
+            elif kind == 1:
+                kw["banned_strings"] = [rng.choice(("jk", "MNO", "rs"))]
+            elif kind == 2:
+                kw.update(stop_conditions=[rng.randrange(40, 127), "uv"], min_new_tokens=rng.randrange(0, 4))
+            elif kind == 3:
+                kw.update(return_probs=True, return_top_tokens=rng.randrange(1, 5))
+            elif kind == 4:
+                kw["gen_settings"] = SamplingSettings()  # penalties: the rows carry history
+            elif kind == 5:
+                kw["gen_settings"] = SamplingSettings(mirostat=True, temperature=1.0)
+            elif kind == 6 and rng.random() < 0.5:
+                kw.update(token_healing=True, stop_conditions=[256], decode_special_tokens=True)
+            elif kind == 7 and rng.random() < 0.4:
+                negative = [rng.randrange(32, 127) for _ in range(rng.randrange(2, 20))]
+                prompt = [prompt, negative]
+                kw["gen_settings"] = SamplingSettings(cfg_scale=1.5)
+        kw.setdefault("gen_settings", SamplingSettings.greedy())
+        out.append(dict(prompt=prompt, seed=seed + i, **kw))
+    return out
+
+
+def fingerprint(case: str, policy: str, n: int = 240, rate: float = 12.0, seed: int = 0) -> dict:
+    """Run `n` seeded requests of `case` ("plain", "text" or "burst") through `policy` on the simulator; returns the
+    run's headline numbers and the digests (`DIGESTS`) of what it produced."""
+    sim = SimulatedEngine(CONFIG, STEP_TIME, record_steps=True)
+    gen = DynamicGenerator(engine=sim, policy=policy, tokenizer=ByteTokenizer() if case == "text" else None,
+                           decode_steps=4 if case == "burst" else None)
+    calls = []
+    run = sim.run
+
+    def probe(rows, **kwargs):
+        calls.append((sorted(kwargs.items()), [_row(r) for r in rows]))
+        return run(rows, **kwargs)
+
+    sim.run = probe
+    rng = random.Random(seed + 1)
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    requests = _requests(case, n, seed)
+    results, times, max_pending = [], {}, 0
+    sent = done = 0
+    while done < n:
+        now = sim.clock()
+        while sent < n and arrivals[sent] <= now:
+            q = requests[sent]
+            gen.enqueue(Job(q["prompt"], identifier=sent, **{k: v for k, v in q.items() if k != "prompt"}))
+            sent += 1
+        max_pending = max(max_pending, len(gen.pending))
+        if not gen.active and not gen.pending:
+            sim.clock.sleep(arrivals[sent] - now)
+            continue
+        for r in gen.iterate():
+            results.append(_canon(r))
+            if r["stage"] == "streaming":
+                times.setdefault(r["identifier"], []).append(sim.clock())
+            done += r["eos"]
+    metrics = {k: v for k, v in gen.metrics().items() if k not in WALL_TIMINGS}
+    return {"steps": metrics["steps"], "preemptions": metrics["preemptions"], "max_pending": max_pending,
+            "tokens_generated": metrics["tokens_generated"], "clock": repr(sim.clock()),
+            "digests": " ".join(_digest(x) for x in (calls, [(s, repr(dt)) for s, dt in sim.records], results,
+                                                      sorted(times.items()), sorted(metrics.items())))}
+
+
+CASES = [("plain", p) for p in ("exllamav2", "fcfs", "sjf", "priority", "vllm", "lpm", "sarathi")] + [
+    ("text", "vllm"), ("text", "exllamav2"), ("burst", "exllamav2")]
+
+# Recorded on the host loop before the issue-58 speed-ups.
+EXPECTED = {
+    ("plain", "exllamav2"): dict(steps=939, preemptions=0, max_pending=12, tokens_generated=5553,
+        clock="20.15557055457307", digests="558d3507c72a 0cfdedecca22 8c84a76ca1b8 7fd9d5569cd1 3f0343fd8fb9"),
+    ("plain", "fcfs"): dict(steps=925, preemptions=0, max_pending=15, tokens_generated=5553,
+        clock="20.158303034573063", digests="834f5017f6fb fc5725132957 9258ab2cb1e5 d43bcc34ff58 a51d044024c5"),
+    ("plain", "sjf"): dict(steps=929, preemptions=0, max_pending=10, tokens_generated=5553,
+        clock="20.16411147457308", digests="c1a3b284aa0f 75637b92c810 a8231938449b 5551caf07cd7 908acfd0960d"),
+    ("plain", "priority"): dict(steps=831, preemptions=94, max_pending=14, tokens_generated=5553,
+        clock="20.062051114573084", digests="d929771f1f0f f3e3a0042993 1c0c543b03d5 105496057283 cddc174bcc24"),
+    ("plain", "vllm"): dict(steps=935, preemptions=7, max_pending=13, tokens_generated=5553,
+        clock="20.051857194573063", digests="100271c5323c af9073681120 6629692f8ce0 3c27632975bd f2b8415d89cf"),
+    ("plain", "lpm"): dict(steps=929, preemptions=0, max_pending=14, tokens_generated=5553,
+        clock="20.15770015457302", digests="c70dba1bc1f4 fec80cf4411b 649383b5f03f 262356ffba20 2112e58dbc46"),
+    ("plain", "sarathi"): dict(steps=932, preemptions=5, max_pending=12, tokens_generated=5553,
+        clock="20.06590627457305", digests="00a884f21502 77d2cd60339b e71a57dc56e7 fbb33d78dcbd a0509a1cd0c0"),
+    ("text", "vllm"): dict(steps=892, preemptions=2, max_pending=15, tokens_generated=5667,
+        clock="19.989517175342453", digests="c7a717bcefc0 ffb25d5b0107 bf0b2c820eb1 0180d8208bae 5d501613227e"),
+    ("text", "exllamav2"): dict(steps=890, preemptions=0, max_pending=16, tokens_generated=5667,
+        clock="19.98909549534247", digests="51e449119e26 df7d45d57252 1910c291ee29 9c768ef81959 c42e0bfe1f51"),
+    ("burst", "exllamav2"): dict(steps=917, preemptions=0, max_pending=12, tokens_generated=5553,
+        clock="20.192188175342448", digests="0fa417a0d8d6 9682025014db c7866391bea3 2de66c71169b d560bb69860a"),
+}
+
+
+@pytest.mark.parametrize("case,policy", CASES)
+def test_simulated_run_is_unchanged(case, policy):
+    got = fingerprint(case, policy)
+    assert got == EXPECTED[(case, policy)], f"{case}/{policy}: {got}"
+
+
+def test_the_pinned_runs_exercise_what_they_claim():
+    """Preemptions under an on_demand policy and a queue that builds up: the runs test the paths that matter."""
+    assert EXPECTED[("plain", "vllm")]["preemptions"] > 0 and EXPECTED[("plain", "sarathi")]["preemptions"] > 0
+    assert all(e["max_pending"] >= 10 for e in EXPECTED.values())
+
+
+if __name__ == "__main__":
+    print("EXPECTED = {")
+    for c in CASES:
+        e = fingerprint(*c)
+        key = ", ".join(f'"{x}"' for x in c)
+        print(f"    ({key}): dict(" + ", ".join(f"{k}={e[k]!r}" for k in list(e)[:4]) + ",")
+        print(f'        clock="{e["clock"]}", digests="{e["digests"]}"),')
+    print("}")

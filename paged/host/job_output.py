@@ -167,8 +167,8 @@ class JobOutput:
             accepted_draft_tokens=job.accepted_draft_tokens,
             rejected_draft_tokens=job.drafted_tokens - job.accepted_draft_tokens,
             cached_pages=job.cached_tokens // self.page_size,
-            time_enqueued=(job.time_first_prefill or now) - job.time_enqueue,
-            time_prefill=first_token - (job.time_first_prefill or first_token),
+            time_enqueued=(now if job.time_first_prefill is None else job.time_first_prefill) - job.time_enqueue,
+            time_prefill=first_token - (first_token if job.time_first_prefill is None else job.time_first_prefill),
             time_generate=last_token - first_token,
         )
 

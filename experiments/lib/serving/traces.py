@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import difflib
 import io
 import json
 import math
@@ -192,6 +193,12 @@ def _azure_time(s: str) -> tuple[int, float]:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+def _unknown(names: list[str], what: str) -> str:
+    hints = [f"{n!r} -> {m[0]!r}?" for n in names if (m := difflib.get_close_matches(n, NATIVE_COLUMNS, 1))]
+    return (f"unknown {what}(s) {', '.join(map(repr, names))}; a native trace has {', '.join(NATIVE_COLUMNS)}"
+            + (f" (did you mean {', '.join(hints)})" if hints else ""))
+
+
 def _detect(header: list[str]) -> str | None:
     names = set(header)
     if set(AZURE_COLUMNS) <= names:
@@ -232,8 +239,7 @@ def _read_csv(path: str, text: str, fmt: str) -> tuple[list, str, int]:
     if fmt == "native":
         unknown = [c for c in header if c not in NATIVE_COLUMNS]
         if unknown:
-            raise TraceError(f"{where}: unknown column(s) {', '.join(unknown)}; a native trace has "
-                             f"{', '.join(NATIVE_COLUMNS)} (check the spelling)")
+            raise TraceError(f"{where}: {_unknown(unknown, 'column')}")
     ncol = len(header)
     rows: list = []
     skipped = 0
@@ -287,8 +293,7 @@ def _read_jsonl(path: str, text: str) -> list[TraceRow]:
                              f"{type(obj).__name__}")
         unknown = [k for k in obj if k not in NATIVE_COLUMNS]
         if unknown:
-            raise TraceError(f"{path}:{line}: unknown key(s) {', '.join(map(repr, unknown))}; a native trace has "
-                             f"{', '.join(NATIVE_COLUMNS)} (check the spelling)")
+            raise TraceError(f"{path}:{line}: {_unknown(unknown, 'key')}")
         try:
             rows.append(_native_row(obj))
         except _Bad as e:

@@ -1,8 +1,9 @@
-"""Seeded request workloads for the serving benchmark: random lengths, ShareGPT-like lengths, shared prefixes.
+"""Seeded request workloads for the serving benchmark: random lengths, ShareGPT-like lengths, shared prefixes, and
+the lengths and arrival times of a request trace (`trace_workload`; files are read by `traces.read_trace`).
 
 A `Request` is a list of prompt token ids and an exact output length (the benchmark runs it with no stop tokens and
 `max_new_tokens = output_len`). Prompt ids are drawn uniformly from the vocabulary minus the tokenizer's special
-tokens. Everything is a pure function of the arguments and `seed`.
+tokens. Everything is a pure function of the arguments and `seed` (and of the trace file).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 from collections.abc import Iterable
 
 import numpy as np
+
+from experiments.lib.serving.traces import Trace, read_trace
 
 DATASETS = ("random", "sharegpt", "prefix")
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # experiments/
@@ -27,6 +30,7 @@ class Request:
     output_len: int
     prefix_id: int | None = None  # prefix workload: which shared prefix the prompt starts with
     priority: int = 0  # scheduling priority (higher first), for the `priority` policy
+    deadline: float | None = None  # seconds after arrival (from a trace's deadline_s)
 
     @property
     def prompt_len(self) -> int:
@@ -39,7 +43,7 @@ class Workload:
     requests: list[Request]
     params: dict
     prefixes: list[list[int]] = dataclasses.field(default_factory=list)
-    num_clipped: int = 0  # sharegpt: pairs shortened to fit max_seq_len
+    num_clipped: int = 0  # sharegpt, trace: pairs shortened to fit max_seq_len
 
     def describe(self) -> dict:
         """JSON-able summary: parameters and input/output length statistics."""
@@ -172,6 +176,50 @@ def sharegpt_workload(num_prompts: int, *, vocab_size: int, special_ids: Iterabl
                                            seed=seed, max_seq_len=max_seq_len), num_clipped=clipped)
 
 
+def trace_workload(trace: Trace, num_prompts: int | None = None, *, vocab_size: int, special_ids: Iterable[int] = (),
+                   seed: int = 0, max_seq_len: int | None = None) -> tuple[Workload, np.ndarray]:
+    """The first `num_prompts` rows of `trace` (all of them for None, or when the trace has fewer) as requests, and
+    their arrival times in seconds (the trace's own, already divided by its speedup; the first is 0).
+
+    Prompts are random non-special ids of each row's length (seeded, as the other workloads); a row longer than
+    `max_seq_len` is shortened with `clip_pair` and counted in `num_clipped`. Rows with the same prefix id start with
+    the same `prefix_len` tokens: the first row of an id draws them, and a later row with a longer prefix_len extends
+    them, so any two rows of an id share min(their prefix_len) tokens (a row without a prefix_len shares none).
+    `Request.prefix_id` numbers the distinct ids 0, 1, ... by first appearance (`Workload.prefixes[k]` holds id k's
+    tokens); `priority` (0 where the row has none) and `deadline` come from the row."""
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or None: the whole trace), got {num_prompts}")
+    rows = trace.rows if num_prompts is None else trace.rows[:num_prompts]
+    rng = np.random.default_rng(seed)
+    allowed = allowed_token_ids(vocab_size, special_ids)
+    ids: dict[str | int, int] = {}
+    prefixes: list[list[int]] = []
+    reqs, clipped = [], 0
+    for i, row in enumerate(rows):
+        a, b = row.prompt_tokens, row.output_tokens
+        if max_seq_len is not None:
+            a2, b2 = clip_pair(a, b, max_seq_len)
+            clipped += (a2, b2) != (a, b)
+            a, b = a2, b2
+        pid, shared = None, []
+        if row.prefix_id is not None:
+            pid = ids.setdefault(row.prefix_id, len(ids))
+            if pid == len(prefixes):
+                prefixes.append([])
+            want = min(row.prefix_len or 0, a)
+            if want > len(prefixes[pid]):
+                prefixes[pid].extend(_tokens(rng, allowed, want - len(prefixes[pid])))
+            shared = prefixes[pid][:want]
+        reqs.append(Request(i, shared + _tokens(rng, allowed, a - len(shared)), b, prefix_id=pid,
+                            priority=row.priority or 0, deadline=row.deadline_s))
+    arrivals = np.fromiter((r.arrival_s for r in rows), dtype=np.float64, count=len(rows))
+    params = dict(trace_path=os.path.relpath(trace.path) if os.path.isabs(trace.path) else trace.path,
+                  trace_format=trace.format, trace_speedup=trace.speedup, num_prompts_requested=num_prompts,
+                  trace_rows=len(trace.rows), trace_skipped=trace.num_skipped, trace_was_sorted=trace.was_sorted,
+                  mean_rate=mean_rate(arrivals), seed=seed, max_seq_len=max_seq_len)
+    return Workload("trace", reqs, params, prefixes=prefixes, num_clipped=clipped), arrivals
+
+
 def make_workload(dataset: str, num_prompts: int, *, vocab_size: int, special_ids: Iterable[int] = (),
                   seed: int = 0, max_seq_len: int | None = None, input_len: int = 128, output_len: int = 32,
                   range_ratio: float = 0.0, num_prefixes: int = 4, prefix_len: int = 128,
@@ -209,8 +257,37 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
     return np.concatenate([[0.0], np.cumsum(gaps)])[:n]
 
 
+def mean_rate(arrivals) -> float:
+    """Requests per second of an arrival schedule: (n - 1) gaps over the span; inf when the span is 0."""
+    a = np.asarray(arrivals, dtype=np.float64)
+    span = float(a[-1] - a[0]) if a.size else 0.0
+    return (a.size - 1) / span if span > 0 else math.inf
+
+
+def rescale_arrivals(arrivals, rate: float) -> np.ndarray:
+    """`arrivals` (non-decreasing seconds) stretched or compressed about the first so that their mean rate, (n - 1)
+    gaps over the span, becomes `rate` requests per second (inf: all at the first arrival). The shape of the
+    schedule (bursts, lulls) is kept: for a rate sweep over a trace."""
+    a = np.asarray(arrivals, dtype=np.float64)
+    if a.ndim != 1 or a.size < 2:
+        raise ValueError(f"rescaling arrivals needs at least 2 of them in a 1-D array, got shape {a.shape}")
+    if not np.isfinite(a).all() or (np.diff(a) < 0).any():
+        raise ValueError("arrivals must be finite and non-decreasing")
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0 (or inf), got {rate}")
+    span = float(a[-1] - a[0])
+    if span <= 0:
+        raise ValueError(f"all {a.size} arrivals are at the same time (a zero span): there is no rate to rescale; "
+                         "use the arrivals as they are, or arrival_times() for a synthetic schedule")
+    if math.isinf(rate):
+        return np.full_like(a, a[0])
+    return a[0] + (a - a[0]) * (mean_rate(a) / rate)
+
+
 # ------------------------------------------------------------------------------------------------ scenarios
-SCENARIOS = ("poisson", "gamma", "sharegpt", "shared_prompt", "bursty")
+SCENARIOS = ("poisson", "gamma", "sharegpt", "shared_prompt", "bursty")  # the synthetic ones
+TRACE_SCENARIO = "trace"  # make_scenario's trace replay: needs trace_file
+ALL_SCENARIOS = (*SCENARIOS, TRACE_SCENARIO)
 
 
 def bursty_arrivals(n: int, rate: float, burst_size: int = 16, seed: int = 0) -> np.ndarray:
@@ -225,7 +302,8 @@ def bursty_arrivals(n: int, rate: float, burst_size: int = 16, seed: int = 0) ->
 def make_scenario(name: str, n: int, *, rate: float, vocab_size: int, special_ids: Iterable[int] = (), seed: int = 0,
                   max_seq_len: int | None = None, input_len: int = 256, output_len: int = 64,
                   range_ratio: float = 0.5, burstiness: float = 0.25, prefix_len: int = 512, num_prefixes: int = 1,
-                  burst_size: int = 16, priority_levels: int = 1) -> tuple[Workload, np.ndarray]:
+                  burst_size: int = 16, priority_levels: int = 1, trace_file: str | None = None,
+                  trace_speedup: float = 1.0, trace_format: str = "auto") -> tuple[Workload, np.ndarray]:
     """A workload and its arrival times (seconds), a pure function of the arguments:
 
     - `poisson`: random prompts of ~input_len and outputs of ~output_len tokens (+-range_ratio), Poisson arrivals;
@@ -233,31 +311,47 @@ def make_scenario(name: str, n: int, *, rate: float, vocab_size: int, special_id
     - `sharegpt`: ShareGPT-like (input, output) length pairs, Poisson arrivals;
     - `shared_prompt`: `num_prefixes` shared system prompts of `prefix_len` tokens + a random ~input_len suffix
       (the prefix cache's case), Poisson arrivals;
-    - `bursty`: the `poisson` requests arriving in bursts of `burst_size` at once.
+    - `bursty`: the `poisson` requests arriving in bursts of `burst_size` at once;
+    - `trace`: the first `n` rows of the trace file `trace_file` (`traces.read_trace` with `trace_speedup` and
+      `trace_format`; fewer when the trace is shorter) through `trace_workload`, at the trace's own arrival times.
+      `rate`, the length arguments and `burstiness` are ignored for a trace (rescale the arrivals with
+      `rescale_arrivals` for a rate sweep). A malformed file raises `traces.TraceError` (a ValueError).
 
-    `priority_levels > 1` gives each request a seeded uniform priority in [0, priority_levels)."""
+    `priority_levels > 1` gives each request a seeded uniform priority in [0, priority_levels) (for `trace`: only
+    when no row of the trace has a priority; otherwise the trace's priorities are kept)."""
+    if priority_levels < 1:
+        raise ValueError(f"priority_levels must be >= 1, got {priority_levels}")
     lengths = dict(vocab_size=vocab_size, special_ids=special_ids, seed=seed, max_seq_len=max_seq_len)
-    if name in ("poisson", "gamma", "bursty"):
+    trace_priorities = False
+    if name == TRACE_SCENARIO:
+        if not trace_file:
+            raise ValueError("the trace workload needs a trace file (trace_file=..., or --trace_file)")
+        trace = read_trace(trace_file, speedup=trace_speedup, format=trace_format)
+        wl, arrivals = trace_workload(trace, n, **lengths)
+        trace_priorities = any(r.priority is not None for r in trace.rows[:n])
+    elif name in ("poisson", "gamma", "bursty"):
         wl = random_workload(n, input_len, output_len, range_ratio=range_ratio, **lengths)
     elif name == "sharegpt":
         wl = sharegpt_workload(n, **lengths)
     elif name == "shared_prompt":
         wl = prefix_workload(n, num_prefixes, prefix_len, input_len, output_len, range_ratio=range_ratio, **lengths)
     else:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(SCENARIOS)}")
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(ALL_SCENARIOS)}")
     if name == "gamma":
         arrivals = arrival_times(n, rate, burstiness, seed)
     elif name == "bursty":
         arrivals = bursty_arrivals(n, rate, burst_size, seed)
-    else:
+    elif name != TRACE_SCENARIO:
         arrivals = arrival_times(n, rate, 1.0, seed)
-    if priority_levels < 1:
-        raise ValueError(f"priority_levels must be >= 1, got {priority_levels}")
-    if priority_levels > 1:
-        prio = np.random.default_rng([seed, 2]).integers(0, priority_levels, size=n)
+    if priority_levels > 1 and not trace_priorities:
+        prio = np.random.default_rng([seed, 2]).integers(0, priority_levels, size=len(wl.requests))
         for r, p in zip(wl.requests, prio):
             r.priority = int(p)
     wl.name = name
-    wl.params.update(scenario=name, rate=rate, burstiness=burstiness if name == "gamma" else 1.0,
-                     burst_size=burst_size if name == "bursty" else None, priority_levels=priority_levels)
+    if name == TRACE_SCENARIO:
+        wl.params.update(scenario=name, rate=wl.params["mean_rate"], rate_argument_ignored=rate, burstiness=None,
+                         burst_size=None, priority_levels=None if trace_priorities else priority_levels)
+    else:
+        wl.params.update(scenario=name, rate=rate, burstiness=burstiness if name == "gamma" else 1.0,
+                         burst_size=burst_size if name == "bursty" else None, priority_levels=priority_levels)
     return wl, arrivals

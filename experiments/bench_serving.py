@@ -4,12 +4,15 @@
         --input_len 256 --output_len 64 --max_concurrency 1,4,16 --plot
     python -m experiments.bench_serving --dataset sharegpt --request_rate 2 --burstiness 0.5 --slo ttft:2000,tpot:200
     python -m experiments.bench_serving --dataset prefix --num_prefixes 4 --prefix_len 512 --input_len 64
+    python -m experiments.bench_serving --dataset trace --trace_file experiments/data/traces/bursty_example.csv \\
+        --trace_speedup 2 --max_concurrency inf
 
 Closed loop (`--max_concurrency N`: N requests in flight), open loop (`--request_rate R` req/s, gamma arrivals with
-shape `--burstiness`), or both. Each concurrency value is one run; each run appends one JSON record to
-`<output_dir>/<run_name>.jsonl` and prints a summary table. Compilation (`generator.warmup()`) and `--num_warmup`
-requests are excluded; the prompt cache is reset before each measured run. See docs/performance.md, "Serving
-benchmark", for the metric definitions and the record's schema. The logic lives in `experiments/lib/serving/`.
+shape `--burstiness`; with `--dataset trace` the trace's own arrival times, docs/traces.md), or both. Each
+concurrency value is one run; each run appends one JSON record to `<output_dir>/<run_name>.jsonl` and prints a
+summary table. Compilation (`generator.warmup()`) and `--num_warmup` requests are excluded; the prompt cache is reset
+before each measured run. See docs/performance.md, "Serving benchmark", for the metric definitions and the record's
+schema. The logic lives in `experiments/lib/serving/`.
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ FLAGS = flags.FLAGS
 _BEFORE = set(FLAGS) - set(engine_flags.NAMES)
 engine_flags.define()  # --model, --quant, cache and engine flags, --seed, --temperature, --progress, --decode_steps
 workload_flags.define()  # --input_len, --output_len, --range_ratio, --num_prefixes, --prefix_len, --burstiness,
-# --slo, --plot
+# --slo, --trace_file, --trace_speedup, --trace_format, --plot
 # workload
-flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "prefix"], "request workload")
+flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "prefix", "trace"], "request workload (trace: the "
+                  "lengths and arrival times of --trace_file)")
 flags.DEFINE_integer("num_prompts", 32, "measured requests per run")
 flags.DEFINE_string("dataset_path", None,
                     "sharegpt: length-pair file (default experiments/data/sharegpt_like_lengths.json)")
 # load
 flags.DEFINE_list("max_concurrency", ["4"], "requests in flight; a comma list runs a sweep; 'inf' = no limit")
-flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0)")
+flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0); ignored with "
+                   "--dataset=trace")
 flags.DEFINE_integer("num_warmup", None, "unmeasured requests run before each measured run, at its concurrency "
                      "(default: max(2, max_concurrency), or max_batch_size without a limit)")
 flags.DEFINE_bool("compile_all_buckets", True, "generator.warmup(): compile every step bucket before measuring")
@@ -115,14 +120,26 @@ def run() -> list:
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    from experiments.lib.serving import env, hardware, metrics, plots, runner, workloads
+    from experiments.lib.serving import env, hardware, metrics, plots, runner, traces, workloads
 
+    trace = None
     try:
         slo = metrics.parse_slo(FLAGS.slo)
         concurrencies = parse_concurrency(FLAGS.max_concurrency)
         workloads.arrival_times(0, FLAGS.request_rate, FLAGS.burstiness)  # validates rate / burstiness
-    except ValueError as e:
+        if FLAGS.dataset == "trace":
+            if not FLAGS.trace_file:
+                raise ValueError("--dataset=trace needs --trace_file (docs/traces.md)")
+            trace = traces.read_trace(FLAGS.trace_file, speedup=FLAGS.trace_speedup, format=FLAGS.trace_format)
+    except ValueError as e:  # traces.TraceError too: its message names file:line
         raise app.UsageError(str(e)) from None
+    if trace is not None:
+        print(f"--dataset=trace: {len(trace)} rows of {trace.path} ({trace.format}), mean rate "
+              f"{trace.mean_rate:.3g} req/s over {trace.span_s:.1f} s at speedup {trace.speedup:g}; the trace's "
+              f"arrival times replace the schedule, so --request_rate={FLAGS.request_rate} and --burstiness are "
+              "ignored", file=sys.stderr)
+    elif FLAGS.trace_file:
+        print(f"--trace_file is ignored with --dataset={FLAGS.dataset} (use --dataset=trace)", file=sys.stderr)
     engine_flags.validate()
     if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
         raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")
@@ -155,12 +172,17 @@ def run() -> list:
 
     tok = gen.tokenizer
     special = sorted(getattr(tok, "special_token_ids", ()) or ()) if tok is not None else []
+    arrivals = None  # the runner's --request_rate / --burstiness schedule
     try:
-        wl = workloads.make_workload(
-            FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=SEED(),
-            max_seq_len=gen.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
-            range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
-            dataset_path=FLAGS.dataset_path)
+        if trace is not None:
+            wl, arrivals = workloads.trace_workload(trace, FLAGS.num_prompts, vocab_size=gen.vocab_size,
+                                                    special_ids=special, seed=SEED(), max_seq_len=gen.max_seq_len)
+        else:
+            wl = workloads.make_workload(
+                FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=SEED(),
+                max_seq_len=gen.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
+                range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
+                dataset_path=FLAGS.dataset_path)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     if FLAGS.temperature > 0:
@@ -195,7 +217,7 @@ def run() -> list:
         compiled_before = _compiled_variants()
         res = runner.run_benchmark(gen, wl.requests, gen_settings=settings, max_concurrency=c,
                                    request_rate=FLAGS.request_rate, burstiness=FLAGS.burstiness, seed=SEED(),
-                                   progress=FLAGS.progress, desc=f"{run_name} {_label(c)}")
+                                   arrivals=arrivals, progress=FLAGS.progress, desc=f"{run_name} {_label(c)}")
         compiled_after = _compiled_variants()
         compiles = None if compiled_before is None else compiled_after - compiled_before
         if compiles:
@@ -238,8 +260,9 @@ def run() -> list:
         }
         with open(out_path, "a") as f:
             f.write(json.dumps(jsonable(rec)) + "\n")
+        rate = str(FLAGS.request_rate) if trace is None else f"trace ({wl.params['mean_rate']:.3g} mean)"
         extra = [("Max concurrency:", "inf" if c is None else str(c)),
-                 ("Request rate (req/s):", str(FLAGS.request_rate)),
+                 ("Request rate (req/s):", rate),
                  ("Engine steps:", str(res.step_summary["steps"])),
                  ("Mean rows per step:", f"{res.step_summary['mean_rows_per_step']:.2f}"),
                  ("Prefix cache page hit rate:", f"{cache['page_hit_rate']:.3f}"),
@@ -254,7 +277,7 @@ def run() -> list:
         runs.append((c, res, m))
 
     if FLAGS.plot:
-        title = f"{FLAGS.model} {FLAGS.dataset}, rate {FLAGS.request_rate}"
+        title = f"{FLAGS.model} {FLAGS.dataset}, rate {FLAGS.request_rate if trace is None else 'trace'}"
         paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
                                          os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
         if len(runs) > 1 and all(c is not None for c, _, _ in runs):

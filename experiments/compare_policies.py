@@ -27,11 +27,12 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 from absl import app, flags
 
-from experiments.lib import engine_flags
+from experiments.lib import engine_flags, step_time_fits
 from experiments.lib.common import check_out_flag
 from experiments.lib.serving import flags as workload_flags
 
@@ -43,16 +44,24 @@ workload_flags.define()  # --input_len, --output_len, --range_ratio, --num_prefi
 FLAGS.set_default("decode_steps", 1)  # the step-time model prices single steps; bursts would blur the comparison
 FLAGS.set_default("max_seq_len", 1024)
 DEFAULT_POLICIES = ["exllamav2", "fcfs", "sjf", "priority", "vllm", "lpm", "sarathi"]
-DEFAULT_STEP_TIME_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                       "step_time_smollm2_cpu.json")
 flags.DEFINE_list("policies", DEFAULT_POLICIES, "policies to compare: names or 'module:Class'")
 flags.DEFINE_enum("engine", "sim", ["real", "sim"], "real: the model (--model) on this machine; sim: "
                   "paged.sim.SimulatedEngine on a virtual clock priced by --step_time_model")
-flags.DEFINE_string("step_time_model", DEFAULT_STEP_TIME_MODEL, "sim: StepTimeModel JSON (experiments/profile_step.py "
-                    "--fit_out writes one)")
+flags.DEFINE_string("step_time_model", step_time_fits.DEFAULT_FIT, "sim: the step-time fit: a name in "
+                    "experiments/data/step_time/ (hardware_model_setup) or a path to a StepTimeModel JSON "
+                    "(experiments/fit_and_validate.py writes one)")
 flags.DEFINE_enum("workload", "poisson", ["poisson", "gamma", "sharegpt", "shared_prompt", "bursty"],
                   "request workload and arrival process (experiments/lib/serving/workloads.py, make_scenario)")
-flags.DEFINE_float("rate", 2.0, "mean arrivals per second")
+flags.DEFINE_float("rate", 2.0, "mean arrivals per second (one load point; --rates sweeps; --rates=auto starts its "
+                   "search here)")
+flags.DEFINE_list("rates", None, "request rates to sweep (mean arrivals per second), e.g. 0.5,1,2,4,8, or 'auto': per "
+                  "policy, a search that brackets its capacity (doubling or halving from --rate, then bisecting)")
+flags.DEFINE_float("slo_ttft_ms", 5000.0, "SLO: time to first token, ms (capacity, goodput; --slo overrides both)")
+flags.DEFINE_float("slo_tpot_ms", 500.0, "SLO: time per output token, ms")
+flags.DEFINE_float("slo_attainment", 0.9, "a rate is sustained when at least this fraction of its requests meet every "
+                   "SLO; capacity = the highest rate below the lowest one that is not")
+flags.DEFINE_float("capacity_tolerance", 0.1, "--rates=auto: bisect until the bracket's high / low - 1 is at most this")
+flags.DEFINE_integer("capacity_max_points", 10, "--rates=auto: at most this many rates per policy")
 flags.DEFINE_integer("num_requests", 64, "measured requests per policy")
 flags.DEFINE_integer("burst_size", 16, "bursty: requests per burst")
 flags.DEFINE_integer("priority_levels", 3, "requests get a seeded priority in [0, levels) (for `priority`)")
@@ -66,11 +75,11 @@ if "json_out" not in FLAGS:  # other experiment scripts define it too (same mean
     flags.DEFINE_string("json_out", None, "write the JSON record here (gzip-compressed if it ends with .gz)")
     check_out_flag("json_out")
 flags.DEFINE_bool("save_steps", True, "keep every engine call's shape and time in the JSON record")
+flags.DEFINE_bool("save_requests", True, "keep every request's latencies in the JSON record")
 flags.DEFINE_string("plot_dir", "experiments/results/policies", "where plots go without --json_out")
 check_out_flag("plot_dir", folder=True)
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
-SCHEMA = "compare_policies/1"
-DEFAULT_SLO = "ttft:5000,tpot:500"  # goodput's SLO when --slo is empty
+SCHEMA = "compare_policies/2"
 SIM_VOCAB = 258  # the simulated engine's fake model (paged.testing.FakeEngine)
 
 
@@ -85,6 +94,7 @@ class PolicyRun:
     median_step_s: float | None
     mean_step_s: float | None
     row: dict  # the printed summary
+    rate: float | None = None  # the offered load (mean arrivals per second)
 
 
 def engine_config():
@@ -99,18 +109,56 @@ def engine_config():
     return cfg
 
 
-def build_workload(vocab_size: int, special_ids, max_seq_len: int):
+@dataclasses.dataclass
+class Load:
+    """The workload and its arrival process, at any rate: `arrivals_at(rate)` scales the base arrivals (drawn at
+    `base_rate`) so their mean rate is `rate` (the same seeded gaps, stretched or squeezed)."""
+
+    workload: object  # workloads.Workload
+    base: np.ndarray  # arrival times at base_rate
+    base_rate: float
+
+    def arrivals_at(self, rate: float) -> np.ndarray:
+        if math.isinf(rate):
+            return np.zeros_like(self.base)
+        return self.base * (self.base_rate / rate)
+
+
+def build_load(vocab_size: int, special_ids, max_seq_len: int) -> Load:
     from experiments.lib.serving import workloads
 
     try:
-        return workloads.make_scenario(
-            FLAGS.workload, FLAGS.num_requests, rate=FLAGS.rate, vocab_size=vocab_size, special_ids=special_ids,
+        wl, base = workloads.make_scenario(
+            FLAGS.workload, FLAGS.num_requests, rate=1.0, vocab_size=vocab_size, special_ids=special_ids,
             seed=0 if FLAGS.seed is None else FLAGS.seed, max_seq_len=max_seq_len, input_len=FLAGS.input_len,
             output_len=FLAGS.output_len, range_ratio=FLAGS.range_ratio, burstiness=FLAGS.burstiness,
             prefix_len=FLAGS.prefix_len, num_prefixes=FLAGS.num_prefixes, burst_size=FLAGS.burst_size,
             priority_levels=FLAGS.priority_levels)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    return Load(wl, np.asarray(base, np.float64), 1.0)
+
+
+def build_workload(vocab_size: int, special_ids, max_seq_len: int):
+    """The workload and its arrivals at --rate."""
+    load = build_load(vocab_size, special_ids, max_seq_len)
+    return load.workload, load.arrivals_at(FLAGS.rate)
+
+
+def rates_of_flags() -> list[float] | None:
+    """--rates as numbers (ascending), None for 'auto', [--rate] without --rates."""
+    if not FLAGS.rates:
+        return [FLAGS.rate]
+    if [r.strip().lower() for r in FLAGS.rates] == ["auto"]:
+        return None
+    try:
+        rates = [float(r) for r in FLAGS.rates]
+    except ValueError:
+        raise app.UsageError(f"--rates must be 'auto' or comma-separated request rates, e.g. 0.5,1,2,4; got "
+                             f"{','.join(FLAGS.rates)!r}") from None
+    if not all(r > 0 for r in rates) or len(set(rates)) != len(rates):
+        raise app.UsageError(f"--rates must be distinct rates > 0 (or inf); got {','.join(FLAGS.rates)!r}")
+    return sorted(rates)
 
 
 def validate_flags() -> None:
@@ -121,10 +169,16 @@ def validate_flags() -> None:
         engine_flags.check_policy("policies", p)
     if not (FLAGS.rate > 0):
         raise app.UsageError(f"--rate must be > 0 (or inf), got {FLAGS.rate}")
+    if rates_of_flags() is None and not math.isfinite(FLAGS.rate):
+        raise app.UsageError("--rates=auto starts its search at --rate, which must be finite")
     if FLAGS.num_requests < 1:
         raise app.UsageError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
     if FLAGS.deadline is not None and not FLAGS.deadline > 0:
         raise app.UsageError(f"--deadline must be > 0 seconds, got {FLAGS.deadline}")
+    if not 0 < FLAGS.slo_attainment <= 1:
+        raise app.UsageError(f"--slo_attainment must be a fraction in (0, 1], got {FLAGS.slo_attainment}")
+    if not FLAGS.capacity_tolerance > 0 or FLAGS.capacity_max_points < 2:
+        raise app.UsageError("--capacity_tolerance must be > 0 and --capacity_max_points >= 2")
     slo_of_flags()
 
 
@@ -174,21 +228,28 @@ class SimBackend:
     def __init__(self):
         from paged.errors import InvalidConfigError
         from paged.sim import StepTimeModel
+        from paged.sim import engine_setup as sim_setup
 
         try:
-            self.step_time = StepTimeModel.load(FLAGS.step_time_model)
-        except InvalidConfigError as e:
+            self.step_time = StepTimeModel.load(step_time_fits.fit_path(FLAGS.step_time_model))
+        except (InvalidConfigError, ValueError) as e:
             raise app.UsageError(f"--step_time_model: {e}") from None
         self.config = engine_config().resolve()
         self.vocab_size = SIM_VOCAB
         self.special_ids = []
+        self.setup = {"model": FLAGS.model, "quantization": FLAGS.quant}  # (the config names the rest)
+        with warnings.catch_warnings(record=True) as caught:  # warned once here, not once per policy and rate
+            warnings.simplefilter("always")
+            self.mismatches = self.step_time.warn_differences(sim_setup(self.config, self.setup), "these flags")
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
 
     def generator(self, policy):
         from paged import DynamicGenerator
         from paged.sim import SimulatedEngine
 
-        return DynamicGenerator(engine=SimulatedEngine(self.config, self.step_time, vocab_size=self.vocab_size),
-                                policy=policy)
+        return DynamicGenerator(engine=SimulatedEngine(self.config, self.step_time, vocab_size=self.vocab_size,
+                                                       setup=self.setup), policy=policy)
 
     def clock(self, gen):
         return gen.engine.clock, gen.engine.clock.sleep
@@ -197,7 +258,7 @@ class SimBackend:
         pass
 
     def describe(self) -> dict:
-        return {"kind": "sim", "step_time_model": self.step_time.to_dict(),
+        return {"kind": "sim", "step_time_model": self.step_time.to_dict(), "setup_mismatches": self.mismatches,
                 "device": f"simulated: {self.step_time.device}", "model": f"simulated: {self.step_time.model}"}
 
 
@@ -218,7 +279,8 @@ def step_shapes(res) -> dict[str, list]:
     return cols
 
 
-def run_policy(backend, spec: str, wl, arrivals, slo: dict, label: str | None = None) -> PolicyRun:
+def run_policy(backend, spec: str, wl, arrivals, slo: dict, label: str | None = None,
+               rate: float | None = None) -> PolicyRun:
     from experiments.lib.serving import metrics, runner
     from paged.policies import make_policy
     from paged.settings import SamplingSettings
@@ -227,7 +289,8 @@ def run_policy(backend, spec: str, wl, arrivals, slo: dict, label: str | None = 
     gen = backend.generator(policy)
     clock, sleep = backend.clock(gen)
     res = runner.run_benchmark(gen, wl.requests, gen_settings=SamplingSettings.greedy(), arrivals=arrivals,
-                               clock=clock, sleep=sleep, progress=FLAGS.progress, desc=label or spec,
+                               clock=clock, sleep=sleep, progress=FLAGS.progress,
+                               desc=(label or spec) + ("" if rate is None else f" @ {rate:g}/s"),
                                seed=0 if FLAGS.seed is None else FLAGS.seed, deadline=FLAGS.deadline,
                                oracle_lengths=FLAGS.oracle_lengths, max_stalls=100_000)
     m = metrics.compute_metrics(res.records, res.duration, slo)
@@ -235,23 +298,74 @@ def run_policy(backend, spec: str, wl, arrivals, slo: dict, label: str | None = 
     per_step = [s.wall / s.num_steps for s in res.steps]
     median_step = float(np.median(per_step)) if per_step else None
     mean_step = float(np.mean(per_step)) if per_step else None
-    pre = res.metrics_after.get("preemptions", 0) - res.metrics_before.get("preemptions", 0)
-    row = {"policy": label or spec, "ttft_p50_ms": m["ttft_ms"]["median"], "ttft_p99_ms": m["ttft_ms"]["p99"],
-           "tpot_p50_ms": m["tpot_ms"]["median"], "tpot_p99_ms": m["tpot_ms"]["p99"],
-           "e2el_p50_ms": m["e2el_ms"]["median"], "output_tok_s": m["output_throughput"], "goodput": m["goodput"],
-           "prefix_hit": cache["page_hit_rate"], "preemptions": pre, "page_util": res.mean_page_utilisation,
-           "median_step_ms": None if median_step is None else 1e3 * median_step}
+    delta = metrics.metrics_delta(res.metrics_before, res.metrics_after)
+    pre, recomputed = delta.get("preemptions", 0), delta.get("tokens_recomputed", 0)
+    m.update(preemptions=pre, tokens_recomputed=recomputed)
+    row = {"policy": label or spec, "rate": rate, "ttft_p50_ms": m["ttft_ms"]["median"],
+           "ttft_p90_ms": m["ttft_ms"]["p90"], "ttft_p99_ms": m["ttft_ms"]["p99"],
+           "tpot_p50_ms": m["tpot_ms"]["median"], "tpot_p90_ms": m["tpot_ms"]["p90"],
+           "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p50_ms": m["itl_ms"]["median"], "itl_p90_ms": m["itl_ms"]["p90"],
+           "itl_p99_ms": m["itl_ms"]["p99"], "e2el_p50_ms": m["e2el_ms"]["median"], "e2el_p90_ms": m["e2el_ms"]["p90"],
+           "e2el_p99_ms": m["e2el_ms"]["p99"], "queue_p50_ms": m["queue_ms"]["median"],
+           "queue_p99_ms": m["queue_ms"]["p99"], "output_tok_s": m["output_throughput"],
+           "request_s": m["request_throughput"], "goodput": m["goodput"], "attainment": m["slo_attainment"],
+           "prefix_hit": cache["page_hit_rate"], "preemptions": pre, "recomputed": recomputed,
+           "page_util": res.mean_page_utilisation, "median_step_ms": None if median_step is None else 1e3 * median_step}
     ttft = m["ttft_ms"]["median"]
     row["ttft_p50_steps"] = None if ttft is None or not median_step else ttft / (1e3 * median_step)
     return PolicyRun(policy=label or spec, allocation=policy.allocation, result=res, metrics=m, cache=cache,
-                     preemptions=pre, median_step_s=median_step, mean_step_s=mean_step, row=row)
+                     preemptions=pre, median_step_s=median_step, mean_step_s=mean_step, row=row, rate=rate)
 
 
-COLUMNS = [("policy", "policy", "{}"), ("ttft_p50_ms", "TTFT p50", "{:.0f}"), ("ttft_p99_ms", "TTFT p99", "{:.0f}"),
-           ("tpot_p50_ms", "TPOT p50", "{:.1f}"), ("tpot_p99_ms", "TPOT p99", "{:.1f}"),
-           ("e2el_p50_ms", "E2E p50", "{:.0f}"), ("output_tok_s", "tok/s", "{:.1f}"),
-           ("goodput", "goodput", "{:.3f}"), ("prefix_hit", "prefix hit", "{:.2f}"), ("preemptions", "preempt", "{}"),
-           ("page_util", "page util", "{:.2f}"),
+def sustained(run: PolicyRun) -> bool:
+    """The run met the SLO: at least --slo_attainment of its requests met every SLO."""
+    return (run.metrics["slo_attainment"] or 0.0) >= FLAGS.slo_attainment
+
+
+@dataclasses.dataclass
+class Sweep:
+    """One policy over the rates: its runs (ascending rate) and its capacity."""
+
+    policy: str
+    runs: list[PolicyRun]
+    capacity: object  # capacity.Capacity
+
+
+def sweep_policy(backend, spec: str, load: Load, slo: dict, rates: list[float] | None) -> Sweep:
+    """Run `spec` at every rate of `rates`, or (None) search its capacity from --rate."""
+    from experiments.lib.serving import capacity
+
+    runs: list[PolicyRun] = []
+
+    def measure(rate: float) -> bool:
+        run = run_policy(backend, spec, load.workload, load.arrivals_at(rate), slo, rate=rate)
+        runs.append(run)
+        r = run.row
+        print(f"  {run.policy} @ {rate:.4g}/s: TTFT p50 {_ms(r['ttft_p50_ms'])}, TPOT p50 {_ms(r['tpot_p50_ms'])}, "
+              f"SLO attainment {r['attainment']:.0%} -> {'sustained' if sustained(run) else 'not sustained'}",
+              file=sys.stderr)
+        return sustained(run)
+
+    if rates is None:
+        cap = capacity.search_capacity(measure, FLAGS.rate, rel_tol=FLAGS.capacity_tolerance,
+                                       max_points=FLAGS.capacity_max_points)
+    else:
+        cap = capacity.capacity_from_points([(r, measure(r)) for r in rates])
+    runs.sort(key=lambda r: r.rate)
+    return Sweep(policy=runs[0].policy, runs=runs, capacity=cap)
+
+
+def _ms(x) -> str:
+    return "n/a" if x is None else f"{x:.0f} ms"
+
+
+COLUMNS = [("policy", "policy", "{}"), ("rate", "rate/s", "{:.3g}"), ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+           ("ttft_p90_ms", "p90", "{:.0f}"), ("ttft_p99_ms", "p99", "{:.0f}"), ("tpot_p50_ms", "TPOT p50", "{:.1f}"),
+           ("tpot_p99_ms", "p99", "{:.1f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"), ("e2el_p50_ms", "E2E p50", "{:.0f}"),
+           ("queue_p50_ms", "queue p50", "{:.0f}"), ("output_tok_s", "tok/s", "{:.1f}"),
+           ("goodput", "goodput/s", "{:.3f}"), ("attainment", "SLO met", "{:.0%}"),
+           ("prefix_hit", "prefix hit", "{:.2f}"), ("preemptions", "preempt", "{}"),
+           ("recomputed", "recomputed", "{}"), ("page_util", "page util", "{:.2f}"),
            ("ttft_p50_steps", "TTFT p50/step", "{:.1f}")]
 
 
@@ -263,6 +377,28 @@ def format_table(rows: list[dict], real: bool) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
              for line in cells]
     lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def slo_text(slo: dict) -> str:
+    names = {"ttft": "TTFT", "tpot": "TPOT", "e2el": "E2EL"}
+    limits = ", ".join(f"{names[k]} <= {v:g} ms" for k, v in slo.items())
+    return f"SLO: {limits}; a rate is sustained when >= {FLAGS.slo_attainment:.0%} of its requests meet it"
+
+
+def format_capacities(sweeps: list[Sweep], slo: dict) -> str:
+    """One capacity line per policy and the ranking line."""
+    from experiments.lib.serving import capacity
+
+    caps = {s.policy: s.capacity for s in sweeps}
+    width = max(len(p) for p in caps)
+    lines = [slo_text(slo)]
+    for s in sweeps:
+        c = s.capacity
+        note = "" if c.bounded else (" (every rate tried met the SLO: raise the rates)" if c.rate is not None
+                                     else " (no rate tried met the SLO: lower the rates)")
+        lines.append(f"capacity  {s.policy:<{width}}  {c.describe()}{note}")
+    lines.append("ranking by capacity: " + capacity.format_ranking(caps))
     return "\n".join(lines)
 
 
@@ -281,14 +417,16 @@ def jsonable(x):
 def policy_record(run: PolicyRun) -> dict:
     res = run.result
     return {
-        "policy": run.policy, "allocation": run.allocation, "summary": run.row, "metrics": run.metrics,
-        "prefix_cache": run.cache, "preemptions": run.preemptions, "mean_page_utilisation": res.mean_page_utilisation,
+        "policy": run.policy, "rate": run.rate, "allocation": run.allocation, "summary": run.row,
+        "metrics": run.metrics, "prefix_cache": run.cache, "preemptions": run.preemptions,
+        "tokens_recomputed": run.metrics["tokens_recomputed"], "mean_page_utilisation": res.mean_page_utilisation,
         "median_step_s": run.median_step_s, "mean_step_s": run.mean_step_s, "duration_s": res.duration,
         "step_summary": res.step_summary,
         "per_request": [{"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
                          "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
-                         "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "cached_tokens": r.cached_tokens,
-                         "preemptions": r.preemptions, "error": r.error or None} for r in res.records],
+                         "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "queue_time": r.queue_time,
+                         "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, "error": r.error or None}
+                        for r in res.records] if FLAGS.save_requests else None,
         "steps": step_shapes(res) if FLAGS.save_steps else None,
     }
 
@@ -298,12 +436,18 @@ def compare(backend, wl, arrivals) -> list[PolicyRun]:
 
 
 def slo_of_flags() -> dict:
+    """The SLO in ms: --slo when given (any of ttft, tpot, e2el), else --slo_ttft_ms and --slo_tpot_ms."""
     from experiments.lib.serving import metrics
 
-    try:
-        return metrics.parse_slo(FLAGS.slo or DEFAULT_SLO)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    if FLAGS.slo:
+        try:
+            return metrics.parse_slo(FLAGS.slo)
+        except ValueError as e:
+            raise app.UsageError(str(e)) from None
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        if not (FLAGS[name].value > 0 and math.isfinite(FLAGS[name].value)):
+            raise app.UsageError(f"--{name} must be a finite number of milliseconds > 0, got {FLAGS[name].value}")
+    return {"ttft": FLAGS.slo_ttft_ms, "tpot": FLAGS.slo_tpot_ms}
 
 
 def make_backend():
@@ -320,24 +464,50 @@ def write_json(path: str, record: dict) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def write_outputs(backend, wl, runs: list[PolicyRun], extra: dict | None = None) -> None:
+def cdf_rate(sweeps: list[Sweep]) -> float:
+    """The rate whose latency CDFs are plotted: the lowest rate some policy did not sustain (where policies part),
+    else the highest rate run."""
+    failing = [r.rate for s in sweeps for r in s.runs if not sustained(r)]
+    return min(failing) if failing else max(r.rate for s in sweeps for r in s.runs)
+
+
+def write_outputs(backend, load: Load, sweeps: list[Sweep], slo: dict, extra: dict | None = None) -> None:
     from experiments.lib.serving import env, plots
 
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    wl = load.workload
     record = {"schema": SCHEMA, "timestamp": stamp, "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
               "git": env.git_info(), "backend": backend.describe(), "engine": backend.config.to_dict(),
-              "workload": wl.describe(), "load_avg": env.load_average(),
-              "policies": [policy_record(r) for r in runs], **(extra or {})}
+              "workload": wl.describe(), "load_avg": env.load_average(), "slo_ms": slo,
+              "slo_attainment": FLAGS.slo_attainment, "rates": "auto" if rates_of_flags() is None else rates_of_flags(),
+              "capacity": {s.policy: s.capacity.to_dict() for s in sweeps},
+              "ranking": _ranking(sweeps),
+              "points": [policy_record(r) for s in sweeps for r in s.runs], **(extra or {})}
     if FLAGS.json_out:
         write_json(FLAGS.json_out, record)
     if FLAGS.plot:
         base = (FLAGS.json_out.removesuffix(".gz").removesuffix(".json") if FLAGS.json_out
                 else os.path.join(FLAGS.plot_dir, f"policies_{FLAGS.engine}_{FLAGS.workload}_{stamp}"))
         os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
-        title = f"{FLAGS.engine}: {FLAGS.workload}, {FLAGS.num_requests} requests at {FLAGS.rate}/s"
-        for p in (plots.plot_latency_cdfs([(r.policy, r.result.records) for r in runs], base + "_cdf.png", title),
-                  plots.plot_policy_bars([r.row for r in runs], base + "_bars.png", title)):
+        title = f"{FLAGS.engine}: {FLAGS.workload}, {FLAGS.num_requests} requests"
+        at = cdf_rate(sweeps)
+        at_rate = [next(r for r in s.runs if r.rate == at) for s in sweeps if any(r.rate == at for r in s.runs)]
+        paths = [plots.plot_latency_cdfs([(r.policy, r.result.records) for r in at_rate], base + "_cdf.png",
+                                         f"{title} at {at:.3g}/s")]
+        if len({r.rate for s in sweeps for r in s.runs}) > 1:
+            paths.append(plots.plot_load_curves(
+                [(s.policy, [r.row for r in s.runs], s.capacity.rate if s.capacity.bounded else None)
+                 for s in sweeps], slo, base + "_load.png", title))
+        else:
+            paths.append(plots.plot_policy_bars([r.row for r in at_rate], base + "_bars.png", f"{title} at {at:.3g}/s"))
+        for p in paths:
             print(f"wrote {p}", file=sys.stderr)
+
+
+def _ranking(sweeps: list[Sweep]) -> list[list[str]]:
+    from experiments.lib.serving import capacity
+
+    return capacity.ranking({s.policy: s.capacity for s in sweeps})
 
 
 def main(argv):
@@ -350,15 +520,18 @@ def main(argv):
     validate_flags()
     if FLAGS.engine == "real":
         env.load_average("at start")
+    slo, rates = slo_of_flags(), rates_of_flags()
     backend = make_backend()
-    wl, arrivals = build_workload(backend.vocab_size, backend.special_ids, backend.config.max_seq_len)
-    backend.warm_up(wl.requests[: FLAGS.warmup_requests])
+    load = build_load(backend.vocab_size, backend.special_ids, backend.config.max_seq_len)
+    backend.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     t0 = time.perf_counter()
-    runs = compare(backend, wl, arrivals)
-    print(format_table([r.row for r in runs], FLAGS.engine == "real"))
-    print(f"{FLAGS.engine} engine, {len(runs)} policies x {FLAGS.num_requests} requests in "
+    sweeps = [sweep_policy(backend, p, load, slo, rates) for p in FLAGS.policies]
+    print(format_table([r.row for s in sweeps for r in s.runs], FLAGS.engine == "real"))
+    print(format_capacities(sweeps, slo))
+    points = sum(len(s.runs) for s in sweeps)
+    print(f"{FLAGS.engine} engine, {len(sweeps)} policies, {points} load points x {FLAGS.num_requests} requests in "
           f"{time.perf_counter() - t0:.1f} s wall", file=sys.stderr)
-    write_outputs(backend, wl, runs)
+    write_outputs(backend, load, sweeps, slo)
 
 
 if __name__ == "__main__":

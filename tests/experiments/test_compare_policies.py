@@ -49,14 +49,41 @@ def test_compare_policies_on_the_simulator_writes_table_and_record(cp, tmp_path,
     table = capsys.readouterr().out
     assert "TTFT p50" in table and "EarliestDeadlineFirst" in table and "TTFT p50/step" not in table
     rec = json.loads(out.read_text())
-    assert rec["schema"] == "compare_policies/1" and rec["backend"]["kind"] == "sim"
-    assert [p["allocation"] for p in rec["policies"]] == ["reserve", "on_demand", "on_demand"]
-    for p in rec["policies"]:
+    assert rec["schema"] == "compare_policies/2" and rec["backend"]["kind"] == "sim"
+    assert [p["allocation"] for p in rec["points"]] == ["reserve", "on_demand", "on_demand"]
+    assert [p["rate"] for p in rec["points"]] == [20.0] * 3 and set(rec["capacity"]) == {p["policy"] for p in
+                                                                                       rec["points"]}
+    for p in rec["points"]:
         assert p["metrics"]["completed"] == 24 and len(p["per_request"]) == 24
         assert len(p["steps"]["decode_rows"]) == p["step_summary"]["steps"] and p["steps"]["engine_seconds"][0] > 0
         assert p["preemptions"] == sum(r["preemptions"] for r in p["per_request"])
-    assert rec["policies"][1]["preemptions"] > 0  # 24 pages of 8 tokens for 4 rows of up to 80 tokens
+        assert p["metrics"]["queue_ms"]["count"] == 24 and p["tokens_recomputed"] >= 0
+    assert rec["points"][1]["preemptions"] > 0  # 24 pages of 8 tokens for 4 rows of up to 80 tokens
     assert (tmp_path / "rec_cdf.png").exists() and (tmp_path / "rec_bars.png").exists()
+
+
+def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp, tmp_path):
+    """Two requests of 8 prompt + 16 output tokens at t=0, every step 1 s, 2 rows, 5 pages of 8 tokens (each request
+    ends on 3 pages: 6 > 5), one prefill row per step, the `vllm` policy (pages on demand, preempt the newest).
+    By hand: request 0 is prefilled in the first step (t=0..1): queue time 0, tokens at 1, 2, ..., 16. Request 1
+    waits for the second step (t=1..2): queue time 1, first token at 2. At t=10 both have 8 + 9 = 17 tokens and need
+    a third page with only 5 in the pool: request 1 (the newest) is preempted, once. Its first two pages (16 tokens,
+    complete and hashed) stay in the prefix cache, so when request 0 ends at 16 and request 1 is re-admitted, 17 - 16
+    = 1 token is recomputed; its tokens resume at 17 and end at 23."""
+    stm = tmp_path / "one_second.json"
+    StepTimeModel.constant(1.0).save(stm)
+    out = tmp_path / "rec.json"
+    _parse([f"--step_time_model={stm}", "--num_requests=2", "--rate=inf", "--input_len=8", "--output_len=16",
+            "--range_ratio=0", "--page_size=8", "--max_seq_len=64", "--max_batch_size=2", "--max_chunk_size=8",
+            "--page_budget=5", "--policies=vllm", f"--json_out={out}", "--noprogress"])
+    cp.main([])
+    point = json.loads(out.read_text())["points"][0]
+    reqs = point["per_request"]
+    assert [r["queue_time"] for r in reqs] == [0.0, 1.0]
+    assert point["metrics"]["queue_ms"]["median"] == 500.0 and point["summary"]["queue_p50_ms"] == 500.0
+    assert [r["preemptions"] for r in reqs] == [0, 1] and point["preemptions"] == 1
+    assert point["tokens_recomputed"] == 1 and point["summary"]["recomputed"] == 1
+    assert [r["e2el"] for r in reqs] == [16.0, 23.0] and [r["ttft"] for r in reqs] == [1.0, 2.0]
 
 
 def test_compare_policies_flag_errors(cp, tmp_path):
@@ -69,6 +96,14 @@ def test_compare_policies_flag_errors(cp, tmp_path):
     _parse([f"--step_time_model={tmp_path / 'missing.json'}"])
     with pytest.raises(app.UsageError, match="--step_time_model"):
         cp.main([])
+    _parse(["--step_time_model=no_such_fit"])
+    with pytest.raises(app.UsageError, match="no step-time fit named 'no_such_fit'"):
+        cp.main([])
+    for bad, match in [("--rates=1,x", "--rates must be 'auto' or"), ("--rates=1,1", "distinct"),
+                       ("--slo_attainment=0", "--slo_attainment"), ("--slo_ttft_ms=-1", "--slo_ttft_ms")]:
+        _parse([bad])
+        with pytest.raises(app.UsageError, match=match):
+            cp.main([])
 
 
 def test_validate_sim_errors():

@@ -35,6 +35,36 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+             "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # the instruction sets the CPU kernels may use
+
+
+def cpu_isa() -> list[str]:
+    """Which of ISA_FLAGS this CPU has (from /proc/cpuinfo; [] where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [x for x in ISA_FLAGS if x in have]
+    except OSError:
+        pass
+    return []
+
+
+def host_setup() -> dict:
+    """The host keys of a step-time fit's setup (paged.sim.HOST_SETUP and the rest): CPU model, its instruction
+    sets, the GPU (None on the CPU), the JAX backend and the usable cores."""
+    import jax
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    gpu = jax.devices()[0].device_kind if jax.default_backend() == "gpu" else None
+    return {"cpu": cpu_model(), "isa": cpu_isa(), "gpu": gpu, "backend": jax.default_backend(), "cpus": usable}
+
+
 def device_info() -> dict:
     import jax
 

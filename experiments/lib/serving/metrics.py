@@ -4,13 +4,15 @@ Per request (times in seconds from the benchmark start, taken in the host loop w
 - TTFT = first token time - arrival;
 - E2EL = last token time - arrival;
 - TPOT = (E2EL - TTFT) / (output tokens - 1), only for requests with more than one output token;
-- ITL  = the gaps between successive tokens of a request, pooled over all requests.
+- ITL  = the gaps between successive tokens of a request, pooled over all requests;
+- queue time = the start of the request's first engine step - its enqueue, on the generator's clock (a preempted
+  request's later waits are not counted).
 `arrival` is when the request is sent: its scheduled arrival, or, when `max_concurrency` held it back, the moment
 a slot freed (vLLM starts its clock after the concurrency semaphore is acquired).
 
 Summaries are in milliseconds: mean, median, std (population), p90, p99 (numpy's linear-interpolated percentiles).
 Throughputs divide by the benchmark duration. Goodput counts the requests that meet every SLO (a one-token request
-has TPOT 0 for this purpose, as in vLLM).
+has TPOT 0 for this purpose, as in vLLM); SLO attainment is their fraction of all requests (failed ones included).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class RequestRecord:
     prefix_id: int | None = None
     error: str = ""
     preemptions: int = 0  # times the scheduling policy preempted it (final result's `preemptions`)
+    queue_time: float | None = None  # enqueue -> the start of its first step, on the generator's clock (the final
+    # result's `time_enqueued`)
 
     @property
     def output_tokens(self) -> int:
@@ -147,6 +151,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float, slo: dict
         out[f"{name}_ms"] = summarize_ms(lat[name])
     out["send_delay_ms"] = summarize_ms([r.arrival - r.scheduled for r in ok])  # held by max_concurrency
     out["enqueue_lag_ms"] = summarize_ms([r.enqueued - r.arrival for r in ok if r.enqueued is not None])
+    out["queue_ms"] = summarize_ms([r.queue_time for r in ok if r.queue_time is not None])
+    out["slo_attainment"] = out["good_requests"] / len(records) if slo and records else None
     prompt = sum(r.prompt_len for r in ok)
     out["cached_tokens"] = sum(r.cached_tokens for r in ok)
     out["cached_token_fraction"] = out["cached_tokens"] / prompt if prompt else 0.0

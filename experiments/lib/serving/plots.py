@@ -1,4 +1,5 @@
-"""Plots of serving runs (matplotlib, Agg backend): latency CDFs and concurrency sweeps."""
+"""Plots of serving runs (matplotlib, Agg backend): latency CDFs, latency and goodput against offered load,
+concurrency sweeps and per-policy bars."""
 
 from __future__ import annotations
 
@@ -29,23 +30,92 @@ def _save(plt, fig, path: str, title: str) -> str:
     return path
 
 
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*"]
+
+
+def style(i: int) -> dict:
+    """Line style number i: colour, dash pattern and marker all vary, so policies with equal curves stay visible
+    (later lines are drawn thinner over the earlier ones)."""
+    return {"color": f"C{i % 10}", "linestyle": STYLES[i % len(STYLES)], "marker": MARKERS[i % len(MARKERS)],
+            "linewidth": max(2.6 - 0.3 * i, 1.0)}
+
+
 def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str, title: str = "") -> str:
-    """One panel per latency (TTFT, TPOT, ITL, E2EL), one empirical CDF line per (label, records) run."""
+    """One panel per latency (TTFT, TPOT, ITL, E2EL), one empirical CDF line per (label, records) run; time axes in
+    seconds on a log scale (an overloaded run spans milliseconds to minutes), distinct line styles."""
     plt = _plt()
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, name in zip(axes.flat, LATENCIES):
-        for label, records in runs:
-            v = np.sort(np.asarray(latencies(records)[name]) * 1e3)
+        for i, (label, records) in enumerate(runs):
+            v = np.sort(np.asarray(latencies(records)[name], dtype=np.float64))
+            v = v[v > 0]  # (a log axis; a zero latency cannot be drawn)
             if v.size:
-                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label)
+                st = style(i)
+                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label, color=st["color"],
+                        linestyle=st["linestyle"], linewidth=st["linewidth"])
         ax.set_title(TITLES[name])
-        ax.set_xlabel("ms")
+        ax.set_xlabel("seconds (log)")
         ax.set_ylabel("fraction of samples")
         ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
         if ax.has_data():
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())  # (minor labels crowd a short log range)
             ax.legend(fontsize="small", loc="lower right")
     return _save(plt, fig, path, title)
+
+
+def plot_load_curves(series: Sequence[tuple[str, Sequence[dict], float | None]], slo: dict[str, float], path: str,
+                     title: str = "") -> str:
+    """Latency against offered load, one line per (policy, its rows by rate, its capacity or None): TTFT, TPOT and
+    E2EL p50 (solid markers) and p99 (hollow), queue time p50, in seconds on log axes, with the SLO as a horizontal
+    line; goodput and SLO attainment against load; each policy's capacity as a vertical dashed line in its colour."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = [("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2el", "E2EL (s)"), ("queue", "queue time p50 (s)"),
+              ("goodput", "goodput (requests/s meeting the SLO)"), ("attainment", "SLO attainment")]
+    rates = sorted({r["rate"] for _, rows, _ in series for r in rows})
+    for ax, (key, label) in zip(axes.flat, panels):
+        for i, (name, rows, cap) in enumerate(series):
+            st = style(i)
+            rows = sorted(rows, key=lambda r: r["rate"])
+            x = [r["rate"] for r in rows]
+            kw = dict(color=st["color"], linestyle=st["linestyle"], marker=st["marker"], linewidth=st["linewidth"])
+            if key in ("ttft", "tpot", "e2el"):
+                for pct, fill in (("p50", True), ("p99", False)):
+                    pts = [(a, r[f"{key}_{pct}_ms"] / 1e3) for a, r in zip(x, rows) if r.get(f"{key}_{pct}_ms")]
+                    if pts:
+                        ax.plot(*zip(*pts), label=f"{name} {pct}", **kw,
+                                markerfacecolor=st["color"] if fill else "none", alpha=1.0 if fill else 0.6)
+            else:
+                src = {"queue": "queue_p50_ms", "goodput": "goodput", "attainment": "attainment"}[key]
+                scale = 1e-3 if key == "queue" else 1.0
+                pts = [(a, r[src] * scale) for a, r in zip(x, rows) if r.get(src) is not None]
+                if key == "queue":
+                    pts = [p for p in pts if p[1] > 0]
+                if pts:
+                    ax.plot(*zip(*pts), label=name, **kw)
+            if cap is not None:
+                ax.axvline(cap, color=st["color"], linestyle="--", linewidth=1, alpha=0.7)
+        if key in slo:
+            ax.axhline(slo[key] / 1e3, color="k", linestyle=":", linewidth=1, label=f"SLO {slo[key]:g} ms")
+        ax.set_title(label)
+        ax.set_xlabel("offered load (requests/s)")
+        if len(rates) > 1 and rates[-1] / rates[0] > 4:
+            ax.set_xscale("log")
+            ax.minorticks_off()
+        if len(rates) <= 12:
+            ax.set_xticks(rates, [f"{r:.3g}" for r in rates])
+        if key in ("ttft", "tpot", "e2el", "queue") and ax.has_data():
+            ax.set_yscale("log")
+            ax.yaxis.set_minor_formatter(plt.NullFormatter())
+        if key == "attainment":
+            ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3, which="both")
+        if ax.has_data():
+            ax.legend(fontsize="x-small", loc="best")
+    return _save(plt, fig, path, title + " (dashed verticals: capacity)")
 
 
 def plot_sweep(points: Sequence[tuple[float, float, float | None]], path: str, title: str = "",

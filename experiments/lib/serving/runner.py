@@ -140,7 +140,7 @@ def run_benchmark(
 
     Each request becomes `Job(prompt_ids, output_len, gen_settings=..., seed=seed + index, priority=req.priority)`
     with no stop conditions, so it produces exactly `output_len` tokens; `deadline` (seconds after arrival) is given
-    to every job, and with `oracle_lengths` the job's `expected_new_tokens` is its true output length (for `sjf`).
+    to every job whose request has none of its own (`Request.deadline`, from a trace), and with `oracle_lengths` the job's `expected_new_tokens` is its true output length (for `sjf`).
     `arrivals` overrides the generated schedule. Under simulation pass the virtual clock's `clock` and `sleep`."""
     from paged.job import Job
     from paged.settings import SamplingSettings
@@ -179,7 +179,8 @@ def run_benchmark(
                                         scheduled=sched[next_i], arrival=max(sched[next_i], slot), enqueued=now,
                                         prefix_id=req.prefix_id)
                     job = Job(req.prompt_ids, req.output_len, gen_settings=gen_settings, seed=seed + req.index,
-                              identifier=("bench_serving", req.index), priority=req.priority, deadline=deadline,
+                              identifier=("bench_serving", req.index), priority=req.priority,
+                              deadline=deadline if getattr(req, "deadline", None) is None else req.deadline,
                               expected_new_tokens=req.output_len if oracle_lengths else None)
                     generator.enqueue(job)
                     in_flight[id(job)] = rec
@@ -207,6 +208,7 @@ def run_benchmark(
                         rec.cached_tokens = int(r.get("cached_tokens", 0))
                         rec.eos_reason = r.get("eos_reason")
                         rec.preemptions = int(r.get("preemptions", 0))
+                        rec.queue_time = r.get("time_enqueued")
                         if rec.output_tokens != rec.target_output_len:
                             rec.error = (f"produced {rec.output_tokens} tokens, expected {rec.target_output_len} "
                                          f"({rec.eos_reason})")

@@ -57,6 +57,8 @@ flags.DEFINE_integer("fit_narrow_tokens", -1, "fit: the widest step (token slots
                      "else 0: no such term)")
 flags.DEFINE_integer("fit_max_batch_size", 16, "fit: the engine's max_batch_size (as compare_policies uses)")
 flags.DEFINE_integer("fit_max_seq_len", 1024, "fit: the engine's max_seq_len (as compare_policies uses)")
+flags.DEFINE_string("fit_name", None, "fit: its name, e.g. cpu_epyc_smollm2_q4 (hardware + model + setup; default: "
+                    "the --fit_out file's stem)")
 
 
 def host_breakdown(model, rows: int) -> dict:
@@ -173,6 +175,20 @@ def device_breakdown(model, rows: int) -> dict:
     return rec
 
 
+def fit_setup(eng) -> dict:
+    """What the fit is measured on (paged.sim.SETUP_KEYS): host, kernels, model, weights, cache, date, commit."""
+    import datetime
+
+    from experiments.lib.serving import env
+
+    c = eng.config
+    name = FLAGS.fit_name or os.path.splitext(os.path.basename(FLAGS.fit_out or "step_time"))[0]
+    return {"name": name, **env.host_setup(), "model": FLAGS.model, "quantization": FLAGS.quant,
+            "attn_impl": c.attn_impl, "matmul_impl": c.matmul_impl, "kernels": env.matmul_auto(),
+            "cache_dtype": c.cache_dtype, "page_size": c.page_size, "max_batch_size": c.max_batch_size,
+            "max_seq_len": c.max_seq_len, "date": datetime.date.today().isoformat(), "commit": env.git_info()}
+
+
 def fit_step_time(model) -> dict:
     """Median `Engine.run` wall time of every grid shape, plus the host loop's overhead per step, fitted."""
     import numpy as np
@@ -239,7 +255,8 @@ def fit_step_time(model) -> dict:
     narrow = FLAGS.fit_narrow_tokens if FLAGS.fit_narrow_tokens >= 0 else env.narrow_path_tokens(model, eng)
     fit = StepTimeModel.fit(shapes, seconds, device=device_name, model=FLAGS.model, narrow_tokens=narrow,
                             notes=f"fitted by experiments/profile_step.py on {len(shapes)} grid shapes; base_s "
-                            f"includes the host loop's {1e3 * host:.2f} ms per step outside Engine.run")
+                            f"includes the host loop's {1e3 * host:.2f} ms per step outside Engine.run",
+                            setup=fit_setup(eng))
     fit.base_s += host
     fit.fit_stats.update(host_s_per_step=host, load_avg=env.load_average(), grid=points,
                          engine=eng.config.to_dict())

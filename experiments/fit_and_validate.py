@@ -1,0 +1,93 @@
+"""Measure, fit and validate the simulator's step-time model on this machine, in one command:
+
+1. `experiments.profile_step --fit_out`: times `Engine.run` over a grid of step shapes and fits a
+   `paged.sim.StepTimeModel`, recording its setup (CPU and instruction sets or GPU, kernels, model, quantization,
+   cache dtype, page size, date, commit);
+2. `experiments.validate_sim`: the same workload and policies through the real engine and the simulator priced by
+   the new fit, at two loads (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the
+   rank agreement of the policies (Kendall's tau) per load;
+3. with `--install`, the fit goes to `experiments/data/step_time/NAME.json`, where `--step_time_model=NAME` finds it.
+
+    python -m experiments.fit_and_validate --name=cpu_epyc_smollm2_q4 --install \\
+        --json_out=experiments/results/fit_and_validate/cpu_epyc_smollm2_q4.json
+
+Each step runs as its own process (a fresh model load and compile). Run it on an idle machine: the record keeps the
+load average. Takes ~10-15 minutes on the 2-core CPU host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+from experiments.lib import step_time_fits
+from experiments.lib.common import check_out_flag
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("name", None, "the fit's name: hardware_model_setup, e.g. cpu_epyc_smollm2_q4 (required)")
+flags.DEFINE_string("model", "smollm2-135m", "model to measure (as every experiment's --model)")
+flags.DEFINE_string("quant", "keep", "weights: keep, none, int8, int4 (as every experiment's --quant)")
+flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
+flags.DEFINE_integer("page_size", 64, "tokens per page")
+flags.DEFINE_list("policies", ["exllamav2", "vllm", "sarathi", "sjf"], "policies to validate (>= 3 for a ranking)")
+flags.DEFINE_list("rates", ["0.5", "3"], "two request rates: one under saturation, one past it")
+flags.DEFINE_integer("num_requests", 48, "requests per policy and rate in the validation")
+flags.DEFINE_integer("page_budget", 48, "usable KV pages in the validation (memory pressure separates policies)")
+flags.DEFINE_list("validate_flags", [], "more flags for validate_sim, e.g. --validate_flags=--input_len=64,"
+                  "--output_len=48")
+flags.DEFINE_bool("install", False, "copy the fit to experiments/data/step_time/NAME.json")
+flags.DEFINE_string("json_out", None, "write the validation record here (the fit is inside it)")
+check_out_flag("json_out")
+flags.mark_flag_as_required("name")
+
+
+def run(module: str, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", module, *args]
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc:
+        raise SystemExit(f"{module} failed (exit status {rc})")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.name or any(c in FLAGS.name for c in "/\\. "):
+        raise app.UsageError(f"--name must be a plain name such as cpu_epyc_smollm2_q4, got {FLAGS.name!r}")
+    if len(FLAGS.rates) != 2:
+        raise app.UsageError(f"--rates takes two rates (under and past saturation), got {FLAGS.rates}")
+    if len(FLAGS.policies) < 3:
+        raise app.UsageError("--policies needs at least 3 policies for a rank agreement")
+    common = [f"--model={FLAGS.model}", f"--quant={FLAGS.quant}", f"--cache_dtype={FLAGS.cache_dtype}",
+              f"--page_size={FLAGS.page_size}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        fit = os.path.join(tmp, FLAGS.name + ".json")
+        record = FLAGS.json_out or os.path.join(tmp, "validate.json")
+        run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
+        run("experiments.validate_sim", [*common, f"--step_time_model={fit}", f"--policies={','.join(FLAGS.policies)}",
+                                         f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
+                                         f"--page_budget={FLAGS.page_budget}", "--noprogress", "--nosave_steps",
+                                         f"--json_out={record}", *FLAGS.validate_flags])
+        with open(record) as f:
+            rec = json.load(f)
+        errors = rec["errors"]
+        step_ok = sum(r["step_ok"] for r in errors)
+        ttft_ok = sum(r["ttft_ok"] for r in errors)
+        print(f"fit {FLAGS.name}: step time within target for {step_ok}/{len(errors)} (policy, rate) pairs, TTFT p50 "
+              f"for {ttft_ok}/{len(errors)}; rank agreement (Kendall's tau) "
+              + ", ".join(f"{k['tau']:+.2f} at {k['rate']}/s" if k["tau"] is not None else f"n/a at {k['rate']}/s"
+                          for k in rec["rank_agreement"]))
+        if FLAGS.install:
+            os.makedirs(step_time_fits.FITS_DIR, exist_ok=True)
+            dest = os.path.join(step_time_fits.FITS_DIR, FLAGS.name + ".json")
+            shutil.copyfile(fit, dest)
+            print(f"installed {dest}: --step_time_model={FLAGS.name}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -50,8 +50,9 @@ flags.DEFINE_enum("engine", "sim", ["real", "sim"], "real: the model (--model) o
 flags.DEFINE_string("step_time_model", step_time_fits.DEFAULT_FIT, "sim: the step-time fit: a name in "
                     "experiments/data/step_time/ (hardware_model_setup) or a path to a StepTimeModel JSON "
                     "(experiments/fit_and_validate.py writes one)")
-flags.DEFINE_enum("workload", "poisson", ["poisson", "gamma", "sharegpt", "shared_prompt", "bursty"],
-                  "request workload and arrival process (experiments/lib/serving/workloads.py, make_scenario)")
+flags.DEFINE_enum("workload", "poisson", ["poisson", "gamma", "sharegpt", "shared_prompt", "bursty", "trace"],
+                  "request workload and arrival process (experiments/lib/serving/workloads.py, make_scenario); "
+                  "trace: replay --trace_file (docs/traces.md), at its own rate unless --rates rescales it")
 flags.DEFINE_float("rate", 2.0, "mean arrivals per second (one load point; --rates sweeps; --rates=auto starts its "
                    "search here)")
 flags.DEFINE_list("rates", None, "request rates to sweep (mean arrivals per second), e.g. 0.5,1,2,4,8, or 'auto': per "
@@ -133,10 +134,22 @@ def build_load(vocab_size: int, special_ids, max_seq_len: int) -> Load:
             seed=0 if FLAGS.seed is None else FLAGS.seed, max_seq_len=max_seq_len, input_len=FLAGS.input_len,
             output_len=FLAGS.output_len, range_ratio=FLAGS.range_ratio, burstiness=FLAGS.burstiness,
             prefix_len=FLAGS.prefix_len, num_prefixes=FLAGS.num_prefixes, burst_size=FLAGS.burst_size,
-            priority_levels=FLAGS.priority_levels)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    return Load(wl, np.asarray(base, np.float64), 1.0)
+            priority_levels=FLAGS.priority_levels, trace_file=FLAGS.trace_file, trace_speedup=FLAGS.trace_speedup,
+            trace_format=FLAGS.trace_format)
+    except ValueError as e:  # (a TraceError too: it names file:line)
+        raise app.UsageError(f"--workload={FLAGS.workload}: {e}") from None
+    base = np.asarray(base, np.float64)
+    if FLAGS.workload != workloads.TRACE_SCENARIO:
+        return Load(wl, base, 1.0)
+    rate = workloads.mean_rate(base) if len(base) > 1 else math.inf
+    if not (rate > 0 and math.isfinite(rate)):
+        raise app.UsageError(f"--trace_file={FLAGS.trace_file}: its arrivals span no time, so it has no rate to "
+                             "rescale; give a trace whose requests arrive at different times")
+    return Load(wl, base, rate)
+
+
+def is_trace() -> bool:
+    return FLAGS.workload == "trace"
 
 
 def build_workload(vocab_size: int, special_ids, max_seq_len: int):
@@ -145,10 +158,10 @@ def build_workload(vocab_size: int, special_ids, max_seq_len: int):
     return load.workload, load.arrivals_at(FLAGS.rate)
 
 
-def rates_of_flags() -> list[float] | None:
-    """--rates as numbers (ascending), None for 'auto', [--rate] without --rates."""
+def rates_of_flags(load: Load | None = None) -> list[float] | None:
+    """--rates as numbers (ascending), None for 'auto'; without --rates, [--rate] (a trace: its own mean rate)."""
     if not FLAGS.rates:
-        return [FLAGS.rate]
+        return [load.base_rate] if load is not None and is_trace() else [FLAGS.rate]
     if [r.strip().lower() for r in FLAGS.rates] == ["auto"]:
         return None
     try:
@@ -347,7 +360,8 @@ def sweep_policy(backend, spec: str, load: Load, slo: dict, rates: list[float] |
         return sustained(run)
 
     if rates is None:
-        cap = capacity.search_capacity(measure, FLAGS.rate, rel_tol=FLAGS.capacity_tolerance,
+        cap = capacity.search_capacity(measure, load.base_rate if is_trace() else FLAGS.rate,
+                                       rel_tol=FLAGS.capacity_tolerance,
                                        max_points=FLAGS.capacity_max_points)
     else:
         cap = capacity.capacity_from_points([(r, measure(r)) for r in rates])
@@ -479,7 +493,8 @@ def write_outputs(backend, load: Load, sweeps: list[Sweep], slo: dict, extra: di
     record = {"schema": SCHEMA, "timestamp": stamp, "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
               "git": env.git_info(), "backend": backend.describe(), "engine": backend.config.to_dict(),
               "workload": wl.describe(), "load_avg": env.load_average(), "slo_ms": slo,
-              "slo_attainment": FLAGS.slo_attainment, "rates": "auto" if rates_of_flags() is None else rates_of_flags(),
+              "slo_attainment": FLAGS.slo_attainment,
+              "rates": "auto" if rates_of_flags(load) is None else rates_of_flags(load),
               "capacity": {s.policy: s.capacity.to_dict() for s in sweeps},
               "ranking": _ranking(sweeps),
               "points": [policy_record(r) for s in sweeps for r in s.runs], **(extra or {})}
@@ -489,7 +504,7 @@ def write_outputs(backend, load: Load, sweeps: list[Sweep], slo: dict, extra: di
         base = (FLAGS.json_out.removesuffix(".gz").removesuffix(".json") if FLAGS.json_out
                 else os.path.join(FLAGS.plot_dir, f"policies_{FLAGS.engine}_{FLAGS.workload}_{stamp}"))
         os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
-        title = f"{FLAGS.engine}: {FLAGS.workload}, {FLAGS.num_requests} requests"
+        title = f"{FLAGS.engine}: {FLAGS.workload}, {len(wl.requests)} requests"
         at = cdf_rate(sweeps)
         at_rate = [next(r for r in s.runs if r.rate == at) for s in sweeps if any(r.rate == at for r in s.runs)]
         paths = [plots.plot_latency_cdfs([(r.policy, r.result.records) for r in at_rate], base + "_cdf.png",
@@ -520,16 +535,22 @@ def main(argv):
     validate_flags()
     if FLAGS.engine == "real":
         env.load_average("at start")
-    slo, rates = slo_of_flags(), rates_of_flags()
+    slo = slo_of_flags()
     backend = make_backend()
     load = build_load(backend.vocab_size, backend.special_ids, backend.config.max_seq_len)
+    rates = rates_of_flags(load)
+    if is_trace():
+        print(f"trace {FLAGS.trace_file}: {len(load.workload.requests)} requests at {load.base_rate:.3g}/s on "
+              f"average (after --trace_speedup={FLAGS.trace_speedup:g}); --rate is "
+              + ("its search's start" if rates is None else "not used"), file=sys.stderr)
     backend.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     t0 = time.perf_counter()
     sweeps = [sweep_policy(backend, p, load, slo, rates) for p in FLAGS.policies]
     print(format_table([r.row for s in sweeps for r in s.runs], FLAGS.engine == "real"))
     print(format_capacities(sweeps, slo))
     points = sum(len(s.runs) for s in sweeps)
-    print(f"{FLAGS.engine} engine, {len(sweeps)} policies, {points} load points x {FLAGS.num_requests} requests in "
+    print(f"{FLAGS.engine} engine, {len(sweeps)} policies, {points} load points x {len(load.workload.requests)} "
+          f"requests in "
           f"{time.perf_counter() - t0:.1f} s wall", file=sys.stderr)
     write_outputs(backend, load, sweeps, slo)
 

@@ -135,12 +135,12 @@ class StepTimeModel:
     def differences(self, setup: Mapping[str, Any]) -> list[str]:
         """How `setup` (the engine simulated, or the machine validated on) differs from what this fit was measured
         on, one line per key both name (an "auto" kernel on the engine side matches anything). A fit loaded from a
-        file that records no setup gives one line saying so."""
-        if self.setup.get("synthetic"):
-            return []
-        if not self.setup:
+        file that records no setup gives one line saying so; one built in code without a setup, none."""
+        if self.setup.get("unrecorded"):
             return ["the fit records no setup (host, kernels, model, cache): it may come from other hardware, "
                     "kernels or weights; refit with `python -m experiments.fit_and_validate`"] if setup else []
+        if not self.setup or self.setup.get("synthetic"):  # built in code, or constant(): nothing to compare
+            return []
         out = []
         for k in (*HOST_SETUP, *ENGINE_SETUP):
             a, b = self.setup.get(k), setup.get(k)
@@ -211,7 +211,10 @@ class StepTimeModel:
         if d.get("schema") != SCHEMA:
             raise InvalidConfigError(f"StepTimeModel: expected schema {SCHEMA!r}, got {d.get('schema')!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        kw = {k: v for k, v in d.items() if k in fields}
+        if "setup" not in d:  # a file written before fits recorded what they were measured on
+            kw["setup"] = {"unrecorded": True}
+        return cls(**kw)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> StepTimeModel:

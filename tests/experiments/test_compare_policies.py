@@ -110,3 +110,33 @@ def test_validate_sim_errors():
     from experiments import validate_sim
 
     assert validate_sim.rel_error(1.1, 1.0) == pytest.approx(0.1) and validate_sim.rel_error(1.0, None) is None
+
+
+def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_path, capsys):
+    from experiments.lib.serving import traces
+
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,20,4\n0.5,30,6\n1.5,10,8\n2,12,3\n")
+    stm = tmp_path / "stm.json"
+    StepTimeModel.constant(0.05).save(stm)
+    out = tmp_path / "rec.json"
+    base = [f"--step_time_model={stm}", "--workload=trace", f"--trace_file={path}", "--num_requests=10",
+            "--page_size=8", "--max_seq_len=64", "--policies=fcfs", f"--json_out={out}", "--noprogress"]
+    _parse(base)
+    cp.main([])
+    rec = json.loads(out.read_text())
+    point = rec["points"][0]
+    assert point["rate"] == pytest.approx(traces.read_trace(str(path)).mean_rate) == pytest.approx(1.5)
+    assert [r["arrival"] for r in point["per_request"]] == [0.0, 0.5, 1.5, 2.0]  # its own arrivals, 4 rows of 10
+    assert [r["output_tokens"] for r in point["per_request"]] == [4, 6, 8, 3]
+    _parse([*base, "--rates=3"])  # twice the trace's rate: every gap halved
+    cp.main([])
+    arrivals = [r["arrival"] for r in json.loads(out.read_text())["points"][0]["per_request"]]
+    assert arrivals == pytest.approx([0.0, 0.25, 0.75, 1.0])
+    _parse([*base[:2], "--workload=trace", "--noprogress"])
+    with pytest.raises(app.UsageError, match="--workload=trace: .*trace_file"):
+        cp.main([])
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,20,4\n0.5,-3,6\n")
+    _parse(base)
+    with pytest.raises(app.UsageError, match=r"t.csv:3"):
+        cp.main([])

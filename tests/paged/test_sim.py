@@ -207,3 +207,55 @@ def test_one_policy_object_drives_the_real_engine_and_the_simulator():
     c_real = drain(real)
     assert real.metrics()["preemptions"] >= 2
     assert tokens(real, c_real) == tokens(ref, c_ref)
+
+
+def _fit(setup):
+    return StepTimeModel(0.01, {"decode_rows": 1e-3}, device="d", model="m", setup=setup)
+
+
+def test_a_fit_names_how_its_setup_differs_and_the_simulator_warns_it(tmp_path):
+    from paged.sim import StepTimeMismatchWarning
+
+    setup = {"name": "cpu_x_tiny_q4", "cpu": "AMD EPYC", "isa": ["avx2", "avx512f"], "gpu": None, "model": "tiny",
+             "quantization": "keep", "attn_impl": "auto", "matmul_impl": "auto", "cache_dtype": "float32",
+             "page_size": 8, "date": "2026-12-06", "commit": {"sha": "abc", "dirty": False}}
+    fit = _fit(setup)
+    path = tmp_path / "fit.json"
+    fit.save(path)
+    loaded = StepTimeModel.load(path)
+    assert loaded.setup == setup  # survives the JSON round trip
+    assert loaded.differences({"cpu": "AMD EPYC", "isa": ["avx2", "avx512f", "amx_tile"], "page_size": 8,
+                               "cache_dtype": "float32", "attn_impl": "native", "model": "tiny"}) == [
+        "attn_impl: fit 'auto', here 'native'"]
+    diffs = loaded.differences({"cpu": "Intel Xeon", "isa": ["avx2"], "page_size": 16, "cache_dtype": "int8",
+                                "matmul_impl": "auto", "quantization": "int4"})
+    assert diffs == ["cpu: fit 'AMD EPYC', here 'Intel Xeon'", "isa: the fit used avx512f, which this host lacks",
+                     "quantization: fit 'keep', here 'int4'", "cache_dtype: fit 'float32', here 'int8'",
+                     "page_size: fit 8, here 16"]
+    # the simulator compares the engine it simulates (its config, plus the model it is told) and warns
+    with pytest.warns(StepTimeMismatchWarning, match=r"'cpu_x_tiny_q4'.*page_size: fit 8, here 16"):
+        SimulatedEngine(EngineConfig(num_pages=9, page_size=16, max_batch_size=2, max_seq_len=64), loaded)
+    with pytest.warns(StepTimeMismatchWarning, match="model: fit 'tiny', here 'llama3-8b'"):
+        SimulatedEngine(CFG, loaded, setup={"model": "llama3-8b"})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SimulatedEngine(CFG, loaded, setup={"model": "tiny", "quantization": "keep"})  # the same setup: silent
+        SimulatedEngine(CFG, StepTimeModel.constant(0.1))  # a synthetic model has no setup to differ from
+        SimulatedEngine(CFG, _fit({}))  # built in code without a setup: nothing to compare
+
+
+def test_a_fit_file_without_a_setup_is_warned_as_unrecorded(tmp_path):
+    from paged.sim import StepTimeMismatchWarning
+
+    path = tmp_path / "old.json"
+    d = _fit({}).to_dict()
+    del d["setup"]  # a fit written before fits recorded their setup
+    path.write_text(json.dumps(d))
+    old = StepTimeModel.load(path)
+    assert old.differences({"page_size": 8})[0].startswith("the fit records no setup")
+    with pytest.warns(StepTimeMismatchWarning, match="records no setup"):
+        SimulatedEngine(CFG, old)
+    with pytest.raises(InvalidConfigError, match="setup must be a dict"):
+        StepTimeModel(0.01, setup=["cpu"])

@@ -140,8 +140,9 @@ def run_benchmark(
 
     Each request becomes `Job(prompt_ids, output_len, gen_settings=..., seed=seed + index, priority=req.priority)`
     with no stop conditions, so it produces exactly `output_len` tokens; `deadline` (seconds after arrival) is given
-    to every job whose request has none of its own (`Request.deadline`, from a trace), and with `oracle_lengths` the job's `expected_new_tokens` is its true output length (for `sjf`).
-    `arrivals` overrides the generated schedule. Under simulation pass the virtual clock's `clock` and `sleep`."""
+    to every job whose request has none of its own (`Request.deadline`, from a trace), and with `oracle_lengths` the
+    job's `expected_new_tokens` is its true output length (for `sjf`). `arrivals` overrides the generated schedule.
+    Under simulation pass the virtual clock's `clock` and `sleep`."""
     from paged.job import Job
     from paged.settings import SamplingSettings
 

@@ -57,6 +57,14 @@ def test_native_jsonl(tmp_path):
     assert t.mean_rate == pytest.approx(2.0)
 
 
+def test_azure_rows_without_output_are_skipped_and_counted(tmp_path):
+    p = _write(tmp_path, "az0.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-01-01 00:00:00,5,5\n"
+               "2024-01-01 00:00:01,7,0\n2024-01-01 00:00:02,9,3\n")
+    t = read_trace(p)
+    assert [(r.prompt_tokens, r.output_tokens) for r in t.rows] == [(5, 5), (9, 3)] and t.num_skipped == 1
+    assert [r.arrival_s for r in t.rows] == [0.0, 2.0]
+
+
 def test_azure_layout_seven_fraction_digits_and_utc_offset(tmp_path):
     p = _write(tmp_path, "az.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
                                    "2023-11-16 18:15:46.6805900,4808,10\n"
@@ -189,7 +197,8 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, message):
 @pytest.mark.parametrize("header,line,message", [
     ("TIMESTAMP,ContextTokens,GeneratedTokens", "16/11/2023 18:15,5,5", "TIMESTAMP must look like"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens", "2023-13-16 18:15:46.1,5,5", "TIMESTAMP .* is not a valid date"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.1,5,0", "GeneratedTokens must be >= 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.1,5,-1", "GeneratedTokens must be >= 0"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens", "2023-11-16 18:15:46.1,0,5", "ContextTokens must be >= 1"),
     ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type", "-2,m,5,5,10,x",
      "Timestamp must be >= 0"),
     ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type", "3,m,0,5,5,x",

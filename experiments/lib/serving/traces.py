@@ -8,7 +8,8 @@ first object (JSONL), or named with `format=`:
   `prefix_len` (tokens of that shared prefix, <= prompt_tokens; needs a prefix_id). Empty CSV cells and JSON nulls
   mean "absent"; any other key is an error;
 - `azure`: the public Azure LLM inference traces (2023, 2024), CSV `TIMESTAMP,ContextTokens,GeneratedTokens` with
-  datetime stamps such as `2023-11-16 18:15:46.6805900` (100 ns digits; an optional UTC offset);
+  datetime stamps such as `2023-11-16 18:15:46.6805900` (100 ns digits; an optional UTC offset). A row with 0
+  generated tokens cannot be replayed with an exact output length: it is skipped and counted in `Trace.num_skipped`;
 - `burstgpt`: BurstGPT's CSV `Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type` (Timestamp in
   seconds). A row with 0 response tokens is a failed request in BurstGPT: it is skipped and counted in
   `Trace.num_skipped`.
@@ -71,7 +72,7 @@ class Trace:
     format: str  # "native", "azure" or "burstgpt"
     syntax: str = "csv"  # "csv" or "jsonl"
     speedup: float = 1.0
-    num_skipped: int = 0  # BurstGPT failures (0 response tokens), not in `rows`
+    num_skipped: int = 0  # rows with no output (BurstGPT's failures, Azure's 0 GeneratedTokens), not in `rows`
     was_sorted: bool = False  # the file's rows were out of arrival order and have been sorted (stably)
 
     def __len__(self) -> int:
@@ -261,8 +262,12 @@ def _read_csv(path: str, text: str, fmt: str) -> tuple[list, str, int]:
                 rows.append(_native_row({c: v for i, c in columns if (v := cells[i].strip())}))
             elif fmt == "azure":
                 p = _int(cells[pi], "ContextTokens", 1)
-                o = _int(cells[oi], "GeneratedTokens", 1)
-                rows.append((_azure_time(cells[ti]), p, o))
+                o = _int(cells[oi], "GeneratedTokens", 0)
+                stamp = _azure_time(cells[ti])
+                if o == 0:  # nothing generated: it cannot be replayed with an exact output length
+                    skipped += 1
+                    continue
+                rows.append((stamp, p, o))
             else:
                 t = _float(cells[ti], "Timestamp")
                 if t < 0:

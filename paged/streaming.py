@@ -91,6 +91,11 @@ class TextStream:
         self.held.append((token, piece))
         if self._utf8.getstate()[0]:  # incomplete UTF-8 character pending
             return StreamEvent()
+        if not self.stop_strings and not self.banned:  # nothing to match: everything held is released
+            if len(self.held) == 1:
+                self.held = []
+                return StreamEvent(text=piece, tokens=[token])
+            return StreamEvent(*self._release(len(self.held)))
         text = self._text()
         stop_at = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
         lower = text.lower()

@@ -91,6 +91,9 @@ class JobOutput:
         the accepted drafts. The K/V of a draft is counted only once the draft has been received, so the job's KV
         position never passes its sequence; feeding stops at the first token that ends the job or rewinds it (the
         later ones were conditioned on it). Returns the `streaming` results."""
+        if len(tokens) == 1:  # a plain step's row
+            self.advance(job, kv_advance)
+            return [self.receive(job, tokens[0], extras[0], now)]
         self.advance(job, kv_advance - max(len(tokens) - 1, 0))
         out = []
         for i, (token, ex) in enumerate(zip(tokens, extras)):
@@ -113,12 +116,12 @@ class JobOutput:
         job.pending_extras.append(extras)
         r = self.base(job, "streaming")
         reason = None
-        held = {"text": "", "token_ids": []}
+        held_text, held_ids = "", []  # what the final result's `held` reports
         if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
             reason = "stop_token"
             text, toks = job.stream.flush()  # the stop token's own text is not part of the completion
             job.pending_extras.pop()
-            held["token_ids"] = [token]
+            held_ids = [token]
             r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
         else:
             if job.filter_state is not None and job.healing_allowed and job.new_tokens == 1:
@@ -134,7 +137,7 @@ class JobOutput:
             elif ev.stopped is not None:
                 reason = "stop_string"
                 r["eos_triggering_string"] = ev.stopped
-                held["text"] = job.stream.held_text
+                held_text = job.stream.held_text
             elif job.filter_state is not None and job.filter_state.done():
                 reason = "end_filter"
                 more_text, more = job.stream.flush()
@@ -143,18 +146,22 @@ class JobOutput:
                 reason = "max_new_tokens"
                 more_text, more = job.stream.flush()
                 text, toks = text + more_text, toks + more
-        released = job.pending_extras[: len(toks)]
-        job.pending_extras = job.pending_extras[len(toks) :]
+        pending = job.pending_extras
+        if len(toks) == len(pending):  # (the usual case: every token is released)
+            released, job.pending_extras = pending, []
+        else:
+            released, job.pending_extras = pending[: len(toks)], pending[len(toks) :]
         job.full_completion += text
         r["text"] = text
         r["token_ids"] = toks
-        for key in EXTRA_KEYS:
-            if released and key in released[0]:
-                vals = [e[key] for e in released]
-                r[key] = np.stack(vals) if key == "logits" else vals
+        if released and released[0]:  # the extras the job asked for (none: empty dicts)
+            for key in EXTRA_KEYS:
+                if key in released[0]:
+                    vals = [e[key] for e in released]
+                    r[key] = np.stack(vals) if key == "logits" else vals
         if reason is not None:
             self.hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
-            r.update(self.final_fields(job, reason, now), held=held)
+            r.update(self.final_fields(job, reason, now), held={"text": held_text, "token_ids": held_ids})
         return r
 
     def final_fields(self, job: Job, reason: str, now: float) -> dict:

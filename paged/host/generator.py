@@ -653,13 +653,13 @@ class DynamicGenerator:
         extras, error = [], None
         for i, t in enumerate(item.tokens):  # tokens up to a non-finite one are kept, then the job fails
             try:
-                extras.append(_extras(job, t, float(item.logprobs[i]), item.top_ids[i], item.top_logprobs[i],
-                                      None if item.logits is None else item.logits[i]))
+                extras.append(_extras(job, t, float(item.logprobs[i]), item, i))
             except JobFailure as e:
                 error = e
                 break
-        for i in range(len(extras)):
-            _mirostat_update(job, float(item.logprobs[i]))
+        if job.mirostat_mu is not None:
+            for i in range(len(extras)):
+                _mirostat_update(job, float(item.logprobs[i]))
         if job.cfg_partner is not None and extras:  # (one token: CFG jobs are not drafted for)
             self.output.advance(job.cfg_partner, 1)
         fed = self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now)
@@ -841,10 +841,10 @@ class DynamicGenerator:
         return out
 
 
-def _extras(job: Job, token: int, logprob: float, top_ids: np.ndarray, top_logprobs: np.ndarray,
-            logits: np.ndarray | None) -> dict:
-    """The per-token extras a job asked for (probability, top-k, logits); a non-finite log-probability fails it."""
-    if not np.isfinite(logprob):
+def _extras(job: Job, token: int, logprob: float, item: Accepted, i: int) -> dict:
+    """The per-token extras a job asked for (probability, top-k, logits) of `item`'s token `i`; a non-finite
+    log-probability fails it. The arrays are read only for what the job asked for."""
+    if not math.isfinite(logprob):
         raise JobFailure(f"the sampler returned token {token} with log-probability {logprob}: no "
                          "token was allowed at this position, or the model produced non-finite logits")
     extras = {}
@@ -852,10 +852,10 @@ def _extras(job: Job, token: int, logprob: float, top_ids: np.ndarray, top_logpr
         extras["token_probs"] = float(np.exp(logprob))
     if job.return_top_tokens:
         k = job.return_top_tokens
-        extras["top_k_tokens"] = top_ids[:k].tolist()
-        extras["top_k_probs"] = np.exp(top_logprobs[:k]).tolist()
+        extras["top_k_tokens"] = item.top_ids[i][:k].tolist()
+        extras["top_k_probs"] = np.exp(item.top_logprobs[i][:k]).tolist()
     if job.return_logits:
-        extras["logits"] = logits
+        extras["logits"] = None if item.logits is None else item.logits[i]
     return extras
 
 

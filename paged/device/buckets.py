@@ -38,6 +38,7 @@ speculation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from paged.device.config import EngineConfig
 from paged.device.state import BatchShape
@@ -108,40 +109,40 @@ class BucketSpec:
             verify_len=0 if config.verification is None else config.verification.num_draft_tokens + 1,
         )
 
-    @property
+    @functools.cached_property
     def decode_rows(self) -> tuple[int, ...]:
         return (0, *_geometric(1, self.max_batch_size, 2))
 
-    @property
+    @functools.cached_property
     def prefill_rows(self) -> tuple[int, ...]:
         """Every count (not powers of two): a prefill layout's decode part is max_batch_size minus this."""
         return tuple(range(min(self.max_prefill_rows, self.max_batch_size) + 1))
 
-    @property
+    @functools.cached_property
     def q_lens(self) -> tuple[int, ...]:
         return _geometric(min(self.min_q_len, self.max_chunk_size), self.max_chunk_size, self.growth)
 
-    @property
+    @functools.cached_property
     def windows(self) -> tuple[int, ...]:
         """Prefill window sizes: `q_lens`, and one more holding a full chunk plus a decode token of every other row
         (a prefill step's decode rows ride in its window's padding)."""
         top = self.max_chunk_size + self.max_batch_size - 1
         return self.q_lens + ((top,) if top > self.max_chunk_size else ())
 
-    @property
+    @functools.cached_property
     def verify_windows(self) -> tuple[int, ...]:
         """Prefill window sizes of the mixed verification buckets: `q_lens`, and one holding a full chunk plus W
         slots for every other row."""
         top = self.max_chunk_size + (self.max_batch_size - 1) * self.verify_len
         return self.q_lens + ((top,) if top > self.max_chunk_size else ())
 
-    @property
+    @functools.cached_property
     def pages(self) -> tuple[int, ...]:
         """Context buckets (pages per row) attention chooses from at run time."""
         lo = min(max(1, self.min_context // self.page_size), self.max_pages_per_row)
         return _geometric(lo, self.max_pages_per_row, self.page_growth)
 
-    @property
+    @functools.cached_property
     def sample_rows(self) -> tuple[int, ...]:
         """Row counts the sampler is compiled for (the decode row buckets)."""
         return self.decode_rows[1:]
@@ -227,11 +228,23 @@ class BucketSpec:
             raise ValueError("a batch needs at least one row")
         if max_pages > self.max_pages_per_row:
             raise ValueError(f"{max_pages} pages per row exceed max_pages_per_row={self.max_pages_per_row}")
+        need = num_decode
         if sp:
             if max(prefill_lens) > self.max_chunk_size:
                 raise ValueError(f"prefill chunk of {max(prefill_lens)} tokens exceeds max_chunk_size="
                                  f"{self.max_chunk_size}")
             # the longest chunk fits a window; the shortest one (in the last window) leaves room for the decode rows
             need = max(max(prefill_lens), min(prefill_lens) + num_decode)
-            return self.shape(PrefillDecodeLayout(sp, next(x for x in self.windows if x >= need), 0))
-        return self.shape(PrefillDecodeLayout(0, 1, next(x for x in self.decode_rows if x >= num_decode)))
+        shape = self._shapes.get((sp, need))  # the bucket depends on these two only: each is built once
+        if shape is None:
+            if sp:
+                shape = self.shape(PrefillDecodeLayout(sp, next(x for x in self.windows if x >= need), 0))
+            else:
+                shape = self.shape(PrefillDecodeLayout(0, 1, next(x for x in self.decode_rows if x >= need)))
+            self._shapes[(sp, need)] = shape
+        return shape
+
+    @functools.cached_property
+    def _shapes(self) -> dict[tuple[int, int], BatchShape]:
+        """`shape_for`'s buckets by (prefill rows, token slots the last window or the decode rows need)."""
+        return {}

@@ -156,6 +156,14 @@ class FakeEngine:
     def _sample(self, r, return_top_k):
         """(token, logprob, top ids, top logprobs) the fake samples after row `r`."""
         t = self.next_token(r)
+        if r.bias or r.mask is not None:  # (without either, every token is allowed)
+            t = self._first_allowed(r, t)
+        pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
+        ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size) if return_top_k else ([], [])
+        return t, fake_logprob(t, pos), ids, lps
+
+    def _first_allowed(self, r, t):
+        """`t`, or the first id after it (cyclically) that the row's bias does not ban and its mask allows."""
         bias = r.bias or {}
 
         def allowed(t: int) -> bool:
@@ -163,13 +171,9 @@ class FakeEngine:
 
         for _ in range(self.vocab_size):
             if allowed(t):
-                break
+                return t
             t = (t + 1) % self.vocab_size
-        else:
-            raise ValueError("FakeEngine: every token is banned or masked out")
-        pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
-        ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size)
-        return t, fake_logprob(t, pos), ids, lps
+        raise ValueError("FakeEngine: every token is banned or masked out")
 
     # ------------------------------------------------------------------ speculative verification (n-gram drafts)
     def _run_verify(self, rows, return_top_k, return_logits):

@@ -35,6 +35,11 @@ def members(job: Job) -> tuple[Job, ...]:
     return (job,) if job.cfg_partner is None else (job, job.cfg_partner)
 
 
+def _all_banned(bias: dict[int, float], vocab_size: int) -> bool:
+    """Whether `bias` bans every token of the vocabulary (it has at least as many entries as tokens, first)."""
+    return len(bias) >= vocab_size and sum(1 for v in bias.values() if v == -math.inf) >= vocab_size
+
+
 HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
@@ -147,7 +152,7 @@ class Scheduler:
 
     def rows_used(self) -> int:
         """Batch rows the running jobs take (a CFG job takes two)."""
-        return sum(len(members(j)) for j in self.active)
+        return len(self.active) + sum(1 for j in self.active if j.cfg_partner is not None)
 
     def _requests(self, job: Job) -> list:
         return [(*self.prefix(m), self.admission_pages(m)) for m in members(job)]
@@ -230,7 +235,7 @@ class Scheduler:
         s = job.gen_settings
         sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
         bias = self._bias(job, sample_index, job.new_tokens)
-        if sample and sum(1 for v in bias.values() if v == -math.inf) >= self.vocab_size:
+        if sample and _all_banned(bias, self.vocab_size):
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
         end = job.kv_position + len(tokens)
@@ -251,14 +256,16 @@ class Scheduler:
         if out_index == 0 and job.healing_allowed:
             # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
             bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
-        bias.update({t: -math.inf for t in job.explored.get(sample_index, ())})
+        explored = job.explored.get(sample_index)
+        if explored:
+            bias.update({t: -math.inf for t in explored})
         return bias
 
     def sample_bias(self, job: Job, sample_index: int) -> dict[int, float] | None:
         """The bias a row sampling `job.sequence[sample_index]` would get (`sample_index >= len(job.sequence)`: a
         speculative draft position), or None where every token is banned."""
         bias = self._bias(job, sample_index, job.new_tokens + sample_index - len(job.sequence))
-        return None if sum(1 for v in bias.values() if v == -math.inf) >= self.vocab_size else bias
+        return None if _all_banned(bias, self.vocab_size) else bias
 
     def plan(self) -> tuple[list[RowInput], list[Job], list[tuple[Job, Exception]]]:
         """Rows of the next step and the job of each row; jobs whose row could not be built come back as failures

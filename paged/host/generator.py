@@ -80,12 +80,17 @@ _HOST_SETTINGS = ("decode_steps",)
 def _row_items(rows: list, out: Any) -> list[Accepted]:
     """A plain step's output (or one step of a burst, `_StepView`) as one `Accepted` per row: the row's sampled
     token if it samples, every token of the row having K/V."""
-    def at(a: Any, i: int) -> Any:
-        return None if a is None else a[i : i + 1]
-
-    return [Accepted(tokens=[int(out.token[i])] if row.sample else [], logprobs=at(out.logprob, i),
-                     top_ids=at(out.top_ids, i), top_logprobs=at(out.top_logprobs, i), logits=at(out.logits, i),
-                     kv_advance=len(row.tokens)) for i, row in enumerate(rows)]
+    tokens = out.token.tolist()
+    logprob, top_ids, top_logprobs, logits = out.logprob, out.top_ids, out.top_logprobs, out.logits
+    items = []
+    for i, row in enumerate(rows):
+        at = slice(i, i + 1)
+        items.append(Accepted(
+            tokens=[tokens[i]] if row.sample else [], logprobs=None if logprob is None else logprob[at],
+            top_ids=None if top_ids is None else top_ids[at],
+            top_logprobs=None if top_logprobs is None else top_logprobs[at],
+            logits=None if logits is None else logits[at], kv_advance=len(row.tokens)))
+    return items
 
 
 class _StepView:

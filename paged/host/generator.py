@@ -464,7 +464,7 @@ class DynamicGenerator:
             job.healing_prefix = prep.healing_prefix
             job.input_ids = job.input_ids[:-1]
             job.sequence = list(job.input_ids)
-        self.pending.append(job)
+        self.scheduler.add_waiting(job)
         return job.serial
 
     def _token_bytes(self, job: Job):
@@ -492,7 +492,7 @@ class DynamicGenerator:
             self._stash.clear()
 
     def _unqueue(self, job: Job) -> None:
-        self.pending.remove(job)
+        self.scheduler.remove_waiting(job)
         self.embedding_slots.release(job)
 
     def _retire(self, job: Job) -> None:

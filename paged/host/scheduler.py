@@ -17,9 +17,11 @@ touches the engine or the result stream (that is `paged.host.job_output`).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from collections.abc import Callable
+from typing import Any
 
 from paged.device.batch import RowInput
 from paged.device.config import EngineConfig
@@ -40,6 +42,35 @@ def _all_banned(bias: dict[int, float], vocab_size: int) -> bool:
     return len(bias) >= vocab_size and sum(1 for v in bias.values() if v == -math.inf) >= vocab_size
 
 
+class SortedWaiting:
+    """The waiting jobs in the order `sorted(waiting, key=key)` gives, kept in that order as jobs start and stop
+    waiting (a binary search and a list insert or delete each) instead of sorted again at every step: what
+    `SchedulerView.sorted_waiting` hands out. `key(job)` must not change while the job waits."""
+
+    def __init__(self, key: Callable[[Job], Any], waiting: list[Job]):
+        self.key = key
+        self.jobs = sorted(waiting, key=key)
+        self.keys = [key(j) for j in self.jobs]
+
+    def add(self, job: Job, front: bool) -> None:
+        """A job starts waiting: at the front of the queue (a preempted job: before the jobs of an equal key, as a
+        stable sort puts it) or at its end (after them)."""
+        k = self.key(job)
+        i = (bisect.bisect_left if front else bisect.bisect_right)(self.keys, k)
+        self.keys.insert(i, k)
+        self.jobs.insert(i, job)
+
+    def remove(self, job: Job) -> None:
+        i = bisect.bisect_left(self.keys, self.key(job))
+        while i < len(self.jobs) and self.jobs[i] is not job:  # (past jobs of an equal key)
+            i += 1
+        if i == len(self.jobs):  # its key changed while it waited: find it by identity
+            i = next(n for n, j in enumerate(self.jobs) if j is job)
+        del self.keys[i]
+        del self.jobs[i]
+
+
+MAX_ORDERS = 4  # sorted orders of the waiting queue a scheduler keeps (one per key a policy sorts by)
 HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
@@ -68,7 +99,7 @@ class SchedulerView:
         s = self._s
         if not isinstance(job, Job):
             raise s.policy_error(f"start() takes one of the waiting jobs, got {type(job).__name__}")
-        if not any(j is job for j in s.pending):
+        if job not in s.pending:  # (jobs compare by identity)
             state = ("running (started already: is it in order()'s list twice?)" if any(j is job for j in s.active)
                      else "not waiting in this generator (finished, cancelled or never enqueued)")
             raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once")
@@ -85,6 +116,9 @@ class SchedulerView:
 
     def cached_prefix_tokens(self, job: Job) -> int:
         return self._s.cached_prefix_tokens(job)
+
+    def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
+        return self._s.sorted_waiting(waiting, key)
 
 
 class Scheduler:
@@ -108,6 +142,9 @@ class Scheduler:
         self._budget = 0
         self._prefill_rows = 0
         self.hook = ""  # the policy hook being asked (named in PolicyError)
+        self._orders: dict[Callable[[Job], Any], SortedWaiting] = {}  # the waiting queue sorted by a policy's keys
+        self._version = 0  # counts the changes of the waiting queue
+        self._admitting: tuple[list[Job], int] | None = None  # the list admit() was handed, and the version then
 
     def policy_error(self, msg: str, hook: str = "") -> PolicyError:
         return PolicyError(f"policy {self.policy.name!r} ({type(self.policy).__name__}), "
@@ -132,6 +169,42 @@ class Scheduler:
     def admission_pages(self, job: Job) -> int:
         """Pages allocated when the job is admitted: `pages_for` (reserve) or its sequence so far (on_demand)."""
         return -(-len(job.sequence) // self.page_size) if self.on_demand else self.pages_for(job)
+
+    # ------------------------------------------------------------------ the waiting queue
+    def add_waiting(self, job: Job, front: bool = False) -> None:
+        """Queue a job at the end of the waiting list, or with `front` at its start (a preempted job)."""
+        if front:
+            self.pending.insert(0, job)
+        else:
+            self.pending.append(job)
+        self._changed(lambda order: order.add(job, front))
+
+    def remove_waiting(self, job: Job) -> None:
+        self.pending.remove(job)
+        self._changed(lambda order: order.remove(job))
+
+    def _changed(self, update: Callable[[SortedWaiting], None]) -> None:
+        self._version += 1
+        for key, order in list(self._orders.items()):
+            try:
+                update(order)
+            except Exception:  # noqa: BLE001 (a policy's key failed: sorted_waiting() rebuilds it, in the hook)
+                del self._orders[key]
+
+    def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
+        """`sorted(waiting, key=key)` (see `paged.policies.base.SchedulerView.sorted_waiting`). When `waiting` is the
+        list `admit()` was handed and the queue has not changed since, the order kept for `key` is copied instead
+        of sorting the queue again."""
+        admitting = self._admitting
+        if (admitting is None or waiting is not admitting[0] or admitting[1] != self._version
+                or len(waiting) != len(self.pending)):
+            return sorted(waiting, key=key)
+        order = self._orders.get(key)
+        if order is None or len(order.jobs) != len(self.pending):  # (new key, or the queue changed behind our back)
+            if len(self._orders) >= MAX_ORDERS:
+                del self._orders[next(iter(self._orders))]
+            order = self._orders[key] = SortedWaiting(key, self.pending)
+        return list(order.jobs)
 
     # ------------------------------------------------------------------ admission
     def prefix(self, job: Job) -> tuple[list[bytes], list[tuple[int, ...]]]:
@@ -169,7 +242,7 @@ class Scheduler:
             m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
             if job.preemptions:
                 self.tokens_recomputed += len(m.sequence) - m.kv_position
-        self.pending.remove(job)
+        self.remove_waiting(job)
         self.active.append(job)
         if not job.preemptions:
             job.cached_tokens = job.kv_position
@@ -188,7 +261,7 @@ class Scheduler:
             m.prefix_memo = None
             m.preemptions += 1
         self.preemptions += 1
-        self.pending.insert(0, job)
+        self.add_waiting(job, front=True)
         for m in members(job):
             self.on_release(m)
 
@@ -214,7 +287,12 @@ class Scheduler:
         """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
         if self.pending and (self.rows_used() < self.config.max_batch_size or self.policy.preemptive):
             self._started = started
-            self.ask("admit()", self.policy.admit, list(self.pending), self.view)
+            waiting = list(self.pending)
+            self._admitting = (waiting, self._version)
+            try:
+                self.ask("admit()", self.policy.admit, waiting, self.view)
+            finally:
+                self._admitting = None
 
     # ------------------------------------------------------------------ planning
     def skip_complete_pages(self, job: Job) -> None:

@@ -25,7 +25,8 @@ the hooks; name it `"module:Class"` wherever a policy name is accepted, or `regi
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from paged.device.config import EngineConfig
 from paged.job import Job
@@ -63,6 +64,12 @@ class SchedulerView(Protocol):
 
     def cached_prefix_tokens(self, job: Job) -> int:
         """Leading tokens of `job` whose KV is complete in the cache now (live jobs' pages or the prompt cache)."""
+
+    def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
+        """`sorted(waiting, key=key)`, for a `key` that does not change while a job waits (a function of fields set
+        before it is enqueued, such as `priority`, `arrival`, `serial`). For the list `admit()` was handed, the
+        scheduler keeps the waiting jobs in that order as they come and go, so a long queue is not sorted again at
+        every step; pass the same `key` object each time (a method or a module-level function)."""
 
 
 class Policy:

@@ -24,7 +24,7 @@ class PriorityPolicy(Policy):
     preemptive = True
 
     def order(self, waiting: list[Job], s: SchedulerView) -> list[Job]:
-        return sorted(waiting, key=_urgency)
+        return s.sorted_waiting(waiting, _urgency)
 
     def admit(self, waiting: list[Job], s: SchedulerView) -> None:
         for job in self.order(waiting, s):

@@ -19,11 +19,16 @@ class ShortestJobFirst(Policy):
     def length(job: Job) -> int:
         return job.expected_new_tokens if job.expected_new_tokens is not None else job.prompt_len
 
+    def key(self, job: Job) -> tuple[int, int]:
+        return self.length(job), job.serial
+
     def order(self, waiting: list[Job], s: SchedulerView) -> list[Job]:
-        return sorted(waiting, key=lambda j: (self.length(j), j.serial))
+        return s.sorted_waiting(waiting, self.key)
 
     def admit(self, waiting: list[Job], s: SchedulerView) -> None:
         for job in self.order(waiting, s):
+            if len(s.running) >= s.config.max_batch_size:
+                return  # every batch row is taken: no later job fits
             if s.fits(job):
                 s.start(job)
 

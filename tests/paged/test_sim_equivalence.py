@@ -8,7 +8,8 @@ as its serial), every request's token times, and `metrics()` without its wall-cl
 page budget (preemptions under `on_demand` policies, queueing under `reserve` ones), shared prompt prefixes (the prompt
 cache), a queue that builds up, and in the "text" case a byte tokenizer with stop strings, banned strings (rewinds),
 stop tokens, min_new_tokens, partial UTF-8, token probabilities and top-k, penalties' history, mirostat, token
-healing and CFG pairs; "burst" runs multi-step decodes (`decode_steps=4`).
+healing and CFG pairs; "burst" runs multi-step decodes (`decode_steps=4`); "queue" keeps hundreds of jobs waiting
+(the sorted orders `SchedulerView.sorted_waiting` keeps as jobs come and go).
 
 To see the current values (after a change that is meant to change results, and only then):
 `python -m tests.paged.test_sim_equivalence`.
@@ -24,8 +25,9 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.config import EngineConfig
+from paged.policies import Policy
 from paged.sim import SimulatedEngine, StepTimeModel
-from paged.testing import ByteTokenizer
+from paged.testing import ByteTokenizer, FakeEngine
 
 # A synthetic fit with every feature, so the step's shape (padding, KV read) decides the virtual clock.
 STEP_TIME = StepTimeModel(base_s=0.01, coef={"prefill_tokens": 1e-4, "decode_rows": 1e-3, "kv_tokens": 1e-6,
@@ -101,9 +103,12 @@ def _requests(case: str, n: int, seed: int) -> list[dict]:
     return out
 
 
-def fingerprint(case: str, policy: str, n: int = 240, rate: float = 12.0, seed: int = 0) -> dict:
-    """Run `n` seeded requests of `case` ("plain", "text" or "burst") through `policy` on the simulator; returns the
-    run's headline numbers and the digests (`DIGESTS`) of what it produced."""
+def fingerprint(case: str, policy: str, n: int = 240, rate: float | None = None, seed: int = 0) -> dict:
+    """Run `n` seeded requests of `case` ("plain", "text", "burst" or "queue": the plain requests arriving eight times
+    as fast, a queue of hundreds) through `policy` on the simulator; returns the run's headline numbers and the
+    digests (`DIGESTS`) of what it produced."""
+    if rate is None:
+        rate = 100.0 if case == "queue" else 12.0
     sim = SimulatedEngine(CONFIG, STEP_TIME, record_steps=True)
     gen = DynamicGenerator(engine=sim, policy=policy, tokenizer=ByteTokenizer() if case == "text" else None,
                            decode_steps=4 if case == "burst" else None)
@@ -146,9 +151,10 @@ def fingerprint(case: str, policy: str, n: int = 240, rate: float = 12.0, seed: 
 
 
 CASES = [("plain", p) for p in ("exllamav2", "fcfs", "sjf", "priority", "vllm", "lpm", "sarathi")] + [
-    ("text", "vllm"), ("text", "exllamav2"), ("burst", "exllamav2")]
+    ("text", "vllm"), ("text", "exllamav2"), ("burst", "exllamav2")] + [
+    ("queue", p) for p in ("exllamav2", "sjf", "priority", "lpm")]
 
-# Recorded on the host loop before the issue-58 speed-ups.
+# Recorded on the host loop before the issue-58 speed-ups (commit 127af39's paged/).
 EXPECTED = {
     ("plain", "exllamav2"): dict(steps=939, preemptions=0, max_pending=12, tokens_generated=5553,
         clock="20.15557055457307", digests="558d3507c72a 0cfdedecca22 8c84a76ca1b8 7fd9d5569cd1 3f0343fd8fb9"),
@@ -170,6 +176,14 @@ EXPECTED = {
         clock="19.98909549534247", digests="51e449119e26 df7d45d57252 1910c291ee29 9c768ef81959 c42e0bfe1f51"),
     ("burst", "exllamav2"): dict(steps=917, preemptions=0, max_pending=12, tokens_generated=5553,
         clock="20.192188175342448", digests="0fa417a0d8d6 9682025014db c7866391bea3 2de66c71169b d560bb69860a"),
+    ("queue", "exllamav2"): dict(steps=821, preemptions=0, max_pending=211, tokens_generated=5553,
+        clock="19.125148070641114", digests="777f7c400e05 715157331ef1 6fac0e5dfa91 0200474298a6 4b76794e90c1"),
+    ("queue", "sjf"): dict(steps=831, preemptions=0, max_pending=177, tokens_generated=5553,
+        clock="19.304700590641097", digests="d8c633a4fde5 d0b932cbff24 118f4fed134d 770f19282afc 6d405f92891f"),
+    ("queue", "priority"): dict(steps=740, preemptions=24, max_pending=213, tokens_generated=5553,
+        clock="18.432602670641103", digests="3543b76359b1 2714a8a50fb3 5772188c9c72 81a9e5967b15 e3d08a20f46e"),
+    ("queue", "lpm"): dict(steps=807, preemptions=0, max_pending=210, tokens_generated=5553,
+        clock="18.789884350641103", digests="e54b0883fce8 6ba1443f4f4f e99023693d23 2967cc3eb2cd 295fa2e451fa"),
 }
 
 
@@ -183,6 +197,47 @@ def test_the_pinned_runs_exercise_what_they_claim():
     """Preemptions under an on_demand policy and a queue that builds up: the runs test the paths that matter."""
     assert EXPECTED[("plain", "vllm")]["preemptions"] > 0 and EXPECTED[("plain", "sarathi")]["preemptions"] > 0
     assert all(e["max_pending"] >= 10 for e in EXPECTED.values())
+    assert all(e["max_pending"] >= 150 for (case, _), e in EXPECTED.items() if case == "queue")
+
+
+def _by_priority(job: Job) -> int:  # ties: a stable sort keeps them in queue order (preempted jobs first)
+    return -job.priority
+
+
+def _by_priority_then_serial(job: Job) -> tuple[int, int]:
+    return -job.priority, job.serial
+
+
+class _Checker(Policy):
+    """Admits nothing; checks each step that the orders the scheduler keeps are the sorted orders."""
+
+    def __init__(self):
+        self.checked = 0
+
+    def admit(self, waiting, s):
+        for key in (_by_priority, _by_priority_then_serial):
+            assert s.sorted_waiting(waiting, key) == sorted(waiting, key=key)
+        assert s.sorted_waiting(list(waiting), _by_priority) == sorted(waiting, key=_by_priority)  # (another list)
+        self.checked += 1
+
+
+def test_the_kept_orders_are_the_sorted_orders():
+    """Jobs enqueued, cancelled and preempted (put back at the front) in a random order, with tied keys."""
+    policy = _Checker()
+    gen = DynamicGenerator(engine=FakeEngine(num_pages=64, max_batch_size=4, max_seq_len=64), policy=policy)
+    rng = random.Random(0)
+    for i in range(400):
+        r = rng.random()
+        if r < 0.5 or not gen.pending:
+            gen.enqueue(Job([1, 2, 3], 4, priority=rng.randrange(3), identifier=i))
+        elif r < 0.75:
+            gen.cancel(rng.choice(gen.pending))
+        else:  # what a preemption does to the queue
+            job = rng.choice(gen.pending)
+            gen.scheduler.remove_waiting(job)
+            gen.scheduler.add_waiting(job, front=True)
+        gen.scheduler.admit(lambda job: None)
+    assert policy.checked == 400 and len(gen.pending) > 20
 
 
 if __name__ == "__main__":

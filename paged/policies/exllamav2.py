@@ -16,6 +16,8 @@ class ExLlamaV2Policy(Policy):
     def admit(self, waiting: list[Job], s: SchedulerView) -> None:
         skipped: list[Job] = []
         for job in self.order(waiting, s):
+            if len(s.running) >= s.config.max_batch_size:
+                return  # every batch row is taken: no later job fits, so none starts and no skip is counted
             if not s.fits(job):
                 skipped.append(job)
                 continue

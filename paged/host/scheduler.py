@@ -69,8 +69,40 @@ class SortedWaiting:
         del self.keys[i]
         del self.jobs[i]
 
+    def __len__(self) -> int:
+        return len(self.jobs)
 
-MAX_ORDERS = 4  # sorted orders of the waiting queue a scheduler keeps (one per key a policy sorts by)
+
+class FirstPages:
+    """The waiting jobs by the hash of their first cacheable page (`Scheduler.prefix`): only a job whose first page
+    is registered in the pool can have a cached prefix (`Scheduler.cached_prefixes`)."""
+
+    def __init__(self, sched: Scheduler, waiting: list[Job]):
+        self.sched = sched
+        self.jobs: dict[bytes, list[Job]] = {}
+        self.first: dict[Job, bytes | None] = {}
+        for job in waiting:
+            self.add(job, False)
+
+    def add(self, job: Job, front: bool) -> None:
+        hashes, _ = self.sched.prefix(job)
+        self.first[job] = hashes[0] if hashes else None
+        if hashes:
+            self.jobs.setdefault(hashes[0], []).append(job)
+
+    def remove(self, job: Job) -> None:
+        h = self.first.pop(job)
+        if h is not None:
+            same = self.jobs[h]
+            same.remove(job)
+            if not same:
+                del self.jobs[h]
+
+    def __len__(self) -> int:
+        return len(self.first)
+
+
+MAX_INDEXES = 8  # indexes of the waiting queue a scheduler keeps (a sorted order per key a policy sorts by, ...)
 HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
@@ -120,6 +152,9 @@ class SchedulerView:
     def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
         return self._s.sorted_waiting(waiting, key)
 
+    def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
+        return self._s.cached_prefixes(waiting)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: PagePool, policy: Policy, vocab_size: int, pending: list[Job],
@@ -142,7 +177,8 @@ class Scheduler:
         self._budget = 0
         self._prefill_rows = 0
         self.hook = ""  # the policy hook being asked (named in PolicyError)
-        self._orders: dict[Callable[[Job], Any], SortedWaiting] = {}  # the waiting queue sorted by a policy's keys
+        # indexes of the waiting queue kept as jobs come and go: SortedWaiting by key, FirstPages
+        self._indexes: dict[Any, SortedWaiting | FirstPages] = {}
         self._version = 0  # counts the changes of the waiting queue
         self._admitting: tuple[list[Job], int] | None = None  # the list admit() was handed, and the version then
 
@@ -183,28 +219,49 @@ class Scheduler:
         self.pending.remove(job)
         self._changed(lambda order: order.remove(job))
 
-    def _changed(self, update: Callable[[SortedWaiting], None]) -> None:
+    def _changed(self, update: Callable[[SortedWaiting | FirstPages], None]) -> None:
         self._version += 1
-        for key, order in list(self._orders.items()):
+        for name, index in list(self._indexes.items()):
             try:
-                update(order)
-            except Exception:  # noqa: BLE001 (a policy's key failed: sorted_waiting() rebuilds it, in the hook)
-                del self._orders[key]
+                update(index)
+            except Exception:  # noqa: BLE001 (a policy's key failed: the next query rebuilds it, in the policy's hook)
+                del self._indexes[name]
+
+    def _whole_queue(self, waiting: list[Job]) -> bool:
+        """Whether `waiting` is the list `admit()` was handed and the queue has not changed since."""
+        admitting = self._admitting
+        return (admitting is not None and waiting is admitting[0] and admitting[1] == self._version
+                and len(waiting) == len(self.pending))
+
+    def _index(self, name: Any, build: Callable[[], SortedWaiting | FirstPages]) -> SortedWaiting | FirstPages:
+        index = self._indexes.get(name)
+        if index is None or len(index) != len(self.pending):  # (new, or the queue changed behind our back)
+            if len(self._indexes) >= MAX_INDEXES:
+                del self._indexes[next(iter(self._indexes))]
+            index = self._indexes[name] = build()
+        return index
 
     def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
-        """`sorted(waiting, key=key)` (see `paged.policies.base.SchedulerView.sorted_waiting`). When `waiting` is the
-        list `admit()` was handed and the queue has not changed since, the order kept for `key` is copied instead
-        of sorting the queue again."""
-        admitting = self._admitting
-        if (admitting is None or waiting is not admitting[0] or admitting[1] != self._version
-                or len(waiting) != len(self.pending)):
+        """`sorted(waiting, key=key)` (see `paged.policies.base.SchedulerView.sorted_waiting`). For the whole queue
+        the order kept for `key` is copied instead of sorting the queue again."""
+        if not self._whole_queue(waiting):
             return sorted(waiting, key=key)
-        order = self._orders.get(key)
-        if order is None or len(order.jobs) != len(self.pending):  # (new key, or the queue changed behind our back)
-            if len(self._orders) >= MAX_ORDERS:
-                del self._orders[next(iter(self._orders))]
-            order = self._orders[key] = SortedWaiting(key, self.pending)
-        return list(order.jobs)
+        return list(self._index(key, lambda: SortedWaiting(key, self.pending)).jobs)
+
+    def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
+        """The jobs of `waiting` with a cached prefix, and its tokens (`cached_prefix_tokens`, when > 0). For the
+        whole queue only the jobs whose first page is registered in the pool are looked at."""
+        if not self._whole_queue(waiting):
+            candidates = waiting
+        else:
+            index = self._index(FirstPages, lambda: FirstPages(self, self.pending)).jobs
+            candidates = [j for h in index.keys() & self.pool.by_hash.keys() for j in index[h]]
+        out = {}
+        for job in candidates:
+            n = self.cached_prefix_tokens(job)
+            if n:
+                out[job] = n
+        return out
 
     # ------------------------------------------------------------------ admission
     def prefix(self, job: Job) -> tuple[list[bytes], list[tuple[int, ...]]]:

@@ -71,6 +71,11 @@ class SchedulerView(Protocol):
         scheduler keeps the waiting jobs in that order as they come and go, so a long queue is not sorted again at
         every step; pass the same `key` object each time (a method or a module-level function)."""
 
+    def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
+        """The jobs of `waiting` with a cached prefix now, and its tokens (`cached_prefix_tokens(job)` where it is
+        > 0; every other job's is 0). For the list `admit()` was handed, only the jobs whose first page is in the
+        cache are looked at, not the whole queue."""
+
 
 class Policy:
     """Base class: first come, first served, reserve allocation, preempt the latest arrival, the whole chunk budget

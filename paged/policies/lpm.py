@@ -14,6 +14,8 @@ ours."""
 
 from __future__ import annotations
 
+import bisect
+
 from paged.errors import InvalidConfigError
 from paged.job import Job
 from paged.policies.base import Policy, SchedulerView
@@ -35,5 +37,27 @@ class LongestPrefixMatch(Policy):
 
     def order(self, waiting: list[Job], s: SchedulerView) -> list[Job]:
         now = s.now
-        return sorted(waiting, key=lambda j: (-(s.cached_prefix_tokens(j) + self.aging * (now - j.arrival)),
-                                              j.serial))
+        cached = s.cached_prefixes(waiting)  # (every other job's cached prefix is 0)
+
+        def key(job: Job) -> tuple[float, int]:
+            return -(cached.get(job, 0) + self.aging * (now - job.arrival)), job.serial
+
+        # Without a cached prefix a job's score only falls as its arrival grows, so those jobs are in serial order
+        # when arrivals are (the generator's clock never goes back): then only the jobs with a cached prefix need
+        # placing, by binary search, instead of sorting the whole queue.
+        out = s.sorted_waiting(waiting, _serial)
+        if self.aging and out != s.sorted_waiting(waiting, _arrival):
+            return sorted(waiting, key=key)
+        for job in cached:
+            del out[bisect.bisect_left(out, job.serial, key=_serial)]
+        for job in cached:
+            out.insert(bisect.bisect_left(out, key(job), key=key), job)
+        return out
+
+
+def _serial(job: Job) -> int:
+    return job.serial
+
+
+def _arrival(job: Job) -> tuple[float, int]:
+    return job.arrival, job.serial

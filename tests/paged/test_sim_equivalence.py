@@ -25,7 +25,7 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.config import EngineConfig
-from paged.policies import Policy
+from paged.policies import LongestPrefixMatch, Policy
 from paged.sim import SimulatedEngine, StepTimeModel
 from paged.testing import ByteTokenizer, FakeEngine
 
@@ -238,6 +238,45 @@ def test_the_kept_orders_are_the_sorted_orders():
             gen.scheduler.add_waiting(job, front=True)
         gen.scheduler.admit(lambda job: None)
     assert policy.checked == 400 and len(gen.pending) > 20
+
+
+class _LpmChecker(LongestPrefixMatch):
+    """lpm whose every admission first checks its order against the formula sorted over the whole queue."""
+
+    checked = 0
+
+    def admit(self, waiting, s):
+        now = s.now
+        expected = sorted(waiting, key=lambda j: (-(s.cached_prefix_tokens(j) + self.aging * (now - j.arrival)),
+                                                  j.serial))
+        assert self.order(waiting, s) == expected
+        self.checked += 1
+        super().admit(waiting, s)
+
+
+@pytest.mark.parametrize("aging", [100.0, 0.0])
+@pytest.mark.parametrize("clock_goes_back", [False, True])
+def test_lpm_order_is_the_sorted_order(aging, clock_goes_back):
+    """Shared prefixes in the cache, a queue, and a clock that sometimes goes back (arrivals out of serial order)."""
+    rng = random.Random(1)
+    t = [0.0]
+
+    def clock():
+        t[0] += rng.uniform(-0.02 if clock_goes_back else 0.0, 0.05)
+        return t[0]
+
+    policy = _LpmChecker(aging=aging)
+    gen = DynamicGenerator(engine=FakeEngine(num_pages=48, max_batch_size=4, max_seq_len=96, record=False),
+                           policy=policy, clock=clock)
+    prefixes = [[rng.randrange(256) for _ in range(24)] for _ in range(3)]
+    for i in range(150):
+        prompt = rng.choice(prefixes)[: rng.choice((8, 16, 24))] + [rng.randrange(256) for _ in range(5)]
+        gen.enqueue(Job(prompt, rng.randrange(1, 12), gen_settings=SamplingSettings.greedy(), identifier=i))
+        if rng.random() < 0.6:
+            gen.iterate()
+    while gen.num_remaining_jobs():
+        gen.iterate()
+    assert policy.checked > 100
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("name", None, "the fit's name: hardware_model_setup, e.g. cpu_epyc_smollm2_q4 (required)")
 flags.DEFINE_string("model", "smollm2-135m", "model to measure (as every experiment's --model)")
 flags.DEFINE_string("quant", "keep", "weights: keep, none, int8, int4 (as every experiment's --quant)")
+flags.DEFINE_string("dtype", "float32", "float weights' dtype: float32, bfloat16 or float16")
 flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
 flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_list("policies", ["exllamav2", "vllm", "sarathi", "sjf"], "policies to validate (>= 3 for a ranking)")
@@ -63,7 +64,8 @@ def main(argv):
         raise app.UsageError(f"--rates takes two rates (under and past saturation), got {FLAGS.rates}")
     if len(FLAGS.policies) < 3:
         raise app.UsageError("--policies needs at least 3 policies for a rank agreement")
-    common = [f"--model={FLAGS.model}", f"--quant={FLAGS.quant}", f"--cache_dtype={FLAGS.cache_dtype}",
+    common = [f"--model={FLAGS.model}", f"--quant={FLAGS.quant}", f"--dtype={FLAGS.dtype}",
+              f"--cache_dtype={FLAGS.cache_dtype}",
               f"--page_size={FLAGS.page_size}"]
     with tempfile.TemporaryDirectory() as tmp:
         fit = os.path.join(tmp, FLAGS.name + ".json")

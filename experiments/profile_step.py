@@ -41,6 +41,7 @@ flags.DEFINE_integer("context", 256, "prompt tokens per job")
 flags.DEFINE_integer("tokens", 32, "decode tokens per job in the measured phase")
 flags.DEFINE_integer("page_size", 64, "tokens per page")
 flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
+flags.DEFINE_string("dtype", "float32", "float weights' dtype: float32, bfloat16 or float16")
 flags.DEFINE_integer("iters", 5, "timed calls per device part")
 flags.DEFINE_string("json_out", None, "write the breakdown here")
 check_out_flag("json_out")
@@ -183,7 +184,7 @@ def fit_setup(eng) -> dict:
 
     c = eng.config
     name = FLAGS.fit_name or os.path.splitext(os.path.basename(FLAGS.fit_out or "step_time"))[0]
-    return {"name": name, **env.host_setup(), "model": FLAGS.model, "quantization": FLAGS.quant,
+    return {"name": name, **env.host_setup(), "model": FLAGS.model, "quantization": FLAGS.quant, "dtype": FLAGS.dtype,
             "attn_impl": c.attn_impl, "matmul_impl": c.matmul_impl, "kernels": env.matmul_auto(),
             "cache_dtype": c.cache_dtype, "page_size": c.page_size, "max_batch_size": c.max_batch_size,
             "max_seq_len": c.max_seq_len, "date": datetime.date.today().isoformat(), "commit": env.git_info()}
@@ -272,7 +273,7 @@ def main(argv):
 
     from experiments.lib.common import load_experiment_model
 
-    model = load_experiment_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    model = load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")

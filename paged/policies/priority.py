@@ -3,7 +3,8 @@
 A waiting job that does not fit may preempt running jobs of strictly lower priority (the lowest first, then the
 latest arrival), but only when preempting them all would let it fit; the preempted jobs wait again and recompute.
 When pages run out during decoding the lowest-priority, latest-arriving job is the victim. Admission is strict in
-priority order: a job that cannot fit even by preemption blocks the lower-priority ones behind it.
+priority order: a job that cannot fit even by preemption blocks the lower-priority ones behind it. The order is
+kept as jobs come and go (`SchedulerView.sorted_waiting`): set a job's `priority` before enqueueing it.
 
 Source: vLLM's `--scheduling-policy priority` (vllm/core/scheduler.py `_schedule_priority_preemption`, v1
 `Scheduler` with `SchedulingPolicy.PRIORITY`), which orders by (priority, arrival) and preempts by recompute."""

@@ -1,7 +1,8 @@
 """`sjf`: shortest job first: the shortest expected output when the job gives one (`Job(expected_new_tokens=)`,
 e.g. from a length predictor or a trace), else the shortest prompt; jobs that do not fit are skipped. Reserve
 allocation, no preemption. Minimises mean latency when the lengths are right, and can starve long jobs: a
-comparison point, not a default. `shortest_prompt_first` ignores `expected_new_tokens`.
+comparison point, not a default. `shortest_prompt_first` ignores `expected_new_tokens`. The order is kept as jobs
+come and go (`SchedulerView.sorted_waiting`): set `expected_new_tokens` before enqueueing the job.
 
 Sources: SJF/SRPT scheduling for LLM serving, e.g. Qiu et al., "Efficient Interactive LLM Serving with Proxy
 Model-based Sequence Length Prediction" (2024); Fu et al., "Efficient LLM Scheduling by Learning to Rank" (2024)."""

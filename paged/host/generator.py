@@ -77,20 +77,38 @@ class _Prepared:
 _HOST_SETTINGS = ("decode_steps",)
 
 
-def _row_items(rows: list, out: Any) -> list[Accepted]:
-    """A plain step's output (or one step of a burst, `_StepView`) as one `Accepted` per row: the row's sampled
-    token if it samples, every token of the row having K/V."""
-    tokens = out.token.tolist()
-    logprob, top_ids, top_logprobs, logits = out.logprob, out.top_ids, out.top_logprobs, out.logits
-    items = []
-    for i, row in enumerate(rows):
-        at = slice(i, i + 1)
-        items.append(Accepted(
-            tokens=[tokens[i]] if row.sample else [], logprobs=None if logprob is None else logprob[at],
-            top_ids=None if top_ids is None else top_ids[at],
-            top_logprobs=None if top_logprobs is None else top_logprobs[at],
-            logits=None if logits is None else logits[at], kv_advance=len(row.tokens)))
-    return items
+class _PlainRow:
+    """Row `i` of a plain step's output (or of one step of a burst, `_StepView`) as `_collect_row` reads an
+    `Accepted`: the token the row sampled (none for a prefill chunk that does not sample) and its log-probability,
+    every token of the row having K/V. Its top-k and logits are sliced from the step's arrays only when read (only
+    for a job that asked for them)."""
+
+    __slots__ = ("tokens", "logprobs", "kv_advance", "_out", "_at")
+
+    def __init__(self, out: Any, i: int, token: int, logprob: float, row: Any):
+        self.tokens = [token] if row.sample else []
+        self.logprobs = [logprob]
+        self.kv_advance = len(row.tokens)
+        self._out = out
+        self._at = slice(i, i + 1)
+
+    @property
+    def top_ids(self) -> np.ndarray:
+        return self._out.top_ids[self._at]
+
+    @property
+    def top_logprobs(self) -> np.ndarray:
+        return self._out.top_logprobs[self._at]
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        return None if self._out.logits is None else self._out.logits[self._at]
+
+
+def _row_items(rows: list, out: Any) -> list[_PlainRow]:
+    """A plain step's output (or one step of a burst, `_StepView`), one `_PlainRow` per row."""
+    tokens, logprobs = out.token.tolist(), out.logprob.tolist()
+    return [_PlainRow(out, i, tokens[i], logprobs[i], row) for i, row in enumerate(rows)]
 
 
 class _StepView:
@@ -623,7 +641,7 @@ class DynamicGenerator:
         keep = [i for i in range(len(rows)) if i not in bad and id(owners[i].cfg_owner) not in ended]
         return [rows[i] for i in keep], [owners[i] for i in keep]
 
-    def _collect(self, rows: list, owners: list[Job], items: list[Accepted], seconds: float, now: float,
+    def _collect(self, rows: list, owners: list[Job], items: list[Accepted | _PlainRow], seconds: float, now: float,
                  results: list[dict]) -> None:
         """Advance each row's job by what its row produced (`items`: one `Accepted` per row, from a plain step
         through `_row_items` or from a speculative one) and append its result dicts. A failure while handling one
@@ -634,7 +652,7 @@ class DynamicGenerator:
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 results.append(self._fail(job, e, now))
 
-    def _collect_row(self, row: Any, job: Job, item: Accepted, seconds: float, now: float,
+    def _collect_row(self, row: Any, job: Job, item: Accepted | _PlainRow, seconds: float, now: float,
                      results: list[dict]) -> None:
         """One row's output: none (a prefill chunk that does not sample), one token, or a speculative row's accepted
         drafts and the target's next token, fed one at a time (`JobOutput.feed`) as if each came from its own step;
@@ -846,7 +864,7 @@ class DynamicGenerator:
         return out
 
 
-def _extras(job: Job, token: int, logprob: float, item: Accepted, i: int) -> dict:
+def _extras(job: Job, token: int, logprob: float, item: Accepted | _PlainRow, i: int) -> dict:
     """The per-token extras a job asked for (probability, top-k, logits) of `item`'s token `i`; a non-finite
     log-probability fails it. The arrays are read only for what the job asked for."""
     if not math.isfinite(logprob):

@@ -129,7 +129,8 @@ class FakeEngine:
             self.calls.append(rows)
         tokens, logprobs, top_ids, top_logprobs = [], [], [], []
         for r in rows:
-            self._write(r)
+            if self.record:
+                self._write(r)
             t, lp, ids, lps = self._sample(r, return_top_k)
             tokens.append(t)
             logprobs.append(lp)

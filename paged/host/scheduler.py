@@ -374,7 +374,8 @@ class Scheduler:
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
         end = job.kv_position + len(tokens)
-        window = s.history_window(self.config.max_penalty_range)
+        max_range = self.config.max_penalty_range
+        window = s.history_window(max_range) if max_range else 0  # (no history kept: none needed)
         history = job.sequence[max(0, end - window) : end] if window else ()
         src = job.cfg_owner or job  # (a CFG negative prompt uses its job's embedding rows)
         if src.embedding_rows:  # injected embeddings: the engine embeds id vocab_size + r as row r of its table

@@ -207,6 +207,7 @@ PAGED_ROOMS: list[tuple[str, tuple[str, ...]]] = [  # bottom to top; a name endi
     ("policies", ("paged.policies.",)),
     ("speculation", ("paged.speculation.",)),
     ("host", ("paged.host.",)),
+    ("server", ("paged.server.",)),
     ("sim", ("paged.sim", "paged.testing")),
     ("face", ("paged", "paged.compat")),
 ]

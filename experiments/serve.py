@@ -1,0 +1,121 @@
+"""An OpenAI-compatible HTTP server on one `DynamicGenerator` (paged/server/; docs/server.md).
+
+    python -m experiments.serve --model smollm2-135m --port 8000
+    python -m experiments.serve --model path/to/hf_dir --max_batch_size 32 --max_queue 256 --shutdown_grace_s 10
+    python -m experiments.serve --max_loras 2 --lora_adapter poet=path/to/adapter --lora_adapter coder=path/to/other
+
+Then, with the `openai` package:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi!"}])
+
+It takes the model and engine flags every experiment takes (experiments/lib/engine_flags.py: --model, --quant,
+--max_batch_size, --page_size, --policy, ...; --max_batch_size defaults to 16 and --max_penalty_range to 1024, so
+requests may use penalties and DRY), compiles every step bucket first (--compile_buckets), and serves until SIGTERM
+or Ctrl-C, then stops gracefully (running requests get --shutdown_grace_s seconds). `--model tiny` serves a random
+2-layer model with a byte tokenizer and a plain chat template (for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+
+from experiments.lib import engine_flags
+
+FLAGS = flags.FLAGS
+engine_flags.define()  # --model, --quant, cache and engine flags, --policy, --compilation_cache_dir, --progress
+flags.DEFINE_string("host", "127.0.0.1", "address to listen on (0.0.0.0: every interface)")
+flags.DEFINE_integer("port", 8000, "port to listen on")
+flags.DEFINE_string("served_model_name", None, "the model id clients name in requests (default: --model)")
+flags.DEFINE_integer("max_queue", None, "most jobs waiting for admission; requests past it get HTTP 429 (default: "
+                     "no limit)")
+flags.DEFINE_float("shutdown_grace_s", 30.0, "on SIGTERM: seconds running requests get to finish before they are "
+                   "ended")
+flags.DEFINE_string("chat_template", None, "a Jinja chat template file, instead of the tokenizer's")
+flags.DEFINE_multi_string("lora_adapter", [], "NAME=PATH: a PEFT LoRA adapter directory served as model NAME (and "
+                          "as the `lora` extra field); repeat for several; needs --max_loras")
+flags.DEFINE_bool("speculative_ngram", False, "speculative decoding with n-gram prompt lookup")
+flags.DEFINE_integer("speculative_tokens", 4, "--speculative_ngram: tokens drafted per job and step")
+flags.DEFINE_bool("compile_buckets", True, "compile every step bucket before serving (generator.warmup), so no "
+                  "request waits for a compilation")
+flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"], "server log level")
+
+TINY_VOCAB = 258  # paged.testing.ByteTokenizer's
+
+
+def load_model():
+    """The model the flags name; `tiny` with a byte tokenizer (the experiments' tiny model has none)."""
+    if FLAGS.model == "tiny":
+        from paged.testing import ByteTokenizer, tiny_config, tiny_model
+
+        engine_flags.apply_cpu_dispatch()
+        return tiny_model(tiny_config(TINY_VOCAB), tokenizer=ByteTokenizer())
+    from models import ModelError
+
+    try:
+        model = engine_flags.load_model()
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
+    if model.tokenizer is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; the server takes and returns text")
+    return model
+
+
+def build_generator(model):
+    from paged import DynamicGenerator
+    from paged.errors import GeneratorError
+
+    kw = engine_flags.generator_kwargs(16, max_penalty_range=1024)
+    if FLAGS.speculative_ngram:
+        kw.update(use_ngram_draft=True, num_draft_tokens=FLAGS.speculative_tokens)
+    try:
+        gen = DynamicGenerator(model, **kw)
+    except GeneratorError as e:
+        raise app.UsageError(str(e)) from e
+    for spec in FLAGS.lora_adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise app.UsageError(f"--lora_adapter {spec!r}: expected NAME=PATH")
+        try:
+            gen.load_lora(name, path)
+        except (GeneratorError, ValueError) as e:
+            raise app.UsageError(f"--lora_adapter {spec}: {e}") from e
+    return gen
+
+
+def main(argv):
+    del argv
+    from paged.server import create_app, serve
+    from paged.server.translate import SIMPLE_CHAT_TEMPLATE
+
+    engine_flags.validate()
+    if FLAGS.max_queue is not None and FLAGS.max_queue < 1:
+        raise app.UsageError(f"--max_queue must be >= 1, got {FLAGS.max_queue}")
+    if FLAGS.shutdown_grace_s < 0:
+        raise app.UsageError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
+    template = None
+    if FLAGS.chat_template:
+        with open(FLAGS.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    elif FLAGS.model == "tiny":
+        template = SIMPLE_CHAT_TEMPLATE
+    logging.basicConfig(level=FLAGS.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = load_model()
+    gen = build_generator(model)
+    if FLAGS.compile_buckets:
+        n = gen.warmup(progress=FLAGS.progress)
+        print(f"compiled {n} step variants", file=sys.stderr)
+    name = FLAGS.served_model_name or FLAGS.model
+    application = create_app(gen, model_name=name, chat_template=template, max_queue=FLAGS.max_queue)
+    print(f"serving {name} on http://{FLAGS.host}:{FLAGS.port}/v1 (docs/server.md)", file=sys.stderr, flush=True)
+    serve(application, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s, log_level=FLAGS.log_level)
+    print("server stopped", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -220,7 +220,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
 
     @app.get("/metrics")
     async def metrics():
-        return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -1,11 +1,11 @@
 """The server's Prometheus metrics (`GET /metrics`, text format), in a registry of its own per app.
 
-Read from the generator at scrape time (`generator.metrics()` under its lock): jobs waiting and running, pages
-total / used / cached / free, prefix-cache queries and hits, preemptions, steps, tokens prefilled and generated,
-failed jobs and steps, speculative drafts, accepted drafts, acceptance rate and mean accepted length. Kept by the
-server per request: time to first token, time per output token and end-to-end latency histograms, prompt and
-generated token counters, requests by endpoint and outcome, open streams, and the jobs running in each step.
-Names start with `paged_`; docs/server.md lists them.
+Read from the generator at scrape time (`generator.metrics()`, without waiting for the step under way): jobs
+waiting and running, pages total / used / cached / free, prefix-cache queries and hits, preemptions, steps, tokens
+prefilled and generated, failed jobs and steps, speculative drafts, accepted drafts, acceptance rate and mean
+accepted length. Kept by the server per request: time to first token, time per output token and end-to-end latency
+histograms, prompt and generated token counters, requests by endpoint and outcome, open streams, and the jobs
+running in each step. Names start with `paged_`; docs/server.md lists them.
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ class _GeneratorCollector:
         self.open_streams = open_streams
 
     def collect(self):
-        with self.generator.lock:
-            m = self.generator.metrics()
+        m = self.generator.metrics()  # without the lock (held for a whole step): counters read between two updates
         for key, (name, doc) in _GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(m.get(key, 0) or 0))
         for key, (name, doc) in _COUNTERS.items():

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from paged.testing import FakeEngine
+
 DEADLINE_S = 120.0  # generous: a slow or loaded machine must not fail a test, only a wrong behaviour
 
 
@@ -85,3 +87,22 @@ def wait_idle(server: LiveServer) -> dict[str, float]:
                      and m["paged_requests_open"] == 0) else None
 
     return wait_for(idle, "the server to be idle (no job, no page used)")
+
+
+
+class GatedEngine(FakeEngine):
+    """`paged.testing.FakeEngine` whose steps wait while `gate` is cleared (`blocked` is set meanwhile), so a test can
+    hold jobs running or waiting for as long as it needs, whatever the machine's speed."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.blocked = threading.Event()
+
+    def run(self, rows, **kwargs: Any):
+        if not self.gate.is_set():
+            self.blocked.set()
+            self.gate.wait()
+            self.blocked.clear()
+        return super().run(rows, **kwargs)

@@ -13,6 +13,14 @@ concurrency value is one run; each run appends one JSON record to `<output_dir>/
 summary table. Compilation (`generator.warmup()`) and `--num_warmup` requests are excluded; the prompt cache is reset
 before each measured run. See docs/performance.md, "Serving benchmark", for the metric definitions and the record's
 schema. The logic lives in `experiments/lib/serving/`.
+
+`--backend=openai --base_url=http://HOST:PORT` drives any OpenAI-compatible server (this project's
+`python -m experiments.serve`, vLLM, SGLang, llama.cpp, ...) with the same workloads, load model and metrics,
+measured over HTTP from the streamed chunks (experiments/lib/serving/http_client.py; docs/server.md). `--model`
+then only supplies the workload's vocabulary (and, with `--prompt_format=text`, the tokenizer); warm-up requests use
+prompts of their own (the server's prompt cache cannot be reset from outside), and the record carries the server's
+`/metrics` counters of the run where it has them:
+    python -m experiments.bench_serving --backend=openai --base_url=http://127.0.0.1:8000 --max_concurrency 16
 """
 
 from __future__ import annotations
@@ -55,6 +63,17 @@ check_out_flag("output_dir", folder=True)
 flags.DEFINE_string("run_name", None, "file name stem (default: model_dataset_timestamp)")
 flags.DEFINE_bool("measure_hardware", True, "measure memory bandwidth and matmul FLOP/s first, for utilisation")
 flags.DEFINE_bool("save_detailed", False, "also store every request's token timestamps in the record")
+# backend
+flags.DEFINE_enum("backend", "inprocess", ["inprocess", "openai"], "inprocess: a DynamicGenerator in this process; "
+                  "openai: the OpenAI-compatible server at --base_url, over HTTP")
+flags.DEFINE_string("base_url", "http://127.0.0.1:8000", "--backend=openai: the server (its /v1/completions)")
+flags.DEFINE_string("served_model", None, "--backend=openai: the model id to request (default: the first of the "
+                    "server's /v1/models)")
+flags.DEFINE_enum("prompt_format", "ids", ["ids", "text"], "--backend=openai: prompts as token ids (exact lengths) "
+                  "or as their decoded text (re-tokenized by the server)")
+flags.DEFINE_string("extra_body", '{"ignore_eos": true}', "--backend=openai: JSON object merged into every request "
+                    "(the default makes each request produce exactly its output length)")
+flags.DEFINE_float("request_timeout_s", 600.0, "--backend=openai: per-request timeout")
 # model / engine: experiments/lib/engine_flags.py (--max_penalty_range defaults to 0 here: the benchmark uses no
 # penalties)
 OUR_FLAGS = sorted(set(FLAGS) - _BEFORE)
@@ -110,6 +129,25 @@ def _compiled_variants() -> int | None:
         return None
 
 
+def make_workload(trace, tok, vocab_size: int, max_seq_len: int | None, num_prompts: int, seed: int):
+    """The flags' workload over this vocabulary, and its arrival times (None: the --request_rate schedule; a trace
+    brings its own). app.UsageError when it cannot be made."""
+    from experiments.lib.serving import workloads
+
+    special = sorted(getattr(tok, "special_token_ids", ()) or ()) if tok is not None else []
+    try:
+        if trace is not None:
+            return workloads.trace_workload(trace, num_prompts, vocab_size=vocab_size, special_ids=special,
+                                            seed=seed, max_seq_len=max_seq_len)
+        return workloads.make_workload(
+            FLAGS.dataset, num_prompts, vocab_size=vocab_size, special_ids=special, seed=seed,
+            max_seq_len=max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
+            range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
+            dataset_path=FLAGS.dataset_path), None
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
 def main(argv):
     del argv
     run()
@@ -143,6 +181,8 @@ def run() -> list:
     engine_flags.validate()
     if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
         raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")
+    if FLAGS.backend == "openai":
+        return run_openai(slo, concurrencies, trace)
 
     import jax
 
@@ -170,21 +210,7 @@ def run() -> list:
     buckets = gen.warmup(progress=FLAGS.progress) if FLAGS.compile_all_buckets else 0
     compile_s = time.perf_counter() - t0
 
-    tok = gen.tokenizer
-    special = sorted(getattr(tok, "special_token_ids", ()) or ()) if tok is not None else []
-    arrivals = None  # the runner's --request_rate / --burstiness schedule
-    try:
-        if trace is not None:
-            wl, arrivals = workloads.trace_workload(trace, FLAGS.num_prompts, vocab_size=gen.vocab_size,
-                                                    special_ids=special, seed=SEED(), max_seq_len=gen.max_seq_len)
-        else:
-            wl = workloads.make_workload(
-                FLAGS.dataset, FLAGS.num_prompts, vocab_size=gen.vocab_size, special_ids=special, seed=SEED(),
-                max_seq_len=gen.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
-                range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
-                dataset_path=FLAGS.dataset_path)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    wl, arrivals = make_workload(trace, gen.tokenizer, gen.vocab_size, gen.max_seq_len, FLAGS.num_prompts, SEED())
     if FLAGS.temperature > 0:
         settings = SamplingSettings(temperature=FLAGS.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0)
     else:
@@ -287,6 +313,117 @@ def run() -> list:
             print(f"wrote {p}", file=sys.stderr)
     print(f"wrote {len(runs)} record(s) to {out_path} in {time.time() - t_start:.1f} s "
           f"({jax.default_backend()})", file=sys.stderr)
+    return runs
+
+
+def run_openai(slo: dict, concurrencies: list, trace) -> list:
+    """--backend=openai: the benchmark against the server at --base_url (module docstring); the same records, with
+    `backend` and the server's counters instead of the engine's steps and utilisation."""
+    from experiments.lib.serving import env, http_client, metrics, plots
+
+    try:
+        extra_body = json.loads(FLAGS.extra_body)
+    except ValueError as e:
+        raise app.UsageError(f"--extra_body is not JSON: {e}") from None
+    if not isinstance(extra_body, dict):
+        raise app.UsageError(f"--extra_body must be a JSON object, got {FLAGS.extra_body!r}")
+    try:
+        info = http_client.server_info(FLAGS.base_url)
+    except Exception as e:  # noqa: BLE001 (any failure to reach it is the same usage error)
+        raise app.UsageError(f"--base_url={FLAGS.base_url}: no OpenAI-compatible server answered GET /v1/models "
+                             f"({type(e).__name__}: {e})") from None
+    served = FLAGS.served_model or info["id"]
+    max_seq_len = info.get("max_model_len") or FLAGS.max_seq_len
+    model = engine_flags.load_model()  # the workload's vocabulary (and tokenizer, for --prompt_format=text)
+    vocab, tok = model.config.vocab_size, model.tokenizer
+    del model
+
+    t_start = time.time()
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    model_tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(os.path.normpath(served)))
+    run_name = FLAGS.run_name or f"openai_{model_tag}_{FLAGS.dataset}_{stamp}"
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    out_path = os.path.join(FLAGS.output_dir, f"{run_name}.jsonl")
+    env.load_average("at start")
+    wl, arrivals = make_workload(trace, tok, vocab, max_seq_len, FLAGS.num_prompts, SEED())
+    body = dict(temperature=FLAGS.temperature, prompt_format=FLAGS.prompt_format, tokenizer=tok,
+                extra_body=extra_body, timeout=FLAGS.request_timeout_s)
+    static = {
+        "schema": SCHEMA,
+        "run_name": run_name,
+        "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
+        "git": env.git_info(),
+        "device": env.device_info(),
+        "versions": env.versions(),
+        "backend": {"name": "openai", "base_url": FLAGS.base_url, "served_model": served, "server_model": info,
+                    "prompt_format": FLAGS.prompt_format, "extra_body": extra_body},
+        "model": {"name": FLAGS.model, "vocab": vocab, "note": "the workload's vocabulary; the server runs its own"},
+        "workload": wl.describe(),
+        "sampling": {"temperature": FLAGS.temperature, "greedy": FLAGS.temperature == 0},
+    }
+    runs = []
+    for c in concurrencies:
+        load_before = env.load_average(f"before the run at {_label(c)}")
+        n_warm = FLAGS.num_warmup if FLAGS.num_warmup is not None else max(2, c or 16)
+        t0 = time.perf_counter()
+        if n_warm:  # prompts of their own (another seed): the measured ones must not find theirs cached
+            warm, _ = make_workload(None if trace is None else trace, tok, vocab, max_seq_len, n_warm, SEED() + 1)
+            http_client.run_http_benchmark(FLAGS.base_url, served, warm.requests[:n_warm], max_concurrency=c,
+                                           seed=SEED(), **body)
+        warm_s = time.perf_counter() - t0
+        res = http_client.run_http_benchmark(
+            FLAGS.base_url, served, wl.requests, max_concurrency=c, request_rate=FLAGS.request_rate,
+            burstiness=FLAGS.burstiness, seed=SEED(), arrivals=arrivals, progress=FLAGS.progress,
+            desc=f"{run_name} {_label(c)}", **body)
+        load_after = env.load_average()
+        m = metrics.compute_metrics(res.records, res.duration, slo)
+        cache = metrics.prefix_cache_stats(res.server_before, res.server_after, res.records)
+        rec = {
+            **static,
+            "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+            "max_concurrency": c,
+            "request_rate": FLAGS.request_rate,
+            "burstiness": FLAGS.burstiness,
+            "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            "warmup_requests": n_warm,
+            "warmup_seconds": warm_s,
+            "metrics": m,
+            "prefix_cache": cache,
+            "max_in_flight": res.max_in_flight,
+            "server_metrics": {"final": res.server_after,
+                               "delta": metrics.metrics_delta(res.server_before, res.server_after)},
+            "notes": ("Measured over HTTP by the client: TTFT/E2EL from when a request is sent (its arrival, or when a "
+                      "concurrency slot freed) to when its first / last token's chunk was read; a chunk of k tokens "
+                      "(usage.completion_tokens growth) gives k equal token times."),
+            "per_request": [
+                {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+                 "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
+                 "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
+                 "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
+                 **({"token_times": r.token_times} if FLAGS.save_detailed else {})}
+                for r in res.records],
+        }
+        with open(out_path, "a") as f:
+            f.write(json.dumps(jsonable(rec)) + "\n")
+        rate = str(FLAGS.request_rate) if trace is None else f"trace ({wl.params['mean_rate']:.3g} mean)"
+        extra = [("Backend:", "openai"), ("Max concurrency:", "inf" if c is None else str(c)),
+                 ("Request rate (req/s):", rate), ("Max requests in flight:", str(res.max_in_flight)),
+                 ("Prefix cache page hit rate:", f"{cache['page_hit_rate']:.3f}"),
+                 ("Cached prompt token fraction:", f"{cache['token_hit_rate']:.3f}")]
+        print(metrics.format_table(m, f"Serving Benchmark Result ({_label(c)}, HTTP)", extra))
+        runs.append((c, res, m))
+    if FLAGS.plot:
+        title = f"{served} over HTTP, {FLAGS.dataset}, rate {FLAGS.request_rate if trace is None else 'trace'}"
+        paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
+                                         os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
+        if len(runs) > 1 and all(c is not None for c, _, _ in runs):
+            paths.append(plots.plot_sweep([(c, m["output_throughput"], m["tpot_ms"]["median"]) for c, _, m in runs],
+                                          os.path.join(FLAGS.output_dir, f"{run_name}_sweep.png"), title))
+        for p in paths:
+            print(f"wrote {p}", file=sys.stderr)
+    print(f"wrote {len(runs)} record(s) to {out_path} in {time.time() - t_start:.1f} s (over HTTP)",
+          file=sys.stderr)
     return runs
 
 

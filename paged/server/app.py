@@ -213,7 +213,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         data += [{"id": name, "root": name, "parent": state.model_name, **base} for name in sorted(generator.loras)]
         return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name:path}")
     async def model(name: str):
         state.check_model(name)
         return next(m for m in (await models())["data"] if m["id"] == name)
@@ -253,6 +253,8 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
             if not collect.done():
                 collect.cancel()
                 req.end("cancelled")
+            elif not req.ended:  # collecting failed (a bug): its jobs are cancelled all the same
+                req.end("error")
         if collect not in done:
             return Response(status_code=499)  # nobody is listening
         return collect.result()
@@ -274,7 +276,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
     async def _events(req: _Request, include_usage: bool, continuous: bool):
         fmt = req.fmt
         usage = (lambda: fmt.usage(req.choices)) if continuous else (lambda: None)
-        if kind_is_chat(fmt):
+        if fmt.kind == "chat":
             yield _sse(fmt.chunk([fmt.role_chunk(c) for c in req.choices], usage(), include_usage))
         async for items in req.stream.batches():
             touched, error = req.absorb(items)
@@ -294,9 +296,6 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         if include_usage:
             yield _sse(fmt.chunk([], fmt.usage(req.choices), True))
         yield "data: [DONE]\n\n"
-
-    def kind_is_chat(fmt: Formatter) -> bool:
-        return fmt.kind == "chat"
 
     def _error_response(error: BaseException) -> JSONResponse:
         err_type = "server_shutdown" if isinstance(error, ServerShutdown) else "server_error"

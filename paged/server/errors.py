@@ -60,7 +60,7 @@ PARAM_OF = {
     "stop_conditions": "stop",
     "stop token ids": "stop_token_ids",
     "return_top_tokens": "top_logprobs",
-    "filters": "response_format",
+    "filters": "banned_strings",  # (the one Job message about filters: they exclude banned strings)
 }
 _NAMED = re.compile(r"^(?:SamplingSettings|Job|DynamicGenerator): (?:gen_settings\.)?([a-z_]+)")
 

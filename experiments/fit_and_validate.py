@@ -30,22 +30,28 @@ from experiments.lib import step_time_fits
 from experiments.lib.common import check_out_flag
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("name", None, "the fit's name: hardware_model_setup, e.g. cpu_epyc_smollm2_q4 (required)")
-flags.DEFINE_string("model", "smollm2-135m", "model to measure (as every experiment's --model)")
-flags.DEFINE_string("quant", "keep", "weights: keep, none, int8, int4 (as every experiment's --quant)")
-flags.DEFINE_string("dtype", "float32", "float weights' dtype: float32, bfloat16 or float16")
-flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
-flags.DEFINE_integer("page_size", 64, "tokens per page")
-flags.DEFINE_list("policies", ["exllamav2", "vllm", "sarathi", "sjf"], "policies to validate (>= 3 for a ranking)")
-flags.DEFINE_list("rates", ["0.5", "3"], "two request rates: one under saturation, one past it")
-flags.DEFINE_integer("num_requests", 48, "requests per policy and rate in the validation")
-flags.DEFINE_integer("page_budget", 48, "usable KV pages in the validation (memory pressure separates policies)")
-flags.DEFINE_list("validate_flags", [], "more flags for validate_sim, e.g. --validate_flags=--input_len=64,"
-                  "--output_len=48")
-flags.DEFINE_bool("install", False, "copy the fit to experiments/data/step_time/NAME.json")
-flags.DEFINE_string("json_out", None, "write the validation record here (the fit is inside it)")
-check_out_flag("json_out")
-flags.mark_flag_as_required("name")
+
+
+def define_flags() -> None:
+    """The flags, defined only when this runs as a script: they share names (--model, --policies, --rates, ...) with
+    compare_policies and validate_sim, which a test process may import too."""
+    flags.DEFINE_string("name", None, "the fit's name: hardware_model_setup, e.g. cpu_epyc_smollm2_q4 (required)")
+    flags.DEFINE_string("model", "smollm2-135m", "model to measure (as every experiment's --model)")
+    flags.DEFINE_string("quant", "keep", "weights: keep, none, int8, int4 (as every experiment's --quant)")
+    flags.DEFINE_string("dtype", "float32", "float weights' dtype: float32, bfloat16 or float16")
+    flags.DEFINE_string("cache_dtype", "float32", "KV cache dtype")
+    flags.DEFINE_integer("page_size", 64, "tokens per page")
+    flags.DEFINE_list("policies", ["exllamav2", "vllm", "sjf"], "policies to validate (>= 3 for a ranking; ones that "
+                      "order differently past saturation)")
+    flags.DEFINE_list("rates", ["3", "12"], "two request rates: one under saturation, one past it (the defaults "
+                      "bracket the 2-core CPU's ~7 requests/s on the default workload)")
+    flags.DEFINE_integer("num_requests", 96, "requests per policy and rate in the validation")
+    flags.DEFINE_integer("page_budget", 48, "usable KV pages in the validation (memory pressure separates policies)")
+    flags.DEFINE_list("validate_flags", ["--range_ratio=0.5", "--output_len=64"], "more flags for validate_sim (the "
+                      "workload: 128 +-50% prompt and 64 +-50% output tokens by default)")
+    flags.DEFINE_bool("install", False, "copy the fit to experiments/data/step_time/NAME.json")
+    flags.DEFINE_string("json_out", None, "write the validation record here (the fit is inside it)")
+    check_out_flag("json_out")
 
 
 def run(module: str, args: list[str]) -> None:
@@ -58,7 +64,8 @@ def run(module: str, args: list[str]) -> None:
 
 def main(argv):
     del argv
-    if not FLAGS.name or any(c in FLAGS.name for c in "/\\. "):
+    if not FLAGS.name or any(c in FLAGS.name for c in "/\\. "):  # (checked here: a required flag would bind every
+        # process that imports this module)
         raise app.UsageError(f"--name must be a plain name such as cpu_epyc_smollm2_q4, got {FLAGS.name!r}")
     if len(FLAGS.rates) != 2:
         raise app.UsageError(f"--rates takes two rates (under and past saturation), got {FLAGS.rates}")
@@ -84,6 +91,8 @@ def main(argv):
               f"for {ttft_ok}/{len(errors)}; rank agreement (Kendall's tau) "
               + ", ".join(f"{k['tau']:+.2f} at {k['rate']}/s" if k["tau"] is not None else f"n/a at {k['rate']}/s"
                           for k in rec["rank_agreement"]))
+        if FLAGS.json_out:  # the fit beside its validation record
+            shutil.copyfile(fit, os.path.splitext(FLAGS.json_out.removesuffix(".gz"))[0] + "_fit.json")
         if FLAGS.install:
             os.makedirs(step_time_fits.FITS_DIR, exist_ok=True)
             dest = os.path.join(step_time_fits.FITS_DIR, FLAGS.name + ".json")
@@ -92,4 +101,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

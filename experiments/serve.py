@@ -33,6 +33,9 @@ flags.DEFINE_integer("port", 8000, "port to listen on")
 flags.DEFINE_string("served_model_name", None, "the model id clients name in requests (default: --model)")
 flags.DEFINE_integer("max_queue", None, "most jobs waiting for admission; requests past it get HTTP 429 (default: "
                      "no limit)")
+flags.DEFINE_float("admission_wait_ms", 10.0, "after a step in which requests ended, while jobs run and none "
+                   "waits, wait up to this long for as many new requests before the next step, so that a client's "
+                   "next request joins the next step (0: never wait; docs/server.md)")
 flags.DEFINE_float("shutdown_grace_s", 30.0, "on SIGTERM: seconds running requests get to finish before they are "
                    "ended")
 flags.DEFINE_string("chat_template", None, "a Jinja chat template file, instead of the tokenizer's")
@@ -95,6 +98,8 @@ def main(argv):
     engine_flags.validate()
     if FLAGS.max_queue is not None and FLAGS.max_queue < 1:
         raise app.UsageError(f"--max_queue must be >= 1, got {FLAGS.max_queue}")
+    if FLAGS.admission_wait_ms < 0:
+        raise app.UsageError(f"--admission_wait_ms must be >= 0, got {FLAGS.admission_wait_ms}")
     if FLAGS.shutdown_grace_s < 0:
         raise app.UsageError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
     template = None
@@ -111,7 +116,8 @@ def main(argv):
         n = gen.warmup(progress=FLAGS.progress)
         print(f"compiled {n} step variants", file=sys.stderr)
     name = FLAGS.served_model_name or FLAGS.model
-    application = create_app(gen, model_name=name, chat_template=template, max_queue=FLAGS.max_queue)
+    application = create_app(gen, model_name=name, chat_template=template, max_queue=FLAGS.max_queue,
+                             admission_wait_ms=FLAGS.admission_wait_ms)
     print(f"serving {name} on http://{FLAGS.host}:{FLAGS.port}/v1 (docs/server.md)", file=sys.stderr, flush=True)
     serve(application, host=FLAGS.host, port=FLAGS.port, grace_s=FLAGS.shutdown_grace_s, log_level=FLAGS.log_level)
     print("server stopped", file=sys.stderr, flush=True)

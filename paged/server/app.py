@@ -126,11 +126,12 @@ class _Request:
 
 class _State:
     def __init__(self, generator: DynamicGenerator, model_name: str, chat_template: str | None,
-                 max_queue: int | None, max_step_retries: int):
+                 max_queue: int | None, max_step_retries: int, admission_wait_ms: float):
         self.generator = generator
         self.tokenizer = generator.tokenizer
         self.model_name = model_name
-        self.service = ServingGenerator(generator, max_queue=max_queue, max_step_retries=max_step_retries)
+        self.service = ServingGenerator(generator, max_queue=max_queue, max_step_retries=max_step_retries,
+                                        admission_wait_s=admission_wait_ms / 1000)
         self.metrics = ServerMetrics(generator, self.service.open_streams)
         self.service.on_step = self.metrics.observe_step
         self.ctx = Context(tokenizer=generator.tokenizer, max_seq_len=generator.max_seq_len,
@@ -150,14 +151,18 @@ class _State:
 
 
 def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: str | None = None,
-               max_queue: int | None = None, max_step_retries: int = 2) -> FastAPI:
+               max_queue: int | None = None, max_step_retries: int = 2, admission_wait_ms: float = 0.0) -> FastAPI:
     """The server's app over `generator` (which needs a tokenizer), serving it as `model_name` (and its loaded
     LoRA adapters under their names). `chat_template` overrides the tokenizer's; `max_queue` bounds the jobs
-    waiting for admission (None: unbounded). Shutdown: `app.state.paged.service.drain(grace_s)` (`serve` calls it
-    on SIGTERM), then the app's lifespan closes the generator's loop."""
+    waiting for admission (None: unbounded); `admission_wait_ms`: after a step in which requests ended, while jobs
+    run and none waits, wait up to this long for as many new requests before the next step (docs/server.md).
+    Shutdown: `app.state.paged.service.drain(grace_s)` (`serve` calls it on SIGTERM), then the app's lifespan
+    closes the generator's loop."""
     if generator.tokenizer is None:
         raise ValueError("create_app: the generator needs a tokenizer (the server takes and returns text)")
-    state = _State(generator, model_name, chat_template, max_queue, max_step_retries)
+    if admission_wait_ms < 0:
+        raise ValueError(f"create_app: admission_wait_ms must be >= 0, got {admission_wait_ms}")
+    state = _State(generator, model_name, chat_template, max_queue, max_step_retries, admission_wait_ms)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

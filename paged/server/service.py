@@ -49,7 +49,9 @@ class RequestStream:
         self.ajobs = [AsyncJob(service, j) for j in jobs]
         for a in self.ajobs:
             a.queue = self.queue
-        self.open = set(jobs)  # jobs whose final result has not arrived
+            a.stream = self
+        self.open = set(jobs)  # jobs whose final result has not reached the consumer
+        self.running = len(jobs)  # jobs whose final result has not been dispatched
 
     async def batches(self) -> AsyncIterator[list]:
         """Lists of what arrived together: result dicts, or last an exception that ends the request (a failed step,
@@ -73,9 +75,12 @@ class RequestStream:
 
 class ServingGenerator(AsyncDynamicGenerator):
     def __init__(self, generator: DynamicGenerator, *, max_queue: int | None = None, max_step_retries: int = 2,
-                 on_step: Callable[[list[dict]], None] | None = None):
+                 admission_wait_s: float = 0.0, on_step: Callable[[list[dict]], None] | None = None):
         super().__init__(generator, max_step_retries=max_step_retries)
         self.max_queue = max_queue
+        self.admission_wait_s = admission_wait_s
+        self._opened = 0  # requests enqueued so far
+        self._opened_event = asyncio.Event()
         self.on_step = on_step  # called on the event loop with each step's results
         self.accepting = True
         self._submitting = 0  # jobs being enqueued (not yet in generator.pending)
@@ -117,6 +122,8 @@ class ServingGenerator(AsyncDynamicGenerator):
             raise
         finally:
             self._submitting -= len(jobs)
+        self._opened += 1
+        self._opened_event.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
@@ -178,13 +185,33 @@ class ServingGenerator(AsyncDynamicGenerator):
                         self.abort_job(ajob, e)
                     continue
                 try:
-                    self._dispatch(results)
+                    ended = self._dispatch(results)
                     if self.on_step is not None:
                         self.on_step(results)
                 except Exception as e:  # noqa: BLE001
                     log.exception("dispatching a step's results failed")
                     for ajob in list(self._jobs.values()):
                         self.abort_job(ajob, e)
+                    continue
+                if ended and self.admission_wait_s > 0 and gen.active and not gen.pending and self.accepting:
+                    await self._await_followups(ended)
+
+    async def _await_followups(self, ended: int) -> None:
+        """Requests just ended and rows are free: wait up to `admission_wait_s` for `ended` new requests (a client
+        that sends its next request when one ends, as closed-loop clients and chat users do) so that they join the
+        next step instead of waiting a whole step (or a decode burst) for the one after."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission_wait_s
+        target = self._opened + ended
+        while self._opened < target:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._opened_event.clear()
+            try:
+                await asyncio.wait_for(self._opened_event.wait(), left)
+            except TimeoutError:
+                return
 
     def abort_job(self, ajob: AsyncJob, error: BaseException) -> None:
         if self._jobs.pop(ajob.job, None) is not None:
@@ -192,8 +219,10 @@ class ServingGenerator(AsyncDynamicGenerator):
             ajob.queue.put_nowait(error)
         self._check_idle()
 
-    def _dispatch(self, results: list[dict]) -> None:
+    def _dispatch(self, results: list[dict]) -> int:
+        """Route a step's results to their requests; returns how many requests ended (all their jobs did)."""
         jobs = self._jobs
+        ended = 0
         for r in results:
             ajob = jobs.get(r["job"])
             if ajob is None:
@@ -201,7 +230,12 @@ class ServingGenerator(AsyncDynamicGenerator):
             ajob.queue.put_nowait(r)
             if r["eos"]:
                 del jobs[r["job"]]
+                stream = getattr(ajob, "stream", None)
+                if stream is not None:
+                    stream.running -= 1
+                    ended += stream.running == 0
         self._check_idle()
+        return ended
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> int:

@@ -15,11 +15,12 @@ from tests.server.helpers import DEADLINE_S, GatedEngine, LiveServer, wait_for, 
 
 TOK = ByteTokenizer()
 MAX_QUEUE = 2
+LONG = 8000  # tokens: a job that outlives any HTTP round trip by far (the fake engine steps in microseconds)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = GatedEngine(num_pages=96, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=256,
+    engine = GatedEngine(num_pages=2100, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=LONG + 16,
                          record=False)
     s = LiveServer(DynamicGenerator(tokenizer=TOK, engine=engine), model_name="fake", max_queue=MAX_QUEUE)
     s.engine = engine
@@ -80,3 +81,28 @@ def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(server):
     after = wait_idle(server)
     generated = after["paged_tokens_generated_total"] - before["paged_tokens_generated_total"]
     assert generated < 200, "the job ran to its end: the disconnect did not cancel it"
+
+
+def test_a_request_sent_when_another_ends_joins_the_next_step(server):
+    """With `admission_wait_ms`, after a step in which a request ended (and others run) the loop waits for a new
+    request before the next step: a closed-loop client's next request runs in the very next step, instead of one
+    (or a decode burst) later. Here the wait is longer than any test, so the count of steps is exact (without the
+    wait, the long job would step on while the client sends its next request)."""
+    service = server.service
+    service.admission_wait_s = DEADLINE_S
+    steps = lambda: server.metrics()["paged_steps_total"]  # noqa: E731
+    try:
+        payload = {**body("keeps running", max_tokens=LONG), "stream": True}
+        with httpx.stream("POST", f"{server.base}/v1/completions", json=payload, timeout=DEADLINE_S) as running:
+            lines = running.iter_lines()  # (kept: a dropped iterator closes the connection, and the job with it)
+            next(ln for ln in lines if ln.startswith("data: {"))
+            r = httpx.post(f"{server.base}/v1/completions", json=body("ends", max_tokens=3), timeout=DEADLINE_S)
+            assert r.status_code == 200
+            before = steps()  # the loop now waits for the next request (the running one cannot advance)
+            assert steps() == before
+            r = httpx.post(f"{server.base}/v1/completions", json=body("next", max_tokens=1), timeout=DEADLINE_S)
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert steps() == before + 1  # prefilled and sampled in the step right after the wait
+    finally:
+        service.admission_wait_s = 0.0
+    wait_idle(server)

@@ -69,7 +69,7 @@ def rank_agreement(real_runs: list[cp.PolicyRun], sim_runs: list[cp.PolicyRun]) 
         return {"metric": RANK_BY, "tau": None, "real_order": None, "sim_order": None}
     order = lambda vals: [p.policy for _, p in sorted(zip(vals, real_runs), key=lambda t: t[0])]
     return {"metric": RANK_BY, "tau": capacity.kendall_tau(real, sim), "real_order": order(real),
-            "sim_order": order(sim)}
+            "sim_order": order(sim), "sim_tie": len(set(sim)) == 1, "real_tie": len(set(real)) == 1}
 
 
 def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
@@ -84,8 +84,9 @@ def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
                      f"{f(r['ttft_error'], '+.1%'):>7}{mark(r['ttft_ok'])} {r['real_preemptions']}/"
                      f"{r['sim_preemptions']}")
     for k in ranks or []:
+        tie = " (the simulator predicts a tie: no order to agree on)" if k.get("sim_tie") else ""
         lines.append(f"rate {f(k['rate'], '.3g')}/s: rank agreement by {k['metric']} (Kendall's tau) "
-                     f"{f(k['tau'], '+.2f')}; real {k['real_order']}, sim {k['sim_order']}")
+                     f"{f(k['tau'], '+.2f')}{tie}; real {k['real_order']}, sim {k['sim_order']}")
     lines.append(f"(! = outside the targets: step {FLAGS.max_step_error:.0%}, TTFT p50 {FLAGS.max_ttft_error:.0%}; "
                  "times in ms)")
     return "\n".join(lines)

@@ -131,14 +131,16 @@ class SchedulerView:
         s = self._s
         if not isinstance(job, Job):
             raise s.policy_error(f"start() takes one of the waiting jobs, got {type(job).__name__}")
-        if job not in s.pending:  # (jobs compare by identity)
+        try:
+            at = s.pending.index(job)  # its place in the queue, where start() takes it from (jobs compare by identity)
+        except ValueError:
             state = ("running (started already: is it in order()'s list twice?)" if any(j is job for j in s.active)
                      else "not waiting in this generator (finished, cancelled or never enqueued)")
-            raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once")
+            raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once") from None
         if not s.fits(job):
             raise s.policy_error(f"start({job!r}): the job does not fit now (batch rows or pages); start only jobs "
                                  "for which fits(job) is True")
-        s.start(job)
+        s.start(job, at)
 
     def preempt(self, job: Job) -> None:
         self._s.preempt(job)
@@ -215,8 +217,12 @@ class Scheduler:
             self.pending.append(job)
         self._changed(lambda order: order.add(job, front))
 
-    def remove_waiting(self, job: Job) -> None:
-        self.pending.remove(job)
+    def remove_waiting(self, job: Job, at: int | None = None) -> None:
+        """Take a job off the waiting list (`at`: its index there, when known)."""
+        if at is not None and at < len(self.pending) and self.pending[at] is job:
+            del self.pending[at]
+        else:
+            self.pending.remove(job)
         self._changed(lambda order: order.remove(job))
 
     def _changed(self, update: Callable[[SortedWaiting | FirstPages], None]) -> None:
@@ -293,13 +299,14 @@ class Scheduler:
         need = self.pool.pages_needed_many(self._requests(job))
         return need + self.watermark <= self.pool.available
 
-    def start(self, job: Job) -> None:
+    def start(self, job: Job, at: int | None = None) -> None:
+        """Admit a waiting job (`at`: its index in the waiting list, when known): its pages are allocated."""
         requests = self._requests(job)
         for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, self.pool.allocate_many(requests)):
             m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
             if job.preemptions:
                 self.tokens_recomputed += len(m.sequence) - m.kv_position
-        self.remove_waiting(job)
+        self.remove_waiting(job, at)
         self.active.append(job)
         if not job.preemptions:
             job.cached_tokens = job.kv_position

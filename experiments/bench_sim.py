@@ -28,16 +28,16 @@ import time
 
 from absl import app, flags
 
+from experiments.lib import step_time_fits
 from experiments.lib.common import check_out_flag, out_path_problem, write_record
 
 FLAGS = flags.FLAGS
 POLICIES = ["exllamav2", "fcfs", "sjf", "priority", "vllm", "lpm", "sarathi"]
-DEFAULT_STEP_TIME_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                       "step_time_smollm2_cpu.json")
-# Near saturation with DEFAULT_STEP_TIME_MODEL and the engine below: batches ~15 of 16 rows, a queue of tens that
-# comes and goes (the server keeps up: ~1.09 requests/s for poisson, ~0.54 for sharegpt; experiments/results/sim_speed/
-# holds the rate sweep).
-DEFAULT_RATES = {"poisson": 1.1, "sharegpt": 0.53}
+# Near saturation with the default fit (cpu_epyc_smollm2_q4) and the engine below: 13-14 of 16 rows per step, a queue
+# of tens that comes and goes while the server keeps up (10k requests: poisson 5.2/s, sharegpt 2.3/s; at 5.4/s and
+# 2.4/s it falls behind). With the older fit experiments/results/step_time_smollm2_cpu.json (the runs in
+# experiments/results/sim_speed/) those rates were 1.1/s and 0.53/s.
+DEFAULT_RATES = {"poisson": 5.2, "sharegpt": 2.3}
 EXTRAPOLATE_TO = 100_000
 SIM_VOCAB = 258  # the simulated engine's fake model (paged.testing.FakeEngine)
 SCHEMA = "bench_sim/1"
@@ -55,7 +55,8 @@ flags.DEFINE_float("range_ratio", 0.5, "poisson: lengths uniform in [len*(1-r), 
 flags.DEFINE_integer("priority_levels", 3, "requests get a seeded priority in [0, levels) (for `priority`), as in "
                      "compare_policies")
 flags.DEFINE_integer("seed", 0, "workload seed")
-flags.DEFINE_string("step_time_model", DEFAULT_STEP_TIME_MODEL, "StepTimeModel JSON that prices each simulated step")
+flags.DEFINE_string("step_time_model", step_time_fits.DEFAULT_FIT, "the step-time fit that prices each simulated "
+                    "step: a name in experiments/data/step_time/ or a path to a StepTimeModel JSON")
 flags.DEFINE_string("json_out", None, "write the JSON record here")
 flags.DEFINE_bool("append", False, "add the record to the JSON list of records in --json_out (a sweep)")
 check_out_flag("json_out")
@@ -172,8 +173,9 @@ def main(argv):
         except InvalidConfigError as e:
             raise app.UsageError(f"--policies: {e}") from None
     try:
-        step_time = StepTimeModel.load(FLAGS.step_time_model)
-    except InvalidConfigError as e:
+        step_time_path = step_time_fits.fit_path(FLAGS.step_time_model)
+        step_time = StepTimeModel.load(step_time_path)
+    except (InvalidConfigError, ValueError) as e:
         raise app.UsageError(f"--step_time_model: {e}") from None
     config = engine_config()
     t0 = time.perf_counter()
@@ -208,7 +210,7 @@ def main(argv):
                     "platform": platform.platform()},
         "load_avg_end": load_average(), "command": " ".join(["python -m experiments.bench_sim", *sys.argv[1:]]),
         "workload": {**described, "rate": rate, "build_s": build_s}, "engine": config.to_dict(),
-        "step_time_model": os.path.relpath(FLAGS.step_time_model), "profiled": bool(FLAGS.profile),
+        "step_time_model": os.path.relpath(step_time_path), "profiled": bool(FLAGS.profile),
         "policies": rows,
     }, append=FLAGS.append)
 

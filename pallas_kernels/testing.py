@@ -260,7 +260,9 @@ def native_gpu_skip_reason(impl: Any, case: AttentionCase, interpret: bool | Non
 def check_attention(impl: Any, case: AttentionCase, *, tuning: Any = None, interpret: bool | None = None) -> None:
     """AssertionError unless implementation `impl` (a registered name, a `module:function` path or a `KernelImpl`)
     matches the reference on every draw of `case`: the output's shape and dtype, zeros for tokens of no row, and
-    every value within `attention_tolerance(case)`. The message names the case, draw, token and head."""
+    every value within `attention_tolerance(case)`. The message names the case, draw, and where the first wrong
+    value is: token, query head (and its KV head), the batch row owning the token, its position in the row's
+    sequence, the row's kv_len, and the page holding that position (`token_place`)."""
     tol = attention_tolerance(case)
     for mix in range(case.mixes):
         inputs = build_attention_inputs(case, mix)
@@ -275,15 +277,44 @@ def check_attention(impl: Any, case: AttentionCase, *, tuning: Any = None, inter
         for s0, n in zip(qs, ql):
             owned[s0 : s0 + n] = True
         stray = np.abs(got[~owned]).max(initial=0.0)
-        assert stray == 0.0, f"{case.name} (draw {mix}): tokens of no row must be zero, found |x| up to {stray:.3g}"
+        if stray != 0.0:
+            t = int(np.flatnonzero(~owned & (np.abs(got).reshape(len(got), -1).max(axis=1) != 0))[0])
+            raise AssertionError(f"{case.name} (draw {mix}): tokens of no row must be zero, found |x| up to "
+                                 f"{stray:.3g}; first at token {t}")
         err = np.abs(got - want)
         bad = err > tol + tol * np.abs(want)
         if bad.any():
-            t, h, _ = np.argwhere(bad)[0]
+            t, h, _ = (int(i) for i in np.argwhere(bad)[0])
+            where = describe_place(token_place(inputs, t))
             raise AssertionError(
                 f"{case.name} (draw {mix}): {int(bad.sum())} of {bad.size} values differ from the reference by more "
-                f"than {tol} (max error {err.max():.3g}); first at token {t}, head {h}: got {got[t, h, :4]}, "
-                f"want {want[t, h, :4]}")
+                f"than {tol} (max error {err.max():.3g}); first at token {t}, head {h} (KV head "
+                f"{h // case.q_per_kv}), {where}: got {got[t, h, :4]}, want {want[t, h, :4]}")
+
+
+def token_place(inputs: dict[str, Any], t: int) -> dict[str, int] | None:
+    """Where token `t` of a batch (`build_attention_inputs`' arrays) sits: `row` (the batch row owning it),
+    `position` (its position in the row's sequence), the row's `kv_len`, `page_index` (the column of the row's page
+    table holding that position), `page` (the page id there; -1 past the table's end) and `offset` (within the
+    page). None for a token of no row."""
+    qs, ql, kv = (np.asarray(inputs[k]) for k in ("query_start", "query_lens", "kv_lens"))
+    table = np.asarray(inputs["page_table"])
+    ps = inputs["k_pages"].shape[-2]
+    for s in range(len(qs)):
+        if qs[s] <= t < qs[s] + ql[s]:
+            pos = int(kv[s] - ql[s] + t - qs[s])
+            idx = pos // ps
+            page = int(table[s, idx]) if idx < table.shape[1] else -1
+            return dict(row=s, position=pos, kv_len=int(kv[s]), page_index=idx, page=page, offset=pos % ps)
+    return None
+
+
+def describe_place(place: dict[str, int] | None) -> str:
+    """`token_place`'s answer in words."""
+    if place is None:
+        return "a token of no row"
+    return (f"row {place['row']}, position {place['position']} (kv_len {place['kv_len']}; page table column "
+            f"{place['page_index']}: page {place['page']}, offset {place['offset']})")
 
 
 # ------------------------------------------------------------------------------------------------------ matmul
@@ -386,8 +417,8 @@ def check_matmul(impl: Any, case: MatmulCase, *, tuning: Any = None, interpret: 
     if (err > tol).any():
         r, c = np.argwhere(err > tol)[0]
         raise AssertionError(f"{case.name}: {int((err > tol).sum())} of {err.size} values differ from the oracle by "
-                             f"more than {tol:.3g} (max {err.max():.3g}); first at [{r}, {c}]: got {got[r, c]}, want "
-                             f"{want[r, c]}")
+                             f"more than {tol:.3g} (max {err.max():.3g}); first at row {r} of x, output column {c}: "
+                             f"got {got[r, c]}, want {want[r, c]}")
 
 
 __all__ = [
@@ -399,6 +430,7 @@ __all__ = [
     "build_matmul_inputs",
     "check_attention",
     "check_matmul",
+    "describe_place",
     "matmul_cases",
     "matmul_tolerance",
     "numpy_dequantize",
@@ -406,4 +438,5 @@ __all__ = [
     "quantize_pages",
     "reference_attention",
     "run_attention",
+    "token_place",
 ]

@@ -19,6 +19,7 @@ from pallas_kernels import native, testing
 from pallas_kernels.registry import (
     KernelContractError,
     KernelError,
+    KernelImpl,
     UnknownKernelError,
     attention_registry,
     matmul_registry,
@@ -245,6 +246,47 @@ def test_builtin_matmul_conforms(impl, case):
     if impl == "native" and native.library_reason() is not None:
         pytest.skip(f"native kernel: {native.library_reason()}")
     testing.check_matmul(impl, case)
+
+
+def _corrupt_one_token(row: int, shift: int):
+    """An attention that is right except at token `shift` of batch row `row` (a deliberately wrong kernel)."""
+    from pallas_kernels.paged_attention import paged_attention
+
+    def attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, tuning=None, **kw):
+        out = paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, impl="xla", **kw)
+        return out.at[query_start[row] + shift].add(1.0)
+
+    return KernelImpl(name="corrupt", fn=attention, family="paged_attention")
+
+
+def test_a_mismatch_names_the_row_position_kv_len_and_page():
+    case = next(c for c in testing.attention_cases("quick") if c.name == "mixed-gqa2-ps16-window")
+    inputs = testing.build_attention_inputs(case, 0)
+    qs, ql, kv, table = (np.asarray(inputs[k]) for k in ("query_start", "query_lens", "kv_lens", "page_table"))
+    row, shift = 1, 1  # a prefill chunk starting mid-context: its second query token
+    assert ql[row] > shift
+    pos = int(kv[row] - ql[row] + shift)
+    ps = case.page_size
+    with pytest.raises(AssertionError) as e:
+        testing.check_attention(_corrupt_one_token(row, shift), case)
+    msg = str(e.value)
+    assert (f"first at token {qs[row] + shift}, head 0 (KV head 0), row {row}, position {pos} (kv_len {kv[row]}; "
+            f"page table column {pos // ps}: page {table[row, pos // ps]}, offset {pos % ps})") in msg, msg
+    assert testing.token_place(inputs, int(qs[row] + shift)) == dict(
+        row=row, position=pos, kv_len=int(kv[row]), page_index=pos // ps, page=int(table[row, pos // ps]),
+        offset=pos % ps)
+
+
+def test_a_matmul_mismatch_names_the_row_and_output_column():
+    case = testing.matmul_cases("quick")[1]  # 7 rows
+
+    def matmul(x, qa, *, tuning=None):
+        from pallas_kernels.dequant_matmul import dequant_matmul
+
+        return dequant_matmul(x, qa, impl="xla").at[5, 9].add(100.0)
+
+    with pytest.raises(AssertionError, match="first at row 5 of x, output column 9:"):
+        testing.check_matmul(KernelImpl(name="corrupt", fn=matmul, family="dequant_matmul"), case)
 
 
 def _pytest(path, *args) -> subprocess.CompletedProcess:

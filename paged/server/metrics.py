@@ -65,6 +65,13 @@ class _GeneratorCollector:
             yield CounterMetricFamily(name, doc, value=float(m.get(key, 0) or 0))
         yield GaugeMetricFamily("paged_requests_open", "HTTP requests with jobs waiting or running",
                                 value=float(self.open_streams()))
+        host = CounterMetricFamily("paged_host_loop_seconds", "The host loop's cumulative seconds by phase "
+                                   "(generator.metrics()'s time_*: schedule, engine, results, and the engine call's "
+                                   "engine_build, engine_dispatch, engine_wait)", labels=["phase"])
+        for key, value in m.items():
+            if key.startswith("time_") and key.endswith("_s"):
+                host.add_metric([key[5:-2]], float(value))
+        yield host
 
 
 class ServerMetrics:

@@ -79,6 +79,7 @@ class ServingGenerator(AsyncDynamicGenerator):
         super().__init__(generator, max_step_retries=max_step_retries)
         self.max_queue = max_queue
         self.admission_wait_s = admission_wait_s
+        self.overlap_steps = True  # launch the next step before handing out a step's results (see `_run`)
         self._opened = 0  # requests enqueued so far
         self._opened_event = asyncio.Event()
         self.on_step = on_step  # called on the event loop with each step's results
@@ -156,18 +157,23 @@ class ServingGenerator(AsyncDynamicGenerator):
     # ------------------------------------------------------------------ the host loop
     async def _run(self) -> None:
         """The base class's loop, stepping in a thread of its own; each step's results go to their requests' queues
-        and to `on_step`. A failure outside the step (a bug) ends the open requests with it, not the loop."""
+        and to `on_step`. The next step is launched before a step's results are handed out, so the device computes
+        while the event loop streams them (except after a step in which requests ended, when the admission wait
+        comes first). A failure outside the step (a bug) ends the open requests with it, not the loop."""
         loop = asyncio.get_running_loop()
         failures = 0
         gen = self.generator
+        step = lambda: loop.run_in_executor(self._stepper, gen.iterate)  # noqa: E731
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while gen.num_remaining_jobs():
+            ahead = None  # a step launched before the previous step's results were handed out
+            while ahead is not None or gen.num_remaining_jobs():
                 try:
-                    results = await loop.run_in_executor(self._stepper, gen.iterate)
+                    results = await (ahead if ahead is not None else step())
                     failures = 0
                 except StepError as e:
+                    ahead = None
                     failures += 1
                     log.warning("step failed (%d in a row): %s", failures, e)
                     if failures > self.max_step_retries:  # persistent: end the jobs that were running
@@ -180,12 +186,18 @@ class ServingGenerator(AsyncDynamicGenerator):
                         self._check_idle()
                     continue
                 except Exception as e:  # noqa: BLE001 (not a StepError: the generator's own bug)
+                    ahead = None
                     log.exception("the host loop failed")
                     for ajob in list(self._jobs.values()):
                         self.abort_job(ajob, e)
                     continue
+                ahead = None
+                ended = self._ending(results)
+                wait = bool(ended and self.admission_wait_s > 0 and gen.active and not gen.pending and self.accepting)
+                if self.overlap_steps and not wait and gen.num_remaining_jobs():
+                    ahead = step()
                 try:
-                    ended = self._dispatch(results)
+                    self._dispatch(results)
                     if self.on_step is not None:
                         self.on_step(results)
                 except Exception as e:  # noqa: BLE001
@@ -193,8 +205,18 @@ class ServingGenerator(AsyncDynamicGenerator):
                     for ajob in list(self._jobs.values()):
                         self.abort_job(ajob, e)
                     continue
-                if ended and self.admission_wait_s > 0 and gen.active and not gen.pending and self.accepting:
+                if wait:
                     await self._await_followups(ended)
+
+    def _ending(self, results: list[dict]) -> int:
+        """How many requests end with these results (every job of theirs still running ends)."""
+        finals: dict[int, list] = {}
+        for r in results:
+            if r["eos"]:
+                stream = getattr(self._jobs.get(r["job"]), "stream", None)
+                if stream is not None:
+                    finals.setdefault(id(stream), [stream, 0])[1] += 1
+        return sum(1 for stream, k in finals.values() if stream.running == k)
 
     async def _await_followups(self, ended: int) -> None:
         """Requests just ended and rows are free: wait up to `admission_wait_s` for `ended` new requests (a client
@@ -219,10 +241,9 @@ class ServingGenerator(AsyncDynamicGenerator):
             ajob.queue.put_nowait(error)
         self._check_idle()
 
-    def _dispatch(self, results: list[dict]) -> int:
-        """Route a step's results to their requests; returns how many requests ended (all their jobs did)."""
+    def _dispatch(self, results: list[dict]) -> None:
+        """Route a step's results to their requests' queues."""
         jobs = self._jobs
-        ended = 0
         for r in results:
             ajob = jobs.get(r["job"])
             if ajob is None:
@@ -233,9 +254,7 @@ class ServingGenerator(AsyncDynamicGenerator):
                 stream = getattr(ajob, "stream", None)
                 if stream is not None:
                     stream.running -= 1
-                    ended += stream.running == 0
         self._check_idle()
-        return ended
 
     # ------------------------------------------------------------------ shutdown
     async def drain(self, grace_s: float) -> int:

@@ -43,6 +43,7 @@ def test_bench_serving_over_http_closed_and_open_loop(server, tmp_path):
         assert all(r["output_tokens"] == 7 and r["error"] is None for r in rec["per_request"])
         assert rec["prefix_cache"]["prefix_hits"] > 0  # the shared prefixes, counted by the server's /metrics
         assert rec["server_metrics"]["delta"]["tokens_generated"] == 84
+        assert rec["server_metrics"]["delta"]["time_engine_s"] > 0  # the host loop's phases, from /metrics
     assert records[0]["max_in_flight"] == 3
     wait_idle(server)
 

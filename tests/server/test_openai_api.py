@@ -70,6 +70,8 @@ def test_models_health_metrics_and_unknown_routes(server, client):
                  "paged_e2e_request_latency_seconds_count", "paged_requests_open"):
         assert name in m, name
     assert m["paged_pages_free"] + m["paged_pages_cached"] + m["paged_pages_used"] == m["paged_pages_total"]
+    for phase in ("schedule", "engine", "results"):  # the host loop's cumulative seconds, as generator.metrics()
+        assert f"paged_host_loop_seconds_total{{phase={phase}}}" in m, phase
 
 
 def test_completion_streamed_and_not_agree(client):

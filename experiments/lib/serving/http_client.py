@@ -83,6 +83,8 @@ def server_metrics(base_url: str, timeout: float = 10.0) -> dict:
             key = PROMETHEUS_KEYS.get(s.name)
             if key is not None and not s.labels:
                 out[key] = s.value
+            elif s.name == "paged_host_loop_seconds_total" and "phase" in s.labels:
+                out[f"time_{s.labels['phase']}_s"] = s.value
     return out
 
 

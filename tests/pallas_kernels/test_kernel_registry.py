@@ -73,6 +73,9 @@ def kernel_dir(tmp_path, monkeypatch):
     (tmp_path / "ext_wrong.py").write_text(WRONG)
     (tmp_path / "ext_nocap.py").write_text(NO_SOFT_CAP)
     (tmp_path / "ext_noscale.py").write_text(NO_SCALE)
+    (tmp_path / "ext_args.py").write_text("def attention(*args, **kwargs):\n    return args[0]\n\n\n"
+                                          "def both(a, b, c=0, d=0, e=0, f=0, g=0, *, tuning=None, **kw):\n"
+                                          "    return a\n\n\ndef neither(x):\n    return x\n")
     (tmp_path / "ext_shape.py").write_text("def attention(q, k, v, qs, ql, kl, pt, *, sm_scale, sliding_window, "
                                            "soft_cap, k_scales, v_scales, layout, tuning):\n    return q[:1]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -289,6 +292,29 @@ def test_a_matmul_mismatch_names_the_row_and_output_column():
         testing.check_matmul(KernelImpl(name="corrupt", fn=matmul, family="dequant_matmul"), case)
 
 
+def test_kernel_family_auto_tells_the_family_or_says_to_give_it(kernel_dir):
+    from pallas_kernels.pytest_plugin import infer_families
+
+    att, mm = attention_registry(), matmul_registry()
+    assert infer_families("ext_good:attention", att, mm) == ("attention",)
+    assert infer_families("ext_nocap:attention", att, mm) == ("attention",)  # registration says what it lacks
+    assert infer_families("tests.pallas_kernels.test_kernel_registry:_matmul_for_family", att, mm) == ("matmul",)
+    assert infer_families("native", att, mm) == ("attention", "matmul")  # registered in both: checked in both
+    assert infer_families("ext_good:attention", att, mm) == ("attention",)  # now registered under its path
+    for fn, what in (("attention", "both"), ("both", "both"), ("neither", "neither")):
+        with pytest.raises(pytest.UsageError, match=f"--kernel=ext_args:{fn}: its signature takes {what} .*"
+                                                    "--kernel-family=attention or --kernel-family=matmul"):
+            infer_families(f"ext_args:{fn}", att, mm)
+    with pytest.raises(pytest.UsageError, match="--kernel=nope:fn: cannot import"):
+        infer_families("nope:fn", att, mm)
+    with pytest.raises(pytest.UsageError, match="--kernel=flash: not a registered implementation"):
+        infer_families("flash", att, mm)
+
+
+def _matmul_for_family(x, qa, *, tuning=None):
+    return x
+
+
 def _pytest(path, *args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", "--pyargs",
            "pallas_kernels.conformance", *args]
@@ -309,6 +335,8 @@ def test_a_wrong_external_kernel_fails_the_suite(kernel_dir):
     assert "mixed-gqa2-ps16-window" in done.stdout and "differ from the reference" in done.stdout
     done = _pytest(kernel_dir, "--kernel=ext_nocap:attention", "-k", "registers")
     assert done.returncode == 1 and "does not accept the keyword(s) ['soft_cap']" in done.stdout
+    done = _pytest(kernel_dir, "--kernel=ext_args:attention")  # *args: a usage error, not taken for a matmul
+    assert done.returncode == 4 and "--kernel-family=attention or --kernel-family=matmul" in done.stderr, done.stderr
 
 
 @pytest.mark.slow

@@ -7,24 +7,11 @@ import json
 import math
 
 import pytest
-from absl import flags
 
 from experiments.lib.serving import capacity
 from experiments.lib.serving.metrics import RequestRecord
 from paged.sim import StepTimeModel
-
-
-@pytest.fixture
-def cp():
-    from experiments import compare_policies
-
-    yield compare_policies
-    flags.FLAGS.unparse_flags()
-
-
-def _parse(argv):
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["compare_policies", *argv])
+from tests.experiments.helpers import parse_flags
 
 
 def test_capacity_from_points_is_the_highest_rate_below_the_first_failure():
@@ -88,7 +75,8 @@ def test_compare_policies_finds_a_capacity_known_in_closed_form(cp, tmp_path, ca
     stm = tmp_path / "constant.json"
     StepTimeModel.constant(0.01).save(stm)
     out = tmp_path / "rec.json"
-    _parse([f"--step_time_model={stm}", "--workload=gamma", "--burstiness=1e12", "--input_len=8", "--output_len=10",
+    parse_flags(cp, [f"--step_time_model={stm}", "--workload=gamma", "--burstiness=1e12", "--input_len=8",
+            "--output_len=10",
             "--range_ratio=0", "--max_batch_size=1", "--num_requests=100", "--page_size=8", "--max_seq_len=64",
             "--rates=auto", "--rate=4", "--slo_ttft_ms=50", "--slo_tpot_ms=1000", "--capacity_tolerance=0.002",
             "--capacity_max_points=20", "--policies=fcfs,exllamav2", f"--json_out={out}", "--nosave_requests",

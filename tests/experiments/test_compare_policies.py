@@ -6,23 +6,11 @@ import json
 
 import numpy as np
 import pytest
-from absl import app, flags
+from absl import app
 
 from experiments.lib.serving import workloads
 from paged.sim import StepTimeModel
-
-
-@pytest.fixture
-def cp():
-    from experiments import compare_policies
-
-    yield compare_policies
-    flags.FLAGS.unparse_flags()
-
-
-def _parse(argv):
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["compare_policies", *argv])
+from tests.experiments.helpers import parse_flags
 
 
 @pytest.mark.parametrize("name", workloads.SCENARIOS)
@@ -41,7 +29,7 @@ def test_compare_policies_on_the_simulator_writes_table_and_record(cp, tmp_path,
     stm = tmp_path / "stm.json"
     StepTimeModel(0.02, {"prefill_tokens": 2e-4, "decode_rows": 1e-3}, device="test", model="test").save(stm)
     out = tmp_path / "rec.json"
-    _parse([f"--step_time_model={stm}", "--num_requests=24", "--rate=20", "--input_len=40", "--output_len=16",
+    parse_flags(cp, [f"--step_time_model={stm}", "--num_requests=24", "--rate=20", "--input_len=40", "--output_len=16",
             "--range_ratio=0.5", "--page_size=8", "--max_seq_len=128", "--max_batch_size=4", "--page_budget=24",
             "--policies=exllamav2,vllm,experiments.policies.edf:EarliestDeadlineFirst", "--deadline=5",
             f"--json_out={out}", "--plot", "--noprogress"])
@@ -73,7 +61,7 @@ def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp,
     stm = tmp_path / "one_second.json"
     StepTimeModel.constant(1.0).save(stm)
     out = tmp_path / "rec.json"
-    _parse([f"--step_time_model={stm}", "--num_requests=2", "--rate=inf", "--input_len=8", "--output_len=16",
+    parse_flags(cp, [f"--step_time_model={stm}", "--num_requests=2", "--rate=inf", "--input_len=8", "--output_len=16",
             "--range_ratio=0", "--page_size=8", "--max_seq_len=64", "--max_batch_size=2", "--max_chunk_size=8",
             "--page_budget=5", "--policies=vllm", f"--json_out={out}", "--noprogress"])
     cp.main([])
@@ -87,21 +75,21 @@ def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp,
 
 
 def test_compare_policies_flag_errors(cp, tmp_path):
-    _parse(["--policies=fcfs,lifo"])
+    parse_flags(cp, ["--policies=fcfs,lifo"])
     with pytest.raises(app.UsageError, match="--policies=lifo is not one of"):
         cp.main([])
-    _parse(["--policies=nomodule_xyz:Thing"])
+    parse_flags(cp, ["--policies=nomodule_xyz:Thing"])
     with pytest.raises(app.UsageError, match="cannot import module"):
         cp.main([])
-    _parse([f"--step_time_model={tmp_path / 'missing.json'}"])
+    parse_flags(cp, [f"--step_time_model={tmp_path / 'missing.json'}"])
     with pytest.raises(app.UsageError, match="--step_time_model"):
         cp.main([])
-    _parse(["--step_time_model=no_such_fit"])
+    parse_flags(cp, ["--step_time_model=no_such_fit"])
     with pytest.raises(app.UsageError, match="no step-time fit named 'no_such_fit'"):
         cp.main([])
     for bad, match in [("--rates=1,x", "--rates must be 'auto' or"), ("--rates=1,1", "distinct"),
                        ("--slo_attainment=0", "--slo_attainment"), ("--slo_ttft_ms=-1", "--slo_ttft_ms")]:
-        _parse([bad])
+        parse_flags(cp, [bad])
         with pytest.raises(app.UsageError, match=match):
             cp.main([])
 
@@ -122,21 +110,21 @@ def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_p
     out = tmp_path / "rec.json"
     base = [f"--step_time_model={stm}", "--workload=trace", f"--trace_file={path}", "--num_requests=10",
             "--page_size=8", "--max_seq_len=64", "--policies=fcfs", f"--json_out={out}", "--noprogress"]
-    _parse(base)
+    parse_flags(cp, base)
     cp.main([])
     rec = json.loads(out.read_text())
     point = rec["points"][0]
     assert point["rate"] == pytest.approx(traces.read_trace(str(path)).mean_rate) == pytest.approx(1.5)
     assert [r["arrival"] for r in point["per_request"]] == [0.0, 0.5, 1.5, 2.0]  # its own arrivals, 4 rows of 10
     assert [r["output_tokens"] for r in point["per_request"]] == [4, 6, 8, 3]
-    _parse([*base, "--rates=3"])  # twice the trace's rate: every gap halved
+    parse_flags(cp, [*base, "--rates=3"])  # twice the trace's rate: every gap halved
     cp.main([])
     arrivals = [r["arrival"] for r in json.loads(out.read_text())["points"][0]["per_request"]]
     assert arrivals == pytest.approx([0.0, 0.25, 0.75, 1.0])
-    _parse([*base[:2], "--workload=trace", "--noprogress"])
+    parse_flags(cp, [*base[:2], "--workload=trace", "--noprogress"])
     with pytest.raises(app.UsageError, match="--workload=trace: .*trace_file"):
         cp.main([])
     path.write_text("arrival_s,prompt_tokens,output_tokens\n0,20,4\n0.5,-3,6\n")
-    _parse(base)
+    parse_flags(cp, base)
     with pytest.raises(app.UsageError, match=r"t.csv:3"):
         cp.main([])

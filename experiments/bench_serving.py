@@ -158,7 +158,7 @@ def run() -> list:
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
-    from experiments.lib.serving import env, hardware, metrics, plots, runner, traces, workloads
+    from experiments.lib.serving import env, hardware, metrics, runner, traces, workloads
 
     trace = None
     try:
@@ -218,12 +218,7 @@ def run() -> list:
     cost = hardware.engine_cost(gen.engine)
     cfg = model.config
     static = {
-        "schema": SCHEMA,
-        "run_name": run_name,
-        "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
-        "git": env.git_info(),
-        "device": env.device_info(),
-        "versions": env.versions(),
+        **_record_header(run_name),
         "model": {"name": FLAGS.model, "source": getattr(model, "source", None),
                   "dtype": str(getattr(model, "dtype", FLAGS.dtype)), "quant": FLAGS.quant,
                   "params_bytes": hardware.leaf_bytes(model.params),
@@ -256,16 +251,7 @@ def run() -> list:
         util = hardware.utilisation(cost, res.steps, res.duration, peaks)
         rec = {
             **static,
-            "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-            "max_concurrency": c,
-            "request_rate": FLAGS.request_rate,
-            "burstiness": FLAGS.burstiness,
-            "load_avg_before": load_before,
-            "load_avg_after": load_after,
-            "warmup_requests": min(n_warm, len(wl.requests)),
-            "warmup_seconds": warm_s,
-            "metrics": m,
-            "prefix_cache": cache,
+            **_point_fields(c, (load_before, load_after), min(n_warm, len(wl.requests)), warm_s, m, cache),
             "steps": res.step_summary,
             "compiles_during_run": compiles,
             "max_in_flight": res.max_in_flight,
@@ -276,17 +262,11 @@ def run() -> list:
             "notes": ("TTFT/E2EL are measured from when a request is sent (its arrival, or when a concurrency slot "
                       "freed); token times are taken in the host loop after each iterate(). " +
                       hardware.UTILISATION_NOTES),
-            "per_request": [
-                {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
-                 "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
-                 "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
-                 "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
-                 **({"token_times": r.token_times} if FLAGS.save_detailed else {})}
-                for r in res.records],
+            "per_request": _per_request(res.records),
         }
         with open(out_path, "a") as f:
             f.write(json.dumps(jsonable(rec)) + "\n")
-        rate = str(FLAGS.request_rate) if trace is None else f"trace ({wl.params['mean_rate']:.3g} mean)"
+        rate = _rate_label(trace, wl)
         extra = [("Max concurrency:", "inf" if c is None else str(c)),
                  ("Request rate (req/s):", rate),
                  ("Engine steps:", str(res.step_summary["steps"])),
@@ -304,13 +284,7 @@ def run() -> list:
 
     if FLAGS.plot:
         title = f"{FLAGS.model} {FLAGS.dataset}, rate {FLAGS.request_rate if trace is None else 'trace'}"
-        paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
-                                         os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
-        if len(runs) > 1 and all(c is not None for c, _, _ in runs):
-            paths.append(plots.plot_sweep([(c, m["output_throughput"], m["tpot_ms"]["median"]) for c, _, m in runs],
-                                          os.path.join(FLAGS.output_dir, f"{run_name}_sweep.png"), title))
-        for p in paths:
-            print(f"wrote {p}", file=sys.stderr)
+        _write_plots(runs, run_name, title)
     print(f"wrote {len(runs)} record(s) to {out_path} in {time.time() - t_start:.1f} s "
           f"({jax.default_backend()})", file=sys.stderr)
     return runs
@@ -319,7 +293,7 @@ def run() -> list:
 def run_openai(slo: dict, concurrencies: list, trace) -> list:
     """--backend=openai: the benchmark against the server at --base_url (module docstring); the same records, with
     `backend` and the server's counters instead of the engine's steps and utilisation."""
-    from experiments.lib.serving import env, http_client, metrics, plots
+    from experiments.lib.serving import env, http_client, metrics
 
     try:
         extra_body = json.loads(FLAGS.extra_body)
@@ -349,12 +323,7 @@ def run_openai(slo: dict, concurrencies: list, trace) -> list:
     body = dict(temperature=FLAGS.temperature, prompt_format=FLAGS.prompt_format, tokenizer=tok,
                 extra_body=extra_body, timeout=FLAGS.request_timeout_s)
     static = {
-        "schema": SCHEMA,
-        "run_name": run_name,
-        "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
-        "git": env.git_info(),
-        "device": env.device_info(),
-        "versions": env.versions(),
+        **_record_header(run_name),
         "backend": {"name": "openai", "base_url": FLAGS.base_url, "served_model": served, "server_model": info,
                     "prompt_format": FLAGS.prompt_format, "extra_body": extra_body},
         "model": {"name": FLAGS.model, "vocab": vocab, "note": "the workload's vocabulary; the server runs its own"},
@@ -380,33 +349,18 @@ def run_openai(slo: dict, concurrencies: list, trace) -> list:
         cache = metrics.prefix_cache_stats(res.server_before, res.server_after, res.records)
         rec = {
             **static,
-            "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-            "max_concurrency": c,
-            "request_rate": FLAGS.request_rate,
-            "burstiness": FLAGS.burstiness,
-            "load_avg_before": load_before,
-            "load_avg_after": load_after,
-            "warmup_requests": n_warm,
-            "warmup_seconds": warm_s,
-            "metrics": m,
-            "prefix_cache": cache,
+            **_point_fields(c, (load_before, load_after), n_warm, warm_s, m, cache),
             "max_in_flight": res.max_in_flight,
             "server_metrics": {"final": res.server_after,
                                "delta": metrics.metrics_delta(res.server_before, res.server_after)},
             "notes": ("Measured over HTTP by the client: TTFT/E2EL from when a request is sent (its arrival, or when a "
                       "concurrency slot freed) to when its first / last token's chunk was read; a chunk of k tokens "
                       "(usage.completion_tokens growth) gives k equal token times."),
-            "per_request": [
-                {"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
-                 "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
-                 "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
-                 "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
-                 **({"token_times": r.token_times} if FLAGS.save_detailed else {})}
-                for r in res.records],
+            "per_request": _per_request(res.records),
         }
         with open(out_path, "a") as f:
             f.write(json.dumps(jsonable(rec)) + "\n")
-        rate = str(FLAGS.request_rate) if trace is None else f"trace ({wl.params['mean_rate']:.3g} mean)"
+        rate = _rate_label(trace, wl)
         extra = [("Backend:", "openai"), ("Max concurrency:", "inf" if c is None else str(c)),
                  ("Request rate (req/s):", rate), ("Max requests in flight:", str(res.max_in_flight)),
                  ("Prefix cache page hit rate:", f"{cache['page_hit_rate']:.3f}"),
@@ -415,16 +369,52 @@ def run_openai(slo: dict, concurrencies: list, trace) -> list:
         runs.append((c, res, m))
     if FLAGS.plot:
         title = f"{served} over HTTP, {FLAGS.dataset}, rate {FLAGS.request_rate if trace is None else 'trace'}"
-        paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
-                                         os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
-        if len(runs) > 1 and all(c is not None for c, _, _ in runs):
-            paths.append(plots.plot_sweep([(c, m["output_throughput"], m["tpot_ms"]["median"]) for c, _, m in runs],
-                                          os.path.join(FLAGS.output_dir, f"{run_name}_sweep.png"), title))
-        for p in paths:
-            print(f"wrote {p}", file=sys.stderr)
+        _write_plots(runs, run_name, title)
     print(f"wrote {len(runs)} record(s) to {out_path} in {time.time() - t_start:.1f} s (over HTTP)",
           file=sys.stderr)
     return runs
+
+
+def _record_header(run_name: str) -> dict:
+    """What every record of this run starts with, whatever the backend."""
+    from experiments.lib.serving import env
+
+    return {"schema": SCHEMA, "run_name": run_name, "flags": {k: FLAGS[k].value for k in OUR_FLAGS},
+            "git": env.git_info(), "device": env.device_info(), "versions": env.versions()}
+
+
+def _point_fields(c, loads: tuple, n_warm: int, warm_s: float, m: dict, cache: dict) -> dict:
+    """One load point's fields of a record (both backends)."""
+    return {"timestamp": datetime.datetime.now().isoformat(timespec="seconds"), "max_concurrency": c,
+            "request_rate": FLAGS.request_rate, "burstiness": FLAGS.burstiness, "load_avg_before": loads[0],
+            "load_avg_after": loads[1], "warmup_requests": n_warm, "warmup_seconds": warm_s, "metrics": m,
+            "prefix_cache": cache}
+
+
+def _per_request(records) -> list[dict]:
+    return [{"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
+             "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
+             "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
+             "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
+             **({"token_times": r.token_times} if FLAGS.save_detailed else {})}
+            for r in records]
+
+
+def _rate_label(trace, wl) -> str:
+    return str(FLAGS.request_rate) if trace is None else f"trace ({wl.params['mean_rate']:.3g} mean)"
+
+
+def _write_plots(runs: list, run_name: str, title: str) -> None:
+    """The latency CDFs of every run, and throughput / TPOT against concurrency when several were swept."""
+    from experiments.lib.serving import plots
+
+    paths = [plots.plot_latency_cdfs([(_label(c), res.records) for c, res, _ in runs],
+                                     os.path.join(FLAGS.output_dir, f"{run_name}_latency_cdf.png"), title)]
+    if len(runs) > 1 and all(c is not None for c, _, _ in runs):
+        paths.append(plots.plot_sweep([(c, m["output_throughput"], m["tpot_ms"]["median"]) for c, _, m in runs],
+                                      os.path.join(FLAGS.output_dir, f"{run_name}_sweep.png"), title))
+    for p in paths:
+        print(f"wrote {p}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ the minimum and the median per call. Peaks: best-of-5 jit(a * 1.0001) over 128 M
 2048^3 dot (FLOP/s), measured at the start. Bytes counted: attention reads every row's K and V (ctx x KV heads x
 head dim x 2 x itemsize, plus scales) and q; the matmul reads its weight leaves and x. FLOPs: attention
 4 x tokens x attended keys x heads x head dim; matmul 2 x n x in x out. On the CPU the Pallas kernels run
-interpreted (correctness only), so they are timed only when named.
+interpreted (correctness only), so they are timed only when named; the defaults there are "native" (what "auto" runs
+on the CPU, where it is built), "xla" and "reference". Matmul shapes also time a dense dot in the backend's fastest
+dense dtype (`dense_baseline_dtype`: float32 on the CPU, bfloat16 on a GPU) and give each kernel's speed-up over it.
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ from experiments.lib.common import check_out_flag, write_record
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
 flags.DEFINE_list("attn_impls", None, "attention implementations: names or module:function paths "
-                  "(default: xla,reference on the CPU; pallas,xla on a GPU)")
-flags.DEFINE_list("matmul_impls", None, "dequant-matmul implementations (default: xla,reference on the CPU; "
-                  "pallas,xla on a GPU)")
+                  "(default: native,xla,reference on the CPU, native where it is built; pallas,xla on a GPU)")
+flags.DEFINE_list("matmul_impls", None, "dequant-matmul implementations (default: as --attn_impls)")
 flags.DEFINE_list("attn_shapes", ["decode16x512", "decode16x2048", "prefill256x512", "mixed128+8x1024"],
                   "attention shapes (see the module docstring), or 'conformance'")
 flags.DEFINE_list("matmul_shapes", ["1x576x1536", "16x576x1536", "1x1536x576", "64x576x1536"],
@@ -51,8 +52,9 @@ flags.DEFINE_boolean("sweep", False, "tune: time every tuning of the sweep grid 
                      "type and record the best per shape")
 flags.DEFINE_integer("iters", 10, "back-to-back calls per timing")
 flags.DEFINE_integer("repeats", 5, "timings per point (min and median are recorded)")
-flags.DEFINE_boolean("dense_baseline", True, "also time a dense bfloat16 x @ W of each matmul shape (the roofline "
-                     "an int4/int8 GEMV is measured against: 'x bf16' in the output)")
+flags.DEFINE_boolean("dense_baseline", True, "also time a dense x @ W of each matmul shape in the fastest dense "
+                     "dtype of the backend (float32 on the CPU, bfloat16 on a GPU): what a quantized matmul must "
+                     "beat; each quantized point gets its speed-up over it (vs_dense)")
 flags.DEFINE_boolean("check", True, "check every implementation against the reference before timing it")
 flags.DEFINE_string("json_out", None, "write the JSON record here")
 check_out_flag("json_out")
@@ -236,7 +238,7 @@ def main(argv):
     from pallas_kernels.registry import attention_registry, matmul_registry
 
     gpu = jax.default_backend() == "gpu"
-    default_impls = ["pallas", "xla"] if gpu else ["xla", "reference"]
+    backend = jax.default_backend()
     load = load_average("before the kernel benchmark")
     peaks = measure_peaks()
     print(f"device {jax.devices()[0]}: copy {peaks['bandwidth_gbps']:.1f} GB/s, f32 matmul "
@@ -249,8 +251,8 @@ def main(argv):
         reg = attention_registry()
         shapes = conformance_attention() if FLAGS.attn_shapes == ["conformance"] else [
             attention_inputs(s, FLAGS.heads, FLAGS.page_size, FLAGS.cache_dtype) for s in FLAGS.attn_shapes]
-        families.append(("attention", reg, FLAGS.attn_impls or default_impls, shapes, FLAGS.attn_tuning,
-                         attention_runner, attention_error))
+        impls = FLAGS.attn_impls or default_impls(backend, native_attention_reason(FLAGS.heads))
+        families.append(("attention", reg, impls, shapes, FLAGS.attn_tuning, attention_runner, attention_error))
     if "matmul" in FLAGS.ops:
         reg = matmul_registry()
         if FLAGS.matmul_shapes == ["conformance"]:
@@ -264,8 +266,8 @@ def main(argv):
                                                                    "flops": 2 * c.n * c.k * c.out}))
         else:
             shapes = [matmul_inputs(s, k) for s in FLAGS.matmul_shapes for k in FLAGS.kinds]
-        families.append(("matmul", reg, FLAGS.matmul_impls or default_impls, shapes, FLAGS.matmul_tuning,
-                         matmul_runner, matmul_error))
+        impls = FLAGS.matmul_impls or default_impls(backend, native_matmul_reason())
+        families.append(("matmul", reg, impls, shapes, FLAGS.matmul_tuning, matmul_runner, matmul_error))
 
     tol = {"attention": 3e-2 if FLAGS.cache_dtype == "bfloat16" else (2e-3 if gpu else 1e-4), "matmul": 2e-3}
     for family, reg, impls, shapes, tuning_text, runner, error in families:
@@ -314,10 +316,11 @@ def main(argv):
                       f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)  "
                       f"{rec['gflops']:7.1f} GFLOP/s ({100 * rec['flops_frac']:5.1f}% of dot)")
     if "matmul" in FLAGS.ops and FLAGS.dense_baseline and FLAGS.matmul_shapes != ["conformance"]:
-        dense_baselines(rows, peaks)
+        dense_baselines(rows, peaks, dense_baseline_dtype(backend))
     record = {"experiment": "bench_kernels", "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)},
               "git": git_info(), "device": device_info(), "versions": versions(), "load_avg_before": load,
-              "load_avg_after": load_average(), "peaks": peaks, "results": rows, "tuned": tuned,
+              "load_avg_after": load_average(), "peaks": peaks, "dense_baseline": dense_baseline_dtype(backend),
+              "results": rows, "tuned": tuned,
               "notes": __doc__}
     if FLAGS.json_out:
         write_record(FLAGS.json_out, record)
@@ -328,23 +331,54 @@ def main(argv):
         raise SystemExit(1)
 
 
-def dense_baselines(rows: list[dict], peaks: dict) -> None:
-    """Time a dense bfloat16 `x @ W` (float32 accumulation) per matmul shape, add it to `rows`, and give every
-    quantized row of that shape its speed-up over it (`vs_dense_bf16`: dense time / quantized time)."""
+def default_impls(backend: str, native_reason: str | None) -> list[str]:
+    """The implementations a family times when none are named: on a GPU the kernel and XLA; on the CPU "native"
+    (what "auto" runs there, when it is built and takes the shape: `native_reason` None) before XLA and the
+    reference."""
+    if backend == "gpu":
+        return ["pallas", "xla"]
+    return (["native"] if native_reason is None else []) + ["xla", "reference"]
+
+
+def native_attention_reason(heads: str) -> str | None:
+    """Why the native attention cannot run the `--heads` shape here (None: it can)."""
+    from pallas_kernels import native_attention
+
+    return native_attention.unavailable_reason(int(heads.split("x")[2]))
+
+
+def native_matmul_reason() -> str | None:
+    from pallas_kernels import native
+
+    return native.unavailable_reason()
+
+
+def dense_baseline_dtype(backend: str) -> str:
+    """The dtype of the fastest dense matmul on `backend`, the baseline a quantized matmul must beat: bfloat16 on a
+    GPU (tensor cores); float32 on the CPU, where XLA's bfloat16 dot is several times slower than its float32 one
+    (and slower than the quantized kernels, which made a bfloat16 baseline flatter them)."""
+    return "bfloat16" if backend == "gpu" else "float32"
+
+
+def dense_baselines(rows: list[dict], peaks: dict, dtype: str) -> None:
+    """Time a dense `x @ W` in `dtype` (float32 accumulation) per matmul shape, add it to `rows` (shape
+    "<spec> dense_<dtype>"), and give every quantized row of that shape its speed-up over it (`vs_dense`: dense time
+    / quantized time; `dense_dtype` names the baseline)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    dt = jnp.dtype(dtype)
     for spec in FLAGS.matmul_shapes:
         n, k, out = (int(v) for v in spec.split("x"))
         rng = np.random.default_rng(0)
-        x = jnp.asarray(rng.normal(size=(n, k)), jnp.bfloat16)
-        w = jnp.asarray(rng.normal(size=(k, out)) / np.sqrt(k), jnp.bfloat16)
+        x = jnp.asarray(rng.normal(size=(n, k)), dt)
+        w = jnp.asarray(rng.normal(size=(k, out)) / np.sqrt(k), dt)
         f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
         timing = time_calls(lambda f=f, x=x, w=w: f(x, w), FLAGS.iters, FLAGS.repeats)
         med = timing["median_s"]
-        cost = {"bytes": 2 * (k * out + n * k), "flops": 2 * n * k * out}
-        rec = {"op": "matmul", "shape": f"{spec} dense_bf16", "impl": "jnp.dot", "tuning": None, **cost, **timing,
+        cost = {"bytes": dt.itemsize * (k * out + n * k), "flops": 2 * n * k * out}
+        rec = {"op": "matmul", "shape": f"{spec} dense_{dtype}", "impl": "jnp.dot", "tuning": None, **cost, **timing,
                "gbps": cost["bytes"] / med / 1e9, "gflops": cost["flops"] / med / 1e9}
         rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
         rec["flops_frac"] = rec["gflops"] / peaks["matmul_gflops"]
@@ -353,8 +387,8 @@ def dense_baselines(rows: list[dict], peaks: dict) -> None:
               f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)")
         for r in rows:
             if r["op"] == "matmul" and r["shape"].split(" ")[0] == spec and "median_s" in r and r is not rec:
-                r["vs_dense_bf16"] = med / r["median_s"]
-                print(f"  {r['shape']:30s} {r['impl']:12s} speed-up over dense bf16: {r['vs_dense_bf16']:5.2f}x")
+                r["vs_dense"], r["dense_dtype"] = med / r["median_s"], dtype
+                print(f"  {r['shape']:30s} {r['impl']:12s} speed-up over dense {dtype}: {r['vs_dense']:5.2f}x")
 
 
 def plot_results(rows: list[dict], path: str) -> None:

@@ -13,8 +13,11 @@ chunk of q tokens ending at ctx), `mixed{q}+{rows}x{ctx}` (a chunk and rows deco
 the quick case space of `pallas_kernels.testing`. Matmul `{n}x{in}x{out}` with `--kinds`.
 
 Each point: one untimed call (compile), then `--repeats` timings of `--iters` back-to-back calls; the record keeps
-the minimum and the median per call. Peaks: best-of-5 jit(a * 1.0001) over 128 MiB (bandwidth) and a float32
-2048^3 dot (FLOP/s), measured at the start. Bytes counted: attention reads every row's K and V (ctx x KV heads x
+the minimum and the median per call. Peaks (`experiments.lib.peaks`): best-of-5 jit(a * 1.0001) over 128 MiB
+(bandwidth) and a float32 2048^3 dot (FLOP/s; bfloat16 8192^3 on a GPU), measured before the points and again after
+them; the higher of those and the device's recorded peak (experiments/data/peaks.json) is used, raised to a point's
+achieved rate where that is higher still, so no utilisation exceeds 100%: the output and the record (`peaks.used`)
+say which peak was used and where it came from. Bytes counted: attention reads every row's K and V (ctx x KV heads x
 head dim x 2 x itemsize, plus scales) and q; the matmul reads its weight leaves and x. FLOPs: attention
 4 x tokens x attended keys x heads x head dim; matmul 2 x n x in x out. On the CPU the Pallas kernels run
 interpreted (correctness only), so they are timed only when named; the defaults there are "native" (what "auto" runs
@@ -55,6 +58,10 @@ flags.DEFINE_integer("repeats", 5, "timings per point (min and median are record
 flags.DEFINE_boolean("dense_baseline", True, "also time a dense x @ W of each matmul shape in the fastest dense "
                      "dtype of the backend (float32 on the CPU, bfloat16 on a GPU): what a quantized matmul must "
                      "beat; each quantized point gets its speed-up over it (vs_dense)")
+flags.DEFINE_boolean("remeasure_peaks", True, "measure the peaks again after the points (the higher counts: a "
+                     "busy moment at the start gives low peaks)")
+flags.DEFINE_boolean("record_peaks", False, "write the peaks measured in this run into experiments/data/peaks.json "
+                     "for this device where they exceed the recorded ones (run on an idle machine)")
 flags.DEFINE_boolean("check", True, "check every implementation against the reference before timing it")
 flags.DEFINE_string("json_out", None, "write the JSON record here")
 check_out_flag("json_out")
@@ -234,6 +241,7 @@ def main(argv):
     import jax
 
     from experiments.lib.serving.env import device_info, git_info, load_average, versions
+    from experiments.lib import peaks as peak_table
     from experiments.lib.serving.hardware import measure_peaks
     from pallas_kernels.registry import attention_registry, matmul_registry
 
@@ -241,8 +249,8 @@ def main(argv):
     backend = jax.default_backend()
     load = load_average("before the kernel benchmark")
     peaks = measure_peaks()
-    print(f"device {jax.devices()[0]}: copy {peaks['bandwidth_gbps']:.1f} GB/s, f32 matmul "
-          f"{peaks['matmul_gflops']:.1f} GFLOP/s")
+    print(f"device {jax.devices()[0]}: copy {peaks['bandwidth_gbps']:.1f} GB/s, {peaks['matmul']['dtype']} matmul "
+          f"{peaks['matmul_gflops']:.1f} GFLOP/s (measured before the points)")
     rows: list[dict] = []
     tuned: list[dict] = []
 
@@ -309,16 +317,39 @@ def main(argv):
                 med = timing["median_s"]
                 rec["gbps"] = cost["bytes"] / med / 1e9
                 rec["gflops"] = cost["flops"] / med / 1e9
-                rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
-                rec["flops_frac"] = rec["gflops"] / peaks["matmul_gflops"]
                 rows.append(rec)
                 print(f"{family} {label:40s} {impl_name:12s} min {timing['min_s'] * 1e3:8.3f} ms  median "
-                      f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)  "
-                      f"{rec['gflops']:7.1f} GFLOP/s ({100 * rec['flops_frac']:5.1f}% of dot)")
+                      f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s  {rec['gflops']:7.1f} GFLOP/s")
     if "matmul" in FLAGS.ops and FLAGS.dense_baseline and FLAGS.matmul_shapes != ["conformance"]:
-        dense_baselines(rows, peaks, dense_baseline_dtype(backend))
+        dense_baselines(rows, dense_baseline_dtype(backend))
+    measured = [peak_table.measured_peaks(peaks, "before the points")]
+    after = None
+    if FLAGS.remeasure_peaks:
+        after = measure_peaks()
+        measured.append(peak_table.measured_peaks(after, "after the points"))
+    device = device_info()
+    key = peak_table.device_key(device)
+    table = peak_table.load_table()
+    recorded = peak_table.recorded_peaks(table, key, peaks["matmul"]["dtype"])
+    used = peak_table.choose_peaks(measured, recorded, achieved_rates(rows))
+    apply_utilisation(rows, used)
+    print_utilisation(rows, used)
+    if FLAGS.record_peaks:
+        best = {m: peak_table.pick_peak([x[m] for x in measured]) for m in peak_table.METRICS}
+        table, changed = peak_table.updated_table(table, key, best, date=time.strftime("%Y-%m-%d"),
+                                                  source=FLAGS.json_out or "experiments.bench_kernels",
+                                                  matmul_dtype=peaks["matmul"]["dtype"])
+        if changed:
+            peak_table.write_table(table)
+        print(f"peaks table ({peak_table.TABLE_PATH}), {key}: " + (f"raised {', '.join(changed)}" if changed else
+                                                                     "unchanged (the recorded peaks are higher)"))
+    peaks = {**peaks, "bandwidth_gbps": used["bandwidth_gbps"].value, "matmul_gflops": used["matmul_gflops"].value,
+             "used": {m: dataclasses.asdict(p) for m, p in used.items()}, "device_key": key,
+             "measured_before": {m: peaks[m] for m in peak_table.METRICS},
+             "measured_after": None if after is None else {m: after[m] for m in peak_table.METRICS},
+             "recorded": {m: dataclasses.asdict(p) for m, p in recorded.items()}}
     record = {"experiment": "bench_kernels", "flags": {f.name: f.value for f in FLAGS.get_flags_for_module(__name__)},
-              "git": git_info(), "device": device_info(), "versions": versions(), "load_avg_before": load,
+              "git": git_info(), "device": device, "versions": versions(), "load_avg_before": load,
               "load_avg_after": load_average(), "peaks": peaks, "dense_baseline": dense_baseline_dtype(backend),
               "results": rows, "tuned": tuned,
               "notes": __doc__}
@@ -360,7 +391,7 @@ def dense_baseline_dtype(backend: str) -> str:
     return "bfloat16" if backend == "gpu" else "float32"
 
 
-def dense_baselines(rows: list[dict], peaks: dict, dtype: str) -> None:
+def dense_baselines(rows: list[dict], dtype: str) -> None:
     """Time a dense `x @ W` in `dtype` (float32 accumulation) per matmul shape, add it to `rows` (shape
     "<spec> dense_<dtype>"), and give every quantized row of that shape its speed-up over it (`vs_dense`: dense time
     / quantized time; `dense_dtype` names the baseline)."""
@@ -380,15 +411,43 @@ def dense_baselines(rows: list[dict], peaks: dict, dtype: str) -> None:
         cost = {"bytes": dt.itemsize * (k * out + n * k), "flops": 2 * n * k * out}
         rec = {"op": "matmul", "shape": f"{spec} dense_{dtype}", "impl": "jnp.dot", "tuning": None, **cost, **timing,
                "gbps": cost["bytes"] / med / 1e9, "gflops": cost["flops"] / med / 1e9}
-        rec["bandwidth_frac"] = rec["gbps"] / peaks["bandwidth_gbps"]
-        rec["flops_frac"] = rec["gflops"] / peaks["matmul_gflops"]
         rows.append(rec)
         print(f"matmul {rec['shape']:40s} {'jnp.dot':12s} min {timing['min_s'] * 1e3:8.3f} ms  median "
-              f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s ({100 * rec['bandwidth_frac']:5.1f}% of copy)")
+              f"{med * 1e3:8.3f} ms  {rec['gbps']:7.1f} GB/s  {rec['gflops']:7.1f} GFLOP/s")
         for r in rows:
             if r["op"] == "matmul" and r["shape"].split(" ")[0] == spec and "median_s" in r and r is not rec:
                 r["vs_dense"], r["dense_dtype"] = med / r["median_s"], dtype
                 print(f"  {r['shape']:30s} {r['impl']:12s} speed-up over dense {dtype}: {r['vs_dense']:5.2f}x")
+
+
+def point_label(rec: dict) -> str:
+    return f"{rec['op']} {rec['shape']} {rec['impl']}"
+
+
+def achieved_rates(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """metric -> point label -> achieved rate, for the timed points (`peaks.choose_peaks`' `achieved`)."""
+    timed = [r for r in rows if "gbps" in r]
+    return {"bandwidth_gbps": {point_label(r): r["gbps"] for r in timed},
+            "matmul_gflops": {point_label(r): r["gflops"] for r in timed}}
+
+
+def apply_utilisation(rows: list[dict], used: dict) -> None:
+    """Every timed point's `bandwidth_frac` and `flops_frac` against the peaks `used` (`peaks.choose_peaks`)."""
+    from experiments.lib.peaks import utilisation
+
+    for r in rows:
+        if "gbps" in r:
+            r["bandwidth_frac"] = utilisation(r["gbps"], used["bandwidth_gbps"])
+            r["flops_frac"] = utilisation(r["gflops"], used["matmul_gflops"])
+
+
+def print_utilisation(rows: list[dict], used: dict) -> None:
+    print(f"utilisation against copy {used['bandwidth_gbps'].value:.1f} GB/s ({used['bandwidth_gbps'].source}) and "
+          f"dot {used['matmul_gflops'].value:.1f} GFLOP/s ({used['matmul_gflops'].source}):")
+    for r in rows:
+        if "bandwidth_frac" in r:
+            print(f"  {r['op']} {r['shape']:40s} {r['impl']:12s} {100 * r['bandwidth_frac']:5.1f}% of copy  "
+                  f"{100 * r['flops_frac']:5.1f}% of dot")
 
 
 def plot_results(rows: list[dict], path: str) -> None:

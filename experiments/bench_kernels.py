@@ -34,6 +34,14 @@ import time
 from absl import app, flags
 
 from experiments.lib.common import check_out_flag, write_record
+from experiments.lib.kernel_bench import (
+    achieved_rates,
+    apply_utilisation,
+    default_impls,
+    dense_baseline_dtype,
+    native_attention_reason,
+    native_matmul_reason,
+)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("ops", ["attention", "matmul"], "kernel families to run: attention, matmul")
@@ -240,8 +248,8 @@ def main(argv):
 
     import jax
 
-    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from experiments.lib import peaks as peak_table
+    from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from experiments.lib.serving.hardware import measure_peaks
     from pallas_kernels.registry import attention_registry, matmul_registry
 
@@ -362,35 +370,6 @@ def main(argv):
         raise SystemExit(1)
 
 
-def default_impls(backend: str, native_reason: str | None) -> list[str]:
-    """The implementations a family times when none are named: on a GPU the kernel and XLA; on the CPU "native"
-    (what "auto" runs there, when it is built and takes the shape: `native_reason` None) before XLA and the
-    reference."""
-    if backend == "gpu":
-        return ["pallas", "xla"]
-    return (["native"] if native_reason is None else []) + ["xla", "reference"]
-
-
-def native_attention_reason(heads: str) -> str | None:
-    """Why the native attention cannot run the `--heads` shape here (None: it can)."""
-    from pallas_kernels import native_attention
-
-    return native_attention.unavailable_reason(int(heads.split("x")[2]))
-
-
-def native_matmul_reason() -> str | None:
-    from pallas_kernels import native
-
-    return native.unavailable_reason()
-
-
-def dense_baseline_dtype(backend: str) -> str:
-    """The dtype of the fastest dense matmul on `backend`, the baseline a quantized matmul must beat: bfloat16 on a
-    GPU (tensor cores); float32 on the CPU, where XLA's bfloat16 dot is several times slower than its float32 one
-    (and slower than the quantized kernels, which made a bfloat16 baseline flatter them)."""
-    return "bfloat16" if backend == "gpu" else "float32"
-
-
 def dense_baselines(rows: list[dict], dtype: str) -> None:
     """Time a dense `x @ W` in `dtype` (float32 accumulation) per matmul shape, add it to `rows` (shape
     "<spec> dense_<dtype>"), and give every quantized row of that shape its speed-up over it (`vs_dense`: dense time
@@ -418,27 +397,6 @@ def dense_baselines(rows: list[dict], dtype: str) -> None:
             if r["op"] == "matmul" and r["shape"].split(" ")[0] == spec and "median_s" in r and r is not rec:
                 r["vs_dense"], r["dense_dtype"] = med / r["median_s"], dtype
                 print(f"  {r['shape']:30s} {r['impl']:12s} speed-up over dense {dtype}: {r['vs_dense']:5.2f}x")
-
-
-def point_label(rec: dict) -> str:
-    return f"{rec['op']} {rec['shape']} {rec['impl']}"
-
-
-def achieved_rates(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """metric -> point label -> achieved rate, for the timed points (`peaks.choose_peaks`' `achieved`)."""
-    timed = [r for r in rows if "gbps" in r]
-    return {"bandwidth_gbps": {point_label(r): r["gbps"] for r in timed},
-            "matmul_gflops": {point_label(r): r["gflops"] for r in timed}}
-
-
-def apply_utilisation(rows: list[dict], used: dict) -> None:
-    """Every timed point's `bandwidth_frac` and `flops_frac` against the peaks `used` (`peaks.choose_peaks`)."""
-    from experiments.lib.peaks import utilisation
-
-    for r in rows:
-        if "gbps" in r:
-            r["bandwidth_frac"] = utilisation(r["gbps"], used["bandwidth_gbps"])
-            r["flops_frac"] = utilisation(r["gflops"], used["matmul_gflops"])
 
 
 def print_utilisation(rows: list[dict], used: dict) -> None:

@@ -21,6 +21,10 @@ makes them). Every implementation returns float32 `[N, out]` accumulated in floa
   dots of `group_size/2` rows per group and never reshapes or interleaves. No scalar prefetch and no scratch
   buffers (Triton rejects both); the accumulator is a loop carry. `split_in > 1` gives each program a slice of `in`
   and sums the float32 partials outside -- parallelism for decode, where N is 1 and `out / block_out` is small.
+- Pallas GEMV (`impl="pallas_gemv"`, `dequant_gemv.py`): for few rows; the weight tile dequantized in registers and
+  multiplied into x with elementwise float32 multiply-adds, no tensor-core dot and no padding of N to 16. On a GPU
+  "auto" runs it up to `tuned_tables.gemv_max_rows` rows (per device and weight kind) and this kernel above
+  (`gpu_auto_impl`).
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import native, registry
+from pallas_kernels import dequant_gemv, native, registry
 from pallas_kernels.quant_format import LayerSlice, QuantizedArray, dequantize, random_quantized
 from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
-from pallas_kernels.tuned_tables import lookup_matmul
+from pallas_kernels.tuned_tables import gemv_max_rows, lookup_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +326,13 @@ def _pallas_impl(x, qa, *, tuning=None, interpret=None):
     return dequant_matmul_pallas(x, qa, tuning, interpret=interpret)
 
 
+def _pallas_gemv_impl(x, qa, *, tuning=None, interpret=None):
+    return dequant_gemv.dequant_gemv_pallas(x, qa, tuning, interpret=interpret)
+
+
+_pallas_gemv_impl.tuning_type = dequant_gemv.GemvTuning
+
+
 def _native_check() -> None:
     why = native.unavailable_reason()
     if why is not None:
@@ -348,7 +359,26 @@ def native_fits(n: int, qa: QuantizedArray) -> bool:
 _pallas_impl.tuning_type = MatmulTuning
 
 # The built-in names (every registered name, plugins included, is `MATMUL.names()`).
-IMPLS = ("auto", "reference", "xla", "pallas", "native")
+IMPLS = ("auto", "reference", "xla", "pallas", "pallas_gemv", "native")
+
+
+def gpu_auto_impl(n: int, qa: QuantizedArray, config: Any = None) -> str:
+    """`auto`'s rule on a GPU for `n` rows of x: the GEMV up to `tuned_tables.gemv_max_rows` rows for this device
+    and weight kind (where it fits the matrix, `dequant_gemv.gpu_unsupported_reason`), the tensor-core kernel above
+    (where it fits, `gpu_unsupported_reason`), XLA otherwise. A `GemvTuning` in `config` serves only the GEMV (the
+    tensor-core kernel then runs its default)."""
+    gemv_config = config if isinstance(config, (dequant_gemv.GemvTuning, MatmulTuning)) else None
+    if (n <= gemv_max_rows(jax.devices()[0].device_kind, qa.kind)
+            and dequant_gemv.gpu_unsupported_reason(qa, gemv_config, n) is None):
+        return "pallas_gemv"
+    if gpu_unsupported_reason(qa, _matmul_config(config), n) is None:
+        return "pallas"
+    return "xla"
+
+
+def _matmul_config(config: Any) -> Any:
+    """`config` for the tensor-core kernel: a GEMV tuning is not its own (None: its default)."""
+    return None if isinstance(config, dequant_gemv.GemvTuning) else config
 
 
 def dequant_matmul(
@@ -361,17 +391,18 @@ def dequant_matmul(
 ) -> jnp.ndarray:
     """`x` `[N, in]` @ the matrix `qa` stands for `[in, out]` -> float32 `[N, out]`.
 
-    impl: a registered name ("reference", "xla", "pallas", or one a user registered), a `module:function` path, or
-    "auto" (Pallas on GPU where the kernel fits the matrix, see `gpu_unsupported_reason`; XLA elsewhere). `config`
-    is the implementation's tuning (`MatmulTuning` for the kernel); `interpret` only affects the built-in kernel.
+    impl: a registered name ("reference", "xla", "pallas", "pallas_gemv", "native", or one a user registered), a
+    `module:function` path, or "auto": on a GPU `gpu_auto_impl` (the GEMV for few rows, the tensor-core kernel
+    above, each where it fits the matrix; XLA otherwise); on the CPU the native kernel where `native_fits`, else
+    XLA. `config` is the implementation's tuning (`MatmulTuning` for the tensor-core kernel, `GemvTuning` for the
+    GEMV); `interpret` only affects the built-in Pallas kernels.
     """
     impl, tuned = split_tuning(impl)  # a `Tuned` (impl, tuning) from the engine config
     config = tuned if config is None else config
     if impl == "auto" and isinstance(qa, (QuantizedArray, LayerSlice)):
         if registry.on_gpu():
-            impl = "xla"
-            if gpu_unsupported_reason(qa if isinstance(qa, QuantizedArray) else qa.get(), config, x.shape[0]) is None:
-                impl = "pallas"
+            impl = gpu_auto_impl(x.shape[0], qa if isinstance(qa, QuantizedArray) else qa.stacked, config)
+            config = _matmul_config(config) if impl == "pallas" else config
         else:
             impl = "native" if native_fits(x.shape[0], qa if isinstance(qa, QuantizedArray) else qa.stacked) else "xla"
     try:
@@ -390,6 +421,8 @@ def dequant_matmul(
         raise ValueError(f"x must be [N, in={qa.shape[0]}]; got shape {tuple(x.shape)}")
     if entry.fn is _pallas_impl:
         return _pallas_impl(x, qa, tuning=config, interpret=interpret)
+    if entry.fn is _pallas_gemv_impl:
+        return _pallas_gemv_impl(x, qa, tuning=config, interpret=interpret)
     return entry.fn(x, qa, tuning=config)
 
 
@@ -423,5 +456,5 @@ def check_contract(impl: KernelImpl) -> None:
 
 MATMUL.set_contract(check_contract)
 for _name, _fn in (("reference", _reference_impl), ("xla", _xla_impl), ("pallas", _pallas_impl),
-                   ("native", _native_impl)):
+                   ("pallas_gemv", _pallas_gemv_impl), ("native", _native_impl)):
     MATMUL.register(_name, _fn, check=False, builtin=True)

@@ -38,6 +38,25 @@ MATMUL: dict[str, dict[tuple, dict[str, int]]] = {
 }
 
 
+# The GEMV kernel (`dequant_gemv.py`, impl "pallas_gemv"): device_kind -> matmul_key -> GemvTuning fields (a
+# `bench_kernels --sweep --matmul_impls pallas_gemv` record's `tuned` list gives MatmulTuning fields, which fit), one
+# per matrix as for MATMUL. None measured yet.
+GEMV: dict[str, dict[tuple, dict[str, int | str]]] = {}
+
+# How many rows of x "auto" sends to the GEMV on a GPU (the tensor-core kernel above): device_kind -> weight kind ->
+# the most rows. Read off `python -m experiments.bench_kernels --matmul_impls pallas,pallas_gemv,xla
+# --matmul_shapes 1x4096x14336,4x4096x14336,16x4096x14336,64x4096x14336 --kinds q4_1,int8` on the device: the
+# largest row count at which pallas_gemv is still faster. A row's bits differ between the two kernels, so a decode
+# token computed in a step below the limit and in one above it (beside a prefill chunk, or in a wide verification
+# step) may differ in its last bits; 0 keeps every row count on the tensor-core kernel.
+GEMV_MAX_ROWS: dict[str, dict[str, int]] = {}
+# Devices without an entry: UNMEASURED. 8 covers decode at batch 1 and its verification steps of up to 7 drafts
+# (one kernel, so greedy speculation keeps plain decoding's bits there); at 8 rows the GEMV does 8 float32
+# multiply-adds per weight element, which should still beat the tensor-core kernel's 0.075 ms on the H100's
+# 4096 x 14336 q4_1 matrix (docs/kernels.md), by arithmetic, not by a measurement.
+DEFAULT_GEMV_MAX_ROWS = 8
+
+
 def _bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -63,12 +82,26 @@ def lookup_matmul(device_kind: str, **shape: Any) -> dict[str, int] | None:
     return MATMUL.get(device_kind, {}).get(matmul_key(**shape))
 
 
-def check_entries(attention: dict | None = None, matmul: dict | None = None) -> None:
+def lookup_gemv(device_kind: str, **shape: Any) -> dict[str, int | str] | None:
+    return GEMV.get(device_kind, {}).get(matmul_key(**shape))
+
+
+def gemv_max_rows(device_kind: str, kind: str) -> int:
+    """The most rows of x "auto" runs through the GEMV on this device for weights of `kind` (`GEMV_MAX_ROWS`, else
+    the unmeasured `DEFAULT_GEMV_MAX_ROWS`)."""
+    return GEMV_MAX_ROWS.get(device_kind, {}).get(kind, DEFAULT_GEMV_MAX_ROWS)
+
+
+def check_entries(attention: dict | None = None, matmul: dict | None = None, gemv: dict | None = None,
+                  gemv_max_rows: dict | None = None) -> None:
     """Raise ValueError where a table (default: this module's) would give a row other arithmetic in another kind of
     step: an attention entry that splits keys, or two attention entries of one (KV heads, page size, pages) class
-    with different key blocks, or a matmul key that is not one per matrix."""
+    with different key blocks, a matmul or GEMV key that is not one per matrix, or a GEMV row limit that is not a
+    count."""
     attention = ATTENTION if attention is None else attention
     matmul = MATMUL if matmul is None else matmul
+    gemv = GEMV if gemv is None else gemv
+    gemv_max_rows = GEMV_MAX_ROWS if gemv_max_rows is None else gemv_max_rows
     for device, tunings in attention.items():
         blocks: dict[tuple, int] = {}
         for (_, *cls), t in tunings.items():
@@ -77,7 +110,11 @@ def check_entries(attention: dict | None = None, matmul: dict | None = None) -> 
             if blocks.setdefault(tuple(cls), t.pages_per_block) != t.pages_per_block:
                 raise ValueError(f"{device}: attention entries of class {tuple(cls)} use pages_per_block "
                                  f"{blocks[tuple(cls)]} and {t.pages_per_block}; use one for every query bucket")
-    for device, tunings in matmul.items():
+    for device, tunings in [*matmul.items(), *gemv.items()]:
         for key in tunings:
             if len(key) != 4:
                 raise ValueError(f"{device}: matmul key {key} is not (kind, group_size, k, out)")
+    for device, limits in gemv_max_rows.items():
+        for kind, rows in limits.items():
+            if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+                raise ValueError(f"{device}: GEMV_MAX_ROWS[{kind!r}] = {rows!r} is not a row count >= 0")

@@ -41,6 +41,7 @@ from paged.device.step import (
 from paged.device.verify import verify_sample, verify_step_jit
 from paged.errors import InvalidConfigError
 from pallas_kernels import native, native_attention, registry
+from pallas_kernels.dequant_gemv import gpu_unsupported_reason as gemv_gpu_reason
 from pallas_kernels.dequant_matmul import gpu_unsupported_reason as matmul_gpu_reason
 from pallas_kernels.paged_attention import PrefillDecodeLayout
 from pallas_kernels.paged_attention import gpu_unsupported_reason as attention_gpu_reason
@@ -77,11 +78,12 @@ def check_kernels_fit(model: Model, config: EngineConfig) -> None:
             raise InvalidConfigError(f"attn_impl='pallas' cannot run this model on the GPU: {reason}. Use "
                                      "attn_impl='auto' (falls back to 'xla' for such shapes) or 'xla'")
     mm_tuning = mm_tuning if mm_tuning is not None else config.matmul_tuning
-    if mm == "pallas":
+    if mm in ("pallas", "pallas_gemv"):
+        why_not = matmul_gpu_reason if mm == "pallas" else gemv_gpu_reason
         for qa in quantized:
-            reason = matmul_gpu_reason(qa, mm_tuning)
+            reason = why_not(qa, mm_tuning)
             if reason:
-                raise InvalidConfigError(f"matmul_impl='pallas' cannot run this model's {qa.shape[0]}x{qa.shape[1]} "
+                raise InvalidConfigError(f"matmul_impl={mm!r} cannot run this model's {qa.shape[0]}x{qa.shape[1]} "
                                          f"{qa.kind} weights on the GPU: {reason}. Use matmul_impl='auto' (falls "
                                          "back to 'xla' per matrix) or 'xla'")
 

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from models import quant
 from models.linear import MATMUL_IMPLS, matmul
 from paged.testing import tiny_config
+from pallas_kernels import dequant_gemv
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels.quant_format import QuantizedArray, check, dequantize
 from pallas_kernels.registry import MATMUL
@@ -274,6 +275,7 @@ def test_matmul_routes_quantized_weights_to_the_impl(monkeypatch, impl, dtype):
                     "and was not)")
     native_here = dm.native.available()  # before the spies: its first call runs a smoke test
     calls = spy(monkeypatch, dm, IMPL_FUNCTIONS)
+    spy(monkeypatch, dequant_gemv, ["dequant_gemv_pallas"], calls)
     native_calls = spy(monkeypatch, dm.native, ["native_matmul"])
     qa = quant.quantize(_w(), "q4_1")
     x = jnp.asarray(np.random.default_rng(3).normal(size=(3, 128)), dtype)
@@ -281,12 +283,13 @@ def test_matmul_routes_quantized_weights_to_the_impl(monkeypatch, impl, dtype):
     got = matmul(x, qa, bias, impl=impl)
     assert got.dtype == dtype and got.shape == (3, 48)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ numpy_dequantize(qa) + np.asarray(bias, np.float64)
-    auto = "pallas" if jax.default_backend() == "gpu" else ("native" if native_here else "xla")
+    auto = dm.gpu_auto_impl(3, qa) if jax.default_backend() == "gpu" else ("native" if native_here else "xla")
     ran = {"auto": auto}.get(impl, impl)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # the bf16 result is rounded to bf16
     tol = max(tol, MATMUL.get(ran).tolerance or 0.0)  # native: int8 activations
     np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
-    assert names_of(calls + native_calls) == [f"dequant_matmul_{ran}" if ran != "native" else "native_matmul"]
+    function = {"native": "native_matmul", "pallas_gemv": "dequant_gemv_pallas"}.get(ran, f"dequant_matmul_{ran}")
+    assert names_of(calls + native_calls) == [function]
 
 
 def test_matmul_of_float_weights_is_a_plain_dot(monkeypatch):

@@ -234,7 +234,7 @@ def test_auto_picks_by_backend_and_row_count(monkeypatch, ran):
     large = small + 1
     for n in (small, large):
         _close(dequant_matmul(_x(n), qa), numpy_matmul(_x(n), qa), rtol=2e-2)
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu":  # more rows than the GEMV takes (test_dequant_gemv.py)
         assert ran()[skip:] == ["pallas", "pallas"] and not native_calls
     elif available:
         assert ran()[skip:] == ["xla"] and [args[0].shape[0] for _, args, _ in native_calls] == [small]
@@ -248,7 +248,7 @@ def test_auto_falls_back_to_xla_without_the_native_kernel(monkeypatch, ran):
     monkeypatch.setattr(dm.native, "available", lambda: False)
     qa, x = _qa("q4_1", 32), _x(1)
     _close(dequant_matmul(x, qa), numpy_matmul(x, qa))
-    assert ran() == (["pallas"] if jax.default_backend() == "gpu" else ["xla"])
+    assert ran() == ([] if jax.default_backend() == "gpu" else ["xla"])  # one row on a GPU: the GEMV
     with pytest.raises(dm.KernelError, match="not built .*use 'xla'"):
         dequant_matmul(x, qa, impl="native")
 

@@ -28,6 +28,7 @@ from paged.testing import tiny_config, tiny_model
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import registry
+from pallas_kernels.dequant_gemv import GemvTuning, dequant_gemv_pallas
 from pallas_kernels.dequant_matmul import MatmulTuning, dequant_matmul, dequant_matmul_pallas
 from pallas_kernels.paged_attention import (
     PrefillDecodeLayout,
@@ -99,6 +100,33 @@ def test_dequant_matmul_lowers_to_triton(kind, group_size, n, tuning):
         assert "num_warps = 8" in text and "num_stages = 3" in text
 
 
+GEMV_TUNING = GemvTuning(block_n=2, block_out=64, block_in=64, split_in=3, acc_rows=8, int_to_float="cast",
+                         num_warps=8, num_stages=3)
+
+
+@pytest.mark.parametrize("kind,group_size", [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", 576)])
+@pytest.mark.parametrize("n,tuning", [(1, None), (3, GEMV_TUNING)], ids=["default", "split-rowblocks-cast"])
+def test_dequant_gemv_lowers_to_triton(kind, group_size, n, tuning):
+    """The GEMV (default tuning: "magic" conversion by bitcast, split-K; and a tuning with 2 row blocks, a split
+    of 3, an accumulator of 8 rows and converts by cast) lowers to one Triton call with its launch parameters."""
+    rng = np.random.default_rng(0)
+    qa = random_quantized(rng, kind, group_size, 576, 1536)
+    x = jnp.asarray(rng.normal(size=(n, 576)), jnp.bfloat16)
+    text = lower_for_cuda(lambda x, qa: dequant_gemv_pallas(x, qa, tuning, interpret=False), x, qa)
+    assert triton_calls(text) == 1
+    if tuning is not None:
+        assert "num_warps = 8" in text and "num_stages = 3" in text
+
+
+def test_dequant_gemv_gpu_rules_are_checked_before_lowering(gpu):
+    """A tuning Triton cannot run (a 48-column tile, not a power of two) is a ValueError naming the field, raised
+    before Pallas lowers anything."""
+    qa = random_quantized(np.random.default_rng(0), "q4_1", 32, 64, 96)
+    with pytest.raises(ValueError, match=r"power-of-two block_out >= 16 .*'block_out': 48"):
+        jax.jit(lambda x, qa: dequant_gemv_pallas(x, qa, GemvTuning(block_out=48, block_in=64), interpret=False)
+                ).trace(jnp.ones((1, 64), jnp.float32), qa)
+
+
 # ------------------------------------------------------------------------------------- "auto" and construction
 @pytest.fixture
 def gpu(monkeypatch):
@@ -145,13 +173,19 @@ def test_auto_attention_off_the_gpu_is_native_where_it_runs_else_xla(monkeypatch
     assert resolved_attn_impl("auto", head_dim=64, page_size=16) == "xla"
 
 
-@pytest.mark.parametrize("out,want", [(40, "xla"), (256, "pallas")])  # 40 columns: no block_out >= 16 divides it
-def test_auto_matmul_on_a_gpu_falls_back_to_xla_per_matrix(gpu, monkeypatch, out, want):
+# 40 columns: no block_out >= 16 divides it; 2 rows take the GEMV, 9 the tensor-core kernel (tuned_tables'
+# unmeasured DEFAULT_GEMV_MAX_ROWS of 8)
+@pytest.mark.parametrize("out,n,want", [(40, 2, "xla"), (40, 9, "xla"), (256, 2, "gemv"), (256, 9, "matmul")])
+def test_auto_matmul_on_a_gpu_falls_back_to_xla_per_matrix(gpu, monkeypatch, out, n, want):
+    from pallas_kernels import dequant_gemv
+
     calls = spy(monkeypatch, dm, ["dequant_matmul_xla", "dequant_matmul_pallas"])
+    spy(monkeypatch, dequant_gemv, ["dequant_gemv_pallas"], calls)
     qa = random_quantized(np.random.default_rng(0), "q4_1", 32, 64, out)
-    x = jnp.ones((2, 64), jnp.float32)
-    assert dequant_matmul(x, qa, interpret=True).shape == (2, out)
-    assert names_of(calls) == [f"dequant_matmul_{want}"]
+    x = jnp.ones((n, 64), jnp.float32)
+    assert dequant_matmul(x, qa, interpret=True).shape == (n, out)
+    assert names_of(calls) == [{"xla": "dequant_matmul_xla", "gemv": "dequant_gemv_pallas",
+                                "matmul": "dequant_matmul_pallas"}[want]]
 
 
 TINY = tiny_config(96, num_layers=1)
@@ -166,10 +200,11 @@ def test_explicit_pallas_attention_on_a_gpu_is_refused_at_construction(gpu):
     assert engine.spec.page_switch
 
 
-def test_explicit_pallas_matmul_on_a_gpu_is_refused_at_construction(gpu):
+@pytest.mark.parametrize("impl", ["pallas", "pallas_gemv"])
+def test_explicit_pallas_matmul_on_a_gpu_is_refused_at_construction(gpu, impl):
     cfg = dataclasses.replace(TINY, vocab_size=72)  # a 72-column LM head: no power-of-two tile >= 16 divides it
     params = init_random_weights(cfg, seed=0)
     params = dataclasses.replace(params, lm_head=quantize(jnp.ones((32, 72), jnp.float32), "q4_1"))
     model = Model(config=cfg, params=params, tokenizer=None, source="tiny")
-    with pytest.raises(InvalidConfigError, match=r"matmul_impl='pallas' .*32x72 q4_1.*matmul_impl='auto'"):
-        Engine(model, matmul_impl="pallas", attn_impl="xla", **SETTINGS)
+    with pytest.raises(InvalidConfigError, match=rf"matmul_impl='{impl}' .*32x72 q4_1.*block_out.*matmul_impl='auto'"):
+        Engine(model, matmul_impl=impl, attn_impl="xla", **SETTINGS)

@@ -243,7 +243,7 @@ def test_builtin_attention_conforms(impl, case):
     testing.check_attention(impl, case)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "reference", "native"])
+@pytest.mark.parametrize("impl", ["xla", "pallas", "pallas_gemv", "reference", "native"])
 @pytest.mark.parametrize("case", testing.matmul_cases("quick"), ids=lambda c: c.name)
 def test_builtin_matmul_conforms(impl, case):
     if impl == "native" and native.library_reason() is not None:

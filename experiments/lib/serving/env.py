@@ -82,10 +82,15 @@ def device_info() -> dict:
 
 def matmul_auto() -> str:
     """What `matmul_impl="auto"` runs here, for the results JSON."""
+    import jax
+
     from pallas_kernels import native, registry
+    from pallas_kernels.tuned_tables import gemv_max_rows
 
     if registry.on_gpu():
-        return "pallas where the kernel fits the matrix, else xla"
+        device = jax.devices()[0].device_kind
+        limits = ", ".join(f"{k} <= {gemv_max_rows(device, k)}" for k in ("q4_1", "q4_0", "int8"))
+        return f"pallas_gemv for rows {limits}, pallas above, each where it fits the matrix, else xla"
     why = native.unavailable_reason()
     if why is not None:
         return f"xla (native unavailable: {why})"

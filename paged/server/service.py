@@ -114,7 +114,7 @@ class ServingGenerator(AsyncDynamicGenerator):
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:  # the client went away while its jobs were being queued
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.abort(stream))
+            fut.add_done_callback(lambda f: self._after_enqueue(f, stream))
             raise
         except BaseException:
             for a in stream.ajobs:
@@ -129,6 +129,17 @@ class ServingGenerator(AsyncDynamicGenerator):
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
         return stream
+
+    def _after_enqueue(self, fut: asyncio.Future, stream: RequestStream) -> None:
+        """The end of an `enqueue` whose request was cancelled meanwhile: queued, its jobs are cancelled; rejected (or
+        never run), they are forgotten, so that the server can become idle."""
+        if fut.cancelled() or fut.exception() is not None:
+            for a in stream.ajobs:
+                self._jobs.pop(a.job, None)
+            stream.open.clear()
+            self._check_idle()
+        else:
+            self.abort(stream)
 
     def abort(self, stream: RequestStream, error: BaseException | None = None) -> int:
         """End the request's unfinished jobs (idempotent; call from the event loop). They are cancelled in the

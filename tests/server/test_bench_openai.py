@@ -5,6 +5,7 @@ workloads and metrics as in-process, measured over HTTP from the streamed chunks
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,23 @@ def test_bench_serving_over_http_closed_and_open_loop(server, tmp_path):
         assert rec["server_metrics"]["delta"]["tokens_generated"] == 84
         assert rec["server_metrics"]["delta"]["time_engine_s"] > 0  # the host loop's phases, from /metrics
     assert records[0]["max_in_flight"] == 3
+    wait_idle(server)
+
+
+def test_bench_serving_over_http_with_trace_arrivals_and_goodput(server, tmp_path):
+    """A trace's arrival times (sped up: the five requests arrive within a few tenths of a second) and goodput under
+    an SLO every request meets on the fake engine."""
+    trace = Path(__file__).resolve().parents[2] / "experiments/data/traces/chat_with_prefixes.jsonl"
+    run_main(bench_serving, "--backend=openai", f"--base_url={server.base}", "--model=tiny", "--dataset=trace",
+             f"--trace_file={trace}", "--trace_speedup=10", "--num_prompts=5", "--slo=ttft:600000,e2el:600000",
+             "--max_concurrency=inf", f"--output_dir={tmp_path}", "--run_name=trace", "--noprogress",
+             "--nomeasure_hardware", "--num_warmup=0")
+    (rec,) = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    m = rec["metrics"]
+    assert (m["completed"], m["failed"]) == (5, 0), rec["per_request"]
+    assert m["goodput"] is not None and m["goodput"] > 0
+    wl = rec["workload"]
+    assert (wl["dataset"], wl["trace_speedup"], wl["num_requests"]) == ("trace", 10, 5)
     wait_idle(server)
 
 

@@ -30,7 +30,7 @@ from paged.errors import GeneratorError
 from paged.host.generator import DynamicGenerator
 from paged.server.errors import APIError, from_generator_error, model_not_found
 from paged.server.metrics import ServerMetrics
-from paged.server.protocol import ChatCompletionRequest, CompletionRequest
+from paged.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
 from paged.server.responses import Choice, Formatter
 from paged.server.service import RequestStream, ServerShutdown, ServingGenerator
 from paged.server.translate import Context, Plan, chat_plan, completion_plan
@@ -135,7 +135,8 @@ class _State:
         self.metrics = ServerMetrics(generator, self.service.open_streams)
         self.service.on_step = self.metrics.observe_step
         self.ctx = Context(tokenizer=generator.tokenizer, max_seq_len=generator.max_seq_len,
-                           chat_template=chat_template, loras=frozenset(generator.loras))
+                           chat_template=chat_template, loras=frozenset(generator.loras),
+                           max_penalty_range=generator.config.max_penalty_range)
         self.created = int(time.time())
 
     def served(self) -> list[str]:
@@ -181,16 +182,25 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
     async def _api_error(request: Request, e: APIError):
         return rejected(request.url.path, e)
 
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
-                            f"{err.get('msg')}" for err in errors[:5])
+        errors = e.errors() or [{"loc": (), "msg": "invalid request"}]
+        first = errors[0]
+        if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+            pos = (first.get("loc") or (None,))[-1]
+            detail = (first.get("ctx") or {}).get("error")
+            return rejected(request.url.path, APIError(
+                400, f"invalid JSON at position {pos}" + (f": {detail}" if detail else "")))
+        model = bodies.get(request.url.path)
+        params = [error_param(tuple(err.get("loc", ())), model) for err in errors]
+        param = params[0]
         if first.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
+        else:  # one line per error (a union's value gets one per member it failed), the same line once
+            lines = list(dict.fromkeys(f"{p or 'body'}: {err.get('msg')}" for p, err in zip(params, errors)))
+            message = "; ".join(lines[:5]) + (f"; ... ({len(lines) - 5} more)" if len(lines) > 5 else "")
         return rejected(request.url.path, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -242,7 +252,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         try:
             stream = await state.service.open(plan.jobs)
         except GeneratorError as e:
-            raise from_generator_error(e, plan.prompt_param) from None
+            raise from_generator_error(e, type(body)) from None
         req = _Request(state, endpoint, kind, body.model, plan, stream, arrival)
         if body.stream:
             opts = body.stream_options

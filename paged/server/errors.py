@@ -7,6 +7,9 @@ Body: `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, as 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
+
+from pydantic import BaseModel
 
 from paged.errors import (
     GeneratorError,
@@ -15,6 +18,7 @@ from paged.errors import (
     JobTooLargeError,
     UnsupportedFeatureError,
 )
+from paged.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 class APIError(Exception):
@@ -52,43 +56,59 @@ def shutting_down() -> APIError:
                     code="shutting_down")
 
 
-# The generator's names for a setting -> the request field that sets it.
-PARAM_OF = {
-    "token_bias": "logit_bias",
-    "max_new_tokens": "max_tokens",
-    "min_new_tokens": "min_tokens",
-    "stop_conditions": "stop",
-    "stop token ids": "stop_token_ids",
-    "return_top_tokens": "top_logprobs",
-    "filters": "banned_strings",  # (the one Job message about filters: they exclude banned strings)
+# The generator's names for a setting -> the request fields that set it (the first one the request has).
+PARAM_OF: dict[str, tuple[str, ...]] = {
+    "token_bias": ("logit_bias",),
+    "max_new_tokens": ("max_tokens",),
+    "min_new_tokens": ("min_tokens",),
+    "stop_conditions": ("stop",),
+    "return_top_tokens": ("top_logprobs", "logprobs"),  # chat's name, then completions'
+    "filters": ("banned_strings",),  # (the one Job message about filters: they exclude banned strings)
+    "input_ids": (),  # the prompt: the caller's default
 }
+# Generator messages whose first word is no setting -> the request field at fault (None: none is; the server's
+# configuration or a bug)
+MESSAGES: tuple[tuple[str, str | None], ...] = (
+    ("stop token ids", "stop_token_ids"),
+    ("stop_conditions token id", "stop_token_ids"),
+    ("ban every token of the vocabulary", "banned_tokens"),
+    ("the stop tokens are banned too", "min_tokens"),
+    ("a CFG job takes two rows", "negative_prompt"),
+    ("DRY reads the token history", "dry_multiplier"),
+    ("default DRY sequence breakers and XTC exempt tokens", None),
+    ("token healing needs a text token", "token_healing"),
+    ("need a tokenizer", None),
+)
 _NAMED = re.compile(r"^(?:SamplingSettings|Job|DynamicGenerator): (?:gen_settings\.)?([a-z_]+)")
+ALL_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 
-def param_of(message: str, default: str | None = None) -> str | None:
-    """The request field a generator error message names ("SamplingSettings: top_p must be ..." -> "top_p")."""
-    if "stop token ids" in message:
-        return "stop_token_ids"
+def param_of(message: str, default: str | None = None, fields: Collection[str] = ALL_FIELDS) -> str | None:
+    """The request field a generator error message names ("SamplingSettings: top_p must be ..." -> "top_p"), one
+    of `fields` (the request's); `default` when it names none of them."""
+    for said, field in MESSAGES:
+        if said in message:
+            return field if field is None or field in fields else default
     m = _NAMED.match(message)
     if m is None:
         return default
     name = m.group(1)
-    if name == "input_ids":
-        return default
-    if name == "lora":
-        return "lora"
-    return PARAM_OF.get(name, name)
+    return next((f for f in PARAM_OF.get(name, (name,)) if f in fields), default)
 
 
-def from_generator_error(e: GeneratorError, prompt_param: str = "prompt") -> APIError:
-    """A 400 for a job the generator rejected (`Job()`, `SamplingSettings()`, `enqueue()`), naming the field:
-    `prompt_param` ("prompt" or "messages") for errors about the prompt."""
+def from_generator_error(e: GeneratorError, request: type[BaseModel] | None = None) -> APIError:
+    """A 400 for a job the generator rejected (`Job()`, `SamplingSettings()`, `enqueue()`), naming a field of
+    `request` (the endpoint's request model; None: either endpoint's): its prompt field ("prompt" or "messages")
+    for errors about the prompt."""
+    fields = ALL_FIELDS if request is None else frozenset(request.model_fields)
+    prompt_param = "messages" if "messages" in fields else "prompt"
     message = str(e)
     if isinstance(e, JobTooLargeError):
         return bad_request(f"This request does not fit the model's context: {message}", param=prompt_param,
                            code="context_length_exceeded")
     if isinstance(e, UnsupportedFeatureError):
-        return bad_request(message, param=param_of(message), code="unsupported")
+        return bad_request(message, param=param_of(message, None, fields), code="unsupported")
     if isinstance(e, (InvalidJobError, InvalidSettingsError)):
-        return bad_request(message, param=param_of(message, prompt_param if "input_ids" in message else None))
+        return bad_request(message, param=param_of(message, prompt_param if "input_ids" in message else None,
+                                                   fields))
     return bad_request(message)

@@ -29,7 +29,7 @@ JOB_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _GAUGES = {
     "jobs_pending": ("paged_jobs_waiting", "Jobs waiting for admission"),
     "jobs_active": ("paged_jobs_running", "Jobs admitted and running"),
-    "pages_total": ("paged_pages_total", "KV-cache pages, the null page included"),
+    "pages_total": ("paged_pages_total", "KV-cache pages jobs can use (the reserved null page excluded)"),
     "pages_used": ("paged_pages_used", "Pages referenced by running jobs"),
     "pages_cached": ("paged_pages_cached", "Pages kept as prompt cache"),
     "pages_free": ("paged_pages_free", "Free pages"),

@@ -10,12 +10,15 @@ extras) are left to it, so one rule holds in one place; its errors are mapped to
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_N = 128  # choices per request (each is a job of the same batch)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_SEED = 2**32 - 1  # the sampler's seeds are 32-bit: choice j of a request samples with (seed + j) mod 2**32
 
 
 class _Strict(BaseModel):
@@ -41,7 +44,7 @@ class SamplingRequest(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # the sampler keeps 32 bits: a wider seed would collide
     user: str | None = None  # accepted and ignored, as an end-user id for the caller's own records
     # --- extras: sampling (ExLlamaV2's sampler, paged.SamplingSettings; same names and meanings)
     top_k: int | None = Field(None, ge=-1)  # -1 (vLLM's "off") or 0: off
@@ -144,3 +147,43 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+
+def error_param(loc: tuple, model: type[BaseModel] | None) -> str | None:
+    """The request field a validation error's `loc` names, for `param`: its field names and list indices, walked
+    through `model`'s fields, without pydantic's union-member tags or a dict's keys
+    (`("stop", "str")` -> "stop", `("messages", 0, "content", "list[TextPart]", 0, "text")` ->
+    "messages.0.content.0.text", `("logit_bias", "65")` -> "logit_bias"). An unknown field (last in its `loc`) is
+    named as sent. None when `loc` names nothing (a body that is not a JSON object)."""
+    loc = tuple(loc[1:] if loc and loc[0] == "body" else loc)
+    if model is None:  # no model to walk: the top-level field
+        return str(loc[0]) if loc and isinstance(loc[0], str) else None
+    out: list[str] = []
+    kinds: list[Any] = [model]
+    for i, part in enumerate(loc):
+        members = [m for k in kinds for m in _members(k)]
+        if isinstance(part, int):
+            inner = [typing.get_args(m)[0] for m in members if typing.get_origin(m) is list and typing.get_args(m)]
+            if not inner:
+                break
+            out.append(str(part))
+            kinds = inner
+            continue
+        models = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        field = next((f for m in models for name, f in m.model_fields.items() if part in (name, f.alias)), None)
+        if field is not None:
+            out.append(part)
+            kinds = [field.annotation]
+        elif models and i == len(loc) - 1:  # a field the model does not have (extra_forbidden)
+            out.append(part)
+        elif any(m is dict or typing.get_origin(m) is dict for m in members):
+            break  # a key of a dict field (logit_bias's token ids): the field is named
+        # else: a union member's tag ("str", "list[int]", "function-after[...]"): not a field
+    return ".".join(out) or None
+
+
+def _members(kind: Any) -> list[Any]:
+    """A union's members (None left out); any other type as itself."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return [m for k in typing.get_args(kind) if k is not type(None) for m in _members(k)]
+    return [kind]

@@ -18,7 +18,7 @@ from paged.errors import GeneratorError
 from paged.filters import ChoiceFilter, GrammarFilter, JsonSchemaFilter, RegexFilter
 from paged.job import Job
 from paged.server.errors import bad_request, from_generator_error
-from paged.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from paged.server.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from paged.settings import SamplingSettings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -36,6 +36,7 @@ class Context:
     max_seq_len: int
     chat_template: str | None = None  # overrides the tokenizer's
     loras: frozenset[str] = frozenset()  # adapters loaded into the generator (a model name may be one)
+    max_penalty_range: int | None = None  # the generator's token history (0: none, so no penalties); None: unchecked
 
 
 @dataclasses.dataclass
@@ -47,7 +48,6 @@ class Plan:
     n: int
     logprobs: int | None  # None: no logprobs; else how many top alternatives per token
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
-    prompt_param: str = "prompt"
 
 
 _ids = itertools.count()
@@ -104,7 +104,7 @@ def settings_of(req: SamplingRequest) -> SamplingSettings:
     try:
         return SamplingSettings(**kw)
     except GeneratorError as e:
-        raise from_generator_error(e) from None
+        raise from_generator_error(e, type(req)) from None
 
 
 def _filters(req: SamplingRequest, response_format: Any = None) -> list:
@@ -132,7 +132,17 @@ def _filters(req: SamplingRequest, response_format: Any = None) -> list:
     return out
 
 
-def _check_common(req: SamplingRequest) -> None:
+# the sampler's fields that read the token history -> their neutral value (set to it, they ask for nothing)
+HISTORY_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "dry_multiplier": 0.0}
+
+
+def _check_common(req: SamplingRequest, ctx: Context) -> None:
+    if ctx.max_penalty_range == 0:  # the generator keeps no history: the penalties would be ignored, DRY refused
+        for name, neutral in HISTORY_FIELDS.items():
+            if getattr(req, name) not in (None, neutral):
+                raise bad_request(f"{name} reads the generated tokens' history, and this server keeps none "
+                                  f"(--max_penalty_range 0): start the server with --max_penalty_range > 0, or leave "
+                                  f"{name} unset", param=name, code="unsupported")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
     if req.negative_prompt is not None and req.cfg_scale is None:
@@ -170,12 +180,13 @@ def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative
             try:
                 jobs.append(Job(
                     ids if negative is None else [ids, negative], new, min_new_tokens=req.min_tokens,
-                    gen_settings=settings, stop_conditions=stops, seed=None if req.seed is None else req.seed + c,
+                    gen_settings=settings, stop_conditions=stops,
+                    seed=None if req.seed is None else (req.seed + c) % (MAX_SEED + 1),
                     identifier=("http", tag, p * req.n + c), return_probs=logprobs is not None,
                     return_top_tokens=logprobs or 0, banned_strings=req.banned_strings,
                     token_healing=req.token_healing, priority=req.priority, filters=filters or None, lora=lora))
             except GeneratorError as e:
-                raise from_generator_error(e, prompt_param) from None
+                raise from_generator_error(e, type(req)) from None
     return jobs
 
 
@@ -190,7 +201,7 @@ def _lora(req: SamplingRequest, ctx: Context, model_is_lora: bool) -> str | None
 
 
 def completion_plan(req: CompletionRequest, ctx: Context, model_is_lora: bool = False) -> Plan:
-    _check_common(req)
+    _check_common(req, ctx)
     if req.suffix is not None:
         raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -227,7 +238,7 @@ def completion_plan(req: CompletionRequest, ctx: Context, model_is_lora: bool = 
 
 
 def chat_plan(req: ChatCompletionRequest, ctx: Context, model_is_lora: bool = False) -> Plan:
-    _check_common(req)
+    _check_common(req, ctx)
     if req.tools:
         raise bad_request("tools are not supported", param="tools", code="unsupported")
     if req.tool_choice not in (None, "none"):
@@ -248,4 +259,4 @@ def chat_plan(req: ChatCompletionRequest, ctx: Context, model_is_lora: bool = Fa
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     jobs = _jobs(req, ctx, [ids], negative, max_tokens, None, logprobs, _filters(req, req.response_format),
                  "messages", _lora(req, ctx, model_is_lora))
-    return Plan(jobs=jobs, prompt_lens=[len(ids)], n=req.n, logprobs=logprobs, prompt_param="messages")
+    return Plan(jobs=jobs, prompt_lens=[len(ids)], n=req.n, logprobs=logprobs)

@@ -70,6 +70,9 @@ def test_models_health_metrics_and_unknown_routes(server, client):
                  "paged_e2e_request_latency_seconds_count", "paged_requests_open"):
         assert name in m, name
     assert m["paged_pages_free"] + m["paged_pages_cached"] + m["paged_pages_used"] == m["paged_pages_total"]
+    assert m["paged_pages_total"] == server.app.state.paged.generator.pool.num_pages  # the null page is not counted
+    page = httpx.get(f"{server.base}/metrics").text
+    assert "# HELP paged_pages_total KV-cache pages jobs can use (the reserved null page excluded)" in page
     for phase in ("schedule", "engine", "results"):  # the host loop's cumulative seconds, as generator.metrics()
         assert f"paged_host_loop_seconds_total{{phase={phase}}}" in m, phase
 
@@ -120,9 +123,13 @@ def test_json_schema_response_parses_and_validates(client):
     (c,) = r.choices
     assert c.finish_reason == "stop", c
     jsonschema.validate(json.loads(c.message.content), schema)
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=3,
-                                       temperature=1.0, seed=0, response_format={"type": "json_object"})
-    assert r.choices[0].message.content.startswith("{")
+    # any JSON object: sampled, the tiny model closes one within a few dozen tokens for most seeds (greedy, it
+    # writes whitespace forever, which JSON allows), so of 4 choices those that stop must each parse as an object
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON"}], max_tokens=200,
+                                       temperature=1.0, seed=0, n=4, response_format={"type": "json_object"})
+    done = [c.message.content for c in r.choices if c.finish_reason == "stop"]
+    assert done, [c.message.content for c in r.choices]
+    assert all(isinstance(json.loads(text), dict) for text in done), done
 
 
 def test_n_choices_share_the_prompt_pages(server, client):
@@ -242,7 +249,14 @@ def test_a_client_that_disconnects_frees_its_pages(server):
 
 
 # ------------------------------------------------------------------------------------------------ errors
-BAD = [  # (body changes, the field the 400 must name)
+BAD = [  # (body changes, the field the 400 must name; None: no field)
+    ({"stop": 5}, "stop"),  # a union-typed field: pydantic's member tags ("stop.str") are not named
+    ({"prompt": 5}, "prompt"),
+    ({"logit_bias": {"65": "a"}}, "logit_bias"),  # a dict's key is not a field
+    ({"seed": 2**70}, "seed"),  # the sampler's seeds are 32-bit
+    ({"seed": -1}, "seed"),
+    ({"banned_tokens": list(range(TOK.vocab_size))}, "banned_tokens"),  # enqueue()'s errors name the field too
+    ({"min_tokens": 2, "banned_tokens": [t for t in range(TOK.vocab_size) if t != TOK.eos_token_id]}, "min_tokens"),
     ({"temperature": "hot"}, "temperature"),
     ({"n": 1.5}, "n"),
     ({"frobnicate": 1}, "frobnicate"),
@@ -280,6 +294,14 @@ def test_bad_requests_get_400_naming_the_field_while_another_stream_goes_on(serv
         assert r.status_code == 400, (change, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (change, err)
+    r = httpx.post(f"{server.base}/v1/chat/completions", timeout=DEADLINE_S,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": 5}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+    r = httpx.post(f"{server.base}/v1/completions", content=b'{"model": "tiny", "prompt": }', timeout=DEADLINE_S,
+                   headers={"content-type": "application/json"})
+    err = r.json()["error"]  # the offset of the "}" where a value should be; no field
+    assert r.status_code == 400 and err["param"] is None, err
+    assert err["message"].startswith("invalid JSON at position 28"), err
     schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
@@ -331,6 +353,27 @@ def test_a_job_failing_mid_stream_ends_its_own_stream_only(server, client):
     wait_idle(server)
 
 
+def test_a_job_failing_in_a_non_streamed_request_gets_500_job_failed(server, client):
+    gen = server.app.state.paged.generator
+    raised = []
+
+    def fault(point):  # the job's masks fail twice (the batch's call, then its own retry): it ends with an error
+        if point == "masks" and len(raised) < 2:
+            raised.append(point)
+            raise InjectedFault("injected mask failure")
+
+    gen.fault_hook = fault
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            complete(client, prompt="Filtered", max_tokens=20, extra_body={"regex": "[a-z]+"})
+    finally:
+        gen.fault_hook = None
+    assert e.value.status_code == 500 and e.value.body["code"] == "job_failed", e.value.body
+    assert "injected mask failure" in e.value.body["message"] and e.value.body["type"] == "server_error"
+    assert complete(client, prompt="Filtered", max_tokens=4, extra_body={"regex": "[a-z]+"}).choices[0].text
+    wait_idle(server)
+
+
 # ------------------------------------------------------------------------------------------------ extras
 def test_extra_body_fields(client):
     choice = complete(client, max_tokens=20, extra_body={"choice": ["alpha", "beta"]}).choices[0]
@@ -347,6 +390,13 @@ def test_extra_body_fields(client):
     assert r.usage.completion_tokens == 12
     r = complete(client, max_tokens=6, temperature=0, extra_body={"negative_prompt": "Goodbye", "cfg_scale": 1.5})
     assert r.usage.completion_tokens == 6
+    # logit_bias: +100 on one token makes greedy pick it every time (the byte tokenizer's 90 is "Z")
+    r = complete(client, max_tokens=6, temperature=0, logit_bias={"90": 100})
+    assert r.choices[0].text == "ZZZZZZ"
+    # the penalties: greedy, the tiny model falls into a loop of two tokens, which each of them breaks
+    plain = complete(client, max_tokens=24, temperature=0).choices[0].text
+    for penalty in ({"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"extra_body": {"repetition_penalty": 1.5}}):
+        assert complete(client, max_tokens=24, temperature=0, **penalty).choices[0].text != plain, penalty
     # banned tokens against a grammar that allows only them: the constraints leave nothing, a content filter
     r = complete(client, max_tokens=5, extra_body={"regex": "q+", "banned_tokens": [ord("q")]})
     assert r.choices[0].finish_reason == "content_filter"

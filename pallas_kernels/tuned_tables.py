@@ -50,11 +50,10 @@ GEMV: dict[str, dict[tuple, dict[str, int | str]]] = {}
 # token computed in a step below the limit and in one above it (beside a prefill chunk, or in a wide verification
 # step) may differ in its last bits; 0 keeps every row count on the tensor-core kernel.
 GEMV_MAX_ROWS: dict[str, dict[str, int]] = {}
-# Devices without an entry: UNMEASURED. 8 covers decode at batch 1 and its verification steps of up to 7 drafts
-# (one kernel, so greedy speculation keeps plain decoding's bits there); at 8 rows the GEMV does 8 float32
-# multiply-adds per weight element, which should still beat the tensor-core kernel's 0.075 ms on the H100's
-# 4096 x 14336 q4_1 matrix (docs/kernels.md), by arithmetic, not by a measurement.
-DEFAULT_GEMV_MAX_ROWS = 8
+# Devices without an entry: 0, the measured tensor-core kernel for every row count, until the GEMV has been timed on
+# the device (it has not run on a GPU yet). Once measured, 8 is the expected limit: it covers decode at batch 1 and
+# its verification steps of up to 7 drafts (one kernel, so greedy speculation keeps plain decoding's bits there).
+DEFAULT_GEMV_MAX_ROWS = 0
 
 
 def _bucket(n: int) -> int:

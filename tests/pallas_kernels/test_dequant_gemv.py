@@ -197,11 +197,13 @@ def _auto(n, qa, **kwargs):
 
 @pytest.mark.parametrize("kind", ["q4_1", "int8"])
 def test_auto_on_a_gpu_runs_the_gemv_up_to_the_row_limit(gpu_calls, monkeypatch, kind):
-    """The unmeasured default limit (DEFAULT_GEMV_MAX_ROWS rows): the GEMV at the limit, the tensor-core kernel one
-    row above. A measured entry of GEMV_MAX_ROWS for this device moves the switch (here to 2 rows, for this kind
-    only)."""
+    """The default limit (DEFAULT_GEMV_MAX_ROWS rows; 0 as shipped, until a GPU measurement: the tensor-core kernel
+    for every row count): the GEMV at the limit, the tensor-core kernel one row above. A measured entry of
+    GEMV_MAX_ROWS for this device moves the switch (here to 2 rows, for this kind only)."""
     qa = _qa(kind, 32)
-    limit = tuned_tables.DEFAULT_GEMV_MAX_ROWS
+    assert dm.gpu_auto_impl(1, qa) == "pallas"  # as shipped: no device has a measured limit
+    limit = 8
+    monkeypatch.setattr(tuned_tables, "DEFAULT_GEMV_MAX_ROWS", limit)
     assert tuned_tables.gemv_max_rows(jax.devices()[0].device_kind, kind) == limit  # no entry for the CPU
     for n in (1, limit, limit + 1):
         _auto(n, qa)
@@ -217,17 +219,19 @@ def test_auto_on_a_gpu_runs_the_gemv_up_to_the_row_limit(gpu_calls, monkeypatch,
     assert dm.gpu_auto_impl(2, qa) == "pallas_gemv" and dm.gpu_auto_impl(3, qa) == "pallas"
 
 
-def test_auto_on_a_gpu_falls_back_per_matrix(gpu_calls):
+def test_auto_on_a_gpu_falls_back_per_matrix(gpu_calls, monkeypatch):
     """Where the GEMV's GPU rules reject the matrix, the tensor-core kernel if it fits, else XLA."""
+    monkeypatch.setattr(tuned_tables, "DEFAULT_GEMV_MAX_ROWS", 8)
     _auto(1, _qa("q4_1", 32, out=40))  # neither fits 40 columns
     assert names_of(gpu_calls) == ["dequant_matmul_xla"]
     assert dm.gpu_auto_impl(1, _qa("q4_1", 16)) == "pallas_gemv"  # groups of 16: the GEMV fits, the dots do not
     assert dm.gpu_auto_impl(9, _qa("q4_1", 16)) == "xla"
 
 
-def test_auto_hands_each_kernel_its_own_tuning(gpu_calls):
+def test_auto_hands_each_kernel_its_own_tuning(gpu_calls, monkeypatch):
     """A GemvTuning given with "auto" runs the GEMV (and is not the tensor-core kernel's: above the limit that one
     runs its default); a MatmulTuning serves both."""
+    monkeypatch.setattr(tuned_tables, "DEFAULT_GEMV_MAX_ROWS", 8)
     qa = _qa("q4_1", 32)
     gt = GemvTuning(block_n=8, block_out=16, block_in=64, split_in=2)
     big = tuned_tables.DEFAULT_GEMV_MAX_ROWS + 1

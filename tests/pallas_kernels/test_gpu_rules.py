@@ -173,12 +173,13 @@ def test_auto_attention_off_the_gpu_is_native_where_it_runs_else_xla(monkeypatch
     assert resolved_attn_impl("auto", head_dim=64, page_size=16) == "xla"
 
 
-# 40 columns: no block_out >= 16 divides it; 2 rows take the GEMV, 9 the tensor-core kernel (tuned_tables'
-# unmeasured DEFAULT_GEMV_MAX_ROWS of 8)
+# 40 columns: no block_out >= 16 divides it; 2 rows take the GEMV, 9 the tensor-core kernel (with a GEMV limit of
+# 8 rows; as shipped the limit is 0 until the GEMV is measured on a GPU)
 @pytest.mark.parametrize("out,n,want", [(40, 2, "xla"), (40, 9, "xla"), (256, 2, "gemv"), (256, 9, "matmul")])
 def test_auto_matmul_on_a_gpu_falls_back_to_xla_per_matrix(gpu, monkeypatch, out, n, want):
-    from pallas_kernels import dequant_gemv
+    from pallas_kernels import dequant_gemv, tuned_tables
 
+    monkeypatch.setattr(tuned_tables, "DEFAULT_GEMV_MAX_ROWS", 8)
     calls = spy(monkeypatch, dm, ["dequant_matmul_xla", "dequant_matmul_pallas"])
     spy(monkeypatch, dequant_gemv, ["dequant_gemv_pallas"], calls)
     qa = random_quantized(np.random.default_rng(0), "q4_1", 32, 64, out)

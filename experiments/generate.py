@@ -33,6 +33,12 @@ completion, new_tokens, prompt_tokens, cached_tokens (prompt tokens served by th
 With --chat (default) prompts are wrapped in the model's chat template (--system adds a system message); --nochat
 sends the raw text. The model's EOS token always stops a job; --stop adds comma-separated stop strings.
 
+Comparing kernel implementations (docs/kernels.md, step 5): --compare_to=IMPL runs the prompt(s) greedily twice,
+with the implementation under test (--attn_impl, or --matmul_impl) and with IMPL, every other implementation pinned
+to the same one in both runs, and reports each prompt's first divergent token with the logit margin there
+(experiments/lib/compare_impls.py; --output: one record per prompt).
+    python -m experiments.generate --attn_impl my_kernels:attention --compare_to xla --prompt "Write a haiku."
+
 Constrained decoding (docs/api.md, "Filters"): --json_schema FILE, --regex PATTERN and --grammar FILE (Lark) make
 every job's output follow them (given together, they intersect); such a job ends with eos_reason "end_filter" when
 its output is complete (--filter_prefer_eos: as soon as the filters accept it).
@@ -50,7 +56,7 @@ from typing import IO, Any
 
 from absl import app, flags
 
-from experiments.lib import engine_flags
+from experiments.lib import compare_impls, engine_flags
 from experiments.lib.common import read_jsonl, write_jsonl
 from paged.speculation.rows import ACCEPTANCE_RULES
 
@@ -65,6 +71,10 @@ flags.DEFINE_string("output", None, "write one JSONL record per finished job (or
 flags.DEFINE_string("system", None, "optional system message (chat template only)")
 flags.DEFINE_bool("chat", True, "wrap prompts in the model's chat template (--nochat: raw text)")
 flags.DEFINE_bool("warmup", False, "compile every step bucket before the first job (generator.warmup)")
+flags.DEFINE_string("compare_to", None, "run the prompt(s) greedily with the implementation under test "
+                    "(--attn_impl, or --matmul_impl) and again with this one (a name or module:function), every "
+                    "other implementation pinned to the same one in both, and report the first divergent token and "
+                    "the logit margin there (docs/kernels.md)")
 # --- several processes (hosts): each runs this same command with its own --process_id (docs/sharding.md)
 flags.DEFINE_integer("num_processes", 1, "processes in a multi-process (multi-host) run; > 1 needs --mesh over all "
                      "their devices, --coordinator_address and --prompt or --prompts_file")
@@ -209,6 +219,27 @@ def validate_flags() -> None:
     check_process_flags()
     build_settings()  # sampling flags
     build_filters()  # a bad schema, regex or grammar is reported here, before the model loads
+    compare_plan()
+
+
+def compare_plan() -> compare_impls.ComparePlan | None:
+    """The comparison `--compare_to` asks for (None without it); app.UsageError naming the flag when it cannot run."""
+    if FLAGS.compare_to is None:
+        return None
+    from pallas_kernels import native, registry
+
+    value = FLAGS.compare_to
+    if FLAGS.temperature != 0:
+        raise app.UsageError(f"--compare_to compares greedy decoding: drop --temperature={FLAGS.temperature}")
+    if _mode() == "chat" or FLAGS.num_processes > 1:
+        raise app.UsageError("--compare_to takes --prompt or --prompts_file (one process, no chat)")
+    given = {"attention": FLAGS["attn_impl"].present, "matmul": FLAGS["matmul_impl"].present}
+    impls = {"attention": FLAGS.attn_impl, "matmul": FLAGS.matmul_impl}
+    quantizes = not registry.on_gpu() and native.unavailable_reason() is None
+    try:
+        return compare_impls.plan_comparison(value, impls, given, auto_matmul_quantizes=quantizes)
+    except compare_impls.CompareError as e:
+        raise app.UsageError(f"--compare_to={value}: {e}") from None
 
 
 def check_process_flags() -> None:
@@ -314,9 +345,11 @@ def load_model_from_flags():
     return model
 
 
-def build_generator(model, *, max_batch_size: int | None = None, uses_penalties: bool | None = None):
+def build_generator(model, *, max_batch_size: int | None = None, uses_penalties: bool | None = None,
+                    adjust: Callable[[Any], Any] | None = None):
     """A DynamicGenerator configured by the cache/engine flags. `max_batch_size` is the mode's default, used when
-    --max_batch_size is not given. Without penalties the penalty-history buckets are left out (fewer compiles)."""
+    --max_batch_size is not given. Without penalties the penalty-history buckets are left out (fewer compiles).
+    `adjust`: EngineConfig -> the config to use instead (--compare_to's runs)."""
     from models import ModelError
     from paged import DynamicGenerator
 
@@ -334,6 +367,8 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
         rank = max(kw["config"].max_lora_rank, rank if isinstance(rank, int) else 0)
         kw["config"] = dataclasses.replace(kw["config"], max_loras=max(kw["config"].max_loras, 1), max_lora_rank=rank)
     try:
+        if adjust is not None:
+            kw["config"] = adjust(kw["config"])
         gen = DynamicGenerator(model, **kw, **speculation_kwargs(model))
     except ValueError as e:
         raise app.UsageError(str(e)) from e
@@ -440,11 +475,11 @@ def encode_request(tok, req: Request) -> Request:
     return req
 
 
-def make_job(tok, req: Request, identifier: Any = None):
+def make_job(tok, req: Request, identifier: Any = None, return_logits: bool = False):
     from paged import Job
 
     ids = req.ids if req.negative_ids is None else [req.ids, req.negative_ids]
-    return Job(ids, req.max_new_tokens, lora=LORA_NAME if FLAGS.lora is not None else None,
+    return Job(ids, req.max_new_tokens, lora=LORA_NAME if FLAGS.lora is not None else None, return_logits=return_logits,
                min_new_tokens=min(FLAGS.min_new_tokens, req.max_new_tokens),
                gen_settings=req.settings, stop_conditions=stop_conditions(tok, req.stop), seed=req.seed,
                identifier=identifier, filters=build_filters(), filter_prefer_eos=FLAGS.filter_prefer_eos)
@@ -742,6 +777,65 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
     return records
 
 
+def greedy_traces(gen, tok, requests: Sequence[Request], watch: Sequence[Sequence[int]] | None = None) -> list:
+    """Run every request in `gen` (logits asked for) and return one `compare_impls.Trace` per request, in order;
+    `watch`: the other run's tokens per request (the logit row where this run first differs is kept)."""
+    from paged import InvalidJobError, JobTooLargeError
+
+    traces = [compare_impls.Trace(watch=None if watch is None else watch[i]) for i in range(len(requests))]
+    for i, r in enumerate(requests):
+        try:
+            gen.enqueue(make_job(tok, r, identifier=i, return_logits=True))
+        except (JobTooLargeError, InvalidJobError) as e:
+            gen.clear_queue()
+            raise app.UsageError(f"{r.where}: {e}") from e
+    while gen.num_remaining_jobs():
+        for res in gen.iterate():
+            if res["stage"] != "streaming":
+                continue
+            trace = traces[res["identifier"]]
+            trace.add(res["token_ids"], res.get("logits"))
+            if res["eos"]:
+                trace.text = res["full_completion"]
+    return traces
+
+
+def run_compare(model, tok, requests: Sequence[Request], plan: compare_impls.ComparePlan, *,
+                max_batch_size: int, sink: IO[str] | None = None) -> list[dict]:
+    """--compare_to: every request greedily under `plan`'s two configs (the implementation under test first, then
+    the reference, each in a generator of its own), then per request the first divergent token (stdout) and a
+    record (`sink`)."""
+    for r in requests:
+        if r.settings.temperature != 0:
+            raise app.UsageError(f"{r.where}: --compare_to compares greedy decoding; drop the temperature")
+        encode_request(tok, r)
+    print(f"[{plan.describe()}]", file=sys.stderr)
+    runs = {}
+    for side, pick in (("under_test", 0), ("reference", 1)):
+        t0 = time.perf_counter()
+        gen = build_generator(model, max_batch_size=max_batch_size, adjust=lambda c, p=pick: plan.configs(c)[p])
+        watch = [t.tokens for t in runs["under_test"]] if side == "reference" else None
+        runs[side] = greedy_traces(gen, tok, requests, watch)
+        impl = plan.under_test if side == "under_test" else plan.reference
+        print(f"[{side.replace('_', ' ')}: {plan.family} {impl!r}, {len(requests)} prompt(s) in "
+              f"{time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+        del gen
+    piece = lambda t: tok.decode([t], decode_special_tokens=True)  # noqa: E731
+    records = []
+    for r, test, ref in zip(requests, runs["under_test"], runs["reference"]):
+        d = compare_impls.divergence(test, ref, len(r.ids), piece)
+        compared = min(len(test.tokens), len(ref.tokens)) if d is None else d["index"]
+        print(f"{r.id}: {compare_impls.describe_divergence(d, compared)}")
+        rec = {"id": r.id, "prompt": r.text, "family": plan.family, "under_test": plan.under_test,
+               "reference": plan.reference, "pinned": {plan.other: plan.pinned, "why": plan.pinned_why},
+               "identical": d is None, "divergence": d, "prompt_tokens": len(r.ids),
+               "tokens_under_test": len(test.tokens), "tokens_reference": len(ref.tokens),
+               "completion_under_test": test.text, "completion_reference": ref.text}
+        records.append(rec)
+        write_jsonl(sink, rec)
+    return records
+
+
 # ---------------------------------------------------------------------------------------------------- summary
 def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int | None = None,
               weight_bytes: int = 0) -> dict:
@@ -831,18 +925,22 @@ def main(argv):
     model = load_model_from_flags()
     tok = model.tokenizer
     # (a CFG job takes two rows: its prompt and the negative prompt)
-    gen = build_generator(model, max_batch_size=BULK_BATCH_SIZE if mode == "bulk" else
-                          (2 if FLAGS.negative_prompt is not None else 1))
+    batch = BULK_BATCH_SIZE if mode == "bulk" else (2 if FLAGS.negative_prompt is not None else 1)
+    comparing = FLAGS.compare_to is not None  # (its two runs build generators of their own)
+    gen = None if comparing else build_generator(model, max_batch_size=batch)
     note = "" if use_template(tok) or not FLAGS.chat else "; no chat template: raw text"
     print(f"[loaded {FLAGS.model} in {time.perf_counter() - t0:.1f}s{note}]", file=sys.stderr)
-    if FLAGS.warmup:
+    if FLAGS.warmup and not comparing:
         t1 = time.perf_counter()
         n = gen.warmup(progress=True)
         print(f"[compiled {n} step buckets in {time.perf_counter() - t1:.1f}s]", file=sys.stderr)
 
     sink = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else None
     try:
-        if mode == "bulk":
+        if comparing:
+            run_compare(model, tok, requests or [single_request(prompt)], compare_plan(), sink=sink,
+                        max_batch_size=batch)
+        elif mode == "bulk":
             result = run_bulk(gen, tok, requests, sink=sink or sys.stdout, progress=FLAGS.progress)
             summary = summarise(result.records, result.metrics, result.wall_s, result.total,
                                 weight_bytes=model.params.step_read_bytes())

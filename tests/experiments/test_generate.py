@@ -305,6 +305,68 @@ def test_chat_ctrl_c_at_the_prompt_exits_cleanly(model_dir, monkeypatch, capsys)
     assert "/reset clears the conversation" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------------------------- comparing implementations
+PERTURBED = """
+import jax.numpy as jnp
+from pallas_kernels.paged_attention import paged_attention
+
+
+def attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, tuning=None, **kw):
+    out = paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, impl="xla", **kw)
+    t = jnp.arange(q.shape[0])
+    inside = (t[:, None] >= query_start) & (t[:, None] < query_start + query_lens)  # [T, S]
+    row = jnp.argmax(inside, axis=1)
+    pos = kv_lens[row] - query_lens[row] + t - query_start[row]
+    return jnp.where((pos >= START)[:, None, None], -3.0 * out, out)  # wrong from position START on
+"""
+
+
+def test_compare_to_finds_no_divergence_between_equal_implementations(model_dir, tmp_path, capsys):
+    out = tmp_path / "cmp.jsonl"
+    run_main(*engine_args(model_dir, "--prompt=Tell me about caches.", "--attn_impl=xla", "--compare_to=reference",
+                          f"--output={out}"))
+    [rec] = read_jsonl(out)
+    assert (rec["family"], rec["under_test"], rec["reference"]) == ("attention", "xla", "reference")
+    assert rec["pinned"]["matmul"] in ("xla", "auto")  # xla wherever auto would quantize activations (native)
+    captured = capsys.readouterr()
+    if rec["identical"]:
+        assert "1: no divergence: the same 6 tokens" in captured.out
+        assert rec["completion_under_test"] == rec["completion_reference"] != ""
+    else:  # a near-tie flipped by float rounding: reported with its margin
+        assert rec["divergence"]["reference"]["margin"] < 1e-2, rec
+    assert "in both runs" in captured.err
+
+
+def test_compare_to_reports_where_a_perturbed_attention_diverges(model_dir, tmp_path, monkeypatch, capsys):
+    prompt_tokens, start = 30, 32  # the prompt's tokens under the chat template; wrong from position 32 on
+    (tmp_path / "perturbed_attention.py").write_text(f"START = {start}\n" + PERTURBED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "cmp.jsonl"
+    run_main(*engine_args(model_dir, "--prompt=Tell me about caches.", "--attn_impl=perturbed_attention:attention",
+                          "--compare_to=xla", f"--output={out}"))
+    [rec] = read_jsonl(out)
+    d = rec["divergence"]
+    assert rec["prompt_tokens"] == prompt_tokens and not rec["identical"]
+    # the logits at position 32 are the first wrong ones: they choose the token at position 33, generated token 3
+    assert (d["index"], d["position"]) == (start - prompt_tokens + 1, start + 1)
+    assert d["under_test"]["id"] != d["reference"]["id"] and d["reference"]["margin"] > 0
+    assert d["reference"]["logit_gap"] >= d["reference"]["margin"]
+    text = capsys.readouterr().out
+    assert f"first divergent token at generated token {d['index']} (sequence position {d['position']})" in text
+    assert f"{d['reference']['id']} {d['reference']['text']!r}" in text
+
+
+@pytest.mark.parametrize("flags_, message", [
+    (["--compare_to=flash"], "--compare_to=flash: not an attention implementation"),
+    (["--compare_to=xla"], "--compare_to=xla: 'xla' is both an attention and a matmul implementation"),
+    (["--compare_to=xla", "--attn_impl=reference", "--temperature=0.7"], "--compare_to compares greedy decoding"),
+])
+def test_compare_to_usage_errors_name_the_flag(model_dir, flags_, message):
+    with flags_set(*engine_args(model_dir, "--prompt=Hi", *flags_)):
+        with pytest.raises(app.UsageError, match=message):
+            generate.main(["generate"])
+
+
 # ------------------------------------------------------------------------------------------------ flags
 @pytest.mark.parametrize("flag, message", [
     ("--top_p=0", "top_p must be a number in (0, 1]"),

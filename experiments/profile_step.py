@@ -32,6 +32,7 @@ import time
 from absl import app, flags
 
 from experiments.lib.common import check_out_flag, write_record
+from experiments.lib.step_timing import prefill, time_decode
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -64,7 +65,8 @@ flags.DEFINE_string("fit_name", None, "fit: its name, e.g. cpu_epyc_smollm2_q4 (
 
 def host_breakdown(model, rows: int) -> dict:
     """Steady state of `rows` concurrent decoding jobs through the generator: every job is prefilled first, then
-    `FLAGS.tokens` steps are timed with all `rows` jobs decoding, and the wall time is split with the timers."""
+    `FLAGS.tokens` steps are timed with all `rows` jobs decoding, and the wall time is split with the timers
+    (`experiments.lib.step_timing`)."""
     import numpy as np
 
     from paged import DynamicGenerator, Job, SamplingSettings
@@ -78,29 +80,18 @@ def host_breakdown(model, rows: int) -> dict:
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
-    def run() -> tuple[float, dict]:
-        jobs = [Job(rng.integers(0, vocab, size=ctx).tolist(), budget, gen_settings=SamplingSettings.greedy())
-                for _ in range(rows)]
-        gen.enqueue(jobs)
-        while gen.pending or any(j.new_tokens == 0 for j in gen.active):  # prefill (not measured)
-            gen.iterate()
-        m0 = gen.metrics()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            gen.iterate()
-        wall = time.perf_counter() - t0
-        m1 = gen.metrics()
-        assert m1["tokens_generated"] - m0["tokens_generated"] == rows * n, "a job finished inside the window"
+    def run():
+        prefill(gen, [Job(rng.integers(0, vocab, size=ctx).tolist(), budget, gen_settings=SamplingSettings.greedy())
+                      for _ in range(rows)])
+        window = time_decode(gen, n)
         gen.clear_queue()
-        return wall, {k: m1[k] - m0[k] for k in m1 if k.startswith("time_")}
+        return window
 
     run()  # the same run once untimed: compiles every bucket it touches
-    wall, d = run()
-    ms = lambda k: 1e3 * d[k] / n
-    rec = dict(rows=rows, steps=n, tokens_per_s=rows * n / wall, ms_per_step=1e3 * wall / n,
-               schedule_ms=ms("time_schedule_s"), build_ms=ms("time_engine_build_s"),
-               dispatch_ms=ms("time_engine_dispatch_s"), device_wait_ms=ms("time_engine_wait_s"),
-               results_ms=ms("time_results_s"))
+    w = run()
+    split = w.split_ms()
+    rec = dict(rows=rows, steps=w.steps, tokens_per_s=w.tokens_per_s, ms_per_step=w.ms_per_step,
+               **{k: split[k] for k in ("schedule_ms", "build_ms", "dispatch_ms", "device_wait_ms", "results_ms")})
     rec["host_ms"] = rec["ms_per_step"] - rec["device_wait_ms"]
     rec["host_frac"] = rec["host_ms"] / rec["ms_per_step"]
     return rec

@@ -12,7 +12,7 @@ achieved. The copy rate is measured in the same run by `measure_copy_rate`: a ji
 float32 buffer, in place (the buffer donated), read + write counted, the best of a few timings. In place matters on
 the CPU: `experiments.lib.serving.hardware.measure_memory_bandwidth` allocates a fresh output on every call, and
 the kernel's zeroing of its new pages is most of what it times there (3-4 GB/s on the 2-core EPYC host where the
-in-place pass runs at 41 GB/s over 512 MiB; 2026-12-07). On a CPU a model whose weights and cache fit in the CPU's
+in-place pass runs at 41-68 GB/s over 512 MiB; 2026-12-06). On a CPU a model whose weights and cache fit in the CPU's
 caches can exceed a fraction of 1: the copy is timed on a buffer far larger than the caches.
 """
 

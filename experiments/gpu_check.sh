@@ -4,7 +4,8 @@
 # references), the end-to-end benchmark on the presets (bench_e2e: decode tok/s against the copy-rate roofline) and
 # the kernel sweeps (bench_kernels with its same-run peaks, at SmolLM2's and at Llama-3-8B's shapes). Each stage runs
 # under its own time limit, cut to what is left of the campaign's BUDGET_S (default 690 s, what the default stages'
-# limits add up to: the campaign fits in 12 minutes with the machine's start), so one hang does not eat the rest. Logs, JSON records and plots go to $OUT (default
+# limits add up to: the campaign fits in 12 minutes with the machine's start), so one hang does not eat the rest.
+# Logs, JSON records and plots go to $OUT (default
 # experiments/results/tmp), named by device (DEVICE, default from nvidia-smi: h100, h200, ...).
 #
 #   bash experiments/gpu_check.sh [stage ...]
@@ -12,7 +13,9 @@
 # Default stages: facts build gpu_tier e2e bench bench_large. `e2e` is e2e_8b_bf16 e2e_8b_q4 e2e_1b e2e_smollm2
 # (each also a stage of its own): Llama-3-8B in bf16 and q4_0 at batch 1/16/64/256, Llama-3.2-1B in bf16 at batch
 # 1/16/64, and the embedded SmolLM2 (MODEL: a .gguf path, default the embedded name) single stream; records
-# $OUT/e2e_<device>_<name>.json and .png. More stages, not in the default: fast_tier (the fast test tier on the GPU),
+# $OUT/e2e_<device>_<name>.json and .png; bench_large times pallas_gemv beside the tensor-core kernel. More stages,
+# not in the default: gemv (pallas_gemv against pallas and XLA at 1-16 rows, for tuned_tables.GEMV_MAX_ROWS),
+# fast_tier (the fast test tier on the GPU),
 # speculative (bench_speculative at batch 1 and 4 on SmolLM2, each drafter's outputs compared with plain
 # decoding's) and price (ngram_bound --price: a verification's cost by width).
 #
@@ -110,7 +113,17 @@ for stage in "${stages[@]}"; do
       run 130 $PY -m experiments.bench_kernels --heads 8x4x128 --page_size 16 --cache_dtype bfloat16 \
         --attn_shapes decode64x4096,decode256x2048,prefill2048x2048,mixed512+64x2048 \
         --matmul_shapes 1x4096x14336,16x4096x14336,64x4096x14336,256x4096x14336 --kinds q4_1,int8 \
+        --matmul_impls pallas,pallas_gemv,xla \
         --json_out "$OUT/kernels_${DEVICE}_large.json" 2>&1 | tee "$OUT/bench_large_$DEVICE.log" | tail -30
+      ;;
+    gemv)  # pallas_gemv against the tensor-core kernel and XLA by rows (sets tuned_tables.GEMV_MAX_ROWS), and its
+      # int-to-float conversion by cast instead of mantissa bits
+      run 150 $PY -m experiments.bench_kernels --ops matmul --matmul_impls pallas,pallas_gemv,xla \
+        --matmul_shapes 1x4096x14336,4x4096x14336,8x4096x14336,16x4096x14336 --kinds q4_1,q4_0,int8 \
+        --json_out "$OUT/gemv_$DEVICE.json" 2>&1 | tee "$OUT/gemv_$DEVICE.log" | tail -30
+      run 90 $PY -m experiments.bench_kernels --ops matmul --matmul_impls pallas_gemv \
+        --matmul_tuning int_to_float=cast --matmul_shapes 1x4096x14336,4x4096x14336 --kinds q4_1,int8 \
+        --json_out "$OUT/gemv_cast_$DEVICE.json" 2>&1 | tail -12
       ;;
     fast_tier)  # exact-token tests compare with float32 references: no TF32 in the GPU's float32 dots. Each test's
       # outcome is logged as it finishes (-vv against PYTEST's -q), so a run cut by its time limit still names its

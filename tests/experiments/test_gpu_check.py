@@ -17,7 +17,8 @@ import pytest
 from tests.compile_settings import ROOT, script_env
 
 SCRIPT = os.path.join(ROOT, "experiments", "gpu_check.sh")
-ALL_STAGES = ["facts", "build", "gpu_tier", "e2e", "bench", "bench_large", "fast_tier", "speculative", "price"]
+ALL_STAGES = ["facts", "build", "gpu_tier", "e2e", "bench", "bench_large", "gemv", "fast_tier", "speculative",
+              "price"]
 
 # Run in a process of its own per script (absl keeps one flag registry per process): parse each argv with the
 # script's flags; bench_e2e's also through its own checks.

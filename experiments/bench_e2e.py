@@ -14,8 +14,8 @@ bf16; the whole default run takes ~35 s). Any model spec works
 chunk, ...); the engine is sized for the largest of `--batch_sizes` (so `--max_batch_size` is not taken).
 
 What runs, all through one `DynamicGenerator` (greedy rows, no penalties, `--temperature` not used):
-1. the device's copy rate (`experiments.lib.roofline.measure_copy_rate`: in place over `--copy_mb` MiB, the best
-   of `--copy_repeats` timings);
+1. the device's copy rate (`experiments.lib.serving.hardware.measure_memory_bandwidth`: in place over
+   `--copy_mb` MiB, the best of `--copy_repeats` timings);
 2. prefill: one prompt of `--prefill_tokens` random tokens prefilled `--max_chunk_size` tokens per step, timed
    to its first token (after an untimed run of the same prompt length);
 3. per batch size b: b jobs of `--context` random prompt tokens are prefilled (not timed; the jobs prefilled first
@@ -39,7 +39,8 @@ from absl import app, flags
 
 from experiments.lib import engine_flags
 from experiments.lib.common import check_out_flag, write_record
-from experiments.lib.roofline import decode_step_bytes, measure_copy_rate, prefill_work, roofline_tokens_per_s
+from experiments.lib.roofline import decode_step_bytes, prefill_work, roofline_tokens_per_s
+from experiments.lib.serving.hardware import measure_memory_bandwidth
 from experiments.lib.step_timing import prefill, time_decode
 
 FLAGS = flags.FLAGS
@@ -243,7 +244,7 @@ def main(argv):
     gen = DynamicGenerator(model, config=config, policy=FLAGS.policy,
                            compilation_cache_dir=FLAGS.compilation_cache_dir)
     load_s = time.perf_counter() - t0
-    copy = measure_copy_rate(FLAGS.copy_mb, FLAGS.copy_repeats)
+    copy = measure_memory_bandwidth(FLAGS.copy_mb, FLAGS.copy_repeats)
     copy_gbps = copy["bandwidth_gbps"]
     device = jax.devices()[0]
     name = (device.device_kind if on_accelerator

@@ -8,17 +8,14 @@ and V, cache dtype, int8 scales). KV writes and activations are not counted: at 
 
 The roofline of a step is the time the device's copy rate needs for those bytes; its tokens/s is
 `rows x copy_rate / bytes_per_step`, and a measured tokens/s divided by it is the fraction of the roofline
-achieved. The copy rate is measured in the same run by `measure_copy_rate`: a jitted `a * 1.0001` over a large
-float32 buffer, in place (the buffer donated), read + write counted, the best of a few timings. In place matters on
-the CPU: `experiments.lib.serving.hardware.measure_memory_bandwidth` allocates a fresh output on every call, and
-the kernel's zeroing of its new pages is most of what it times there (3-4 GB/s on the 2-core EPYC host where the
-in-place pass runs at 41-68 GB/s over 512 MiB; 2026-12-06). On a CPU a model whose weights and cache fit in the CPU's
-caches can exceed a fraction of 1: the copy is timed on a buffer far larger than the caches.
+achieved. The copy rate is measured in the same run by `experiments.lib.serving.hardware.measure_memory_bandwidth`
+(a jitted `a * 1.0001` in place over a large float32 buffer, read + write counted, the best of a few timings). On a
+CPU a model whose weights and cache fit in the CPU's caches can exceed a fraction of 1: the copy is timed on a
+buffer far larger than the caches.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 from experiments.lib.serving.hardware import ModelCost
@@ -55,29 +52,3 @@ def prefill_work(cost: ModelCost, prompt_tokens: int, chunk: int, page_size: int
 def roofline_tokens_per_s(copy_bytes_per_s: float, bytes_per_step: float, rows: int) -> float:
     """Tokens/s of `rows` rows if each step took exactly the time to copy its bytes at the measured rate."""
     return rows * copy_bytes_per_s / bytes_per_step
-
-
-def measure_copy_rate(size_mb: int | None = None, repeats: int = 5) -> dict:
-    """Bytes/s of an in-place jitted `a * 1.0001` over a float32 buffer of `size_mb` MiB (default: 512 on the CPU,
-    beyond its caches; 1024 on an accelerator), one read and one write of every byte, the best of `repeats` timings
-    of `iters` back-to-back calls (1 on the CPU, 20 on an accelerator, where one call is mostly launch latency)."""
-    import jax
-    import jax.numpy as jnp
-
-    accelerator = jax.default_backend() != "cpu"
-    size_mb = size_mb or (1024 if accelerator else 512)
-    iters = 20 if accelerator else 1
-    scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
-    buf = jax.block_until_ready(scale(jnp.ones((size_mb * 2**20 // 4,), jnp.float32)))  # compiled, pages touched
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            buf = scale(buf)
-        jax.block_until_ready(buf)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    moved = 2 * buf.nbytes
-    del buf
-    return {"bandwidth_gbps": moved / best / 1e9, "bytes_moved": int(moved), "best_seconds": best,
-            "repeats": repeats, "method": f"best of {repeats} timings of {iters} calls: jit(a * 1.0001) in place "
-                                          f"(donated) over a {size_mb} MiB float32 buffer, read + write"}

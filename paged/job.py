@@ -207,6 +207,7 @@ class Job:
                    "back under the filter); express the ban in the grammar instead")
         # --- generator-side state (set by enqueue / admission / steps)
         self.serial: int | None = None
+        self.queue_position = 0  # its place in the generator's waiting list (the scheduler's, while it waits)
         self.skips = 0
         self.pages: list[int] = []
         self.page_hashes: list[bytes] = []  # chained hashes of the job's complete pages (prompt and output)

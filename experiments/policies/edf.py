@@ -4,7 +4,9 @@
         --engine=sim --deadline=20
 
 Jobs with a `deadline` (seconds after arrival) are admitted in order of `arrival + deadline`; jobs without one go
-last, in arrival order. Pages on demand; when they run out, the job with the latest deadline is preempted.
+last, in arrival order. Pages on demand; when they run out, the job with the latest deadline is preempted. A job's
+due time is fixed once it is enqueued, so the scheduler keeps the queue in that order (`sorted_waiting`) instead of
+sorting it at every step.
 """
 
 import math
@@ -20,8 +22,11 @@ class EarliestDeadlineFirst(Policy):
     def due(job):
         return job.deadline_at if job.deadline is not None else math.inf
 
+    def key(self, job):
+        return self.due(job), job.serial
+
     def order(self, waiting, s):
-        return sorted(waiting, key=lambda j: (self.due(j), j.serial))
+        return s.sorted_waiting(waiting, self.key)
 
     def victim(self, running, needy, s):
-        return max(running, key=lambda j: (self.due(j), j.serial))
+        return max(running, key=self.key)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +31,16 @@ from paged.errors import JobFailure, PolicyError
 from paged.host.page_pool import PagePool, chain_hashes
 from paged.job import Job
 from paged.policies import Policy
+from paged.policies.waiting import QueueSnapshot
 
 
 def members(job: Job) -> tuple[Job, ...]:
     """The job and, for a CFG job, its negative-prompt companion: what holds pages and rows for it."""
     return (job,) if job.cfg_partner is None else (job, job.cfg_partner)
+
+
+def _queue_position(job: Job) -> int:
+    return job.queue_position
 
 
 def _all_banned(bias: dict[int, float], vocab_size: int) -> bool:
@@ -131,16 +137,14 @@ class SchedulerView:
         s = self._s
         if not isinstance(job, Job):
             raise s.policy_error(f"start() takes one of the waiting jobs, got {type(job).__name__}")
-        try:
-            at = s.pending.index(job)  # its place in the queue, where start() takes it from (jobs compare by identity)
-        except ValueError:
+        if job not in s.waiting:
             state = ("running (started already: is it in order()'s list twice?)" if any(j is job for j in s.active)
                      else "not waiting in this generator (finished, cancelled or never enqueued)")
-            raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once") from None
+            raise s.policy_error(f"start({job!r}): the job is {state}; start each waiting job at most once")
         if not s.fits(job):
             raise s.policy_error(f"start({job!r}): the job does not fit now (batch rows or pages); start only jobs "
                                  "for which fits(job) is True")
-        s.start(job, at)
+        s.start(job)
 
     def preempt(self, job: Job) -> None:
         self._s.preempt(job)
@@ -168,6 +172,12 @@ class Scheduler:
         self.page_size = config.page_size
         self.pending = pending  # the generator's lists, updated in place
         self.active = active
+        # The waiting jobs (`pending`, as a set). `pending` is in queue order: each job's `queue_position` grows
+        # along it (a job added at the front takes one below every other), so a job is found by binary search.
+        self.waiting: set[Job] = set(pending)
+        self._front = self._back = 0
+        for i, job in enumerate(pending):
+            job.queue_position = i
         self.clock = clock
         self.on_demand = policy.allocation == "on_demand"
         self.watermark = int(WATERMARK * pool.num_pages) if self.on_demand else 0
@@ -182,7 +192,10 @@ class Scheduler:
         # indexes of the waiting queue kept as jobs come and go: SortedWaiting by key, FirstPages
         self._indexes: dict[Any, SortedWaiting | FirstPages] = {}
         self._version = 0  # counts the changes of the waiting queue
-        self._admitting: tuple[list[Job], int] | None = None  # the list admit() was handed, and the version then
+        # While admit() runs, the waiting lists (`pending` and the indexes) stay as they were and the changes wait
+        # here, applied when the hook returns: the snapshots handed to the policy read those lists meanwhile.
+        self._deferred: list[tuple[bool, Job, bool]] | None = None  # (added, job, front)
+        self._snapshots: list[weakref.ref] = []  # the snapshots sharing the waiting lists during admit()
 
     def policy_error(self, msg: str, hook: str = "") -> PolicyError:
         return PolicyError(f"policy {self.policy.name!r} ({type(self.policy).__name__}), "
@@ -211,19 +224,48 @@ class Scheduler:
     # ------------------------------------------------------------------ the waiting queue
     def add_waiting(self, job: Job, front: bool = False) -> None:
         """Queue a job at the end of the waiting list, or with `front` at its start (a preempted job)."""
+        self.waiting.add(job)
+        if self._deferred is not None:
+            self._deferred.append((True, job, front))
+            return
         if front:
+            self._front -= 1
+            job.queue_position = self._front
             self.pending.insert(0, job)
         else:
+            self._back += 1
+            job.queue_position = self._back
             self.pending.append(job)
         self._changed(lambda order: order.add(job, front))
 
-    def remove_waiting(self, job: Job, at: int | None = None) -> None:
-        """Take a job off the waiting list (`at`: its index there, when known)."""
-        if at is not None and at < len(self.pending) and self.pending[at] is job:
-            del self.pending[at]
-        else:
-            self.pending.remove(job)
+    def remove_waiting(self, job: Job) -> None:
+        """Take a job off the waiting list."""
+        self.waiting.discard(job)
+        if self._deferred is not None:
+            self._deferred.append((False, job, False))
+            return
+        pending = self.pending
+        at = bisect.bisect_left(pending, job.queue_position, key=_queue_position)
+        if at < len(pending) and pending[at] is job:
+            del pending[at]
+        else:  # (the list was changed behind the scheduler's back)
+            pending.remove(job)
         self._changed(lambda order: order.remove(job))
+
+    def _end_admission(self) -> None:
+        """After admit(): the snapshots still referenced take their copies, then the waiting lists change as the
+        policy's starts and preemptions asked, in their order."""
+        for ref in self._snapshots:
+            snapshot = ref()
+            if snapshot is not None:
+                snapshot.detach()
+        self._snapshots = []
+        deferred, self._deferred = self._deferred, None
+        for added, job, front in deferred or ():
+            if added:
+                self.add_waiting(job, front)
+            else:
+                self.remove_waiting(job)
 
     def _changed(self, update: Callable[[SortedWaiting | FirstPages], None]) -> None:
         self._version += 1
@@ -233,11 +275,10 @@ class Scheduler:
             except Exception:  # noqa: BLE001 (a policy's key failed: the next query rebuilds it, in the policy's hook)
                 del self._indexes[name]
 
-    def _whole_queue(self, waiting: list[Job]) -> bool:
-        """Whether `waiting` is the list `admit()` was handed and the queue has not changed since."""
-        admitting = self._admitting
-        return (admitting is not None and waiting is admitting[0] and admitting[1] == self._version
-                and len(waiting) == len(self.pending))
+    def _whole_queue(self, waiting: list[Job] | QueueSnapshot) -> bool:
+        """Whether `waiting` is the snapshot `admit()` is running with (or a copy of it), unchanged."""
+        return (self._deferred is not None and isinstance(waiting, QueueSnapshot) and waiting.shared
+                and waiting._items is self.pending)
 
     def _index(self, name: Any, build: Callable[[], SortedWaiting | FirstPages]) -> SortedWaiting | FirstPages:
         index = self._indexes.get(name)
@@ -247,12 +288,12 @@ class Scheduler:
             index = self._indexes[name] = build()
         return index
 
-    def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job]:
-        """`sorted(waiting, key=key)` (see `paged.policies.base.SchedulerView.sorted_waiting`). For the whole queue
-        the order kept for `key` is copied instead of sorting the queue again."""
+    def sorted_waiting(self, waiting: list[Job], key: Callable[[Job], Any]) -> list[Job] | QueueSnapshot:
+        """`sorted(waiting, key=key)` (see `paged.policies.base.SchedulerView.sorted_waiting`). For the snapshot
+        admit() handed out, a snapshot of the order kept for `key` instead of sorting the queue again."""
         if not self._whole_queue(waiting):
             return sorted(waiting, key=key)
-        return list(self._index(key, lambda: SortedWaiting(key, self.pending)).jobs)
+        return QueueSnapshot(self._index(key, lambda: SortedWaiting(key, self.pending)).jobs, self._snapshots)
 
     def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
         """The jobs of `waiting` with a cached prefix, and its tokens (`cached_prefix_tokens`, when > 0). For the
@@ -299,14 +340,14 @@ class Scheduler:
         need = self.pool.pages_needed_many(self._requests(job))
         return need + self.watermark <= self.pool.available
 
-    def start(self, job: Job, at: int | None = None) -> None:
-        """Admit a waiting job (`at`: its index in the waiting list, when known): its pages are allocated."""
+    def start(self, job: Job) -> None:
+        """Admit a waiting job: its pages are allocated."""
         requests = self._requests(job)
         for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, self.pool.allocate_many(requests)):
             m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
             if job.preemptions:
                 self.tokens_recomputed += len(m.sequence) - m.kv_position
-        self.remove_waiting(job, at)
+        self.remove_waiting(job)
         self.active.append(job)
         if not job.preemptions:
             job.cached_tokens = job.kv_position
@@ -351,12 +392,13 @@ class Scheduler:
         """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
         if self.pending and (self.rows_used() < self.config.max_batch_size or self.policy.preemptive):
             self._started = started
-            waiting = list(self.pending)
-            self._admitting = (waiting, self._version)
+            waiting = QueueSnapshot(self.pending, self._snapshots)
+            self._deferred = []
             try:
                 self.ask("admit()", self.policy.admit, waiting, self.view)
             finally:
-                self._admitting = None
+                del waiting
+                self._end_admission()
 
     # ------------------------------------------------------------------ planning
     def skip_complete_pages(self, job: Job) -> None:

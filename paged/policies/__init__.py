@@ -28,6 +28,7 @@ from paged.policies.priority import PriorityPolicy
 from paged.policies.sarathi import SarathiPolicy
 from paged.policies.sjf import ShortestJobFirst, ShortestPromptFirst
 from paged.policies.vllm import VLLMPolicy
+from paged.policies.waiting import QueueSnapshot
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (
     ExLlamaV2Policy, FCFSPolicy, ShortestJobFirst, ShortestPromptFirst, PriorityPolicy, VLLMPolicy,
@@ -109,5 +110,5 @@ def make_policy(policy: str | Policy | type[Policy], allocation: str | None = No
 
 
 __all__ = ["ALLOCATIONS", "POLICIES", "ExLlamaV2Policy", "FCFSPolicy", "LongestPrefixMatch", "Policy",
-           "PriorityPolicy", "SarathiPolicy", "SchedulerView", "ShortestJobFirst", "ShortestPromptFirst",
-           "VLLMPolicy", "make_policy", "policy_names", "register_policy"]
+           "PriorityPolicy", "QueueSnapshot", "SarathiPolicy", "SchedulerView", "ShortestJobFirst",
+           "ShortestPromptFirst", "VLLMPolicy", "make_policy", "policy_names", "register_policy"]

@@ -21,15 +21,21 @@ A policy only decides: it never touches pages or lists itself. What it hands bac
 its hooks raise is caught: either is a `paged.errors.PolicyError` naming the policy and the hook, raised by
 `iterate()` with the generator left as it was. A user policy is a subclass that overrides any of
 the hooks; name it `"module:Class"` wherever a policy name is accepted, or `register_policy` it.
+
+The `waiting` that `admit()` receives is a `QueueSnapshot` (`paged.policies.waiting`): the waiting jobs as they were
+when it was called, read from the scheduler's own list rather than copied, and changed only as a private copy (a
+`MutableSequence`, not a `list`; `list(waiting)` makes one).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from paged.device.config import EngineConfig
 from paged.job import Job
+from paged.policies.waiting import QueueSnapshot
 
 ALLOCATIONS = ("reserve", "on_demand")
 
@@ -69,7 +75,8 @@ class SchedulerView(Protocol):
         """`sorted(waiting, key=key)`, for a `key` that does not change while a job waits (a function of fields set
         before it is enqueued, such as `priority`, `arrival`, `serial`). For the list `admit()` was handed, the
         scheduler keeps the waiting jobs in that order as they come and go, so a long queue is not sorted again at
-        every step; pass the same `key` object each time (a method or a module-level function)."""
+        every step (the result is then a `QueueSnapshot` of that order); pass the same `key` object each time (a
+        method or a module-level function)."""
 
     def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
         """The jobs of `waiting` with a cached prefix now, and its tokens (`cached_prefix_tokens(job)` where it is
@@ -87,8 +94,8 @@ class Policy:
 
     def order(self, waiting: list[Job], s: SchedulerView) -> list[Job]:
         """Waiting jobs in the order they are considered for admission (`waiting` is in arrival order, preempted
-        jobs first)."""
-        return list(waiting)
+        jobs first): a copy of `waiting` (of a `QueueSnapshot`, another snapshot: nothing is copied until changed)."""
+        return copy.copy(waiting) if isinstance(waiting, QueueSnapshot) else list(waiting)
 
     def admit(self, waiting: list[Job], s: SchedulerView) -> None:
         """Start jobs in `order`, stopping at the first that does not fit (no job passes another)."""

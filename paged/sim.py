@@ -69,7 +69,7 @@ class StepShape:
     @classmethod
     def from_rows(cls, rows: Sequence[Any], spec: BucketSpec | None = None) -> StepShape:
         """The shape of a step over `RowInput`s, padded as `spec` pads it (None: no padding term)."""
-        prefill, decode, kv, lens, max_pages = 0, 0, 0, [], 1
+        prefill, decode, kv, lens, max_end = 0, 0, 0, [], 0
         ps = spec.page_size if spec is not None else 1
         for r in rows:
             n = len(r.tokens)
@@ -80,7 +80,9 @@ class StepShape:
             else:
                 prefill += n
                 lens.append(n)
-            max_pages = max(max_pages, -(-end // ps))
+            if end > max_end:
+                max_end = end
+        max_pages = max(1, -(-max_end // ps))  # the longest row's pages
         padded, read = 0, 0
         if spec is not None and rows:
             pages = min(max_pages, spec.max_pages_per_row)
@@ -165,8 +167,11 @@ class StepTimeModel:
         return diffs
 
     def predict(self, shape: StepShape) -> float:
-        values = dict(zip(FEATURES, shape.features(self.narrow_tokens)))
-        return self.base_s + sum(c * values[f] for f, c in self.coef.items())
+        """`base_s + sum(coef[f] * shape's feature f)`, the features as `shape.features(narrow_tokens)` gives them."""
+        n = self.narrow_tokens
+        wide = float(bool(n) and shape.tokens > n)
+        return self.base_s + sum(c * (wide if f == "wide_step" else float(getattr(shape, f)))
+                                 for f, c in self.coef.items())
 
     @classmethod
     def constant(cls, seconds: float) -> StepTimeModel:

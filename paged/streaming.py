@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class StreamEvent:
     text: str = ""  # text released now
     tokens: list[int] = dataclasses.field(default_factory=list)  # tokens released with it
@@ -28,6 +28,17 @@ class StreamEvent:
     banned: str | None = None  # the banned string that caused the rewind
     suppressed_text: str = ""
     suppressed_tokens: list[int] = dataclasses.field(default_factory=list)
+
+    def __init__(self, text: str = "", tokens: list[int] | None = None, stopped: str | None = None, rewind: int = 0,
+                 banned: str | None = None, suppressed_text: str = "", suppressed_tokens: list[int] | None = None):
+        # (written out: one event per token streamed; the generated one costs half as much again)
+        self.text = text
+        self.tokens = [] if tokens is None else tokens
+        self.stopped = stopped
+        self.rewind = rewind
+        self.banned = banned
+        self.suppressed_text = suppressed_text
+        self.suppressed_tokens = [] if suppressed_tokens is None else suppressed_tokens
 
 
 def _partial_start(text: str, patterns: Sequence[str]) -> int | None:
@@ -51,6 +62,7 @@ class TextStream:
     ):
         self._token_bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = False  # the decoder holds the first bytes of a character
         self.stop_strings = [s for s in stop_strings if s]
         self.banned = [s.lower() for s in banned_strings if s]
         self.held: list[tuple[int, str]] = []  # (token, text it completed), not yet released
@@ -81,20 +93,24 @@ class TextStream:
     def feed(self, token: int) -> StreamEvent:
         if self.stopped is not None:
             raise RuntimeError("stream already stopped")
-        piece = self._utf8.decode(self._token_bytes(token))
+        raw = self._token_bytes(token)
+        if not self._partial and raw.isascii():  # (what the decoder would give, without its buffer)
+            piece = raw.decode("ascii")
+        else:
+            piece = self._utf8.decode(raw)
+            self._partial = bool(self._utf8.getstate()[0])
         if self.strip_prefix:
             n = min(len(self.strip_prefix), len(piece))
             if piece[:n] == self.strip_prefix[:n]:
                 piece, self.strip_prefix = piece[n:], self.strip_prefix[n:]
             else:
                 self.strip_prefix = ""
+        if not self._partial and not self.held and not self.stop_strings and not self.banned:
+            return StreamEvent(piece, [token])  # (nothing held, nothing to match: released at once)
         self.held.append((token, piece))
-        if self._utf8.getstate()[0]:  # incomplete UTF-8 character pending
+        if self._partial:  # incomplete UTF-8 character pending
             return StreamEvent()
         if not self.stop_strings and not self.banned:  # nothing to match: everything held is released
-            if len(self.held) == 1:
-                self.held = []
-                return StreamEvent(text=piece, tokens=[token])
             return StreamEvent(*self._release(len(self.held)))
         text = self._text()
         stop_at = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
@@ -105,7 +121,7 @@ class TextStream:
             banned = next(b for b in self.banned if lower.find(b) == ban_at)
             released, toks = self._release(j)
             suppressed, sup_toks = self._release(len(self.held))
-            self._utf8.reset()
+            self._reset()
             return StreamEvent(text=released, tokens=toks, rewind=len(sup_toks), banned=banned,
                                suppressed_text=suppressed, suppressed_tokens=sup_toks)
         if stop_at >= 0:
@@ -123,5 +139,9 @@ class TextStream:
     def flush(self) -> tuple[str, list[int]]:
         """Release everything held (the job ends without a stop string). Bytes of a character the output stopped
         in the middle of are dropped rather than shown as U+FFFD; their tokens are still released."""
-        self._utf8.reset()
+        self._reset()
         return self._release(len(self.held))
+
+    def _reset(self) -> None:
+        self._utf8.reset()
+        self._partial = False

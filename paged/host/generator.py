@@ -105,12 +105,6 @@ class _PlainRow:
         return None if self._out.logits is None else self._out.logits[self._at]
 
 
-def _row_items(rows: list, out: Any) -> list[_PlainRow]:
-    """A plain step's output (or one step of a burst, `_StepView`), one `_PlainRow` per row."""
-    tokens, logprobs = out.token.tolist(), out.logprob.tolist()
-    return [_PlainRow(out, i, tokens[i], logprobs[i], row) for i, row in enumerate(rows)]
-
-
 class _StepView:
     """Step `i` of a multi-step `StepOutput` (arrays `[steps, n]`), restricted to the input rows `cols`."""
 
@@ -564,8 +558,12 @@ class DynamicGenerator:
         if not rows:
             self.timings["schedule_s"] += time.perf_counter() - t0
             return results
-        top_k = next_pow2(max((j.return_top_tokens for j in owners), default=0))
-        want_logits = any(j.return_logits for j in owners)
+        top_k, want_logits = 0, False
+        for j in owners:  # (one pass over the rows' jobs)
+            if j.return_top_tokens > top_k:
+                top_k = j.return_top_tokens
+            want_logits = want_logits or j.return_logits
+        top_k = next_pow2(top_k)
         waiting = bool(self.pending) and self.scheduler.rows_used() < self.max_batch_size
         items = None
         if self.speculation is None:
@@ -587,15 +585,13 @@ class DynamicGenerator:
             if items is not None:  # a speculative step: accepted drafts, then the target's token, per row
                 self._collect(rows, owners, items, out.seconds, now, results)
             elif k == 1:
-                self._collect(rows, owners, _row_items(rows, out), out.seconds, now, results)
+                self._collect_plain(rows, owners, out, out.seconds, now, results)
             else:  # step i's tokens are fed as if they came from single steps, skipping jobs that ended
                 live = [(r, j, i) for i, (r, j) in enumerate(zip(rows, owners))]
                 for i in range(k):
                     live = [(r, j, c) for r, j, c in live if j in self.active]
-                    live_rows = [r for r, _, _ in live]
-                    self._collect(live_rows, [j for _, j, _ in live],
-                                  _row_items(live_rows, _StepView(out, i, [c for _, _, c in live])), out.seconds,
-                                  now, results)
+                    self._collect_plain([r for r, _, _ in live], [j for _, j, _ in live],
+                                        _StepView(out, i, [c for _, _, c in live]), out.seconds, now, results)
         finally:
             self.timings["results_s"] += time.perf_counter() - t2
         return results
@@ -643,12 +639,38 @@ class DynamicGenerator:
 
     def _collect(self, rows: list, owners: list[Job], items: list[Accepted | _PlainRow], seconds: float, now: float,
                  results: list[dict]) -> None:
-        """Advance each row's job by what its row produced (`items`: one `Accepted` per row, from a plain step
-        through `_row_items` or from a speculative one) and append its result dicts. A failure while handling one
-        job's output ends that job alone."""
+        """Advance each row's job by what its row produced (`items`: one `Accepted` per row of a speculative step)
+        and append its result dicts. A failure while handling one job's output ends that job alone."""
         for row, job, item in zip(rows, owners, items):
             try:
                 self._collect_row(row, job, item, seconds, now, results)
+            except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
+                results.append(self._fail(job, e, now))
+
+    def _collect_plain(self, rows: list, owners: list[Job], out: Any, seconds: float, now: float,
+                       results: list[dict]) -> None:
+        """`_collect` for a plain step's output (or one step of a burst, `_StepView`), a `_PlainRow` per row. The
+        usual row, one sampled token with a finite log-probability for a job that asked for no extras (no CFG, no
+        mirostat), goes straight to the job's output: what `_collect_row` does for it, without the row's item."""
+        tokens, logprobs = out.token.tolist(), out.logprob.tolist()
+        output = self.output
+        for i, (row, job) in enumerate(zip(rows, owners)):
+            try:
+                if (row.sample and len(row.tokens) == 1 and job.cfg_owner is None and job.cfg_partner is None
+                        and job.mirostat_mu is None and math.isfinite(logprobs[i])
+                        and not (job.return_probs or job.return_top_tokens or job.return_logits)):
+                    if job.time_first_prefill is None:
+                        job.time_first_prefill = now - seconds
+                    output.advance(job, 1)
+                    r = output.receive(job, tokens[i], {}, now)
+                    self.tokens_generated += 1
+                    results.append(r)
+                    if r["eos"]:
+                        self._retire(job)
+                        self.jobs_completed += 1
+                else:
+                    self._collect_row(row, job, _PlainRow(out, i, tokens[i], logprobs[i], row), seconds, now,
+                                      results)
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 results.append(self._fail(job, e, now))
 

@@ -34,9 +34,16 @@ class JobOutput:
         job.kv_position += n
         ps = self.page_size
         kv = job.kv_position
-        for p in range((kv - n) // ps, -(-kv // ps)):
-            self.pool.mark_filled(job.pages[p], kv - p * ps)
-        self.hash_pages(job, min(kv, len(job.sequence) - len(job.stream.held)))
+        if n == 1:  # (a decode row: `mark_filled_range` of its one page)
+            p = (kv - 1) // ps
+            page = self.pool.pages[job.pages[p]]
+            if kv - p * ps > page.filled:
+                page.filled = kv - p * ps
+        else:
+            self.pool.mark_filled_range(job.pages, kv - n, kv)
+        limit = min(kv, len(job.sequence) - len(job.stream.held))
+        if (len(job.page_hashes) + 1) * ps <= limit:  # (a page was completed)
+            self.hash_pages(job, limit)
 
     def hash_pages(self, job: Job, limit: int) -> None:
         """Hash and register the job's pages complete below `limit` (prompt tail, generated text) for reuse.
@@ -116,7 +123,7 @@ class JobOutput:
         job.pending_extras.append(extras)
         r = self.base(job, "streaming")
         reason = None
-        held_text, held_ids = "", []  # what the final result's `held` reports
+        held_text, held_ids = "", None  # what the final result's `held` reports
         if token in job.stop_tokens:  # (banned by the sampler until min_new_tokens are out)
             reason = "stop_token"
             text, toks = job.stream.flush()  # the stop token's own text is not part of the completion
@@ -161,7 +168,7 @@ class JobOutput:
                     r[key] = np.stack(vals) if key == "logits" else vals
         if reason is not None:
             self.hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
-            r.update(self.final_fields(job, reason, now), held={"text": held_text, "token_ids": held_ids})
+            r.update(self.final_fields(job, reason, now), held={"text": held_text, "token_ids": held_ids or []})
         return r
 
     def final_fields(self, job: Job, reason: str, now: float) -> dict:

@@ -185,6 +185,16 @@ class PagePool:
         p = self.pages[idx]
         p.filled = max(p.filled, min(filled, self.page_size))
 
+    def mark_filled_range(self, pages: Sequence[int], start: int, end: int) -> None:
+        """A job whose page list is `pages` has written positions `start .. end - 1`: `mark_filled` each page they
+        fall in, up to `end`."""
+        ps = self.page_size
+        for p in range(start // ps, -(-end // ps)):
+            page = self.pages[pages[p]]
+            filled = min(end - p * ps, ps)
+            if filled > page.filled:
+                page.filled = filled
+
     def truncate(self, idx: int, filled: int) -> None:
         """The page's valid content now ends at `filled` (a job rewound into it; it must not be hashed)."""
         p = self.pages[idx]

@@ -329,7 +329,7 @@ class Scheduler:
 
     def rows_used(self) -> int:
         """Batch rows the running jobs take (a CFG job takes two)."""
-        return len(self.active) + sum(1 for j in self.active if j.cfg_partner is not None)
+        return len(self.active) + len([j for j in self.active if j.cfg_partner is not None])
 
     def _requests(self, job: Job) -> list:
         return [(*self.prefix(m), self.admission_pages(m)) for m in members(job)]
@@ -417,21 +417,21 @@ class Scheduler:
         penalty/DRY history, DRY/XTC token sets and logit bias (settings' bias and bans, stop tokens before
         min_new_tokens, token healing, tokens banned at this position by earlier banned-string rewinds)."""
         s = job.gen_settings
-        sample_index = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
-        bias = self._bias(job, sample_index, job.new_tokens)
-        if sample and _all_banned(bias, self.vocab_size):
+        end = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
+        bias = self._bias(job, end, job.new_tokens)
+        if sample and len(bias) >= self.vocab_size and _all_banned(bias, self.vocab_size):
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
-        end = job.kv_position + len(tokens)
         max_range = self.config.max_penalty_range
         window = s.history_window(max_range) if max_range else 0  # (no history kept: none needed)
         history = job.sequence[max(0, end - window) : end] if window else ()
         src = job.cfg_owner or job  # (a CFG negative prompt uses its job's embedding rows)
         if src.embedding_rows:  # injected embeddings: the engine embeds id vocab_size + r as row r of its table
             tokens = device_ids(src, tokens, self.vocab_size)
-        return RowInput(tokens=tokens, start_pos=job.kv_position, pages=job.pages, sample=sample,
-                        lora_slot=job.lora_slot, sampling=s.device_row(job.seed, job.mirostat_mu), history=history,
-                        bias=bias, dry_breakers=job.dry_breakers, xtc_exempt=job.xtc_exempt)
+        # RowInput's fields in their order, given by position (a row per job and step: keywords cost twice as much):
+        # tokens, start_pos, pages, sample, sampling, history, bias, mask, dry_breakers, xtc_exempt, verify, lora_slot
+        return RowInput(tokens, job.kv_position, job.pages, sample, s.device_row(job.seed, job.mirostat_mu), history,
+                        bias, None, job.dry_breakers, job.xtc_exempt, False, job.lora_slot)
 
     def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
         """The logit bias of the token at `job.sequence[sample_index]`, the job's output token number `out_index`."""
@@ -461,8 +461,14 @@ class Scheduler:
         ps = self.page_size
         decode_rows = 0
         for job in active:
+            if job.cfg_partner is None:
+                if job.kv_position % ps == 0:  # (only then can a page have been completed by another job)
+                    self.skip_complete_pages(job)
+                decode_rows += len(job.sequence) - job.kv_position == 1
+                continue
             for m in members(job):
-                self.skip_complete_pages(m)
+                if m.kv_position % ps == 0:
+                    self.skip_complete_pages(m)
                 decode_rows += len(m.sequence) - m.kv_position == 1
         budget = self.ask("prefill_budget()", self.policy.prefill_budget, decode_rows, self.view)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:

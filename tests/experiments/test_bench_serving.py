@@ -223,6 +223,16 @@ def test_closed_loop_respects_max_concurrency_and_output_lengths():
     assert res.max_generator_jobs == 12 and res.step_summary["max_rows_per_step"] == 4
 
 
+def test_the_step_summary_counts_rows_tokens_and_bursts():
+    probe = runner.EngineProbe(None)
+    probe.steps += [runner.StepRecord(((0, 4, False), (10, 1, True)), 1, 0.5, 0.75),  # a prefill chunk, a decode row
+                    runner.StepRecord(((11, 1, True), (5, 1, False)), 3, 0.25, 0.5)]  # a 3-step burst; a 1-token chunk
+    assert probe.summary(2.0) == {
+        "steps": 2, "engine_seconds": 0.75, "engine_call_seconds": 1.25, "mean_rows_per_step": 2.0,
+        "max_rows_per_step": 2, "decode_rows": 2, "prefill_tokens": 5, "tokens_processed": 5 + 2 * 3,
+        "host_seconds_outside_engine": 0.75}
+
+
 class FakeClock:
     """Time advances only by sleep() and by each engine step (10 ms)."""
 

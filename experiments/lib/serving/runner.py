@@ -19,14 +19,16 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from experiments.lib.serving.metrics import RequestRecord
 from experiments.lib.serving.workloads import Request, arrival_times
 
 
-@dataclasses.dataclass
-class StepRecord:
-    rows: list[tuple[int, int, bool]]  # (start_pos, tokens, samples) per row
+class StepRecord(NamedTuple):
+    """One engine call (a named tuple: cheaper to make, hold and traverse than a dataclass instance)."""
+
+    rows: tuple[tuple[int, int, bool], ...]  # (start_pos, tokens, samples) per row
     num_steps: int
     seconds: float  # the engine's own timing (StepOutput.seconds: device step + host copy of the results)
     wall: float  # the whole engine.run call (batch building included)
@@ -52,10 +54,11 @@ class EngineProbe:
             t0 = self.clock()
             out = orig(rows, *args, **kwargs)
             wall = self.clock() - t0
-            self.steps.append(StepRecord(
-                rows=[(int(r.start_pos), len(r.tokens), bool(r.sample)) for r in rows],
-                num_steps=int(kwargs.get("num_steps", 1)), seconds=float(getattr(out, "seconds", 0.0) or 0.0),
-                wall=wall))
+            # (a tuple of tuples of numbers: the garbage collector stops tracking it, where it would traverse a
+            # run's millions of rows at every full collection)
+            self.steps.append(StepRecord(tuple([(int(r.start_pos), len(r.tokens), bool(r.sample)) for r in rows]),
+                                         int(kwargs.get("num_steps", 1)), float(getattr(out, "seconds", 0.0) or 0.0),
+                                         wall))
             return out
 
         self.engine.run = run
@@ -69,17 +72,28 @@ class EngineProbe:
 
     def summary(self, duration: float | None = None) -> dict:
         steps = self.steps
-        rows = [r for s in steps for r in s.rows]
-        decode = [r for r in rows if r[1] == 1 and r[2]]
+        num_rows = decode = tokens = processed = max_rows = 0
+        for s in steps:  # (one pass: a run may have millions of rows)
+            rows = s.rows
+            n = len(rows)
+            num_rows += n
+            if n > max_rows:
+                max_rows = n
+            step_tokens = 0
+            for _, t, sample in rows:
+                step_tokens += t
+                decode += t == 1 and sample
+            tokens += step_tokens
+            processed += step_tokens * s.num_steps if s.num_steps > 1 else step_tokens
         out = {
             "steps": len(steps),
             "engine_seconds": sum(s.seconds for s in steps),
             "engine_call_seconds": sum(s.wall for s in steps),
-            "mean_rows_per_step": len(rows) / len(steps) if steps else 0.0,
-            "max_rows_per_step": max((len(s.rows) for s in steps), default=0),
-            "decode_rows": len(decode),
-            "prefill_tokens": sum(r[1] for r in rows if not (r[1] == 1 and r[2])),
-            "tokens_processed": sum(r[1] * s.num_steps if s.num_steps > 1 else r[1] for s in steps for r in s.rows),
+            "mean_rows_per_step": num_rows / len(steps) if steps else 0.0,
+            "max_rows_per_step": max_rows,
+            "decode_rows": decode,
+            "prefill_tokens": tokens - decode,  # (the decode rows' one token each)
+            "tokens_processed": processed,
         }
         if duration is not None:
             out["host_seconds_outside_engine"] = duration - out["engine_call_seconds"]

@@ -152,8 +152,8 @@ class FakeEngine:
             logits[np.arange(n), tokens] = 1.0
         return StepOutput(
             token=np.asarray(tokens, np.int32), logprob=np.asarray(logprobs, np.float32),
-            top_ids=np.asarray(top_ids, np.int32).reshape(n, k),
-            top_logprobs=np.asarray(top_logprobs, np.float32).reshape(n, k),
+            top_ids=np.asarray(top_ids, np.int32).reshape(n, k) if k else np.empty((n, 0), np.int32),
+            top_logprobs=np.asarray(top_logprobs, np.float32).reshape(n, k) if k else np.empty((n, 0), np.float32),
             logits=logits, shape=None, seconds=0.0,
         )
 

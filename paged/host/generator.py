@@ -564,7 +564,8 @@ class DynamicGenerator:
                 top_k = j.return_top_tokens
             want_logits = want_logits or j.return_logits
         top_k = next_pow2(top_k)
-        waiting = bool(self.pending) and self.scheduler.rows_used() < self.max_batch_size
+        # (only a burst asks: with decode_steps 1 there is none)
+        waiting = self.decode_steps > 1 and bool(self.pending) and self.scheduler.rows_used() < self.max_batch_size
         items = None
         if self.speculation is None:
             k = self.scheduler.burst(rows, owners, want_logits, waiting)
@@ -607,7 +608,7 @@ class DynamicGenerator:
     def _mask_rows(self, rows: list, owners: list[Job], results: list[dict]) -> tuple[list, list[Job]]:
         """Set the token mask of every sampling row of a filtered job (one parallel grammar call for the batch).
         A job whose grammar engine fails is ended alone (`eos_reason="error"`) and its row dropped from the step."""
-        filtered = [i for i, (r, j) in enumerate(zip(rows, owners)) if r.sample and j.filter_state is not None]
+        filtered = [i for i, j in enumerate(owners) if j.filter_state is not None and rows[i].sample]
         if not filtered:
             return rows, owners
         healing = [i for i in filtered if owners[i].healing_allowed and owners[i].new_tokens == 0]
@@ -653,16 +654,16 @@ class DynamicGenerator:
         usual row, one sampled token with a finite log-probability for a job that asked for no extras (no CFG, no
         mirostat), goes straight to the job's output: what `_collect_row` does for it, without the row's item."""
         tokens, logprobs = out.token.tolist(), out.logprob.tolist()
-        output = self.output
+        advance, receive, isfinite = self.output.advance, self.output.receive, math.isfinite
         for i, (row, job) in enumerate(zip(rows, owners)):
             try:
                 if (row.sample and len(row.tokens) == 1 and job.cfg_owner is None and job.cfg_partner is None
-                        and job.mirostat_mu is None and math.isfinite(logprobs[i])
+                        and job.mirostat_mu is None and isfinite(logprobs[i])
                         and not (job.return_probs or job.return_top_tokens or job.return_logits)):
                     if job.time_first_prefill is None:
                         job.time_first_prefill = now - seconds
-                    output.advance(job, 1)
-                    r = output.receive(job, tokens[i], {}, now)
+                    advance(job, 1)
+                    r = receive(job, tokens[i], {}, now)
                     self.tokens_generated += 1
                     results.append(r)
                     if r["eos"]:

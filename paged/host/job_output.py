@@ -41,7 +41,9 @@ class JobOutput:
                 page.filled = kv - p * ps
         else:
             self.pool.mark_filled_range(job.pages, kv - n, kv)
-        limit = min(kv, len(job.sequence) - len(job.stream.held))
+        limit = len(job.sequence) - len(job.stream.held)  # (text the stream holds may still be rewound)
+        if kv < limit:
+            limit = kv
         if (len(job.page_hashes) + 1) * ps <= limit:  # (a page was completed)
             self.hash_pages(job, limit)
 

@@ -441,7 +441,7 @@ class Scheduler:
         if out_index == 0 and job.healing_allowed:
             # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
             bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
-        explored = job.explored.get(sample_index)
+        explored = job.explored and job.explored.get(sample_index)
         if explored:
             bias.update({t: -math.inf for t in explored})
         return bias
@@ -477,7 +477,7 @@ class Scheduler:
         self._prefill_rows = 0
         preempted: set[int] = set()
         for job in (list(active) if self.on_demand else active):
-            if id(job) in preempted:
+            if preempted and id(job) in preempted:
                 continue
             try:
                 if job.cfg_partner is not None:

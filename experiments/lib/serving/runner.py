@@ -57,9 +57,9 @@ class EngineProbe:
             wall = self.clock() - t0
             # (a tuple of tuples of numbers: the garbage collector stops tracking it, where it would traverse a
             # run's millions of rows at every full collection; the scheduler's rows hold an int and a bool)
-            self.steps.append(StepRecord(tuple([(r.start_pos, len(r.tokens), r.sample) for r in rows]),
-                                         int(kwargs.get("num_steps", 1)), float(getattr(out, "seconds", 0.0) or 0.0),
-                                         wall))
+            self.steps.append(StepRecord._make((tuple([(r.start_pos, len(r.tokens), r.sample) for r in rows]),
+                                                int(kwargs.get("num_steps", 1)),
+                                                float(getattr(out, "seconds", 0.0) or 0.0), wall)))
             return out
 
         self.engine.run = run

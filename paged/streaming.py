@@ -56,10 +56,11 @@ def _partial_start(text: str, patterns: Sequence[str]) -> int | None:
 class TextStream:
     def __init__(
         self,
-        token_bytes: Callable[[int], bytes],
+        token_bytes: Callable[[int], bytes] | None,
         stop_strings: Sequence[str] = (),
         banned_strings: Sequence[str] = (),
     ):
+        """`token_bytes`: a token's bytes; None: tokens have no text (a generator without a tokenizer)."""
         self._token_bytes = token_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = False  # the decoder holds the first bytes of a character
@@ -93,12 +94,15 @@ class TextStream:
     def feed(self, token: int) -> StreamEvent:
         if self.stopped is not None:
             raise RuntimeError("stream already stopped")
-        raw = self._token_bytes(token)
-        if not self._partial and raw.isascii():  # (what the decoder would give, without its buffer)
-            piece = raw.decode("ascii")
+        if self._token_bytes is None:
+            piece = ""
         else:
-            piece = self._utf8.decode(raw)
-            self._partial = bool(self._utf8.getstate()[0])
+            raw = self._token_bytes(token)
+            if not self._partial and raw.isascii():  # (what the decoder would give, without its buffer)
+                piece = raw.decode("ascii")
+            else:
+                piece = self._utf8.decode(raw)
+                self._partial = bool(self._utf8.getstate()[0])
         if self.strip_prefix:
             n = min(len(self.strip_prefix), len(piece))
             if piece[:n] == self.strip_prefix[:n]:

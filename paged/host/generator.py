@@ -482,7 +482,7 @@ class DynamicGenerator:
     def _token_bytes(self, job: Job):
         tok = self.tokenizer
         if tok is None:
-            return lambda t: b""
+            return None  # (no text)
         special = getattr(tok, "special_token_ids", frozenset())
         keep = job.decode_special_tokens
         return lambda t: b"" if (t in special and not keep) else tok.token_bytes(t)

@@ -170,6 +170,7 @@ class Scheduler:
         self.policy = policy
         self.vocab_size = vocab_size
         self.page_size = config.page_size
+        self.max_penalty_range = config.max_penalty_range
         self.pending = pending  # the generator's lists, updated in place
         self.active = active
         # The waiting jobs (`pending`, as a set). `pending` is in queue order: each job's `queue_position` grows
@@ -374,10 +375,12 @@ class Scheduler:
         rows = self.rows_used() - sum(len(members(v)) for v in victims)
         if rows + len(members(job)) > self.config.max_batch_size:
             return False
+        need = self.pool.pages_needed_many(self._requests(job)) + self.watermark
+        if need <= self.pool.available:  # (it fits already, whatever the victims would free)
+            return True
         refs = collections.Counter(p for v in victims for m in members(v) for p in m.pages)
         freed = sum(1 for p, n in refs.items() if self.pool.pages[p].ref_count == n)
-        need = self.pool.pages_needed_many(self._requests(job))
-        return need + self.watermark <= self.pool.available + freed
+        return need <= self.pool.available + freed
 
     def cached_prefix_tokens(self, job: Job) -> int:
         hashes, toks = self.prefix(job)
@@ -422,7 +425,7 @@ class Scheduler:
         if sample and len(bias) >= self.vocab_size and _all_banned(bias, self.vocab_size):
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
-        max_range = self.config.max_penalty_range
+        max_range = self.max_penalty_range
         window = s.history_window(max_range) if max_range else 0  # (no history kept: none needed)
         history = job.sequence[max(0, end - window) : end] if window else ()
         src = job.cfg_owner or job  # (a CFG negative prompt uses its job's embedding rows)
@@ -476,6 +479,7 @@ class Scheduler:
         self._budget = min(budget, self.config.max_chunk_size)
         self._prefill_rows = 0
         preempted: set[int] = set()
+        decode_row = self.row
         for job in (list(active) if self.on_demand else active):
             if preempted and id(job) in preempted:
                 continue
@@ -483,11 +487,11 @@ class Scheduler:
                 if job.cfg_partner is not None:
                     self._plan_cfg(job, rows, owners, preempted)
                     continue
-                remaining = len(job.sequence) - job.kv_position
-                if remaining == 1:
-                    if len(job.pages) * ps < len(job.sequence) and not self.grow(job, rows, owners, preempted):
+                seq = job.sequence
+                if len(seq) - job.kv_position == 1:  # a decode row
+                    if len(job.pages) * ps < len(seq) and not self.grow(job, rows, owners, preempted):
                         continue  # the job itself was preempted
-                    rows.append(self.row(job, [job.sequence[-1]], True))
+                    rows.append(decode_row(job, [seq[-1]], True))
                 else:
                     row = self._chunk(job, len(job.sequence))
                     if row is None:

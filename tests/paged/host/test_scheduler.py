@@ -61,6 +61,20 @@ def test_a_decoding_job_gets_one_row_of_its_last_token():
     assert owners == [job] and rows[0].tokens == [9] and rows[0].start_pos == 3 and rows[0].sample
 
 
+def test_a_decoding_job_after_a_prefilling_one_gets_its_row():
+    """Running jobs in any order (a preempted job re-admitted after others): a prefill chunk planned first does not
+    stop the decode rows after it."""
+    g = generator()
+    prefilling, decoding = Job(list(range(1, 41)), 4), Job([5, 6, 7], 4)
+    g.enqueue([prefilling, decoding])
+    plan(g)
+    decoding.kv_position = 3
+    decoding.sequence.append(9)
+    decoding.new_tokens = 1
+    _, rows, owners = plan(g)
+    assert owners == [prefilling, decoding] and [len(r.tokens) for r in rows] == [16, 1] and rows[1].tokens == [9]
+
+
 def test_admission_waits_for_rows_and_pages():
     g = generator(max_batch_size=2)
     jobs = [Job([1, 2, 3], 4) for _ in range(3)]

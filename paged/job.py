@@ -30,6 +30,9 @@ from paged.validate import Checker
 
 def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
     """A non-empty sequence of token ids: a list/tuple of ints, a 1-D integer array, or a (1, n) array."""
+    if (type(input_ids) in (list, tuple) and input_ids and set(map(type, input_ids)) == {int}
+            and min(input_ids) >= 0 and max(input_ids) < 1 << 63):
+        return list(input_ids)  # (what the array below gives for Python ints that fit an int64)
     if isinstance(input_ids, str):
         c.fail_type("input_ids", input_ids, "token ids (encode text first, e.g. tokenizer.encode(text))")
     if isinstance(input_ids, (bytes, dict, set)) or input_ids is None:

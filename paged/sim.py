@@ -26,6 +26,7 @@ model, on a virtual clock, so policies can be compared at scales (and on hardwar
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -89,7 +90,8 @@ class StepShape:
             layout = spec.shape_for(lens, len(rows) - len(lens), pages).layout
             padded = layout.num_tokens
             if spec.page_switch:  # XLA attention: every padded slot reads the longest row's context bucket
-                read = padded * min((p for p in spec.pages if p >= pages), default=spec.max_pages_per_row) * ps
+                buckets = spec.pages  # (sorted, up to max_pages_per_row: the smallest holding `pages`)
+                read = padded * buckets[bisect.bisect_left(buckets, pages)] * ps
             else:  # the Pallas kernel visits each row's own pages
                 read = sum(-(-(r.start_pos + len(r.tokens)) // ps) for r in rows) * ps
         return cls(prefill, decode, kv, padded, read)
@@ -170,7 +172,7 @@ class StepTimeModel:
         """`base_s + sum(coef[f] * shape's feature f)`, the features as `shape.features(narrow_tokens)` gives them."""
         n = self.narrow_tokens
         wide = float(bool(n) and shape.tokens > n)
-        return self.base_s + sum(c * (wide if f == "wide_step" else float(getattr(shape, f)))
+        return self.base_s + sum(c * (wide if f == "wide_step" else getattr(shape, f))  # (int -> float exactly)
                                  for f, c in self.coef.items())
 
     @classmethod

@@ -113,7 +113,7 @@ class FakeEngine:
         self.written = {}  # (page, offset) -> token, to check what the cache would hold
 
     def run(self, rows, *, return_top_k=0, return_logits=False, num_steps=1, draft_logprobs=None):
-        if any(getattr(r, "verify", False) for r in rows):
+        if any([getattr(r, "verify", False) for r in rows]):
             return self._run_verify(rows, return_top_k, return_logits)
         if num_steps > 1:  # like paged.device.step.decode_steps: each sampled token is fed back as the next input
             self.bursts.append(num_steps)

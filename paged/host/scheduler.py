@@ -294,7 +294,10 @@ class Scheduler:
         admit() handed out, a snapshot of the order kept for `key` instead of sorting the queue again."""
         if not self._whole_queue(waiting):
             return sorted(waiting, key=key)
-        return QueueSnapshot(self._index(key, lambda: SortedWaiting(key, self.pending)).jobs, self._snapshots)
+        index = self._indexes.get(key)
+        if index is None or len(index) != len(self.pending):
+            index = self._index(key, lambda: SortedWaiting(key, self.pending))
+        return QueueSnapshot(index.jobs, self._snapshots)
 
     def cached_prefixes(self, waiting: list[Job]) -> dict[Job, int]:
         """The jobs of `waiting` with a cached prefix, and its tokens (`cached_prefix_tokens`, when > 0). For the
@@ -393,7 +396,7 @@ class Scheduler:
 
     def admit(self, started: Callable[[Job], None]) -> None:
         """Let the policy move waiting jobs to running (pages allocated); `started(job)` for each first admission."""
-        if self.pending and (self.rows_used() < self.config.max_batch_size or self.policy.preemptive):
+        if self.pending and (self.policy.preemptive or self.rows_used() < self.config.max_batch_size):
             self._started = started
             waiting = QueueSnapshot(self.pending, self._snapshots)
             self._deferred = []

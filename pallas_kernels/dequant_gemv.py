@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import registry
+from pallas_kernels.quant_call import quant_pallas_call
 from pallas_kernels.quant_format import QuantizedArray
 from pallas_kernels.tuned_tables import lookup_gemv
 
@@ -288,7 +289,6 @@ def dequant_gemv_pallas(x: jnp.ndarray, qa: QuantizedArray, config=None, *,
     `GemvTuning` (or a `MatmulTuning`, see `as_gemv_tuning`; None: `default_tuning`); `interpret=None` interprets
     where Pallas cannot lower (the CPU)."""
     n, k = x.shape
-    out = qa.shape[1]
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "tpu")
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -301,9 +301,6 @@ def dequant_gemv_pallas(x: jnp.ndarray, qa: QuantizedArray, config=None, *,
         x = jnp.pad(x, ((0, n_pad - n), (0, 0)))
     xt = x.T  # [in, n_pad]
     k_split = k // t.split_in
-    rows_split = k_split // 2 if qa.kind != "int8" else k_split
-    groups_split = 1 if qa.per_channel else k_split // qa.group_size
-
     kernel = functools.partial(
         _gemv_kernel,
         kind=qa.kind,
@@ -315,30 +312,8 @@ def dequant_gemv_pallas(x: jnp.ndarray, qa: QuantizedArray, config=None, *,
         acc_rows=t.acc_rows,
         int_to_float=t.int_to_float,
     )
-    scale_map = (lambda i, j, s: (0, j)) if qa.per_channel else (lambda i, j, s: (s, j))
-    in_specs = [
-        pl.BlockSpec((k_split, rows), lambda i, j, s: (s, i)),
-        pl.BlockSpec((rows_split, t.block_out), lambda i, j, s: (s, j)),
-        pl.BlockSpec((groups_split, t.block_out), scale_map),
-    ]
-    operands = [xt, qa.values, qa.scales]
-    if qa.kind == "q4_1":
-        in_specs.append(pl.BlockSpec((groups_split, t.block_out), scale_map))
-        operands.append(qa.mins)
-    compiler_params = None
-    if not interpret:  # the Triton backend, named (left unnamed, jax may pick Mosaic GPU)
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
-    partials = pl.pallas_call(
-        kernel,
-        grid=(n_pad // rows, out // t.block_out, t.split_in),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, rows, t.block_out), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((t.split_in, n_pad, out), jnp.float32),
-        interpret=interpret,
-        compiler_params=compiler_params,
-        name=f"dequant_gemv_{qa.kind}",
-    )(*operands)  # [split_in, n_pad, out]
-    y = partials[0] if t.split_in == 1 else jnp.sum(partials, axis=0)
+    x_spec = pl.BlockSpec((k_split, rows), lambda i, j, s: (s, i))
+    y = quant_pallas_call(kernel, xt, x_spec, qa, n_pad=n_pad, rows=rows, block_out=t.block_out,
+                          split_in=t.split_in, interpret=interpret, num_warps=t.num_warps, num_stages=t.num_stages,
+                          name=f"dequant_gemv_{qa.kind}")
     return y[:n]

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import dequant_gemv, native, registry
+from pallas_kernels.quant_call import quant_pallas_call
 from pallas_kernels.quant_format import LayerSlice, QuantizedArray, dequantize, random_quantized
 from pallas_kernels.registry import MATMUL, KernelContractError, KernelError, KernelImpl, split_tuning
 from pallas_kernels.tuned_tables import gemv_max_rows, lookup_matmul
@@ -256,7 +257,6 @@ def dequant_matmul_pallas(
 ) -> jnp.ndarray:
     """The Pallas kernel; `interpret=None` interprets where Pallas cannot lower (the CPU)."""
     n, k = x.shape
-    out = qa.shape[1]
     if interpret is None:
         interpret = jax.default_backend() not in ("gpu", "tpu")
     if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
@@ -266,44 +266,18 @@ def dequant_matmul_pallas(
     n_pad = -(-n // t.block_n) * t.block_n
     if n_pad != n:
         x = jnp.pad(x, ((0, n_pad - n), (0, 0)))
-    k_split = k // t.split_in
-    rows_split = k_split // 2 if qa.kind != "int8" else k_split
-    groups_split = 1 if qa.per_channel else k_split // qa.group_size
-
     kernel = functools.partial(
         _dequant_matmul_kernel,
         kind=qa.kind,
         group_size=qa.group_size,
         block_in=t.block_in,
-        num_steps=k_split // t.block_in,
+        num_steps=k // t.split_in // t.block_in,
         per_channel=qa.per_channel,
     )
-    scale_map = (lambda i, j, s: (0, j)) if qa.per_channel else (lambda i, j, s: (s, j))
-    in_specs = [
-        pl.BlockSpec((t.block_n, k_split), lambda i, j, s: (i, s)),
-        pl.BlockSpec((rows_split, t.block_out), lambda i, j, s: (s, j)),
-        pl.BlockSpec((groups_split, t.block_out), scale_map),
-    ]
-    operands = [x, qa.values, qa.scales]
-    if qa.kind == "q4_1":
-        in_specs.append(pl.BlockSpec((groups_split, t.block_out), scale_map))
-        operands.append(qa.mins)
-    compiler_params = None
-    if not interpret:  # name the Triton backend: left unnamed, jax may pick Mosaic GPU, which this kernel does not fit
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
-    partials = pl.pallas_call(
-        kernel,
-        grid=(n_pad // t.block_n, out // t.block_out, t.split_in),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, t.block_n, t.block_out), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((t.split_in, n_pad, out), jnp.float32),
-        interpret=interpret,
-        compiler_params=compiler_params,
-        name=f"dequant_matmul_{qa.kind}",
-    )(*operands)  # [split_in, n_pad, out]
-    y = partials[0] if t.split_in == 1 else jnp.sum(partials, axis=0)
+    x_spec = pl.BlockSpec((t.block_n, k // t.split_in), lambda i, j, s: (i, s))
+    y = quant_pallas_call(kernel, x, x_spec, qa, n_pad=n_pad, rows=t.block_n, block_out=t.block_out,
+                          split_in=t.split_in, interpret=interpret, num_warps=t.num_warps, num_stages=t.num_stages,
+                          name=f"dequant_matmul_{qa.kind}")
     return y[:n]
 
 

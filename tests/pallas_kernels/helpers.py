@@ -9,8 +9,12 @@ from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
+
+from models import quant
 
 
 # ------------------------------------------------------------------------------------------------------- spies
@@ -69,3 +73,24 @@ def find(fn: Callable, *args, primitive: str, **kwargs) -> list[JaxprEqn]:
 # The independent NumPy decoding of the quantized format lives in the conformance suite (the oracle of its matmul
 # cases); the kernel tests use the same one.
 from pallas_kernels.testing import numpy_dequantize, numpy_matmul  # noqa: E402, F401
+
+# The dequant-matmul kernels' test cases (test_dequant_matmul.py, test_dequant_gemv.py): weight kinds with their group
+# size (None: per channel), a small matrix (interpret mode costs grid points x operand bytes), x, and the comparison.
+KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None)]
+K, OUT = 128, 64
+
+
+@functools.cache
+def quantized(kind, group_size, k=K, out=OUT, seed=0):
+    w = np.random.default_rng(seed).normal(0.0, 0.05, size=(k, out)).astype(np.float32)
+    return quant.quantize(w, kind, group_size)
+
+
+def activations(n, k=K, seed=1, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32), dtype)
+
+
+def assert_close(got, want, rtol=2e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())

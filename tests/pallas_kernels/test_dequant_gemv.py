@@ -6,40 +6,33 @@ Lowering for CUDA is in test_gpu_rules.py."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import quant
 from pallas_kernels import dequant_gemv as dg
 from pallas_kernels import dequant_matmul as dm
 from pallas_kernels import registry, tuned_tables
 from pallas_kernels.dequant_gemv import GemvTuning, check_tuning, default_tuning, dequant_gemv_pallas
 from pallas_kernels.dequant_matmul import MatmulTuning, dequant_matmul
 from pallas_kernels.registry import MATMUL
-from tests.pallas_kernels.helpers import equations, find, names_of, numpy_matmul, spy
+from tests.pallas_kernels.helpers import (
+    KINDS,
+    OUT,
+    K,
+    activations,
+    assert_close,
+    equations,
+    find,
+    names_of,
+    numpy_matmul,
+    quantized,
+    spy,
+)
 
-KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None)]
-K, OUT = 128, 64
-
-
-@functools.cache
-def _qa(kind, group_size, k=K, out=OUT, seed=0):
-    w = np.random.default_rng(seed).normal(0.0, 0.05, size=(k, out)).astype(np.float32)
-    return quant.quantize(w, kind, group_size)
-
-
-def _x(n, k=K, seed=1, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32), dtype)
-
-
-def _close(got, want, rtol=2e-5):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == np.float32 and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+_qa, _x, _close = quantized, activations, assert_close
 
 
 def _plan(*args, **kwargs) -> tuple[tuple[int, ...], int]:

@@ -21,7 +21,19 @@ from pallas_kernels.dequant_matmul import (
     dequant_matmul,
 )
 from pallas_kernels.quant_format import QuantizedArray
-from tests.pallas_kernels.helpers import equations, find, names_of, numpy_matmul, spy
+from tests.pallas_kernels.helpers import (
+    KINDS,
+    OUT,
+    K,
+    activations,
+    assert_close,
+    equations,
+    find,
+    names_of,
+    numpy_matmul,
+    quantized,
+    spy,
+)
 
 # impl -> the function of `pallas_kernels.dequant_matmul` that runs it
 IMPL_FUNCTIONS = {
@@ -30,24 +42,7 @@ IMPL_FUNCTIONS = {
     "pallas": "dequant_matmul_pallas",
 }
 
-KINDS = [("q4_1", 32), ("q4_0", 32), ("int8", 32), ("int8", None)]
-K, OUT = 128, 64  # small: interpret mode costs grid points x operand bytes
-
-
-@functools.cache
-def _qa(kind, group_size, k=K, out=OUT, seed=0):
-    w = np.random.default_rng(seed).normal(0.0, 0.05, size=(k, out)).astype(np.float32)
-    return quant.quantize(w, kind, group_size)
-
-
-def _x(n, k=K, seed=1, dtype=jnp.float32):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=(n, k)).astype(np.float32), dtype)
-
-
-def _close(got, want, rtol=2e-5):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == np.float32 and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+_qa, _x, _close = quantized, activations, assert_close
 
 
 @pytest.fixture

@@ -1,11 +1,12 @@
 """Measure, fit and validate the simulator's step-time model on this machine, in one command:
 
-1. `experiments.profile_step --fit_out`: times `Engine.run` over a grid of step shapes and fits a
-   `paged.sim.StepTimeModel`, recording its setup (CPU and instruction sets or GPU, kernels, model, quantization,
-   cache dtype, page size, date, commit);
-2. `experiments.validate_sim`: the same workload and policies through the real engine and the simulator priced by
-   the new fit, at two loads (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the
-   rank agreement of the policies (Kendall's tau) per load;
+1. `experiments.profile_step --fit_out`: times `Engine.run` on every step of the generator serving a calibration
+   workload and over a grid of prefill shapes, and fits a `paged.sim.StepTimeModel`, recording its setup (CPU and
+   instruction sets or GPU, kernels, model, quantization, cache dtype, page size, date, commit);
+2. `experiments.validate_sim`: the same workload and policies through the real engine (`--real_repeats` times,
+   interleaved; the median compared, the spread reported) and the simulator priced by the new fit, at two loads
+   (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the rank agreement of the
+   policies (Kendall's tau) per load;
 3. with `--install`, the fit goes to `experiments/data/step_time/NAME.json`, where `--step_time_model=NAME` finds it.
 
     python -m experiments.fit_and_validate --name=cpu_epyc_smollm2_q4 --install \\
@@ -46,6 +47,8 @@ def define_flags() -> None:
     flags.DEFINE_list("rates", ["3", "12"], "two request rates: one under saturation, one past it (the defaults "
                       "bracket the 2-core CPU's ~7 requests/s on the default workload)")
     flags.DEFINE_integer("num_requests", 96, "requests per policy and rate in the validation")
+    flags.DEFINE_integer("real_repeats", 3, "real runs per policy and rate in the validation (the median is compared, "
+                         "the spread reported: the real engine's own repeatability)")
     flags.DEFINE_integer("page_budget", 48, "usable KV pages in the validation (memory pressure separates policies)")
     flags.DEFINE_list("validate_flags", ["--range_ratio=0.5", "--output_len=64"], "more flags for validate_sim (the "
                       "workload: 128 +-50% prompt and 64 +-50% output tokens by default)")
@@ -69,6 +72,8 @@ def main(argv):
         raise app.UsageError(f"--name must be a plain name such as cpu_epyc_smollm2_q4, got {FLAGS.name!r}")
     if len(FLAGS.rates) != 2:
         raise app.UsageError(f"--rates takes two rates (under and past saturation), got {FLAGS.rates}")
+    if FLAGS.real_repeats < 1:
+        raise app.UsageError(f"--real_repeats must be >= 1, got {FLAGS.real_repeats}")
     if len(FLAGS.policies) < 3:
         raise app.UsageError("--policies needs at least 3 policies for a rank agreement")
     common = [f"--model={FLAGS.model}", f"--quant={FLAGS.quant}", f"--dtype={FLAGS.dtype}",
@@ -80,6 +85,7 @@ def main(argv):
         run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
         run("experiments.validate_sim", [*common, f"--step_time_model={fit}", f"--policies={','.join(FLAGS.policies)}",
                                          f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
+                                         f"--real_repeats={FLAGS.real_repeats}",
                                          f"--page_budget={FLAGS.page_budget}", "--noprogress", "--nosave_steps",
                                          f"--json_out={record}", *FLAGS.validate_flags])
         with open(record) as f:
@@ -89,7 +95,10 @@ def main(argv):
         ttft_ok = sum(r["ttft_ok"] for r in errors)
         print(f"fit {FLAGS.name}: step time within target for {step_ok}/{len(errors)} (policy, rate) pairs, TTFT p50 "
               f"for {ttft_ok}/{len(errors)}; rank agreement (Kendall's tau) "
-              + ", ".join(f"{k['tau']:+.2f} at {k['rate']}/s" if k["tau"] is not None else f"n/a at {k['rate']}/s"
+              + ", ".join((f"{k['tau']:+.2f} at {k['rate']}/s" if k["tau"] is not None else f"n/a at {k['rate']}/s")
+                          + (f" (the same order for {sum(p['sim_agrees'] for p in k['pairs'])} of the "
+                             f"{len(k['pairs'])} pairs the real runs order reproducibly)" if k.get("pairs") is not None
+                             else "")
                           for k in rec["rank_agreement"]))
         if FLAGS.json_out:  # the fit beside its validation record
             shutil.copyfile(fit, os.path.splitext(FLAGS.json_out.removesuffix(".gz"))[0] + "_fit.json")

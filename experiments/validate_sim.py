@@ -11,6 +11,12 @@ Takes every flag of experiments/compare_policies.py (workload, policies, engine,
 ignored: both run). Mean step time = the generator's time per engine step (scheduling + engine call + results; on
 the simulator, the predicted seconds). The real run is only meaningful on an idle machine: the record keeps the
 load average. A fit measured on another host or setup is warned (it is validated here, on this one).
+
+`--real_repeats=N` runs the real engine N times per policy and rate (interleaved over the policies), compares the
+simulator with the median and reports the runs' spread: the real engine's own repeatability, under which no
+simulator can be judged. On the shared 2-core CPU host the machine's speed changes from one ten seconds to the next
+(a 200-token prefill takes 70 or 86 ms), and past saturation a few percent of speed moves TTFT p50 by several
+times as much (the queue grows with the difference between arrival and service rates).
 `experiments/fit_and_validate.py` runs the fit and this validation in one command.
 """
 
@@ -23,6 +29,9 @@ from experiments import compare_policies as cp
 FLAGS = flags.FLAGS
 flags.DEFINE_float("max_step_error", 0.10, "target for |mean step time error| (reported, not enforced)")
 flags.DEFINE_float("max_ttft_error", 0.15, "target for |TTFT p50 error| (reported, not enforced)")
+flags.DEFINE_integer("real_repeats", 1, "real runs per policy and rate, interleaved over the policies: the real "
+                     "figure is their median and their spread is reported (the real engine's own repeatability: "
+                     "the floor under any simulator's error)")
 RANK_BY = "ttft_p50_ms"  # the metric the policies are ranked by, per load (lower is better)
 
 
@@ -43,52 +52,110 @@ def rel_error(sim: float | None, real: float | None) -> float | None:
     return None if sim is None or not real else (sim - real) / real
 
 
-def validate(real_runs: list[cp.PolicyRun], sim_runs: list[cp.PolicyRun]) -> list[dict]:
+def median(xs: list) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    m = len(xs) // 2
+    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+
+
+def spread(xs: list) -> float | None:
+    """(max - min) / median of repeated real figures: how far two runs of the same thing land apart."""
+    mid = median(xs)
+    xs = [x for x in xs if x is not None]
+    return None if not mid or len(xs) < 2 else (max(xs) - min(xs)) / mid
+
+
+def validate(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.PolicyRun]) -> list[dict]:
+    """One row per policy: `real_runs[i]` holds the repeated real runs of `sim_runs[i]`'s policy; the real figures
+    are their medians, with every run's value and the spread beside them."""
     out = []
-    for r, s in zip(real_runs, sim_runs):
-        rs, ss = mean_step_s(r), mean_step_s(s)
-        rt, st = r.metrics["ttft_ms"]["median"], s.metrics["ttft_ms"]["median"]
+    for reps, s in zip(real_runs, sim_runs):
+        steps = [mean_step_s(r) for r in reps]
+        ttfts = [r.metrics["ttft_ms"]["median"] for r in reps]
+        rs, ss = median(steps), mean_step_s(s)
+        rt, st = median(ttfts), s.metrics["ttft_ms"]["median"]
         es, et = rel_error(ss, rs), rel_error(st, rt)
-        out.append({"policy": r.policy, "rate": r.rate, "real_step_ms": None if rs is None else 1e3 * rs,
+        r0 = reps[0]
+        out.append({"policy": r0.policy, "rate": r0.rate, "real_step_ms": None if rs is None else 1e3 * rs,
                     "sim_step_ms": None if ss is None else 1e3 * ss, "step_error": es,
                     "real_ttft_p50_ms": rt, "sim_ttft_p50_ms": st, "ttft_error": et,
-                    "real_preemptions": r.preemptions, "sim_preemptions": s.preemptions,
-                    "real_attainment": r.metrics["slo_attainment"], "sim_attainment": s.metrics["slo_attainment"],
+                    "real_runs": len(reps), "real_step_ms_runs": [None if x is None else 1e3 * x for x in steps],
+                    "real_ttft_p50_ms_runs": ttfts, "real_step_spread": spread(steps),
+                    "real_ttft_spread": spread(ttfts),
+                    "real_preemptions": median([r.preemptions for r in reps]), "sim_preemptions": s.preemptions,
+                    "real_attainment": median([r.metrics["slo_attainment"] for r in reps]),
+                    "sim_attainment": s.metrics["slo_attainment"],
                     "step_ok": es is not None and abs(es) <= FLAGS.max_step_error,
                     "ttft_ok": et is not None and abs(et) <= FLAGS.max_ttft_error})
     return out
 
 
-def rank_agreement(real_runs: list[cp.PolicyRun], sim_runs: list[cp.PolicyRun]) -> dict:
-    """Kendall's tau between the real and the simulated RANK_BY over the policies of one load, and both orders."""
+def rank_agreement(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.PolicyRun]) -> dict:
+    """Kendall's tau between the real (median over repeats) and the simulated RANK_BY over the policies of one
+    load, and both orders."""
     from experiments.lib.serving import capacity
 
-    real = [r.row[RANK_BY] for r in real_runs]
+    real = [median([r.row[RANK_BY] for r in reps]) for reps in real_runs]
     sim = [s.row[RANK_BY] for s in sim_runs]
     if any(v is None for v in real + sim):
         return {"metric": RANK_BY, "tau": None, "real_order": None, "sim_order": None}
-    order = lambda vals: [p.policy for _, p in sorted(zip(vals, real_runs), key=lambda t: t[0])]
+    order = lambda vals: [p.policy for _, p in sorted(zip(vals, sim_runs), key=lambda t: t[0])]
     return {"metric": RANK_BY, "tau": capacity.kendall_tau(real, sim), "real_order": order(real),
-            "sim_order": order(sim), "sim_tie": len(set(sim)) == 1, "real_tie": len(set(real)) == 1}
+            "sim_order": order(sim), "sim_tie": len(set(sim)) == 1, "real_tie": len(set(real)) == 1,
+            "pairs": separated_pairs(real_runs, sim_runs)}
+
+
+def separated_pairs(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.PolicyRun]) -> list[dict]:
+    """Every pair of policies whose repeated real RANK_BY values do not overlap (every run of one below every run
+    of the other: an order the real engine reproduces), and whether the simulator orders them the same way. Pairs
+    whose real runs overlap are left out: the real engine itself does not tell their order (with one run per
+    policy, every pair of different values counts)."""
+    vals = [[r.row[RANK_BY] for r in reps] for reps in real_runs]
+    out = []
+    for i in range(len(vals)):
+        for j in range(i + 1, len(vals)):
+            a, b = vals[i], vals[j]
+            if None in a or None in b or not (max(a) < min(b) or max(b) < min(a)):
+                continue
+            first, second = (i, j) if max(a) < min(b) else (j, i)
+            si, sj = sim_runs[first].row[RANK_BY], sim_runs[second].row[RANK_BY]
+            out.append({"faster": sim_runs[first].policy, "slower": sim_runs[second].policy,
+                        "sim_agrees": si is not None and sj is not None and si < sj})
+    return out
 
 
 def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
+    """The table; with repeated real runs, their spread ((max - min) / median) beside the real step and TTFT."""
     f = lambda x, spec: "n/a" if x is None else format(x, spec)
-    lines = [f"{'rate/s':>7} {'policy':<12} {'step real':>10} {'step sim':>10} {'err':>7}  {'TTFT real':>10} "
-             f"{'TTFT sim':>10} {'err':>7}  preempt real/sim"]
+    reps = max((r.get("real_runs", 1) for r in rows), default=1)
+    spr = (lambda r, k: " " + format("±" + (f(r[k] / 2, ".0%") if r.get(k) is not None else "n/a"), ">5")) \
+        if reps > 1 else (lambda r, k: "")
+    w = 6 if reps > 1 else 0
+    lines = [f"{'rate/s':>7} {'policy':<12} {'step real':>{10 + w}} {'step sim':>10} {'err':>7}  "
+             f"{'TTFT real':>{10 + w}} {'TTFT sim':>10} {'err':>7}  preempt real/sim"]
     for r in rows:
         mark = lambda ok: " " if ok else "!"
-        lines.append(f"{f(r['rate'], '7.3g')} {r['policy']:<12} {f(r['real_step_ms'], '.1f'):>10} "
-                     f"{f(r['sim_step_ms'], '.1f'):>10} {f(r['step_error'], '+.1%'):>7}{mark(r['step_ok'])} "
-                     f"{f(r['real_ttft_p50_ms'], '.0f'):>10} {f(r['sim_ttft_p50_ms'], '.0f'):>10} "
-                     f"{f(r['ttft_error'], '+.1%'):>7}{mark(r['ttft_ok'])} {r['real_preemptions']}/"
+        lines.append(f"{f(r['rate'], '7.3g')} {r['policy']:<12} {f(r['real_step_ms'], '.1f'):>10}"
+                     f"{spr(r, 'real_step_spread')} {f(r['sim_step_ms'], '.1f'):>10} "
+                     f"{f(r['step_error'], '+.1%'):>7}{mark(r['step_ok'])} {f(r['real_ttft_p50_ms'], '.0f'):>10}"
+                     f"{spr(r, 'real_ttft_spread')} {f(r['sim_ttft_p50_ms'], '.0f'):>10} "
+                     f"{f(r['ttft_error'], '+.1%'):>7}{mark(r['ttft_ok'])} {f(r['real_preemptions'], 'g')}/"
                      f"{r['sim_preemptions']}")
     for k in ranks or []:
         tie = " (the simulator predicts a tie: no order to agree on)" if k.get("sim_tie") else ""
         lines.append(f"rate {f(k['rate'], '.3g')}/s: rank agreement by {k['metric']} (Kendall's tau) "
                      f"{f(k['tau'], '+.2f')}{tie}; real {k['real_order']}, sim {k['sim_order']}")
+        pairs = k.get("pairs")
+        if pairs is not None and reps > 1:
+            n = len(k["real_order"] or ())
+            lines.append(f"  pairs the real runs order reproducibly: {len(pairs)} of {n * (n - 1) // 2}; the "
+                         f"simulator orders {sum(p['sim_agrees'] for p in pairs)} of them the same way"
+                         + "".join(f"; {p['faster']} < {p['slower']}{'' if p['sim_agrees'] else ' (sim: reversed)'}"
+                                   for p in pairs))
     lines.append(f"(! = outside the targets: step {FLAGS.max_step_error:.0%}, TTFT p50 {FLAGS.max_ttft_error:.0%}; "
-                 "times in ms)")
+                 "times in ms" + (f"; real: the median of {reps} runs, ± half their spread)" if reps > 1 else ")"))
     return "\n".join(lines)
 
 
@@ -101,6 +168,8 @@ def main(argv):
     from paged.sim import engine_setup
 
     cp.validate_flags()
+    if FLAGS.real_repeats < 1:
+        raise app.UsageError(f"--real_repeats must be >= 1, got {FLAGS.real_repeats}")
     rates = cp.rates_of_flags()
     if rates is None:
         raise app.UsageError("validate_sim needs explicit --rates (e.g. one under and one past saturation), not auto")
@@ -116,15 +185,20 @@ def main(argv):
     rows, ranks, real_all, sim_all = [], [], [], []
     for rate in rates:
         arrivals = load.arrivals_at(rate)
-        real_runs = [cp.run_policy(real, p, load.workload, arrivals, slo, label=p, rate=rate) for p in FLAGS.policies]
+        real_runs = [[] for _ in FLAGS.policies]
+        for _ in range(FLAGS.real_repeats):  # (interleaved: a drift in the machine's speed reaches every policy)
+            for reps, p in zip(real_runs, FLAGS.policies):
+                reps.append(cp.run_policy(real, p, load.workload, arrivals, slo, label=p, rate=rate))
         sim_runs = [cp.run_policy(sim, p, load.workload, arrivals, slo, label=p, rate=rate) for p in FLAGS.policies]
         rows += validate(real_runs, sim_runs)
         ranks.append({"rate": rate, **rank_agreement(real_runs, sim_runs)})
-        real_all += real_runs
+        real_all += [r for reps in real_runs for r in reps]
         sim_all += sim_runs
     print(format_rows(rows, ranks))
     if FLAGS.json_out:
-        record = {"schema": "validate_sim/2", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
+        record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
+                  "targets": {"max_step_error": FLAGS.max_step_error, "max_ttft_error": FLAGS.max_ttft_error},
+                  "real_repeats": FLAGS.real_repeats,
                   "git": env.git_info(), "device": real.device, "host": env.host_setup(),
                   "load_avg": env.load_average(), "setup_mismatches": mismatches,
                   "step_time_model": sim.step_time.to_dict(), "engine": real.config.to_dict(),

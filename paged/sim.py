@@ -44,8 +44,13 @@ from paged.device.engine_api import StepOutput
 from paged.errors import InvalidConfigError
 from paged.testing import FakeEngine
 
-FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step", "kv_read")
+FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step", "kv_read", "attn_pairs",
+            "padded_rows")
 SCHEMA = "step_time_model/1"
+# `StepTimeModel.fit` refits this many times with each sample weighted by 1 / its *fitted* time: weighting by the
+# sample's own time favours the samples that came out fast, so on noisy timings (steps measured while serving, where
+# one in a few is slowed by the host) the fit lands under the mean step time (-5 to -10% on the 2-core CPU host).
+REWEIGHTS = 3
 # What a fit records it was measured on (`StepTimeModel.setup`): the host (CPU model and instruction sets, or the GPU),
 # the kernels, the model and its weights, the cache, and when and from which commit. `ENGINE_SETUP` must match the
 # engine simulated; `HOST_SETUP` must match the machine when a fit is validated against the real engine there.
@@ -66,11 +71,15 @@ class StepShape:
     padded_tokens: int  # token slots of the bucket the batch is padded to (0 without buckets)
     kv_read: int = 0  # KV slots attention reads: XLA, padded slots x the longest row's context bucket; the Pallas
     # kernel, each row's own pages (0: not counted)
+    attn_pairs: int = 0  # (query, key) pairs attention scores: a row of n tokens from start_pos s scores
+    # n * s + n * (n + 1) / 2 (a decode row: its context); a prefill chunk's grows with where it starts
+    padded_rows: int = 0  # rows of the bucket (prefill windows + decode slots), each through the final norm, the LM
+    # head and the sampler, padding included (0 without buckets)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Any], spec: BucketSpec | None = None) -> StepShape:
         """The shape of a step over `RowInput`s, padded as `spec` pads it (None: no padding term)."""
-        prefill, decode, kv, lens, max_end = 0, 0, 0, [], 0
+        prefill, decode, kv, lens, max_end, pairs = 0, 0, 0, [], 0, 0
         ps = spec.page_size if spec is not None else 1
         for r in rows:
             n = len(r.tokens)
@@ -78,23 +87,26 @@ class StepShape:
             kv += end
             if n == 1 and r.sample:
                 decode += 1
+                pairs += end
             else:
                 prefill += n
                 lens.append(n)
+                pairs += n * r.start_pos + n * (n + 1) // 2
             if end > max_end:
                 max_end = end
         max_pages = max(1, -(-max_end // ps))  # the longest row's pages
-        padded, read = 0, 0
+        padded, read, padded_rows = 0, 0, 0
         if spec is not None and rows:
             pages = min(max_pages, spec.max_pages_per_row)
             layout = spec.shape_for(lens, len(rows) - len(lens), pages).layout
             padded = layout.num_tokens
+            padded_rows = layout.num_rows
             if spec.page_switch:  # XLA attention: every padded slot reads the longest row's context bucket
                 buckets = spec.pages  # (sorted, up to max_pages_per_row: the smallest holding `pages`)
                 read = padded * buckets[bisect.bisect_left(buckets, pages)] * ps
             else:  # the Pallas kernel visits each row's own pages
                 read = sum(-(-(r.start_pos + len(r.tokens)) // ps) for r in rows) * ps
-        return cls(prefill, decode, kv, padded, read)
+        return cls(prefill, decode, kv, padded, read, pairs, padded_rows)
 
     @property
     def tokens(self) -> int:
@@ -185,7 +197,8 @@ class StepTimeModel:
             model: str = "unspecified", notes: str = "", narrow_tokens: int = 0,
             setup: Mapping[str, Any] | None = None) -> StepTimeModel:
         """Non-negative least squares of `seconds` on the features (plus an intercept), minimising relative error
-        (each sample weighted by 1 / its time, so short decode steps count as much as long prefill steps).
+        (each sample weighted by 1 / its fitted time, so short decode steps count as much as long prefill steps;
+        iteratively reweighted from a first fit weighted by 1 / the sample's own time, see REWEIGHTS).
         `narrow_tokens`: the widest step of the engine's narrow matmul path (0: one path, no `wide_step` term);
         `setup`: what the times were measured on (SETUP_KEYS)."""
         if len(shapes) != len(seconds) or len(shapes) < len(FEATURES) + 1:
@@ -197,6 +210,10 @@ class StepTimeModel:
         x = np.asarray([[1.0, *s.features(narrow_tokens)] for s in shapes], np.float64)
         w = 1.0 / y
         coef = _nnls(x * w[:, None], y * w)
+        for _ in range(REWEIGHTS):  # weights from the fitted times, not the samples' own (see REWEIGHTS)
+            pred = x @ coef
+            w = 1.0 / np.maximum(pred, 1e-3 * y.min())
+            coef = _nnls(x * w[:, None], y * w)
         pred = x @ coef
         rel = np.abs(pred - y) / y
         stats = {"samples": int(len(y)), "mean_abs_rel_error": float(rel.mean()),

@@ -100,6 +100,50 @@ def test_validate_sim_errors():
     assert validate_sim.rel_error(1.1, 1.0) == pytest.approx(0.1) and validate_sim.rel_error(1.0, None) is None
 
 
+def _run(policy, step_s, ttft_ms, preemptions=0, steps=100, simulated=False):
+    """A PolicyRun as validate_sim reads it: `steps` engine steps of `step_s` seconds (real: scheduling + engine +
+    results; simulated: the predicted seconds), TTFT p50, preemptions."""
+    import types
+
+    timers = {"time_engine_simulated_s": step_s * steps} if simulated else {
+        "time_schedule_s": 0.1 * step_s * steps, "time_engine_s": 0.8 * step_s * steps,
+        "time_results_s": 0.1 * step_s * steps}
+    return types.SimpleNamespace(policy=policy, rate=12.0, preemptions=preemptions,
+                                 result=types.SimpleNamespace(metrics_before={}, metrics_after={"steps": steps, **timers}),
+                                 metrics={"ttft_ms": {"median": ttft_ms}, "slo_attainment": 1.0},
+                                 row={"ttft_p50_ms": ttft_ms})
+
+
+def test_validate_sim_compares_the_median_of_repeated_real_runs_and_reports_their_spread(cp):
+    """Three real runs per policy: the simulator is compared with their median (not the first run), the spread is
+    (max - min) / median, and the ranking is of the medians: here b's first real run alone would rank it first."""
+    from experiments import validate_sim
+
+    parse_flags(validate_sim, ["--real_repeats=3"])
+    real = [[_run("a", 0.020, 1000), _run("a", 0.022, 1200), _run("a", 0.021, 1100, preemptions=2)],
+            [_run("b", 0.030, 900), _run("b", 0.024, 1500), _run("b", 0.027, 1400)],
+            [_run("c", 0.010, 100), _run("c", 0.010, 100), _run("c", 0.010, 120)]]
+    sim = [_run("a", 0.0231, 1100, simulated=True), _run("b", 0.027, 1600, simulated=True),
+           _run("c", 0.009, 110, simulated=True)]
+    rows = validate_sim.validate(real, sim)
+    a, b, c = rows
+    assert a["real_step_ms"] == pytest.approx(21.0) and a["step_error"] == pytest.approx(0.1) and a["step_ok"]
+    assert a["real_ttft_p50_ms"] == 1100 and a["ttft_error"] == pytest.approx(0.0) and a["real_preemptions"] == 0
+    assert a["real_ttft_spread"] == pytest.approx(200 / 1100) and a["real_step_ms_runs"] == pytest.approx([20, 22, 21])
+    assert b["real_ttft_p50_ms"] == 1400 and b["ttft_error"] == pytest.approx(200 / 1400) and b["ttft_ok"]
+    assert c["real_ttft_spread"] == pytest.approx(0.2) and c["step_error"] == pytest.approx(-0.1)
+    rank = validate_sim.rank_agreement(real, sim)
+    assert rank["real_order"] == ["c", "a", "b"] and rank["sim_order"] == ["c", "a", "b"] and rank["tau"] == 1.0
+    # the real runs of a (1000-1200) and b (900-1500) overlap: only c's order against both is reproducible
+    assert [(p["faster"], p["slower"], p["sim_agrees"]) for p in rank["pairs"]] == [("c", "a", True), ("c", "b", True)]
+    table = validate_sim.format_rows(rows, [{"rate": 12.0, **rank}])
+    assert "±9%" in table and "the median of 3 runs" in table  # a: (1200 - 1000) / 1100 / 2
+    assert "reproducibly: 2 of 3; the simulator orders 2 of them the same way" in table
+    sim[2] = _run("c", 0.009, 1300, simulated=True)  # the simulator puts c after a, which the real runs never do
+    assert [p["sim_agrees"] for p in validate_sim.separated_pairs(real, sim)] == [False, True]
+    assert validate_sim.spread([5.0]) is None and validate_sim.median([3, 1, 2, 10]) == 2.5
+
+
 def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_path, capsys):
     from experiments.lib.serving import traces
 

@@ -16,6 +16,7 @@ from tests.compile_settings import script_env
     (["--name=a/b"], "--name must be a plain name"),
     (["--name=cpu_x", "--rates=1"], "--rates takes two rates"),
     (["--name=cpu_x", "--policies=vllm,sjf"], "at least 3 policies"),
+    (["--name=cpu_x", "--real_repeats=0"], "--real_repeats must be >= 1"),
 ])
 def test_fit_and_validate_rejects_bad_flags_before_measuring(argv, match):
     r = subprocess.run([sys.executable, "-m", "experiments.fit_and_validate", *argv], capture_output=True, text=True,

@@ -1,6 +1,8 @@
-"""experiments/profile_step.py --fit_out on the tiny random model with a small grid: every grid shape is timed
-(uniform contexts, then decode steps with one long row and short others), the fit is written and loads, and the
-mixed steps read more KV slots (`kv_read`) than their rows' own contexts add up to."""
+"""experiments/profile_step.py --fit_out on the tiny random model. `--fit_source=grid` with a small grid: every grid
+shape is timed in every pass (uniform contexts, then decode steps with one long row and short others), the fit is
+written and loads, and the mixed steps read more KV slots (`kv_read`) than their rows' own contexts add up to. The
+default (`both`): the grid's shapes with a prefill chunk plus every step of the generator serving the calibration
+workload at each concurrency."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ def test_profile_step_fits_over_uniform_and_mixed_context_steps(tmp_path):
     out = tmp_path / "fit.json"
     env = script_env()
     p = subprocess.run([sys.executable, "-m", "experiments.profile_step", "--model=tiny", "--page_size=16",
+                        "--fit_source=grid", "--grid_passes=2",
                         "--grid_prefill=0,16", "--grid_decode=1,2,4", "--grid_context=16,96", "--iters=1",
                         "--fit_max_batch_size=4", "--fit_max_seq_len=128", "--fit_narrow_tokens=0",
                         f"--fit_out={out}"], capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"})
@@ -33,7 +36,34 @@ def test_profile_step_fits_over_uniform_and_mixed_context_steps(tmp_path):
         u = same[(g["decode"], g["context"])]
         assert g["other_context"] == 16 and g["kv_tokens"] < u["kv_tokens"] and g["kv_read"] == u["kv_read"]
     assert set(fit.coef) == set(FEATURES) and fit.fit_stats["samples"] == len(grid)
+    assert all(len(g["passes"]) == 2 and g["seconds"] == pytest.approx(sum(g["passes"]) / 2) for g in grid)
+    assert fit.fit_stats["source"] == "grid" and fit.fit_stats["serving"] == []
     assert "fit: base" in p.stdout and "context    96/   16" in p.stdout
+
+
+@pytest.mark.slow
+def test_the_default_fit_adds_every_serving_step_to_the_grids_prefill_shapes(tmp_path):
+    out = tmp_path / "fit.json"
+    p = subprocess.run([sys.executable, "-m", "experiments.profile_step", "--model=tiny", "--page_size=16",
+                        "--grid_prefill=0,16", "--grid_decode=0,2", "--grid_context=16,96", "--iters=1",
+                        "--grid_passes=1", "--serving_concurrency=1,3", "--serving_prompts=16,32",
+                        "--serving_requests_per_row=1",
+                        "--fit_max_batch_size=4", "--fit_max_seq_len=128", "--fit_narrow_tokens=0",
+                        f"--fit_out={out}"], capture_output=True, text=True,
+                       env={**script_env(), "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    fit = StepTimeModel.load(out)
+    stats = fit.fit_stats
+    # only the grid's shapes with a prefill chunk: 16 tokens alone or beside 2 decode rows, at each context
+    assert stats["source"] == "both" and sorted((g["decode"], g["context"]) for g in stats["grid"]) == [
+        (0, 16), (0, 96), (2, 16), (2, 96)] and all(g["prefill"] == 16 for g in stats["grid"])
+    levels = stats["serving"]
+    assert [(lv["concurrency"], lv["prompt_tokens"], lv["output_tokens"], lv["requests"]) for lv in levels] == [
+        (1, 16, 8, 1), (1, 32, 16, 1), (3, 16, 8, 3), (3, 32, 16, 3)]
+    # each request (16 or 32 +-90% prompt tokens, half as many output tokens) is served step by step
+    assert all(lv["steps"] >= 2 and lv["mean_step_s"] > 0 for lv in levels)
+    assert stats["samples"] == len(stats["grid"]) + sum(lv["steps"] for lv in levels)
+    assert "serving at concurrency   3, prompts   32 +-90%: 3 requests" in p.stdout and "grid shapes with a prefill chunk" in fit.notes
 
 
 def test_the_narrow_path_is_the_native_kernels_row_limit(monkeypatch):

@@ -45,6 +45,40 @@ def test_step_shape_from_rows_counts_prefill_decode_kv_and_padding():
     assert s.padded_tokens == 16  # one window of 16 holds the chunk of 10 and the two decode tokens
     assert StepShape.from_rows(rows[1:], spec).padded_tokens == 2
     assert StepShape.from_rows(rows).padded_tokens == 0
+    # rows through the LM head and the sampler: the window and the decode slots of the bucket (3 rows -> 1 + 4)
+    three = [RowInput(tokens=[5], start_pos=20 + i, pages=[3, 4, 5]) for i in range(3)]
+    assert StepShape.from_rows(three, spec).padded_rows == 4 and StepShape.from_rows(three).padded_rows == 0
+
+
+def test_fit_prices_the_mean_of_noisy_samples_not_the_fast_ones(monkeypatch):
+    """Each shape timed ten times, two of them slowed (x1.5, x2: a busy host), as serving measures steps: the fit
+    must price the mean (what a run's duration adds up), where weighting each sample by 1 / its own time would
+    favour the fast ones and land ~8% under it."""
+    from paged import sim
+
+    noise = [1.0] * 8 + [1.5, 2.0]  # mean 1.15
+    shapes = [StepShape(prefill_tokens=0, decode_rows=r, kv_tokens=100 * r, padded_tokens=r) for r in range(1, 9)]
+    true = lambda s: 0.01 + 0.002 * s.decode_rows
+    xs = [s for s in shapes for _ in noise]
+    ys = [true(s) * k for s in shapes for k in noise]
+    fit = StepTimeModel.fit(xs, ys)
+    for s in shapes:
+        assert fit.predict(s) == pytest.approx(1.15 * true(s), rel=0.01)
+    monkeypatch.setattr(sim, "REWEIGHTS", 0)
+    low = StepTimeModel.fit(xs, ys)
+    assert all(low.predict(s) < 0.95 * 1.15 * true(s) for s in shapes)  # 1.054: sum(1/y) / sum(1/y^2)
+
+
+def test_attn_pairs_counts_the_query_key_pairs_attention_scores():
+    """A chunk of n tokens from position s scores n * s + n(n+1)/2 pairs (each query sees the context and the
+    chunk up to itself), a decode row its whole context; a later chunk of the same prompt costs more than the first."""
+    rows = [RowInput(tokens=[1] * 10, start_pos=3, pages=[1, 2], sample=False),
+            RowInput(tokens=[5], start_pos=20, pages=[3, 4, 5]), RowInput(tokens=[6], start_pos=7, pages=[6])]
+    assert StepShape.from_rows(rows).attn_pairs == (10 * 3 + 55) + 21 + 8
+    first = RowInput(tokens=[1] * 4, start_pos=0, pages=[1])
+    later = RowInput(tokens=[1] * 4, start_pos=8, pages=[1])
+    assert (StepShape.from_rows([first]).attn_pairs, StepShape.from_rows([later]).attn_pairs) == (10, 42)
+    assert StepTimeModel(0.0, {"attn_pairs": 1e-6}).predict(StepShape.from_rows([later])) == pytest.approx(42e-6)
 
 
 def test_kv_read_counts_every_padded_slot_against_the_longest_rows_context_bucket():

@@ -6,6 +6,8 @@ against this device's peaks measured in the same run.
     python -m experiments.bench_kernels --ops attention --attn_impls xla,my_module:my_attention \\
         --attn_shapes decode16x2048,prefill256x512 --plot /tmp/attn.png
     python -m experiments.bench_kernels --attn_impls pallas --sweep          # on a GPU: tune the kernel per shape
+    python -m experiments.bench_kernels --ops attention --attn_impls pallas --attn_shapes mixed512+64x2048 \
+        --sweep --sweep_fix block_q=16,pages_per_block=4     # a mixed step: decode rows split over keys or not
 
 Shapes: attention `decode{rows}x{ctx}` (rows decode tokens, each with ctx cached tokens), `prefill{q}x{ctx}` (one
 chunk of q tokens ending at ctx), `mixed{q}+{rows}x{ctx}` (a chunk and rows decode tokens), with `--heads`
@@ -23,6 +25,11 @@ head dim x 2 x itemsize, plus scales) and q; the matmul reads its weight leaves 
 interpreted (correctness only), so they are timed only when named; the defaults there are "native" (what "auto" runs
 on the CPU, where it is built), "xla" and "reference". Matmul shapes also time a dense dot in the backend's fastest
 dense dtype (`dense_baseline_dtype`: float32 on the CPU, bfloat16 on a GPU) and give each kernel's speed-up over it.
+
+`--sweep` times every tuning of `sweep_grid` (narrowed by `--sweep_fix`) and records the best per shape, with every
+candidate's timing (`tuned[].timings`). The attention grid splits keys (`k_splits > 1`) only where a shape has decode
+rows: all rows of a decode shape, only the decode rows of a mixed shape (`split_max_q=1`: the chunk is attended
+whole), none of a prefill shape.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from experiments.lib.kernel_bench import (
     dense_baseline_dtype,
     native_attention_reason,
     native_matmul_reason,
+    sweep_grid,
 )
 
 FLAGS = flags.FLAGS
@@ -61,6 +69,8 @@ flags.DEFINE_string("attn_tuning", None, "tuning for the attention implementatio
 flags.DEFINE_string("matmul_tuning", None, "tuning for the matmul implementations that take one")
 flags.DEFINE_boolean("sweep", False, "tune: time every tuning of the sweep grid for implementations with a tuning "
                      "type and record the best per shape")
+flags.DEFINE_string("sweep_fix", None, "with --sweep: only the grid's tunings with these field values "
+                    "('block_q=16,pages_per_block=4': time the key splits at the default blocking of a mixed step)")
 flags.DEFINE_integer("iters", 10, "back-to-back calls per timing")
 flags.DEFINE_integer("repeats", 5, "timings per point (min and median are recorded)")
 flags.DEFINE_boolean("dense_baseline", True, "also time a dense x @ W of each matmul shape in the fastest dense "
@@ -211,34 +221,6 @@ def matmul_error(impl, args: tuple, tuning) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-9))
 
 
-def sweep_grid(family: str, label: str, inputs) -> list:
-    """Tunings of the built-in kernels to try for one shape."""
-    from pallas_kernels.dequant_matmul import MatmulTuning, _check_tuning
-    from pallas_kernels.tuning import AttentionTuning
-
-    out = []
-    if family == "attention":
-        for bq in (1, 2, 4, 8, 16, 32):
-            for ppb in (1, 2, 4, 8):
-                for ks in (1, 2, 4, 8):
-                    if ks > 1 and inputs["layout"].num_prefill_rows:
-                        continue  # split-K is for decode
-                    out.append(AttentionTuning(block_q=bq, pages_per_block=ppb, k_splits=ks))
-        return out
-    x, qa = inputs
-    for bn in [b for b in (16, 32, 64) if b == 16 or b <= x.shape[0]]:  # row blocks past n only add padding
-        for bo in (32, 64, 128, 256):
-            for bi in (32, 64, 128, 256):
-                for si in (1, 2, 4, 8):
-                    t = MatmulTuning(block_n=bn, block_out=bo, block_in=bi, split_in=si)
-                    try:
-                        _check_tuning(x.shape[0], qa, t, native_gpu=False)
-                    except ValueError:
-                        continue
-                    out.append(t)
-    return out
-
-
 def main(argv):
     del argv
     import logging
@@ -303,9 +285,17 @@ def main(argv):
                         rows.append(rec)
                         continue
                 candidates = [tuning]
-                if FLAGS.sweep and impl.tuning_type is not None:
-                    candidates = sweep_grid(family, label, inputs)
+                sweeping = FLAGS.sweep and impl.tuning_type is not None
+                if sweeping:
+                    fix = dataclasses.asdict(reg.parse_tuning(impl, FLAGS.sweep_fix)) if FLAGS.sweep_fix else None
+                    if fix is not None:  # the fields the text named (the parsed tuning has defaults for the rest)
+                        fix = {k: fix[k] for k in (p.partition("=")[0].strip() for p in FLAGS.sweep_fix.split(","))}
+                    candidates = sweep_grid(family, label, inputs, fix)
+                    if not candidates:
+                        raise app.UsageError(f"--sweep_fix {FLAGS.sweep_fix!r} leaves no tuning of the {family} "
+                                             f"sweep for {label}")
                 best = None
+                timings = []
                 for t in candidates:
                     try:
                         timing = time_calls(runner(impl, inputs, t), FLAGS.iters, FLAGS.repeats)
@@ -314,13 +304,18 @@ def main(argv):
                             raise
                         print(f"  skip {t}: {type(e).__name__}: {str(e)[:80]}")
                         continue
+                    if sweeping:
+                        timings.append({"tuning": dataclasses.asdict(t), "min_s": timing["min_s"],
+                                        "median_s": timing["median_s"]})
+                        print(f"  {t}: median {timing['median_s'] * 1e3:8.3f} ms")
                     if best is None or timing["median_s"] < best[1]["median_s"]:
                         best = (t, timing)
                 t, timing = best
-                if FLAGS.sweep and impl.tuning_type is not None:
+                if sweeping:
                     rec["tuning"] = dataclasses.asdict(t)
                     tuned.append({"op": family, "impl": impl_name, "shape": label, "tuning": rec["tuning"],
-                                  "median_s": timing["median_s"], "candidates": len(candidates)})
+                                  "median_s": timing["median_s"], "candidates": len(candidates),
+                                  "timings": timings})
                 rec.update(timing)
                 med = timing["median_s"]
                 rec["gbps"] = cost["bytes"] / med / 1e9

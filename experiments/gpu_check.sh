@@ -15,7 +15,8 @@
 # 1/16/64, and the embedded SmolLM2 (MODEL: a .gguf path, default the embedded name) single stream; records
 # $OUT/e2e_<device>_<name>.json and .png; bench_large times pallas_gemv beside the tensor-core kernel. More stages,
 # not in the default: gemv (pallas_gemv against pallas and XLA at 1-16 rows, for tuned_tables.GEMV_MAX_ROWS),
-# fast_tier (the fast test tier on the GPU),
+# fast_tier (the fast test tier on the GPU), split_decode (a mixed step's decode rows split over keys with
+# split_max_q=1, against the unsplit default blocking, at Llama-3-8B's heads: every candidate's time in the record),
 # speculative (bench_speculative at batch 1 and 4 on SmolLM2, each drafter's outputs compared with plain
 # decoding's) and price (ngram_bound --price: a verification's cost by width).
 #
@@ -115,6 +116,14 @@ for stage in "${stages[@]}"; do
         --matmul_shapes 1x4096x14336,16x4096x14336,64x4096x14336,256x4096x14336 --kinds q4_1,int8 \
         --matmul_impls pallas,pallas_gemv,xla \
         --json_out "$OUT/kernels_${DEVICE}_large.json" 2>&1 | tee "$OUT/bench_large_$DEVICE.log" | tail -30
+      ;;
+    split_decode)  # a mixed step (a 512-token chunk and 64 or 256 decode rows): the kernel's default blocking for it
+      # (block_q 16, 4 pages of 16 per block) unsplit, and with the decode rows split over 2, 4, 8 programs
+      # (split_max_q=1: the chunk attended whole); tuned[].timings in the record has each candidate's time
+      run 120 $PY -m experiments.bench_kernels --ops attention --attn_impls pallas --heads 8x4x128 --page_size 16 \
+        --cache_dtype bfloat16 --attn_shapes mixed512+64x2048,mixed512+256x2048 --sweep \
+        --sweep_fix block_q=16,pages_per_block=4 --json_out "$OUT/split_decode_$DEVICE.json" 2>&1 \
+        | tee "$OUT/split_decode_$DEVICE.log" | tail -30
       ;;
     gemv)  # pallas_gemv against the tensor-core kernel and XLA by rows (sets tuned_tables.GEMV_MAX_ROWS), and its
       # int-to-float conversion by cast instead of mantissa bits

@@ -329,7 +329,10 @@ def layout_query_start(layout: PrefillDecodeLayout) -> jnp.ndarray:
 # `[num_pages, page_size, D]` with an indexed load. The accumulators are loop carries.
 #
 # With `k_splits > 1`, split c attends only the c-th part of each row's visible key blocks and writes its
-# un-normalised output with the running max and sum; the wrapper merges the splits.
+# un-normalised output with the running max and sum; the wrapper merges the splits. With `split_max_q > 0` too, a
+# row of more than `split_max_q` query tokens is not split: split 0 attends all its key blocks and normalises its
+# tokens' output in the kernel, exactly as with `k_splits == 1`, the other splits attend none, and the wrapper takes
+# those tokens' output from split 0 as it is (their bits are those of `k_splits == 1`).
 
 
 def _ragged_kernel(
@@ -351,6 +354,7 @@ def _ragged_kernel(
     soft_cap: float | None,
     pages_per_block: int,
     k_splits: int,
+    split_max_q: int,
     compute_dtype: jnp.dtype,
 ):
     b = pl.program_id(0)
@@ -379,10 +383,17 @@ def _ragged_kernel(
         key_lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         blk_lo = key_lo // block_k
         blk_hi = jnp.maximum((key_hi + block_k - 1) // block_k, blk_lo)
+        whole = None  # split_max_q: this row is attended whole by split 0 (a traced bool)
         if k_splits > 1:
             per = (blk_hi - blk_lo + k_splits - 1) // k_splits
-            blk_lo = jnp.minimum(blk_lo + split * per, blk_hi)
-            blk_hi = jnp.minimum(blk_lo + per, blk_hi)
+            part_lo = jnp.minimum(blk_lo + split * per, blk_hi)
+            part_hi = jnp.minimum(part_lo + per, blk_hi)
+            if split_max_q:  # a long row: all its blocks in split 0, none in the others
+                whole = ql > split_max_q
+                blk_lo = jnp.where(whole, jnp.where(split == 0, blk_lo, blk_hi), part_lo)
+                blk_hi = jnp.where(whole, blk_hi, part_hi)
+            else:
+                blk_lo, blk_hi = part_lo, part_hi
         in_row = (tok >= qs) & (tok < qs + ql)  # [M, 1]
         q_pos = kv - ql + (tok - qs)  # [M, 1]
 
@@ -415,7 +426,13 @@ def _ragged_kernel(
                                  preferred_element_type=jnp.float32)  # [M, D]
             return corr[:, None] * acc + pv, m_new, l_i
 
-        return lax.fori_loop(blk_lo, blk_hi, page_body, carry)
+        carry = lax.fori_loop(blk_lo, blk_hi, page_body, carry)
+        if whole is not None:  # a whole row's tokens: normalised here as with k_splits == 1 (later rows leave them)
+            acc, m_i, l_i = carry
+            done = in_row & whole  # [M, 1]
+            acc = jnp.where(done, _normalised(acc, l_i), acc)
+            carry = acc, m_i, l_i
+        return carry
 
     init = (
         jnp.zeros((m_rows, d), jnp.float32),
@@ -424,8 +441,7 @@ def _ragged_kernel(
     )
     acc, m_i, l_i = lax.fori_loop(0, block_nrows_ref[0], row_body, init)
     if k_splits == 1:
-        o = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        o_ref[...] = o.reshape(block_q, gp, d).astype(o_ref.dtype)
+        o_ref[...] = _normalised(acc, l_i).reshape(block_q, gp, d).astype(o_ref.dtype)
     else:
         m_ref, l_ref = stat_refs
         o_ref[...] = acc.reshape(block_q, gp, d)
@@ -433,8 +449,22 @@ def _ragged_kernel(
         l_ref[...] = l_i.reshape(block_q, gp)
 
 
+def _normalised(acc: jnp.ndarray, l_i: jnp.ndarray) -> jnp.ndarray:
+    """The output of an online softmax's state: `acc / l` ([M, D] / [M]), 0 where no key was visible. One expression
+    for `k_splits == 1` and the whole rows of `split_max_q`, so both round the same (a GPU divides in the kernel
+    with Triton's division, which need not round like XLA's in the wrapper)."""
+    return jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _token_rows(query_start: jnp.ndarray, query_lens: jnp.ndarray, num_tokens: int) -> jnp.ndarray:
+    """[num_tokens] int32: the row owning each token slot, -1 for a slot of no row."""
+    t = jnp.arange(num_tokens)
+    member = (t[:, None] >= query_start[None, :]) & (t[:, None] < (query_start + query_lens)[None, :])  # [T', S]
+    return jnp.where(member.any(axis=1), jnp.argmax(member, axis=1), -1).astype(jnp.int32)
 
 
 def _block_rows(
@@ -444,10 +474,7 @@ def _block_rows(
     block_q: int,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:  # [NB, block_q] rows (-1 padded), [NB, 1] counts
     """For each block of `block_q` token slots, the distinct rows owning tokens in it, in token order."""
-    t = jnp.arange(num_blocks * block_q)
-    member = (t[:, None] >= query_start[None, :]) & (t[:, None] < (query_start + query_lens)[None, :])  # [T', S]
-    tok_row = jnp.where(member.any(axis=1), jnp.argmax(member, axis=1), -1).astype(jnp.int32)
-    r = tok_row.reshape(num_blocks, block_q)
+    r = _token_rows(query_start, query_lens, num_blocks * block_q).reshape(num_blocks, block_q)
     prev = jnp.concatenate([jnp.full((num_blocks, 1), -1, jnp.int32), r[:, :-1]], axis=1)
     first = (r >= 0) & (r != prev)  # a row's tokens are contiguous, so each row starts once per block
     i = jnp.arange(block_q)[None, :]
@@ -548,7 +575,8 @@ def ragged_paged_attention_pallas(
 
     kernel = functools.partial(
         _ragged_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
-        pages_per_block=ppb, k_splits=ks, compute_dtype=compute_dtype,
+        pages_per_block=ppb, k_splits=ks, split_max_q=config.split_max_q if ks > 1 else 0,
+        compute_dtype=compute_dtype,
     )
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, c: (0,) * len(shape))
     pool_spec = pl.BlockSpec((None, num_pages, ps, d), lambda b, h, c: (h, 0, 0, 0))
@@ -593,7 +621,8 @@ def ragged_paged_attention_pallas(
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
-        name=f"ragged_paged_attention_bq{bq}_ppb{ppb}_ks{ks}",
+        name=f"ragged_paged_attention_bq{bq}_ppb{ppb}_ks{ks}" + (f"_sq{config.split_max_q}"
+                                                                    if ks > 1 and config.split_max_q else ""),
     )(
         block_rows, block_nrows, query_start.astype(jnp.int32), query_lens.astype(jnp.int32),
         kv_lens.astype(jnp.int32), table, qg, k_pages, k_scales, v_pages, v_scales,
@@ -605,6 +634,10 @@ def ragged_paged_attention_pallas(
         l_all = jnp.sum(w * l_i, axis=0)
         o = jnp.sum(w[..., None] * acc, axis=0)
         out = jnp.where(l_all[..., None] > 0, o / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+        if config.split_max_q:  # the tokens of rows attended whole: split 0 wrote their output, normalised
+            tok_row = _token_rows(query_start.astype(jnp.int32), query_lens.astype(jnp.int32), t_pad)
+            whole = (tok_row >= 0) & (query_lens.astype(jnp.int32)[jnp.maximum(tok_row, 0)] > config.split_max_q)
+            out = jnp.where(whole[:, None, None, None], acc[0], out)
     return out[:t_count, :, :g].reshape(t_count, nh, d).astype(q.dtype)
 
 

@@ -13,6 +13,12 @@ to another row's prefill (`test_a_query_gets_the_same_bits_in_every_kind_of_step
 prompt lookup then differed from plain decoding's (2026-11-28, docs/kernels.md). `k_splits > 1` stays available as
 an explicit tuning (`attn_tuning="k_splits=8"`) for long contexts at small batch, where it fills more of the GPU,
 at the cost of that invariance.
+
+`split_max_q` (default 0: every row is split) narrows a split to the short rows: with `k_splits > 1` and
+`split_max_q > 0`, a row of at most `split_max_q` query tokens (a decode row at 1) is split over the `k_splits`
+programs, while a longer row (a prefill chunk) is attended whole by the first split, with the same arithmetic as
+`k_splits=1`: its output keeps the unsplit bits, and only the split rows get other bits. It is meant for mixed steps
+(one prefill chunk and many decode rows), where splitting the chunk too only adds partials to merge.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class AttentionTuning:
     k_splits: the key range of every row is split into this many parts, attended by separate programs and merged
         afterwards (split-K / flash-decoding). 1 in every default; more only as an explicit tuning, for long contexts
         at small batch, and then a row's bits depend on the kind of step it is in (see the module docstring).
+    split_max_q: with `k_splits > 1`, only rows of at most this many query tokens are split over the `k_splits`
+        programs; longer rows are attended whole by the first split (their output has the bits of `k_splits=1`).
+        0 (the default): every row is split. No effect with `k_splits=1`.
     num_warps, num_stages: Triton launch parameters (ignored in interpret mode).
     """
 
@@ -45,6 +54,7 @@ class AttentionTuning:
     k_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    split_max_q: int = 0
 
     def __post_init__(self):
         for name in ("block_q", "pages_per_block"):
@@ -58,6 +68,9 @@ class AttentionTuning:
                              f"num_warps={self.num_warps!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"AttentionTuning.num_stages must be an int >= 1, got num_stages={self.num_stages!r}")
+        if not isinstance(self.split_max_q, int) or isinstance(self.split_max_q, bool) or self.split_max_q < 0:
+            raise ValueError(f"AttentionTuning.split_max_q must be an int >= 0 (0: split every row), got "
+                             f"split_max_q={self.split_max_q!r}")
 
 
 TARGET_KEYS_PER_BLOCK = 64

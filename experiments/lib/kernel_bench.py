@@ -1,6 +1,6 @@
 """The choices of `experiments.bench_kernels` that need none of its flags: which implementations it times by default
-per backend, the dense baseline per backend, and the utilisation of its points against the peaks it uses
-(`experiments.lib.peaks`)."""
+per backend, the dense baseline per backend, the tunings `--sweep` tries (`sweep_grid`), and the utilisation of its
+points against the peaks it uses (`experiments.lib.peaks`)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,43 @@ def apply_utilisation(rows: list[dict], used: dict[str, Peak]) -> None:
         if "gbps" in r:
             r["bandwidth_frac"] = utilisation(r["gbps"], used["bandwidth_gbps"])
             r["flops_frac"] = utilisation(r["gflops"], used["matmul_gflops"])
+
+
+def sweep_grid(family: str, label: str, inputs, fix: dict | None = None) -> list:
+    """Tunings of the built-in kernels to try for one shape; `fix` (field -> value): only those with these values.
+
+    Attention: keys are split (split-K) only for decode rows: every row of a decode shape; in a mixed shape (a chunk
+    and decode rows) the decode rows alone (`split_max_q=1`, the chunk attended whole by the first split); none in
+    a prefill shape."""
+    import dataclasses
+
+    from pallas_kernels.dequant_matmul import MatmulTuning, _check_tuning
+    from pallas_kernels.tuning import AttentionTuning
+
+    def fixed(ts: list) -> list:
+        return [t for t in ts if all(getattr(t, k) == v for k, v in (fix or {}).items()
+                                     if k in {f.name for f in dataclasses.fields(t)})]
+
+    out = []
+    if family == "attention":
+        layout = inputs["layout"]
+        for bq in (1, 2, 4, 8, 16, 32):
+            for ppb in (1, 2, 4, 8):
+                for ks in (1, 2, 4, 8):
+                    if ks == 1 or not layout.num_prefill_rows:
+                        out.append(AttentionTuning(block_q=bq, pages_per_block=ppb, k_splits=ks))
+                    elif layout.num_decode_rows:  # a mixed step: split the decode rows only
+                        out.append(AttentionTuning(block_q=bq, pages_per_block=ppb, k_splits=ks, split_max_q=1))
+        return fixed(out)
+    x, qa = inputs
+    for bn in [b for b in (16, 32, 64) if b == 16 or b <= x.shape[0]]:  # row blocks past n only add padding
+        for bo in (32, 64, 128, 256):
+            for bi in (32, 64, 128, 256):
+                for si in (1, 2, 4, 8):
+                    t = MatmulTuning(block_n=bn, block_out=bo, block_in=bi, split_in=si)
+                    try:
+                        _check_tuning(x.shape[0], qa, t, native_gpu=False)
+                    except ValueError:
+                        continue
+                    out.append(t)
+    return fixed(out)

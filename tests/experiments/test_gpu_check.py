@@ -18,7 +18,7 @@ from tests.compile_settings import ROOT, script_env
 
 SCRIPT = os.path.join(ROOT, "experiments", "gpu_check.sh")
 ALL_STAGES = ["facts", "build", "gpu_tier", "e2e", "bench", "bench_large", "gemv", "fast_tier", "speculative",
-              "price"]
+              "price", "split_decode"]
 
 # Run in a process of its own per script (absl keeps one flag registry per process): parse each argv with the
 # script's flags; bench_e2e's also through its own checks.
@@ -89,6 +89,17 @@ def test_every_python_command_line_parses_its_flags(tmp_path):
                            text=True, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
         assert p.returncode == 0, f"{module}: {p.stderr[-3000:]}"
         assert p.stdout.count("parsed ") == len(argvs)
+
+
+def test_split_decode_times_the_mixed_step_with_and_without_split_decode_rows(tmp_path):
+    """The split_decode stage sweeps the mixed shapes at the default blocking only (block_q 16, 4 pages per block),
+    so its grid is the unsplit tuning and the decode rows split over 2, 4 and 8 programs (split_max_q=1)."""
+    (cmd,) = dry_run(tmp_path, "split_decode")
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert "--sweep" in cmd and flag("--sweep_fix") == "block_q=16,pages_per_block=4"
+    assert flag("--attn_impls") == "pallas" and flag("--ops") == "attention"
+    assert all(s.startswith("mixed") for s in flag("--attn_shapes").split(","))
+    assert flag("--json_out") == f"{tmp_path}/split_decode_testgpu.json"
 
 
 @pytest.mark.parametrize("stage", ["bogus", "e2e_bogus"])

@@ -33,3 +33,27 @@ def test_utilisation_is_never_above_100_percent():
     assert "matmul 1x8x8 q4_1 xla" in used["bandwidth_gbps"].source
     assert rows[1]["flops_frac"] == 1.0 and rows[0]["flops_frac"] == pytest.approx(1 / 3)
     assert "bandwidth_frac" not in rows[2]
+
+
+def test_the_attention_sweep_splits_only_decode_rows():
+    """--sweep's attention grid: a decode shape splits every row's keys; a mixed shape (a chunk and decode rows)
+    splits only the decode rows (split_max_q=1, the chunk attended whole), so a GPU run times split decode rows
+    against unsplit ones; a prefill shape splits nothing. --sweep_fix narrows the grid to the named fields."""
+    from pallas_kernels.paged_attention import PrefillDecodeLayout
+    from pallas_kernels.tuning import AttentionTuning
+
+    def grid(layout, fix=None):
+        return kernel_bench.sweep_grid("attention", "shape", {"layout": layout}, fix)
+
+    mixed = grid(PrefillDecodeLayout(1, 512, 64))
+    assert AttentionTuning(block_q=16, pages_per_block=4, k_splits=4, split_max_q=1) in mixed
+    assert AttentionTuning(block_q=16, pages_per_block=4) in mixed
+    assert {t.split_max_q for t in mixed if t.k_splits > 1} == {1}
+    assert {t.split_max_q for t in mixed if t.k_splits == 1} == {0}
+    assert {t.k_splits for t in mixed} == {1, 2, 4, 8}
+    decode = grid(PrefillDecodeLayout(0, 1, 64))
+    assert {t.k_splits for t in decode} == {1, 2, 4, 8} and {t.split_max_q for t in decode} == {0}
+    assert {t.k_splits for t in grid(PrefillDecodeLayout(1, 2048, 0))} == {1}
+    fixed = grid(PrefillDecodeLayout(1, 512, 64), {"block_q": 16, "pages_per_block": 4})
+    assert fixed == [AttentionTuning(block_q=16, pages_per_block=4)] + [
+        AttentionTuning(block_q=16, pages_per_block=4, k_splits=ks, split_max_q=1) for ks in (2, 4, 8)]

@@ -56,6 +56,7 @@ ATTENTION_CASES = [
     ("float32", 8, 8, T(block_q=1, pages_per_block=4, k_splits=4), None, None),  # decode, split-K
     ("bfloat16", 64, 2, T(block_q=16, pages_per_block=2), 100, None),  # prefill, window
     ("int8", 32, 4, T(block_q=16, pages_per_block=4, k_splits=2), None, 30.0),  # int8 KV, soft cap
+    ("bfloat16", 48, 3, T(block_q=16, pages_per_block=2, k_splits=4, split_max_q=1), None, None),  # split decode
     ("float32", 24, 3, None, None, None),  # the default tuning
 ]
 

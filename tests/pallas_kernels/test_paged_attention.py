@@ -251,6 +251,8 @@ KERNEL_CASES = [
     ("decode-many-pages", "ddddd0d-", 1, 160, 8, 2, 2, 16, None, None, "f32",
      T(block_q=1, pages_per_block=2, k_splits=4)),
     ("long-chunk-int8", "pd", 40, 130, 8, 1, 2, 16, None, None, "int8", T(block_q=16, pages_per_block=4, k_splits=2)),
+    ("int8-window-split-decode", "dpdPd0", 10, 90, 8, 2, 2, 16, 13, None, "int8",
+     T(block_q=4, pages_per_block=2, k_splits=3, split_max_q=1)),
     ("int8-window-bq32", "dpdP", 12, 90, 16, 2, 2, 32, 20, None, "int8", T(block_q=32, pages_per_block=2)),
     ("bf16-default-tuning", "pdd0P", 10, 60, 16, 2, 4, 16, None, None, "bf16", None),
     ("default-tuning-window", "PdpdP", 14, 80, 8, 2, 2, 16, 9, None, "f32", None),
@@ -393,6 +395,9 @@ def test_paged_attention_impl_switch(monkeypatch):
         (dict(k_splits=0), "k_splits=0"),
         (dict(num_warps=3), "num_warps=3"),
         (dict(num_stages=0), "num_stages=0"),
+        (dict(k_splits=4, split_max_q=-1), "split_max_q=-1"),
+        (dict(k_splits=4, split_max_q=1.0), "split_max_q=1.0"),
+        (dict(k_splits=4, split_max_q="1"), "split_max_q='1'"),
     ],
 )
 def test_invalid_tuning_raises(kwargs, message):
@@ -457,6 +462,94 @@ def test_gpu_shape_limits_are_checked_before_lowering():
 def test_tuning_is_static_and_hashable():
     assert AttentionTuning(block_q=8) == AttentionTuning(block_q=8)
     assert len({AttentionTuning(), AttentionTuning(), AttentionTuning(k_splits=2)}) == 2
+    assert len({AttentionTuning(k_splits=2), AttentionTuning(k_splits=2, split_max_q=1)}) == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split_max_q: in a mixed step only the short (decode) rows are split over keys
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def mixed_step(dtype=jnp.float32):
+    """A mixed step: a prefill chunk of 24 tokens mid-context (at token 3, so its last block also holds decode
+    tokens at block_q 8), a row with a cached context and no query, and 6 decode rows whose contexts span 1 to 8
+    key blocks of 16 keys (page size 8, 2 pages per block), in a 40-slot token axis with trailing padding.
+    Returns (args, reference args, kwargs, prefill token slots, decode token slots)."""
+    rng = np.random.default_rng(11)
+    kh, g, d, ps, p = 2, 2, 16, 8, 16
+    qlens = np.array([24, 0, 1, 1, 1, 1, 1, 1], np.int32)
+    kvlens = np.array([70, 30, 9, 40, 77, 128, 100, 16], np.int32)
+    qstart = np.array([3, 27, 27, 28, 29, 31, 32, 33], np.int32)  # a gap (token 30) of no row
+    num_pages = 1 + len(qlens) * p
+    table = np.zeros((len(qlens), p), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    for s, kv in enumerate(kvlens):
+        for j in range(-(-int(kv) // ps)):
+            table[s, j] = free.pop()
+    k_pages = rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32)
+    v_pages = rng.normal(size=(kh, num_pages, ps, d)).astype(np.float32)
+    k_pages[:, 0], v_pages[:, 0] = 30.0, -30.0  # the null page: never visible
+    q = rng.normal(size=(40, kh * g, d)).astype(np.float32)
+    args = [jnp.asarray(x, dtype) for x in (q, k_pages, v_pages)] + [jnp.asarray(x) for x in
+                                                                       (qstart, qlens, kvlens, table)]
+    ref_args = [x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args]
+    prefill = np.arange(3, 27)
+    decode = np.array([27, 28, 29, 31, 32, 33])
+    return args, ref_args, dict(sm_scale=d**-0.5), prefill, decode
+
+
+@pytest.mark.parametrize("block_q", [1, 8])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_split_only_short_rows_matches_reference(block_q, dtype):
+    """k_splits=4 with split_max_q=1 on a mixed step: the decode rows split over keys, the chunk attended whole;
+    the output matches the spec, zeros in the slots of no row included."""
+    args, ref_args, kw, _, _ = mixed_step(jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+    tuning = T(block_q=block_q, pages_per_block=2, k_splits=4, split_max_q=1)
+    expected = np.asarray(ragged_paged_attention_reference(*ref_args, **kw))
+    got = ragged_paged_attention_pallas(*args, config=tuning, interpret=True, **kw)
+    assert got.shape == args[0].shape and got.dtype == args[0].dtype
+    tol = 3e-2 if dtype == "bf16" else 2e-5
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), expected, atol=tol, rtol=tol)
+    (call,) = find(ragged_paged_attention_pallas, *args, primitive="pallas_call", config=tuning, interpret=True,
+                   **kw)
+    assert tuple(call.params["grid_mapping"].grid) == (-(-40 // block_q), 2, 4)
+
+
+@pytest.mark.parametrize("where", ["interpret", pytest.param("gpu", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")])])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_split_max_q_splits_the_decode_rows_and_leaves_the_chunk_bits(where, dtype):
+    """With split_max_q=1 the chunk's tokens get exactly the bits of k_splits=1 (attended whole by split 0 and
+    normalised in the kernel as k_splits=1 does: on a GPU Triton's division in the kernel need not round like
+    XLA's in the merge), and the decode rows exactly those of every row split (k_splits=4, split_max_q=0): they
+    are split."""
+    args, _, kw, prefill, decode = mixed_step(jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+
+    def run(**tuning):
+        return np.asarray(ragged_paged_attention_pallas(*args, config=T(block_q=8, pages_per_block=2, **tuning),
+                                                        interpret=where == "interpret", **kw).astype(jnp.float32))
+
+    whole, all_split = run(), run(k_splits=4)
+    got = run(k_splits=4, split_max_q=1)
+    assert np.array_equal(got[prefill], whole[prefill]), np.abs(got[prefill] - whole[prefill]).max()
+    assert np.array_equal(got[decode], all_split[decode]), np.abs(got[decode] - all_split[decode]).max()
+    others = np.setdiff1d(np.arange(40), np.concatenate([prefill, decode]))
+    assert not got[others].any()
+    # a cap at the chunk's length splits it too; one below it does not
+    assert np.array_equal(run(k_splits=4, split_max_q=24), all_split)
+    assert np.array_equal(run(k_splits=4, split_max_q=23)[prefill], whole[prefill])
+    if where == "interpret" and dtype == "f32":  # the split really changes the chunk's rounding here
+        assert not np.array_equal(all_split[prefill], whole[prefill])
+
+
+def test_split_max_q_parses_from_the_tuning_string():
+    from pallas_kernels.registry import attention_registry
+
+    reg = attention_registry()
+    assert reg.parse_tuning("pallas", "k_splits=4,split_max_q=1") == T(k_splits=4, split_max_q=1)
+    assert reg.parse_tuning("pallas", {"k_splits": 2, "split_max_q": 16}).split_max_q == 16
+    with pytest.raises(Exception, match="split_max_q"):
+        reg.parse_tuning("pallas", "k_splits=4,split_max_q=-1")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -469,6 +562,7 @@ GPU_CASES = [
     ("dddddddd", 1, 900, 16, 2, 4, 64, None, 30.0, "f32", T(block_q=1, pages_per_block=4, k_splits=4)),
     ("pdpd", 40, 500, 32, 2, 2, 128, 100, None, "int8", T(block_q=16, pages_per_block=2, k_splits=2)),
     ("PdddP", 50, 400, 16, 2, 8, 64, None, None, "bf16", None),
+    ("pdddddd", 64, 700, 16, 2, 4, 64, None, None, "bf16", T(block_q=16, pages_per_block=4, k_splits=4, split_max_q=1)),
 ]
 
 

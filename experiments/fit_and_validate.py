@@ -8,6 +8,8 @@
    (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the rank agreement of the
    policies (Kendall's tau) per load;
 3. with `--install`, the fit goes to `experiments/data/step_time/NAME.json`, where `--step_time_model=NAME` finds it.
+   A fit already filed under that name is validated against the same real runs beside the new one
+   (`validate_sim --also_fits`), so the record shows what replacing it changes.
 
     python -m experiments.fit_and_validate --name=cpu_epyc_smollm2_q4 --install \\
         --json_out=experiments/results/fit_and_validate/cpu_epyc_smollm2_q4.json
@@ -83,7 +85,10 @@ def main(argv):
         fit = os.path.join(tmp, FLAGS.name + ".json")
         record = FLAGS.json_out or os.path.join(tmp, "validate.json")
         run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
-        run("experiments.validate_sim", [*common, f"--step_time_model={fit}", f"--policies={','.join(FLAGS.policies)}",
+        installed = os.path.join(step_time_fits.FITS_DIR, FLAGS.name + ".json")
+        also = [f"--also_fits={installed}"] if os.path.exists(installed) else []  # the fit this one would replace
+        run("experiments.validate_sim", [*common, f"--step_time_model={fit}", *also,
+                                         f"--policies={','.join(FLAGS.policies)}",
                                          f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
                                          f"--real_repeats={FLAGS.real_repeats}",
                                          f"--page_budget={FLAGS.page_budget}", "--noprogress", "--nosave_steps",

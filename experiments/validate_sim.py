@@ -29,6 +29,11 @@ from experiments import compare_policies as cp
 FLAGS = flags.FLAGS
 flags.DEFINE_float("max_step_error", 0.10, "target for |mean step time error| (reported, not enforced)")
 flags.DEFINE_float("max_ttft_error", 0.15, "target for |TTFT p50 error| (reported, not enforced)")
+flags.DEFINE_float("min_rank_gap", 0.15, "a pair of policies counts as ordered by the real engine when their real "
+                   "runs do not overlap and their medians differ by more than this (relative): by default the TTFT "
+                   "target, the finest difference the simulator is asked to resolve")
+flags.DEFINE_list("also_fits", [], "more step-time fits (names or paths) to price the same workload with, compared "
+                  "against the same real runs (e.g. the fit a new one replaces)")
 flags.DEFINE_integer("real_repeats", 1, "real runs per policy and rate, interleaved over the policies: the real "
                      "figure is their median and their spread is reported (the real engine's own repeatability: "
                      "the floor under any simulator's error)")
@@ -107,17 +112,23 @@ def rank_agreement(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.Policy
             "pairs": separated_pairs(real_runs, sim_runs)}
 
 
-def separated_pairs(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.PolicyRun]) -> list[dict]:
-    """Every pair of policies whose repeated real RANK_BY values do not overlap (every run of one below every run
-    of the other: an order the real engine reproduces), and whether the simulator orders them the same way. Pairs
-    whose real runs overlap are left out: the real engine itself does not tell their order (with one run per
-    policy, every pair of different values counts)."""
+def separated_pairs(real_runs: list[list[cp.PolicyRun]], sim_runs: list[cp.PolicyRun],
+                    min_gap: float | None = None) -> list[dict]:
+    """Every pair of policies the real engine orders reproducibly: their repeated real RANK_BY values do not overlap
+    (every run of one below every run of the other) and their medians differ by more than `min_gap` (relative to
+    the smaller; default --min_rank_gap), and whether the simulator orders them the same way. Other pairs are left
+    out: the real engine itself does not tell their order, or tells it by less than the simulator is asked to
+    resolve (with one run per policy, every pair of values `min_gap` apart counts)."""
+    gap = FLAGS.min_rank_gap if min_gap is None else min_gap
     vals = [[r.row[RANK_BY] for r in reps] for reps in real_runs]
     out = []
     for i in range(len(vals)):
         for j in range(i + 1, len(vals)):
             a, b = vals[i], vals[j]
             if None in a or None in b or not (max(a) < min(b) or max(b) < min(a)):
+                continue
+            lo, hi = sorted((median(a), median(b)))
+            if hi <= lo * (1 + gap):
                 continue
             first, second = (i, j) if max(a) < min(b) else (j, i)
             si, sj = sim_runs[first].row[RANK_BY], sim_runs[second].row[RANK_BY]
@@ -150,7 +161,8 @@ def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
         pairs = k.get("pairs")
         if pairs is not None and reps > 1:
             n = len(k["real_order"] or ())
-            lines.append(f"  pairs the real runs order reproducibly: {len(pairs)} of {n * (n - 1) // 2}; the "
+            lines.append(f"  pairs the real runs order reproducibly (> {FLAGS.min_rank_gap:.0%} apart): {len(pairs)} of "
+                         f"{n * (n - 1) // 2}; the "
                          f"simulator orders {sum(p['sim_agrees'] for p in pairs)} of them the same way"
                          + "".join(f"; {p['faster']} < {p['slower']}{'' if p['sim_agrees'] else ' (sim: reversed)'}"
                                    for p in pairs))
@@ -164,8 +176,10 @@ def main(argv):
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    from experiments.lib import step_time_fits
     from experiments.lib.serving import env
-    from paged.sim import engine_setup
+    from paged.errors import InvalidConfigError
+    from paged.sim import StepTimeModel, engine_setup
 
     cp.validate_flags()
     if FLAGS.real_repeats < 1:
@@ -173,12 +187,23 @@ def main(argv):
     rates = cp.rates_of_flags()
     if rates is None:
         raise app.UsageError("validate_sim needs explicit --rates (e.g. one under and one past saturation), not auto")
+    also = {}
+    for name in FLAGS.also_fits:  # (checked before the model loads)
+        try:
+            also[name] = StepTimeModel.load(step_time_fits.fit_path(name))
+        except (InvalidConfigError, ValueError) as e:
+            raise app.UsageError(f"--also_fits={name}: {e}") from None
     env.load_average("at start")
     real = cp.RealBackend()
     sim = cp.SimBackend()
     sim.config, sim.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
     here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
     mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
+    others = {}
+    for name, fit in also.items():  # (the same backend, priced by another fit)
+        other = cp.SimBackend()
+        other.step_time, other.config, other.vocab_size = fit, real.config, real.vocab_size
+        others[name] = {"backend": other, "errors": [], "rank_agreement": []}
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     slo = cp.slo_of_flags()
@@ -194,7 +219,14 @@ def main(argv):
         ranks.append({"rate": rate, **rank_agreement(real_runs, sim_runs)})
         real_all += [r for reps in real_runs for r in reps]
         sim_all += sim_runs
+        for o in others.values():
+            runs = [cp.run_policy(o["backend"], p, load.workload, arrivals, slo, label=p, rate=rate)
+                    for p in FLAGS.policies]
+            o["errors"] += validate(real_runs, runs)
+            o["rank_agreement"].append({"rate": rate, **rank_agreement(real_runs, runs)})
     print(format_rows(rows, ranks))
+    for name, o in others.items():
+        print(f"\nthe same real runs against the fit {name!r}:\n" + format_rows(o["errors"], o["rank_agreement"]))
     if FLAGS.json_out:
         record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
                   "targets": {"max_step_error": FLAGS.max_step_error, "max_ttft_error": FLAGS.max_ttft_error},
@@ -203,7 +235,9 @@ def main(argv):
                   "load_avg": env.load_average(), "setup_mismatches": mismatches,
                   "step_time_model": sim.step_time.to_dict(), "engine": real.config.to_dict(),
                   "workload": load.workload.describe(), "slo_ms": slo, "errors": rows, "rank_agreement": ranks,
-                  "real": [cp.policy_record(r) for r in real_all], "sim": [cp.policy_record(r) for r in sim_all]}
+                  "real": [cp.policy_record(r) for r in real_all], "sim": [cp.policy_record(r) for r in sim_all],
+                  "also_fits": {name: {"step_time_model": o["backend"].step_time.to_dict(), "errors": o["errors"],
+                                       "rank_agreement": o["rank_agreement"]} for name, o in others.items()}}
         cp.write_json(FLAGS.json_out, record)
 
 

@@ -138,9 +138,15 @@ def test_validate_sim_compares_the_median_of_repeated_real_runs_and_reports_thei
     assert [(p["faster"], p["slower"], p["sim_agrees"]) for p in rank["pairs"]] == [("c", "a", True), ("c", "b", True)]
     table = validate_sim.format_rows(rows, [{"rate": 12.0, **rank}])
     assert "±9%" in table and "the median of 3 runs" in table  # a: (1200 - 1000) / 1100 / 2
-    assert "reproducibly: 2 of 3; the simulator orders 2 of them the same way" in table
+    assert "reproducibly (> 15% apart): 2 of 3; the simulator orders 2 of them the same way" in table
     sim[2] = _run("c", 0.009, 1300, simulated=True)  # the simulator puts c after a, which the real runs never do
     assert [p["sim_agrees"] for p in validate_sim.separated_pairs(real, sim)] == [False, True]
+    # runs that do not overlap but whose medians are 5% apart: no order the simulator is asked to resolve
+    close = [[_run("d", 0.01, v) for v in (100, 101, 102)], [_run("e", 0.01, v) for v in (105, 106, 107)]]
+    pair_sim = [_run("d", 0.01, 110, simulated=True), _run("e", 0.01, 100, simulated=True)]
+    assert validate_sim.separated_pairs(close, pair_sim) == []
+    assert validate_sim.separated_pairs(close, pair_sim, min_gap=0.01) == [
+        {"faster": "d", "slower": "e", "sim_agrees": False}]
     assert validate_sim.spread([5.0]) is None and validate_sim.median([3, 1, 2, 10]) == 2.5
 
 
@@ -172,3 +178,11 @@ def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_p
     parse_flags(cp, base)
     with pytest.raises(app.UsageError, match=r"t.csv:3"):
         cp.main([])
+
+
+def test_validate_sim_names_a_missing_extra_fit_before_loading_the_model(cp, tmp_path):
+    from experiments import validate_sim
+
+    parse_flags(validate_sim, ["--rates=1,2", f"--also_fits={tmp_path / 'nope.json'}"])
+    with pytest.raises(app.UsageError, match="--also_fits=.*nope.json"):
+        validate_sim.main([])

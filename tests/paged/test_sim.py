@@ -293,3 +293,20 @@ def test_a_fit_file_without_a_setup_is_warned_as_unrecorded(tmp_path):
         SimulatedEngine(CFG, old)
     with pytest.raises(InvalidConfigError, match="setup must be a dict"):
         StepTimeModel(0.01, setup=["cpu"])
+
+
+def test_the_simulators_predictor_prices_every_shape_with_the_same_bits_as_predict():
+    """`predictor()` leaves zero terms out for speed; sums in the same order, so not one bit differs, the wide-step
+    term included."""
+    import random
+
+    rng = random.Random(0)
+    m = StepTimeModel(0.0031, {"prefill_tokens": 1.7e-4, "decode_rows": 0.0, "kv_tokens": 1.9e-6, "wide_step": 0.013,
+                               "padded_tokens": 2.45e-4, "attn_pairs": 3.7e-7, "padded_rows": 9.5e-5},
+                      narrow_tokens=64)
+    price = m.predictor()
+    for _ in range(500):
+        s = StepShape(*(rng.randrange(0, 3000) for _ in range(4)), kv_read=rng.randrange(0, 10**5),
+                      attn_pairs=rng.randrange(0, 10**6), padded_rows=rng.randrange(0, 17))
+        assert price(s) == m.predict(s)
+    assert price(StepShape(0, 1, 10, 65)) - price(StepShape(0, 1, 10, 64)) == pytest.approx(0.013 + 2.45e-4)

@@ -22,6 +22,8 @@ times as much (the queue grows with the difference between arrival and service r
 
 from __future__ import annotations
 
+import statistics
+
 from absl import app, flags
 
 from experiments import compare_policies as cp
@@ -58,11 +60,9 @@ def rel_error(sim: float | None, real: float | None) -> float | None:
 
 
 def median(xs: list) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    m = len(xs) // 2
-    return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
+    """The median of the values that are not None (None if there are none)."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def spread(xs: list) -> float | None:

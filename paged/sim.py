@@ -180,16 +180,14 @@ class StepTimeModel:
         return diffs
 
     def predict(self, shape: StepShape) -> float:
-        """`base_s + sum(coef[f] * shape's feature f)`, the features as `shape.features(narrow_tokens)` gives them."""
-        n = self.narrow_tokens
-        wide = float(bool(n) and shape.tokens > n)
-        return self.base_s + sum(c * (wide if f == "wide_step" else getattr(shape, f))  # (int -> float exactly)
-                                 for f, c in self.coef.items())
+        """`base_s + sum(coef[f] * shape's feature f)`, the features as `shape.features(narrow_tokens)` gives them
+        (summed in `coef`'s order; `predictor()` is the same function, built once)."""
+        return self.predictor()(shape)
 
     def predictor(self):
-        """A function pricing a `StepShape` exactly as `predict` does (the same terms in the same order, so the same
-        bits), for the coefficients as they are now, with the terms whose coefficient is 0 left out: the simulator
-        prices every step with it, millions of times in a long run."""
+        """A function pricing a `StepShape` as `predict` documents, for the coefficients as they are now, with the
+        terms whose coefficient is 0 left out: the simulator prices every step with it, millions of times in a long
+        run."""
         base, n = self.base_s, self.narrow_tokens
         terms = tuple((f, c) for f, c in self.coef.items() if c)
 

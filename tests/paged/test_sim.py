@@ -295,9 +295,10 @@ def test_a_fit_file_without_a_setup_is_warned_as_unrecorded(tmp_path):
         StepTimeModel(0.01, setup=["cpu"])
 
 
-def test_the_simulators_predictor_prices_every_shape_with_the_same_bits_as_predict():
-    """`predictor()` leaves zero terms out for speed; sums in the same order, so not one bit differs, the wide-step
-    term included."""
+def test_the_simulators_predictor_prices_every_shape_by_the_documented_sum():
+    """`predictor()` (what `predict` and the simulator call) leaves zero terms out for speed and sums the others in
+    `coef`'s order: the same bits as `base_s + sum(coef[f] * features[f])` over every term, the wide-step term
+    included."""
     import random
 
     rng = random.Random(0)
@@ -308,5 +309,6 @@ def test_the_simulators_predictor_prices_every_shape_with_the_same_bits_as_predi
     for _ in range(500):
         s = StepShape(*(rng.randrange(0, 3000) for _ in range(4)), kv_read=rng.randrange(0, 10**5),
                       attn_pairs=rng.randrange(0, 10**6), padded_rows=rng.randrange(0, 17))
-        assert price(s) == m.predict(s)
+        feats = dict(zip(FEATURES, s.features(m.narrow_tokens)))
+        assert price(s) == m.predict(s) == m.base_s + sum(c * feats[f] for f, c in m.coef.items())
     assert price(StepShape(0, 1, 10, 65)) - price(StepShape(0, 1, 10, 64)) == pytest.approx(0.013 + 2.45e-4)

@@ -16,7 +16,9 @@ load average. A fit measured on another host or setup is warned (it is validated
 simulator with the median and reports the runs' spread: the real engine's own repeatability, under which no
 simulator can be judged. On the shared 2-core CPU host the machine's speed changes from one ten seconds to the next
 (a 200-token prefill takes 70 or 86 ms), and past saturation a few percent of speed moves TTFT p50 by several
-times as much (the queue grows with the difference between arrival and service rates).
+times as much (the queue grows with the difference between arrival and service rates). The pairs of policies the
+real runs order reproducibly (no overlap, more than `--min_rank_gap` apart) are listed with whether the simulator
+agrees; `--also_fits` prices the same workload with other fits against the same real runs.
 `experiments/fit_and_validate.py` runs the fit and this validation in one command.
 """
 

@@ -238,13 +238,14 @@ class SimBackend:
 
     kind = "sim"
 
-    def __init__(self):
+    def __init__(self, step_time=None):
+        """`step_time`: the `StepTimeModel` to price steps with (default: --step_time_model's)."""
         from paged.errors import InvalidConfigError
         from paged.sim import StepTimeModel
         from paged.sim import engine_setup as sim_setup
 
         try:
-            self.step_time = StepTimeModel.load(step_time_fits.fit_path(FLAGS.step_time_model))
+            self.step_time = step_time or StepTimeModel.load(step_time_fits.fit_path(FLAGS.step_time_model))
         except (InvalidConfigError, ValueError) as e:
             raise app.UsageError(f"--step_time_model: {e}") from None
         self.config = engine_config().resolve()

@@ -163,9 +163,9 @@ def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
         pairs = k.get("pairs")
         if pairs is not None and reps > 1:
             n = len(k["real_order"] or ())
-            lines.append(f"  pairs the real runs order reproducibly (> {FLAGS.min_rank_gap:.0%} apart): {len(pairs)} of "
-                         f"{n * (n - 1) // 2}; the "
-                         f"simulator orders {sum(p['sim_agrees'] for p in pairs)} of them the same way"
+            lines.append(f"  pairs the real runs order reproducibly (> {FLAGS.min_rank_gap:.0%} apart): "
+                         f"{len(pairs)} of {n * (n - 1) // 2}; the simulator orders "
+                         f"{sum(p['sim_agrees'] for p in pairs)} of them the same way"
                          + "".join(f"; {p['faster']} < {p['slower']}{'' if p['sim_agrees'] else ' (sim: reversed)'}"
                                    for p in pairs))
     lines.append(f"(! = outside the targets: step {FLAGS.max_step_error:.0%}, TTFT p50 {FLAGS.max_ttft_error:.0%}; "
@@ -201,33 +201,31 @@ def main(argv):
     sim.config, sim.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
     here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
     mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
-    others = {}
-    for name, fit in also.items():  # (the same backend, priced by another fit)
-        other = cp.SimBackend()
-        other.step_time, other.config, other.vocab_size = fit, real.config, real.vocab_size
-        others[name] = {"backend": other, "errors": [], "rank_agreement": []}
+    # the simulator priced by each fit (--step_time_model's first, then --also_fits'), against the same real runs
+    priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []}
+              for b in (sim, *(cp.SimBackend(fit) for fit in also.values()))]
+    for o in priced[1:]:
+        o["backend"].config, o["backend"].vocab_size = real.config, real.vocab_size
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     slo = cp.slo_of_flags()
-    rows, ranks, real_all, sim_all = [], [], [], []
+    real_all = []
     for rate in rates:
         arrivals = load.arrivals_at(rate)
         real_runs = [[] for _ in FLAGS.policies]
         for _ in range(FLAGS.real_repeats):  # (interleaved: a drift in the machine's speed reaches every policy)
             for reps, p in zip(real_runs, FLAGS.policies):
                 reps.append(cp.run_policy(real, p, load.workload, arrivals, slo, label=p, rate=rate))
-        sim_runs = [cp.run_policy(sim, p, load.workload, arrivals, slo, label=p, rate=rate) for p in FLAGS.policies]
-        rows += validate(real_runs, sim_runs)
-        ranks.append({"rate": rate, **rank_agreement(real_runs, sim_runs)})
         real_all += [r for reps in real_runs for r in reps]
-        sim_all += sim_runs
-        for o in others.values():
+        for o in priced:
             runs = [cp.run_policy(o["backend"], p, load.workload, arrivals, slo, label=p, rate=rate)
                     for p in FLAGS.policies]
             o["errors"] += validate(real_runs, runs)
             o["rank_agreement"].append({"rate": rate, **rank_agreement(real_runs, runs)})
+            o["runs"] += runs
+    rows, ranks, sim_all = priced[0]["errors"], priced[0]["rank_agreement"], priced[0]["runs"]
     print(format_rows(rows, ranks))
-    for name, o in others.items():
+    for name, o in zip(also, priced[1:]):
         print(f"\nthe same real runs against the fit {name!r}:\n" + format_rows(o["errors"], o["rank_agreement"]))
     if FLAGS.json_out:
         record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
@@ -239,7 +237,7 @@ def main(argv):
                   "workload": load.workload.describe(), "slo_ms": slo, "errors": rows, "rank_agreement": ranks,
                   "real": [cp.policy_record(r) for r in real_all], "sim": [cp.policy_record(r) for r in sim_all],
                   "also_fits": {name: {"step_time_model": o["backend"].step_time.to_dict(), "errors": o["errors"],
-                                       "rank_agreement": o["rank_agreement"]} for name, o in others.items()}}
+                                       "rank_agreement": o["rank_agreement"]} for name, o in zip(also, priced[1:])}}
         cp.write_json(FLAGS.json_out, record)
 
 

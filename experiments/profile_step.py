@@ -270,10 +270,10 @@ def serving_samples(eng, model) -> tuple[list, list[float], float, list[dict]]:
     """Every step of real serving, timed where it ran: the generator (policy `exllamav2`) serves a calibration
     workload of random prompts (each length of `--serving_prompts`) at each closed-loop concurrency of
     `--serving_concurrency`, and each `Engine.run`'s wall time is recorded with its rows
-    (`experiments.lib.serving.runner.EngineProbe`). A step in a serving loop
-    costs more than the same shape timed alone in a loop of its own (on the 2-core CPU host, decode steps ~12% more:
-    the host thread's work beside the device's, caches no longer warm from the previous identical call), so a fit
-    on these prices what a simulated serving run's steps cost. The calibration prompts are drawn from their own
+    (`experiments.lib.serving.runner.EngineProbe`). A step in a serving loop costs more than the same shape timed
+    alone in a loop of its own (on the 2-core CPU host, decode steps ~12% more: the host thread's work beside the
+    device's, caches no longer warm from the previous identical call), so a fit on these prices what a simulated
+    serving run's steps cost. The calibration prompts are drawn from their own
     seed, apart from any workload a validation replays. Returns the step shapes, their seconds, the generator's
     host seconds per step and one summary per (concurrency, prompt length)."""
     import types

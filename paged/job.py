@@ -16,7 +16,7 @@ What a policy may read (`paged.policies`): `serial` (enqueue order), `arrival`, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -233,6 +233,8 @@ class Job:
         self.time_first_prefill: float | None = None
         self.embedding_rows: dict[int, int] = {}  # reserved id -> row of the engine's embedding table (enqueued)
         self.mirostat_mu: float | None = None  # mirostat's running mu (this job's own, set at enqueue)
+        self.sampling_row: Mapping | None = None  # its sampler row (`gen_settings.device_row(seed)`), built once by the
+        # scheduler for a job without mirostat, read-only
         self.dry_breakers = None  # packed token sets (np.ndarray i32 [ceil(V/32)]) for DRY and XTC, set at enqueue
         self.xtc_exempt = None
         # CFG: the hidden job of the negative prompt (set at enqueue; scheduled, paged and ended with this one), and

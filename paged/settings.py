@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,11 @@ class SamplingSettings:
     def bias(self) -> dict[int, float]:
         """The settings' logit bias, `token_bias` with `banned_tokens` at -inf: a fresh dict each call."""
         return self._bias.copy()
+
+    @functools.cached_property
+    def bias_view(self) -> Mapping[int, float]:
+        """`bias()` without the copy: a read-only view of the settings' own dict (the scheduler's usual row)."""
+        return MappingProxyType(self._bias)
 
     @functools.cached_property
     def _bias(self) -> dict[int, float]:

@@ -71,6 +71,17 @@ class TextStream:
         self.stopped: str | None = None
         self.strip_prefix = ""  # token healing: text to drop from the start of the output
 
+    def release_now(self, token: int) -> str | None:
+        """The text `feed(token)` would release, with this token alone and nothing held, where it is sure to: no
+        stop or banned strings to match, no incomplete character pending, no healing prefix to strip, and the
+        token's bytes ASCII. None otherwise, and nothing changed (call `feed`)."""
+        if self.stop_strings or self.banned or self._partial or self.strip_prefix:
+            return None
+        if self._token_bytes is None:
+            return ""
+        raw = self._token_bytes(token)
+        return raw.decode("ascii") if raw.isascii() else None
+
     @property
     def held_tokens(self) -> list[int]:
         return [t for t, _ in self.held]

@@ -122,6 +122,13 @@ class JobOutput:
         if job.time_first_token is None:
             job.time_first_token = now
         job.time_last_token = now
+        if (not extras and job.new_tokens < job.max_new_tokens and job.filter_state is None
+                and token not in job.stop_tokens and not job.pending_extras):
+            text = job.stream.release_now(token)
+            if text is not None:  # (the usual token: it ends nothing and its text is released at once)
+                job.full_completion += text
+                return {"job": job, "stage": "streaming", "eos": False, "serial": job.serial,
+                        "identifier": job.identifier, "text": text, "token_ids": [token]}
         job.pending_extras.append(extras)
         r = self.base(job, "streaming")
         reason = None

@@ -22,6 +22,7 @@ import collections
 import math
 import weakref
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 from paged.device.batch import RowInput
@@ -424,7 +425,11 @@ class Scheduler:
         min_new_tokens, token healing, tokens banned at this position by earlier banned-string rewinds)."""
         s = job.gen_settings
         end = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
-        bias = self._bias(job, end, job.new_tokens)
+        out_index = job.new_tokens
+        if out_index >= job.min_new_tokens and not job.explored and not (out_index == 0 and job.healing_allowed):
+            bias = s.bias_view  # (the usual row: the settings' own bias, read-only, shared by every row of theirs)
+        else:
+            bias = self._bias(job, end, out_index)
         if sample and len(bias) >= self.vocab_size and _all_banned(bias, self.vocab_size):
             raise JobFailure(f"every token of the vocabulary is banned at output position {job.new_tokens} (banned "
                              "tokens, stop tokens before min_new_tokens and banned-string rewinds together)")
@@ -436,8 +441,13 @@ class Scheduler:
             tokens = device_ids(src, tokens, self.vocab_size)
         # RowInput's fields in their order, given by position (a row per job and step: keywords cost twice as much):
         # tokens, start_pos, pages, sample, sampling, history, bias, mask, dry_breakers, xtc_exempt, verify, lora_slot
-        return RowInput(tokens, job.kv_position, job.pages, sample, s.device_row(job.seed, job.mirostat_mu), history,
-                        bias, None, job.dry_breakers, job.xtc_exempt, False, job.lora_slot)
+        sampling = job.sampling_row
+        if sampling is None or job.mirostat_mu is not None:  # (mirostat: mu changes at every token)
+            sampling = s.device_row(job.seed, job.mirostat_mu)
+            if job.mirostat_mu is None:  # built once per job, read-only: every row of the job shares it
+                sampling = job.sampling_row = MappingProxyType(sampling)
+        return RowInput(tokens, job.kv_position, job.pages, sample, sampling, history, bias, None, job.dry_breakers,
+                        job.xtc_exempt, False, job.lora_slot)
 
     def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
         """The logit bias of the token at `job.sequence[sample_index]`, the job's output token number `out_index`."""

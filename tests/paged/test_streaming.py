@@ -71,6 +71,26 @@ def test_incomplete_utf8_released_with_the_completing_token():
     assert chunks[:4] == ["a", "", "", "😀"]
 
 
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from([b"a", b"bc", b" ", b"\xc3", b"\xa9", b"\xf0\x9f", b"\x98\x80", b"\xe2", b""]),
+                       max_size=12),
+       stop=st.sampled_from([(), ("bc a",)]), strip=st.sampled_from(["", "a", "ab"]))
+def test_release_now_answers_only_what_feed_would_release(pieces, stop, strip):
+    """`release_now` (the generator's shortcut for the usual token) gives the text `feed` would, released with its
+    token alone, or None and changes nothing: over valid and invalid UTF-8 (a cut character then ASCII), stop strings
+    and a healing prefix to strip."""
+    vocab = dict(enumerate(pieces))
+    fast, slow = TextStream(vocab.__getitem__, stop), TextStream(vocab.__getitem__, stop)
+    fast.strip_prefix = slow.strip_prefix = strip
+    for i in range(len(pieces)):
+        want = slow.feed(i)
+        text = fast.release_now(i)
+        got = fast.feed(i) if text is None else StreamEvent(text, [i])
+        assert (got.text, got.tokens, got.stopped) == (want.text, want.tokens, want.stopped)
+        if want.stopped is not None:
+            break
+
+
 @settings(max_examples=100, deadline=None)
 @given(before=st.text(alphabet="abcd xyz", max_size=20), cuts=st.lists(st.integers(0, 100), max_size=20))
 def test_banned_string_asks_for_a_rewind_from_the_token_where_it_began(before, cuts):

@@ -1,21 +1,26 @@
 """Measure, fit and validate the simulator's step-time model on this machine, in one command:
 
-1. `experiments.profile_step --fit_out`: times `Engine.run` on every step of the generator serving a calibration
-   workload and over a grid of prefill shapes, and fits a `paged.sim.StepTimeModel`, recording its setup (CPU and
-   instruction sets or GPU, kernels, model, quantization, cache dtype, page size, date, commit);
-2. `experiments.validate_sim`: the same workload and policies through the real engine (`--real_repeats` times,
-   interleaved; the median compared, the spread reported) and the simulator priced by the new fit, at two loads
-   (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the rank agreement of the
-   policies (Kendall's tau) per load;
+1. the fit: `Engine.run` timed on every step of the generator serving a calibration workload and over a grid of
+   prefill shapes (`experiments.lib.calibration`), fitted as a `paged.sim.StepTimeModel` that records its setup (CPU
+   and instruction sets or GPU, kernels, model, quantization, cache dtype, page size, date, commit);
+2. the validation (`experiments.validate_sim`): the same workload and policies through the real engine
+   (`--real_repeats` times, interleaved; the median compared, the spread reported) and the simulator priced by the
+   new fit, at two loads (`--rates`: one under saturation, one past it): step-time error, TTFT p50 error and the rank
+   agreement of the policies (Kendall's tau) per load;
 3. with `--install`, the fit goes to `experiments/data/step_time/NAME.json`, where `--step_time_model=NAME` finds it.
    A fit already filed under that name is validated against the same real runs beside the new one
    (`validate_sim --also_fits`), so the record shows what replacing it changes.
 
+By default (`--interleave`) the fit is measured inside the validation's process, one calibration slice before each
+round of real runs and one after the last (`validate_sim --fit_interleaved`): on a shared host whose speed drifts
+from one ten seconds to the next, the fit and the runs it is checked against then sample the same states of the
+machine. `--nointerleave` measures it first (`experiments.profile_step --fit_out`, its own process: 3 passes over the
+grid, the serving workload once), then validates.
+
     python -m experiments.fit_and_validate --name=cpu_epyc_smollm2_q4 --install \\
         --json_out=experiments/results/fit_and_validate/cpu_epyc_smollm2_q4.json
 
-Each step runs as its own process (a fresh model load and compile). Run it on an idle machine: the record keeps the
-load average. Takes ~10-15 minutes on the 2-core CPU host.
+Run it on an idle machine: the record keeps the load average. Takes ~20 minutes on the 2-core CPU host.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ def define_flags() -> None:
     flags.DEFINE_integer("page_budget", 48, "usable KV pages in the validation (memory pressure separates policies)")
     flags.DEFINE_list("validate_flags", ["--range_ratio=0.5", "--output_len=64"], "more flags for validate_sim (the "
                       "workload: 128 +-50% prompt and 64 +-50% output tokens by default)")
+    flags.DEFINE_bool("interleave", True, "measure the fit between the validation's real runs (validate_sim "
+                      "--fit_interleaved) instead of before them (profile_step)")
     flags.DEFINE_bool("install", False, "copy the fit to experiments/data/step_time/NAME.json")
     flags.DEFINE_string("json_out", None, "write the validation record here (the fit is inside it)")
     check_out_flag("json_out")
@@ -84,10 +91,14 @@ def main(argv):
     with tempfile.TemporaryDirectory() as tmp:
         fit = os.path.join(tmp, FLAGS.name + ".json")
         record = FLAGS.json_out or os.path.join(tmp, "validate.json")
-        run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
+        if FLAGS.interleave:
+            measure = ["--fit_interleaved", f"--fit_out={fit}", f"--fit_name={FLAGS.name}"]
+        else:
+            run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
+            measure = [f"--step_time_model={fit}"]
         installed = os.path.join(step_time_fits.FITS_DIR, FLAGS.name + ".json")
         also = [f"--also_fits={installed}"] if os.path.exists(installed) else []  # the fit this one would replace
-        run("experiments.validate_sim", [*common, f"--step_time_model={fit}", *also,
+        run("experiments.validate_sim", [*common, *measure, *also,
                                          f"--policies={','.join(FLAGS.policies)}",
                                          f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
                                          f"--real_repeats={FLAGS.real_repeats}",

@@ -15,20 +15,11 @@ they need not add up exactly to the step (fusion across parts, cache effects).
 
 With `--fit_out PATH` it instead fits the simulator's `StepTimeModel` (`paged.sim`) and saves it as JSON naming the
 device, the model and the setup, after compiling every bucket of the engine the policy comparison uses
-(`--fit_max_batch_size`, `--fit_max_seq_len`, max_chunk_size 256). What it fits on (`--fit_source`):
-
-- `both` (the default): every step of the generator serving a calibration workload (random prompts of their own
-  seed) at each closed-loop concurrency of `--serving_concurrency`, each `Engine.run` timed where it ran, plus the
-  grid's shapes with a prefill chunk (below), which serving meets rarely: a decode step in a serving loop costs
-  more than the same shape timed alone (~12% on the 2-core CPU host: the host thread's work beside the device's,
-  caches no longer warm from an identical previous call), a prefill step the same within ~2%;
-- `serving`: the serving steps alone;
-- `grid`: a grid of step shapes (`--grid_prefill` tokens of one prefill chunk x `--grid_decode` decode rows x
-  `--grid_context` tokens of context per row, plus mixed-context decode steps), each timed alone, in
-  `--grid_passes` passes (a shape's time: the mean of its passes' medians; on a shared host the machine's speed
-  changes from one ten seconds to the next).
-
-The generator's host overhead per step (outside `Engine.run`) is added to the fit's base.
+(`--fit_max_batch_size`, `--fit_max_seq_len`, max_chunk_size 256). What it fits on (`--fit_source`: `both`, the
+default, `serving` or `grid`; `--grid_*`, `--serving_*`) is `experiments/lib/calibration.py`'s: every step of the
+generator serving a calibration workload, timed where it ran, plus the grid's prefill shapes, each timed alone in
+`--grid_passes` passes. `experiments/validate_sim.py --fit_interleaved` measures the same fit in slices between its
+real runs instead.
 
     python -m experiments.profile_step --model smollm2-135m \
         --fit_out experiments/results/step_time_smollm2_cpu.json
@@ -38,10 +29,10 @@ from __future__ import annotations
 
 import os
 import platform
-import time
 
 from absl import app, flags
 
+from experiments.lib import calibration
 from experiments.lib.common import check_out_flag, write_record
 from experiments.lib.step_timing import prefill, time_decode
 
@@ -60,24 +51,8 @@ check_out_flag("json_out")
 flags.DEFINE_string("fit_out", None, "fit the simulator's StepTimeModel over the shape grid and write it here "
                     "(instead of the breakdown)")
 check_out_flag("fit_out")
-flags.DEFINE_list("grid_prefill", ["0", "16", "64", "128", "256"], "fit: prefill chunk tokens (0 = none)")
-flags.DEFINE_list("grid_decode", ["0", "1", "2", "4", "8", "15"], "fit: decode rows")
-flags.DEFINE_list("grid_context", ["32", "256", "768"], "fit: context tokens per row before the step")
-flags.DEFINE_bool("grid_mixed", True, "fit: also decode steps with one row at each context and the others at "
-                  "the shortest (attention reads every row to the longest row's context bucket)")
-flags.DEFINE_enum("fit_source", "both", ["both", "serving", "grid"], "fit: what the fit is measured on: "
-                  "'serving' (every step of the generator serving a calibration workload, timed where it ran), "
-                  "'grid' (the grid's shapes, each timed alone) or 'both' (serving's steps and the grid's shapes "
-                  "with a prefill chunk)")
+calibration.define_flags()  # --fit_source, --grid_*, --serving_*: what the fit is measured on
 flags.DEFINE_integer("grid_passes", 3, "fit: passes over the grid (a shape's time: the mean of its passes' medians)")
-flags.DEFINE_list("serving_concurrency", ["1", "4", "16"], "fit (serving): closed-loop concurrencies to serve at")
-flags.DEFINE_list("serving_prompts", ["64", "256"], "fit (serving): prompt lengths to serve at each concurrency "
-                  "(+-90%; outputs half as long): short and long contexts, as attention's cost per token differs "
-                  "with how many rows share a step")
-flags.DEFINE_integer("serving_requests_per_row", 4, "fit (serving): requests per unit of concurrency and prompt "
-                     "length")
-flags.DEFINE_integer("serving_seed", 1000, "fit (serving): the calibration prompts' seed (apart from the workloads "
-                     "a validation replays, seed 0 by default)")
 flags.DEFINE_integer("fit_narrow_tokens", -1, "fit: the widest step (token slots) of the narrow matmul path, priced "
                      "apart by the wide_step term; -1: detect (the native CPU kernel's rows for the model's weights, "
                      "else 0: no such term)")
@@ -191,172 +166,28 @@ def device_breakdown(model, rows: int) -> dict:
     return rec
 
 
-def fit_setup(eng) -> dict:
-    """What the fit is measured on (paged.sim.SETUP_KEYS): host, kernels, model, weights, cache, date, commit."""
-    import datetime
-
-    from experiments.lib.serving import env
-
-    c = eng.config
+def fit_step_time(model):
+    """Fit the simulator's step-time model on `--fit_source`'s samples: `--grid_passes` passes over the grid, then
+    the serving workload once."""
+    eng = calibration.fit_engine(model, calibration.fit_config(
+        page_size=FLAGS.page_size, max_batch_size=FLAGS.fit_max_batch_size, max_seq_len=FLAGS.fit_max_seq_len,
+        cache_dtype=FLAGS.cache_dtype))
+    cal = calibration.Calibration(model, eng, calibration.plan_of_flags(iters=FLAGS.iters))
+    if cal.plan.grid:
+        for _ in range(FLAGS.grid_passes):
+            cal.grid_pass()
+        for point in cal.grid_points()[2]:
+            per_pass = point["passes"]
+            print(f"prefill {point['prefill']:4d} decode {point['decode']:3d} context {point['context']:5d}/"
+                  f"{point['other_context']:5d}: {1e3 * point['seconds']:8.2f} ms (passes "
+                  f"{1e3 * min(per_pass):.2f}-{1e3 * max(per_pass):.2f})")
+    if cal.plan.serving:
+        cal.serve()
+    cal.slices = 1
     name = FLAGS.fit_name or os.path.splitext(os.path.basename(FLAGS.fit_out or "step_time"))[0]
-    return {"name": name, **env.host_setup(), "model": FLAGS.model, "quantization": FLAGS.quant, "dtype": FLAGS.dtype,
-            "attn_impl": c.attn_impl, "matmul_impl": c.matmul_impl, "kernels": env.matmul_auto(),
-            "cache_dtype": c.cache_dtype, "page_size": c.page_size, "max_batch_size": c.max_batch_size,
-            "max_seq_len": c.max_seq_len, "date": datetime.date.today().isoformat(), "commit": env.git_info()}
-
-
-def grid_samples(eng, prefill_only: bool = False) -> tuple[list, list[float], list[dict]]:
-    """`Engine.run` wall time of every grid shape, each timed alone: `--grid_passes` passes over the whole grid,
-    each calling every shape once untimed and `--iters` times timed; a shape's time is the mean over the passes of
-    each pass's median. Passes minutes apart average over the machine's speed, which on a shared host changes from
-    one ten seconds to the next (the 2-core EPYC VM: a 200-token prefill takes 70 or 86 ms). `prefill_only`: only
-    the shapes with a prefill chunk."""
-    import numpy as np
-
-    from paged.device.batch import RowInput
-    from paged.sim import StepShape
-
-    ps, batch, seq = FLAGS.page_size, FLAGS.fit_max_batch_size, FLAGS.fit_max_seq_len
-    per_row = eng.config.max_pages_per_row
-    contexts, prefills, decodes = ([int(x) for x in v] for v in (FLAGS.grid_context, FLAGS.grid_prefill,
-                                                                   FLAGS.grid_decode))
-    # every row at context c; then (--grid_mixed) decode steps whose first row is at c and the others at the
-    # shortest context, as in serving, where attention reads every row up to the longest one's context bucket
-    grid = [(c, p, d, c) for c in contexts for p in prefills for d in decodes]
-    if FLAGS.grid_mixed:
-        grid += [(c, 0, d, min(contexts)) for c in contexts if c > min(contexts) for d in decodes if d >= 2]
-    cases = []
-    for c, p, d, c_rest in grid:
-        if (p == 0 and (d == 0 or prefill_only)) or d + (p > 0) > batch or c + max(p, 1) > seq:
-            continue
-        rows = []
-        for r in range(d + (p > 0)):
-            n = p if (p and r == 0) else 1
-            ctx = c if r == 0 else c_rest
-            pages = list(range(1 + r * per_row, 1 + (r + 1) * per_row))[: -(-(ctx + n) // ps)]
-            rows.append(RowInput(tokens=[7] * n, start_pos=ctx, pages=pages))
-        if 1 + len(rows) * per_row <= eng.config.num_pages:
-            cases.append(((p, d, c, c_rest), rows))
-    passes = [[] for _ in cases]
-    for _ in range(FLAGS.grid_passes):
-        for i, (_, rows) in enumerate(cases):
-            eng.run(rows)  # untimed: first touch
-            times = []
-            for _ in range(FLAGS.iters):
-                t = time.perf_counter()
-                eng.run(rows)
-                times.append(time.perf_counter() - t)
-            passes[i].append(float(np.median(times)))
-    shapes, seconds, points = [], [], []
-    for ((p, d, c, c_rest), rows), per_pass in zip(cases, passes):
-        shape = StepShape.from_rows(rows, eng.spec)
-        shapes.append(shape)
-        seconds.append(float(np.mean(per_pass)))
-        points.append(dict(prefill=p, decode=d, context=c, other_context=c_rest, seconds=seconds[-1],
-                           passes=per_pass, **shape.__dict__))
-        print(f"prefill {p:4d} decode {d:3d} context {c:5d}/{c_rest:5d}: {1e3 * seconds[-1]:8.2f} ms (passes "
-              f"{1e3 * min(per_pass):.2f}-{1e3 * max(per_pass):.2f})")
-    return shapes, seconds, points
-
-
-def host_per_step(before: dict, after: dict) -> float:
-    """The generator's seconds per step outside `Engine.run` (admission and planning, results) between two
-    `generator.metrics()`."""
-    d = lambda k: after[k] - before[k]
-    return (d("time_schedule_s") + d("time_results_s")) / max(d("steps"), 1)
-
-
-def serving_samples(eng, model) -> tuple[list, list[float], float, list[dict]]:
-    """Every step of real serving, timed where it ran: the generator (policy `exllamav2`) serves a calibration
-    workload of random prompts (each length of `--serving_prompts`) at each closed-loop concurrency of
-    `--serving_concurrency`, and each `Engine.run`'s wall time is recorded with its rows
-    (`experiments.lib.serving.runner.EngineProbe`). A step in a serving loop costs more than the same shape timed
-    alone in a loop of its own (on the 2-core CPU host, decode steps ~12% more: the host thread's work beside the
-    device's, caches no longer warm from the previous identical call), so a fit on these prices what a simulated
-    serving run's steps cost. The calibration prompts are drawn from their own
-    seed, apart from any workload a validation replays. Returns the step shapes, their seconds, the generator's
-    host seconds per step and one summary per (concurrency, prompt length)."""
-    import types
-
-    from experiments.lib.serving import runner, workloads
-    from paged import DynamicGenerator
-    from paged.sim import StepShape
-
-    shapes, seconds, levels = [], [], []
-    host_s, host_steps = 0.0, 0
-    runs = [(c, int(p)) for c in (int(c) for c in FLAGS.serving_concurrency) for p in FLAGS.serving_prompts]
-    for i, (conc, prompt) in enumerate(runs):
-        n, output = FLAGS.serving_requests_per_row * conc, max(prompt // 2, 4)
-        wl = workloads.random_workload(n, prompt, output, vocab_size=model.config.vocab_size, range_ratio=0.9,
-                                       seed=FLAGS.serving_seed + i, max_seq_len=eng.config.max_seq_len)
-        gen = DynamicGenerator(engine=eng, policy="exllamav2")
-        t0 = time.perf_counter()
-        res = runner.run_benchmark(gen, wl.requests, max_concurrency=conc)
-        steps = [s for s in res.steps if s.num_steps == 1]
-        for s in steps:
-            rows = [types.SimpleNamespace(start_pos=st, tokens=range(k), sample=smp) for st, k, smp in s.rows]
-            shapes.append(StepShape.from_rows(rows, eng.spec))
-            seconds.append(s.wall)
-        h = host_per_step(res.metrics_before, res.metrics_after)
-        host_s += h * len(res.steps)
-        host_steps += len(res.steps)
-        walls = [s.wall for s in steps]
-        levels.append(dict(concurrency=conc, prompt_tokens=prompt, output_tokens=output, requests=n, steps=len(steps),
-                           seconds=time.perf_counter() - t0, mean_step_s=sum(walls) / max(len(walls), 1),
-                           host_s_per_step=h))
-        print(f"serving at concurrency {conc:3d}, prompts {prompt:4d} +-90%: {n} requests, {len(steps)} steps, mean "
-              f"Engine.run {1e3 * levels[-1]['mean_step_s']:.2f} ms + host {1e3 * h:.2f} ms "
-              f"({levels[-1]['seconds']:.1f} s)")
-    return shapes, seconds, host_s / max(host_steps, 1), levels
-
-
-def fit_step_time(model) -> dict:
-    """Fit the simulator's step-time model on `--fit_source`'s samples, plus the host loop's overhead per step."""
-    import numpy as np
-
-    from experiments.lib.serving import env
-    from paged import DynamicGenerator, Job, SamplingSettings
-    from paged.device.config import EngineConfig
-    from paged.device.engine import Engine
-    from paged.sim import StepTimeModel
-
-    batch = FLAGS.fit_max_batch_size
-    cfg = EngineConfig(page_size=FLAGS.page_size, max_batch_size=batch, max_chunk_size=256,
-                       max_seq_len=FLAGS.fit_max_seq_len, cache_dtype=FLAGS.cache_dtype, max_penalty_range=0)
-    eng = Engine(model, cfg)
-    t0 = time.perf_counter()
-    eng.warmup()
-    print(f"compiled every bucket in {time.perf_counter() - t0:.1f} s")
-    shapes, seconds, points, levels = [], [], [], []
-    if FLAGS.fit_source in ("grid", "both"):  # (with serving: its decode steps price decoding, timed where they ran)
-        shapes, seconds, points = grid_samples(eng, prefill_only=FLAGS.fit_source == "both")
-    if FLAGS.fit_source in ("serving", "both"):
-        s, t, host, levels = serving_samples(eng, model)
-        shapes, seconds = shapes + s, seconds + t
-    else:  # the host loop around the engine call (admission, planning, results) on a short decode-heavy run
-        gen = DynamicGenerator(engine=eng)
-        rng = np.random.default_rng(0)
-        gen.enqueue([Job(rng.integers(0, model.config.vocab_size, 64).tolist(), 48,
-                         gen_settings=SamplingSettings.greedy()) for _ in range(batch // 2)])
-        m0 = gen.metrics()
-        while gen.num_remaining_jobs():
-            gen.iterate()
-        host = host_per_step(m0, gen.metrics())
-    device = env.device_info()
-    device_name = f"{device['cpu_model'] or device['device_kind']} ({device['backend']}, {device['cpus_usable']} cores)"
-    narrow = FLAGS.fit_narrow_tokens if FLAGS.fit_narrow_tokens >= 0 else env.narrow_path_tokens(model, eng)
-    what = {"grid": f"{len(points)} grid shapes, each timed alone",
-            "serving": f"{len(shapes)} steps of serving at concurrency {','.join(FLAGS.serving_concurrency)}",
-            "both": f"{len(points)} grid shapes with a prefill chunk and {len(shapes) - len(points)} steps of "
-                    "serving"}[FLAGS.fit_source]
-    fit = StepTimeModel.fit(shapes, seconds, device=device_name, model=FLAGS.model, narrow_tokens=narrow,
-                            notes=f"fitted by experiments/profile_step.py on {what}; base_s includes the host "
-                            f"loop's {1e3 * host:.2f} ms per step outside Engine.run",
-                            setup=fit_setup(eng))
-    fit.base_s += host
-    fit.fit_stats.update(source=FLAGS.fit_source, host_s_per_step=host, load_avg=env.load_average(), grid=points,
-                         serving=levels, engine=eng.config.to_dict())
-    return fit
+    setup = calibration.fit_setup(eng, name=name, model=FLAGS.model, quantization=FLAGS.quant, dtype=FLAGS.dtype)
+    return cal.fit(model_name=FLAGS.model, setup=setup, by="experiments/profile_step.py",
+                   narrow_tokens=None if FLAGS.fit_narrow_tokens < 0 else FLAGS.fit_narrow_tokens)
 
 
 def main(argv):

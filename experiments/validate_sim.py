@@ -19,16 +19,24 @@ simulator can be judged. On the shared 2-core CPU host the machine's speed chang
 times as much (the queue grows with the difference between arrival and service rates). The pairs of policies the
 real runs order reproducibly (no overlap, more than `--min_rank_gap` apart) are listed with whether the simulator
 agrees; `--also_fits` prices the same workload with other fits against the same real runs.
-`experiments/fit_and_validate.py` runs the fit and this validation in one command.
+`--fit_interleaved` measures the fit here instead of taking `--step_time_model`'s: one calibration slice
+(`experiments/lib/calibration.py`: a pass over the grid's prefill shapes, the calibration workload served once) before
+each round of real runs over the policies and one after the last, on an engine of the same flags with a full page
+pool; the fit and the runs it is checked against then sample the same states of the machine. The record's
+`timeline` lists what ran in order. `experiments/fit_and_validate.py` runs the fit and this validation in one
+command.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from absl import app, flags
 
 from experiments import compare_policies as cp
+from experiments.lib import calibration
+from experiments.lib.common import check_out_flag
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("max_step_error", 0.10, "target for |mean step time error| (reported, not enforced)")
@@ -41,6 +49,16 @@ flags.DEFINE_list("also_fits", [], "more step-time fits (names or paths) to pric
 flags.DEFINE_integer("real_repeats", 1, "real runs per policy and rate, interleaved over the policies: the real "
                      "figure is their median and their spread is reported (the real engine's own repeatability: "
                      "the floor under any simulator's error)")
+flags.DEFINE_bool("fit_interleaved", False, "measure the fit here, in slices between the real runs (one before each "
+                  "round of real runs over the policies and one after the last: `experiments.lib.calibration`, on an "
+                  "engine of this one's flags with a full page pool), and price the simulator with it, so the fit and "
+                  "the runs it is checked against sample the same states of the machine; --step_time_model is then "
+                  "not used (name it in --also_fits to compare)")
+flags.DEFINE_string("fit_out", None, "--fit_interleaved: write the fit measured here to this path")
+check_out_flag("fit_out")
+flags.DEFINE_string("fit_name", None, "--fit_interleaved: the fit's name (hardware_model_setup; default: --fit_out's "
+                    "stem)")
+calibration.define_flags()  # --fit_interleaved: what the fit is measured on (--fit_source, --grid_*, --serving_*)
 RANK_BY = "ttft_p50_ms"  # the metric the policies are ranked by, per load (lower is better)
 
 
@@ -173,6 +191,16 @@ def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
+def interleaved_calibration(real):
+    """--fit_interleaved: the calibration of an engine like the real one (its flags, its model), with a full page
+    pool (the calibration workload runs up to max_batch_size long sequences), every bucket compiled."""
+    import dataclasses
+
+    config = dataclasses.replace(real.config, num_pages=None)
+    engine = calibration.fit_engine(real.model, config)
+    return calibration.Calibration(real.model, engine, calibration.plan_of_flags())
+
+
 def main(argv):
     del argv
     import logging
@@ -196,33 +224,55 @@ def main(argv):
         except (InvalidConfigError, ValueError) as e:
             raise app.UsageError(f"--also_fits={name}: {e}") from None
     env.load_average("at start")
+    sim = None if FLAGS.fit_interleaved else cp.SimBackend()  # (a bad --step_time_model: an error before any run)
     real = cp.RealBackend()
-    sim = cp.SimBackend()
-    sim.config, sim.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
-    here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
-    mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
-    # the simulator priced by each fit (--step_time_model's first, then --also_fits'), against the same real runs
-    priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []}
-              for b in (sim, *(cp.SimBackend(fit) for fit in also.values()))]
-    for o in priced[1:]:
-        o["backend"].config, o["backend"].vocab_size = real.config, real.vocab_size
+    cal = interleaved_calibration(real) if FLAGS.fit_interleaved else None
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     slo = cp.slo_of_flags()
-    real_all = []
+    real_by_rate = []  # per rate, per policy, its repeated real runs
+    timeline = []  # what ran, in order: real runs and calibration slices
     for rate in rates:
         arrivals = load.arrivals_at(rate)
         real_runs = [[] for _ in FLAGS.policies]
-        for _ in range(FLAGS.real_repeats):  # (interleaved: a drift in the machine's speed reaches every policy)
+        for repeat in range(FLAGS.real_repeats):  # (interleaved: a drift in the machine's speed reaches every policy)
+            if cal is not None:
+                cal.run_slice()
+                timeline.append({"calibration_slice": cal.slices})
             for reps, p in zip(real_runs, FLAGS.policies):
                 reps.append(cp.run_policy(real, p, load.workload, arrivals, slo, label=p, rate=rate))
-        real_all += [r for reps in real_runs for r in reps]
+                timeline.append({"real": p, "rate": rate, "repeat": repeat})
+        real_by_rate.append(real_runs)
+    fit = None
+    if cal is not None:
+        cal.run_slice()  # (the calibration brackets every real run)
+        timeline.append({"calibration_slice": cal.slices})
+        name = FLAGS.fit_name or os.path.splitext(os.path.basename(FLAGS.fit_out or "interleaved"))[0]
+        setup = calibration.fit_setup(cal.engine, name=name, model=FLAGS.model, quantization=FLAGS.quant,
+                                      dtype=FLAGS.dtype)
+        fit = cal.fit(model_name=FLAGS.model, setup=setup, by="experiments/validate_sim.py --fit_interleaved")
+        if FLAGS.fit_out:
+            fit.save(FLAGS.fit_out)
+            print(f"the fit measured between the real runs ({cal.slices} slices): {FLAGS.fit_out}")
+    if sim is None:
+        sim = cp.SimBackend(fit)
+    sim.config, sim.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
+    here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
+    mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
+    # the simulator priced by each fit (the main one first, then --also_fits'), against the same real runs
+    priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []}
+              for b in (sim, *(cp.SimBackend(f) for f in also.values()))]
+    for o in priced[1:]:
+        o["backend"].config, o["backend"].vocab_size = real.config, real.vocab_size
+    for rate, real_runs in zip(rates, real_by_rate):
+        arrivals = load.arrivals_at(rate)
         for o in priced:
             runs = [cp.run_policy(o["backend"], p, load.workload, arrivals, slo, label=p, rate=rate)
                     for p in FLAGS.policies]
             o["errors"] += validate(real_runs, runs)
             o["rank_agreement"].append({"rate": rate, **rank_agreement(real_runs, runs)})
             o["runs"] += runs
+    real_all = [r for real_runs in real_by_rate for reps in real_runs for r in reps]
     rows, ranks, sim_all = priced[0]["errors"], priced[0]["rank_agreement"], priced[0]["runs"]
     print(format_rows(rows, ranks))
     for name, o in zip(also, priced[1:]):
@@ -230,7 +280,7 @@ def main(argv):
     if FLAGS.json_out:
         record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
                   "targets": {"max_step_error": FLAGS.max_step_error, "max_ttft_error": FLAGS.max_ttft_error},
-                  "real_repeats": FLAGS.real_repeats,
+                  "real_repeats": FLAGS.real_repeats, "fit_interleaved": FLAGS.fit_interleaved, "timeline": timeline,
                   "git": env.git_info(), "device": real.device, "host": env.host_setup(),
                   "load_avg": env.load_average(), "setup_mismatches": mismatches,
                   "step_time_model": sim.step_time.to_dict(), "engine": real.config.to_dict(),

@@ -20,7 +20,8 @@ grid, the serving workload once), then validates.
     python -m experiments.fit_and_validate --name=cpu_epyc_smollm2_q4 --install \\
         --json_out=experiments/results/fit_and_validate/cpu_epyc_smollm2_q4.json
 
-Run it on an idle machine: the record keeps the load average. Takes ~20 minutes on the 2-core CPU host.
+Run it on an idle machine: the record keeps the load average. Takes ~30 minutes on the 2-core CPU host (~12 with
+`--nointerleave`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,13 @@ import pytest
 
 from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+def env() -> dict[str, str]:
+    """The scripts' environment, read when a test runs: tests/conftest.py sets how tiny-model tests compile
+    (`JAX_DISABLE_MOST_OPTIMIZATIONS`) before each test, after this module is imported (a copy made at import
+    compiled every script with the full optimisations)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
 
 HELPERS = r"""
 import json
@@ -55,7 +61,7 @@ print(json.dumps({
 
 
 def test_helpers():
-    p = subprocess.run([sys.executable, "-c", HELPERS], capture_output=True, text=True, env=ENV)
+    p = subprocess.run([sys.executable, "-c", HELPERS], capture_output=True, text=True, env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     # the teacher's distribution at each label: that answer token's row, zero where the label is not an answer
@@ -107,7 +113,7 @@ def test_answers_come_back_in_prompt_order_with_continuous_batching(model_dir): 
     """generate_answers keeps up to `batch` jobs running over chunks of 8 x batch prompts: each answer is its own
     prompt's (the same as generated alone), in order, across chunk boundaries (21 prompts, chunks of 16)."""
     pytest.importorskip("torch")
-    p = subprocess.run([sys.executable, "-c", ANSWERS, str(model_dir)], capture_output=True, text=True, env=ENV)
+    p = subprocess.run([sys.executable, "-c", ANSWERS, str(model_dir)], capture_output=True, text=True, env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(r["batched"]) == 21 and [r["batched"][i] for i in (0, 1, 2, 16, 20)] == r["alone"]
@@ -130,7 +136,7 @@ def test_script_end_to_end(model_dir, tmp_path, loss):  # noqa: F811
                         "--num_prompts=6", "--gen_tokens=8", "--steps=4", "--batch_size=2", "--seq_len=48",
                         "--layers=1", "--head_vocab=24", "--max_minutes=8", "--eval_workloads=copy",
                         "--eval_prompts=2", "--eval_tokens=6", f"--loss={loss}", "--topk=8"],
-                       capture_output=True, text=True, env=ENV)
+                       capture_output=True, text=True, env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     log = json.loads((out / "distill_log.json").read_text())
     assert log["flags"]["loss"] == loss and log["flags"]["topk"] == 8
@@ -154,7 +160,7 @@ print(json.dumps({"same": a == b, "drafted": g.metrics()["drafted_tokens"], "ids
                   "layers": draft.config.num_layers, "eos": target.tokenizer.eos_token_id}))
 """
     p = subprocess.run([sys.executable, "-c", check, str(model_dir), str(out)], capture_output=True, text=True,
-                       env=ENV)
+                       env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["same"] and r["drafted"] > 0 and r["layers"] == 1

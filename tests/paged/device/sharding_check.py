@@ -85,54 +85,101 @@ def token_rows(engine) -> dict[str, list[int]]:
 
 
 def release() -> None:
-    """Drop the compiled programs of the configuration just checked: this one process runs ~30 engine
-    configurations, and their programs' memory maps (hundreds each) reached ~57,000 of Linux's 65,530 per process
-    (`vm.max_map_count`) when they were kept to the end."""
+    """Drop the compiled programs of the mesh just checked: this one process runs ~30 engine configurations, and
+    their programs' memory maps (hundreds each) reached ~57,000 of Linux's 65,530 per process (`vm.max_map_count`)
+    when they were kept to the end. The configurations of one mesh run one after another and keep theirs until the
+    next mesh: their samplers are the same programs whatever the model, cache or kernels (compiled once per mesh
+    instead of once per configuration)."""
     jax.clear_caches()
     gc.collect()
+
+
+@contextlib.contextmanager
+def shard_maps():
+    """The `in_specs` of every `jax.shard_map` call inside the block (the per-device kernels and matmuls traced)."""
+    real, traced = jax.shard_map, []
+    jax.shard_map = lambda f, **kw: traced.append(kw["in_specs"]) or real(f, **kw)
+    try:
+        yield traced
+    finally:
+        jax.shard_map = real
+
+
+def mesh_check(mesh: str, greedy, sampled, ref, ref_ids, ref_s, ref_flops) -> dict:
+    """The float model under `mesh`: greedy and seeded sampled outputs, the state's and weights' shardings, the
+    collectives of the compiled step and its FLOPs against one device, and how the tokens are split."""
+    g, fin, ids, cached = run(mesh, greedy)
+    _, fin_s, _, _ = run(mesh, sampled, seed=3)
+    hlo, flops = hlo_of(g.engine)
+    st = g.engine.state
+    layers = g.engine.model.params.layers
+    cache_shape = ",".join(map(str, st.k.shape))
+    gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")  # an all-gather *of* the cache
+    gathers = [line for line in hlo.splitlines() if gathered.search(line)]
+    return {
+        "greedy_equal": fin == ref and ids == ref_ids, "sampled_equal": fin_s == ref_s, "cached_tokens": cached,
+        "k_spec": str(st.k.sharding.spec), "v_spec": str(st.v.sharding.spec),
+        "k_shard_shape": list(st.k.addressable_shards[0].data.shape), "k_shape": list(st.k.shape),
+        "wo_spec": str(layers.wo.sharding.spec), "w_down_spec": str(layers.w_down.sharding.spec),
+        "wqkv_spec": str(layers.wqkv.sharding.spec), "w_gate_up_spec": str(layers.w_gate_up.sharding.spec),
+        "fused_groups": layers.fused_groups,
+        "cache_gathers": [line.strip()[:160] for line in gathers],
+        "all_gathers": sum(" all-gather" in line for line in hlo.splitlines()),
+        "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
+        "flops_per_device_vs_one": flops / ref_flops,
+        "mesh_shape": dict(g.engine.mesh.shape),
+        "token_rows": token_rows(g.engine),
+    }
+
+
+def pallas_check(mesh: str, greedy, ref_p, ref) -> tuple[list, dict]:
+    """The Pallas kernel (interpreted on the CPU) per device through shard_map under `mesh`, against the kernel on
+    one device: (the first kernel's in_spec of the cache and the kernels traced, findings)."""
+    with shard_maps() as traced:
+        g, fin, _, _ = run(mesh, greedy, attn_impl="pallas")
+    hlo, _ = hlo_of(g.engine)
+    cache_shape = ",".join(map(str, g.engine.state.k.shape))
+    gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")
+    return [str(s[1]) for s in traced[:1]] + [len(traced)], {
+        "greedy_equal": fin == ref_p, "equal_to_xla": fin == ref,
+        "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
 
 
 def main():
     out = {"devices": len(jax.devices())}
     greedy = SamplingSettings.greedy()
     sampled = SamplingSettings(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
-    _, ref, ref_ids, ref_cached = run("", greedy)
+    # one device: every reference
+    g, ref, ref_ids, ref_cached = run("", greedy)
     _, ref_s, _, _ = run("", sampled, seed=3)
     out["reference"] = ref
     out["reference_cached_tokens"] = ref_cached
-    ref_flops = hlo_of(run("", greedy)[0].engine)[1]
-    for mesh in ("tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"):
-        g, fin, ids, cached = run(mesh, greedy)
-        _, fin_s, _, _ = run(mesh, sampled, seed=3)
-        hlo, flops = hlo_of(g.engine)
-        st = g.engine.state
-        layers = g.engine.model.params.layers
-        cache_shape = ",".join(map(str, st.k.shape))
-        gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")  # an all-gather *of* the cache
-        gathers = [line for line in hlo.splitlines() if gathered.search(line)]
-        out[mesh] = {
-            "greedy_equal": fin == ref and ids == ref_ids, "sampled_equal": fin_s == ref_s, "cached_tokens": cached,
-            "k_spec": str(st.k.sharding.spec), "v_spec": str(st.v.sharding.spec),
-            "k_shard_shape": list(st.k.addressable_shards[0].data.shape), "k_shape": list(st.k.shape),
-            "wo_spec": str(layers.wo.sharding.spec), "w_down_spec": str(layers.w_down.sharding.spec),
-            "wqkv_spec": str(layers.wqkv.sharding.spec), "w_gate_up_spec": str(layers.w_gate_up.sharding.spec),
-            "fused_groups": layers.fused_groups,
-            "cache_gathers": [line.strip()[:160] for line in gathers],
-            "all_gathers": sum(" all-gather" in line for line in hlo.splitlines()),
-            "all_reduces": sum("all-reduce" in line for line in hlo.splitlines()),
-            "flops_per_device_vs_one": flops / ref_flops,
-            "mesh_shape": dict(g.engine.mesh.shape),
-            "token_rows": token_rows(g.engine),
-        }
-        release()
-    g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")
+    ref_flops = hlo_of(g.engine)[1]
     _, ref8, _, _ = run("", greedy, cache_dtype="int8")
-    out["int8"] = {"greedy_equal": fin == ref8, "k_scale_spec": str(g.engine.state.k_scale.sharding.spec)}
-    g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
-    out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
+    _, ref_p, _, _ = run("", greedy, attn_impl="pallas")
+    impls = ["xla"] + (["native"] if native.available() else [])
+    models = {"q4_1": quantized("q4_1", 32), "int8pc": quantized("int8", None)}
+    quant_refs = {(name, impl): run("", greedy, model=model, matmul_impl=impl)[1] for name, model in models.items()
+                  for impl in impls}
     release()
+    # first after a release: the draft's variants (and the target's) are new here
     out["draft_model"] = draft_model_check(greedy, ref)
-    release()
+    quant = {}
+    for mesh in ("tp=2", "tp=4", "dp=2", "dp=2,tp=2", "dp=4"):
+        out[mesh] = mesh_check(mesh, greedy, sampled, ref, ref_ids, ref_s, ref_flops)
+        if mesh == "tp=2":
+            g, fin, _, _ = run("tp=2", greedy, cache_dtype="int8")
+            out["int8"] = {"greedy_equal": fin == ref8, "k_scale_spec": str(g.engine.state.k_scale.sharding.spec)}
+            g, fin, _, _ = run("tp=2", greedy, use_ngram_draft=True, num_draft_tokens=3)
+            out["ngram"] = {"greedy_equal": fin == ref, "verification_rows": g.metrics()["verification_rows"]}
+        if mesh in ("tp=2", "dp=2,tp=2"):
+            out[f"shard_maps {mesh}"], out[f"pallas {mesh}"] = pallas_check(mesh, greedy, ref_p, ref)
+        for name, model in models.items():
+            if mesh in QUANT_MESHES[name]:
+                for impl in impls:
+                    quant[f"{name} {impl} {mesh}"] = quantized_check(mesh, model, impl, greedy,
+                                                                    quant_refs[name, impl])
+        release()
     errors = {}
     for mesh in ("tp=8", "dp=4,tp=2", "tp=3", "pp=2", "tp=two"):
         try:
@@ -141,21 +188,7 @@ def main():
         except InvalidConfigError as e:
             errors[mesh] = str(e)
     out["errors"] = errors
-    # the Pallas kernel (interpreted on the CPU) per device through shard_map, against the kernel on one device
-    _, ref_p, _, _ = run("", greedy, attn_impl="pallas")
-    real_shard_map, traced = jax.shard_map, []
-    jax.shard_map = lambda f, **kw: traced.append(kw["in_specs"][1]) or real_shard_map(f, **kw)  # count the kernels'
-    for mesh in ("tp=2", "dp=2,tp=2"):
-        traced.clear()
-        g, fin, _, _ = run(mesh, greedy, attn_impl="pallas")
-        out[f"shard_maps {mesh}"] = [str(s) for s in traced[:1]] + [len(traced)]
-        hlo, _ = hlo_of(g.engine)
-        cache_shape = ",".join(map(str, g.engine.state.k.shape))
-        gathered = re.compile(rf"=\s*\S+\[{cache_shape}\]\S*\s+all-gather(-start)?\(")
-        out[f"pallas {mesh}"] = {"greedy_equal": fin == ref_p, "equal_to_xla": fin == ref,
-                                 "cache_gathers": sum(bool(gathered.search(line)) for line in hlo.splitlines())}
-        release()
-    out["quantized"] = quantized_checks(greedy, real_shard_map)
+    out["quantized"] = {**quant, "impls": impls}
     print("SHARDING_CHECK " + json.dumps(out))
 
 
@@ -190,38 +223,27 @@ def quantized(kind: str, group: int | None) -> Model:
     return Model(config=CFG, params=MODEL.params.replace(layers=layers), tokenizer=TOK, source=f"tiny {kind}")
 
 
-def quantized_checks(greedy, real_shard_map) -> dict:
-    """Quantized weights under tp: q4_1 in groups of 32 (wo's 4 groups split over tp=2, w_down's 3 do not) and
-    per-channel int8 (every projection splits; the row-split ones keep their one row of scales whole), with the XLA
-    matmul and the native kernel (a custom call, run per device through shard_map)."""
-    res, traced = {}, []
-    jax.shard_map = lambda f, **kw: traced.append(kw["in_specs"]) or real_shard_map(f, **kw)
-    impls = ["xla"] + (["native"] if native.available() else [])
-    for name, model in (("q4_1", quantized("q4_1", 32)), ("int8pc", quantized("int8", None))):
-        for impl in impls:
-            _, ref, _, _ = run("", greedy, model=model, matmul_impl=impl)
-            for mesh in QUANT_MESHES[name]:
-                traced.clear()
-                g, fin, _, _ = run(mesh, greedy, model=model, matmul_impl=impl)
-                layers = g.engine.model.params.layers
-                hlo, _ = hlo_of(g.engine)
-                full = {",".join(map(str, leaf.shape)) for w in (layers.wqkv, layers.wo, layers.w_gate_up,
-                                                                  layers.w_down) for leaf in jax.tree.leaves(w)}
-                gathers = [ln for ln in hlo.splitlines() if "all-gather" in ln
-                           and any(re.search(rf"=\s*\S+\[{s}\]\S*\s+all-gather", ln) for s in full)]
-                res[f"{name} {impl} {mesh}"] = {
-                    "greedy_equal": fin == ref,
-                    "specs": {f: [str(x.sharding.spec) for x in (w.values, w.scales)] for f in
-                              ("wqkv", "wo", "w_gate_up", "w_down") for w in [getattr(layers, f)]},
-                    "matmul_shard_maps": sum(not isinstance(s[1], jax.sharding.PartitionSpec) for s in traced),
-                    "token_split": sum(not isinstance(s[1], jax.sharding.PartitionSpec) and s[0][0] == "dp"
-                                       for s in traced),
-                    "weight_gathers": len(gathers),
-                }
-                release()
-    jax.shard_map = real_shard_map
-    res["impls"] = impls
-    return res
+def quantized_check(mesh: str, model: Model, impl: str, greedy, ref) -> dict:
+    """Quantized weights under tp (`quantized`): q4_1 in groups of 32 (wo's 4 groups split over tp=2, w_down's 3 do
+    not) and per-channel int8 (every projection splits; the row-split ones keep their one row of scales whole), with
+    the XLA matmul and the native kernel (a custom call, run per device through shard_map); `ref` the same model and
+    matmul on one device."""
+    with shard_maps() as traced:  # (the run's steps and `hlo_of`'s)
+        g, fin, _, _ = run(mesh, greedy, model=model, matmul_impl=impl)
+        hlo, _ = hlo_of(g.engine)
+    layers = g.engine.model.params.layers
+    full = {",".join(map(str, leaf.shape)) for w in (layers.wqkv, layers.wo, layers.w_gate_up, layers.w_down)
+            for leaf in jax.tree.leaves(w)}
+    gathers = [ln for ln in hlo.splitlines() if "all-gather" in ln
+               and any(re.search(rf"=\s*\S+\[{s}\]\S*\s+all-gather", ln) for s in full)]
+    return {
+        "greedy_equal": fin == ref,
+        "specs": {f: [str(x.sharding.spec) for x in (w.values, w.scales)] for f in
+                  ("wqkv", "wo", "w_gate_up", "w_down") for w in [getattr(layers, f)]},
+        "matmul_shard_maps": sum(not isinstance(s[1], jax.sharding.PartitionSpec) for s in traced),
+        "token_split": sum(not isinstance(s[1], jax.sharding.PartitionSpec) and s[0][0] == "dp" for s in traced),
+        "weight_gathers": len(gathers),
+    }
 
 
 if __name__ == "__main__":

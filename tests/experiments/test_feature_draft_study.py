@@ -14,11 +14,16 @@ import pytest
 
 from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+def env() -> dict[str, str]:
+    """The scripts' environment, read when a test runs: tests/conftest.py sets how tiny-model tests compile
+    (`JAX_DISABLE_MOST_OPTIMIZATIONS`) before each test, after this module is imported (a copy made at import
+    compiled every script with the full optimisations)."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
 def run_snippet(code: str, *args: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=ENV)
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -136,7 +141,7 @@ def test_script_end_to_end(model_dir, tmp_path):  # noqa: F811
                         "--seq_len=64", "--head_vocab=24", "--eval_workloads=copy,chat", "--eval_prompts=2",
                         "--eval_tokens=8", "--chain=2", "--price_ks=1,2", "--extra_text_tokens=200",
                         f"--json_out={out}"],
-                       capture_output=True, text=True, env=ENV)
+                       capture_output=True, text=True, env=env())
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["steps_run"] == 3 and len(r["loss_top1"]) == 3 and r["train_examples"] == 6

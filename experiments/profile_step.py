@@ -167,23 +167,18 @@ def device_breakdown(model, rows: int) -> dict:
 
 
 def fit_step_time(model):
-    """Fit the simulator's step-time model on `--fit_source`'s samples: `--grid_passes` passes over the grid, then
-    the serving workload once."""
+    """Fit the simulator's step-time model on `--fit_source`'s samples: one slice of `--grid_passes` passes over the
+    grid, then the serving workload once."""
     eng = calibration.fit_engine(model, calibration.fit_config(
         page_size=FLAGS.page_size, max_batch_size=FLAGS.fit_max_batch_size, max_seq_len=FLAGS.fit_max_seq_len,
         cache_dtype=FLAGS.cache_dtype))
     cal = calibration.Calibration(model, eng, calibration.plan_of_flags(iters=FLAGS.iters))
-    if cal.plan.grid:
-        for _ in range(FLAGS.grid_passes):
-            cal.grid_pass()
-        for point in cal.grid_points()[2]:
-            per_pass = point["passes"]
-            print(f"prefill {point['prefill']:4d} decode {point['decode']:3d} context {point['context']:5d}/"
-                  f"{point['other_context']:5d}: {1e3 * point['seconds']:8.2f} ms (passes "
-                  f"{1e3 * min(per_pass):.2f}-{1e3 * max(per_pass):.2f})")
-    if cal.plan.serving:
-        cal.serve()
-    cal.slices = 1
+    cal.run_slice(grid_passes=FLAGS.grid_passes)
+    for point in cal.grid_points()[2]:
+        per_pass = point["passes"]
+        print(f"prefill {point['prefill']:4d} decode {point['decode']:3d} context {point['context']:5d}/"
+              f"{point['other_context']:5d}: {1e3 * point['seconds']:8.2f} ms (passes "
+              f"{1e3 * min(per_pass):.2f}-{1e3 * max(per_pass):.2f})")
     name = FLAGS.fit_name or os.path.splitext(os.path.basename(FLAGS.fit_out or "step_time"))[0]
     setup = calibration.fit_setup(eng, name=name, model=FLAGS.model, quantization=FLAGS.quant, dtype=FLAGS.dtype)
     return cal.fit(model_name=FLAGS.model, setup=setup, by="experiments/profile_step.py",

@@ -258,10 +258,11 @@ class Calibration:
         return host_per_step(m0, gen.metrics())
 
     # ------------------------------------------------------------------ slices and the fit
-    def run_slice(self) -> None:
-        """One slice: a pass over the grid (if the plan has one), then the serving workload (if it has one)."""
+    def run_slice(self, grid_passes: int = 1) -> None:
+        """One slice: `grid_passes` passes over the grid (if the plan has one), then the serving workload (if it has
+        one)."""
         t0 = time.perf_counter()
-        if self.plan.grid:
+        for _ in range(grid_passes if self.plan.grid else 0):
             self.grid_pass()
         if self.plan.serving:
             self.serve()

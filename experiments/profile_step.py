@@ -194,6 +194,8 @@ def main(argv):
 
     from experiments.lib.common import load_experiment_model
 
+    if FLAGS.fit_out:
+        calibration.plan_of_flags()  # (its errors before the model loads)
     model = load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     load = os.getloadavg()
     if load[0] > 0.5:

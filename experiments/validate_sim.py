@@ -191,14 +191,14 @@ def format_rows(rows: list[dict], ranks: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def interleaved_calibration(real):
+def interleaved_calibration(real, plan):
     """--fit_interleaved: the calibration of an engine like the real one (its flags, its model), with a full page
     pool (the calibration workload runs up to max_batch_size long sequences), every bucket compiled."""
     import dataclasses
 
     config = dataclasses.replace(real.config, num_pages=None)
     engine = calibration.fit_engine(real.model, config)
-    return calibration.Calibration(real.model, engine, calibration.plan_of_flags())
+    return calibration.Calibration(real.model, engine, plan)
 
 
 def main(argv):
@@ -223,10 +223,11 @@ def main(argv):
             also[name] = StepTimeModel.load(step_time_fits.fit_path(name))
         except (InvalidConfigError, ValueError) as e:
             raise app.UsageError(f"--also_fits={name}: {e}") from None
+    plan = calibration.plan_of_flags() if FLAGS.fit_interleaved else None  # (its errors before the model loads)
     env.load_average("at start")
     sim = None if FLAGS.fit_interleaved else cp.SimBackend()  # (a bad --step_time_model: an error before any run)
     real = cp.RealBackend()
-    cal = interleaved_calibration(real) if FLAGS.fit_interleaved else None
+    cal = interleaved_calibration(real, plan) if plan is not None else None
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
     slo = cp.slo_of_flags()

@@ -88,14 +88,29 @@ def define_flags() -> None:
 
 
 def plan_of_flags(iters: int = CalibrationPlan.iters) -> CalibrationPlan:
-    """The CalibrationPlan of the flags `define_flags` defined; `iters`: timed calls per grid shape and pass."""
-    from absl import flags
+    """The CalibrationPlan of the flags `define_flags` defined; `iters`: timed calls per grid shape and pass. A value
+    that is not a list of integers (>= 1 for serving's) is an `absl.app.UsageError` naming the flag."""
+    from absl import app, flags
 
     f = flags.FLAGS
-    ints = lambda xs: tuple(int(x) for x in xs)
-    return CalibrationPlan(source=f.fit_source, grid_prefill=ints(f.grid_prefill), grid_decode=ints(f.grid_decode),
-                           grid_context=ints(f.grid_context), grid_mixed=f.grid_mixed, iters=iters,
-                           serving_concurrency=ints(f.serving_concurrency), serving_prompts=ints(f.serving_prompts),
+
+    def ints(name: str) -> tuple[int, ...]:
+        values = getattr(f, name)
+        try:
+            out = tuple(int(x) for x in values)
+        except ValueError:
+            out = ()
+        if not out or min(out) < 0:
+            raise app.UsageError(f"--{name} takes a comma-separated list of integers >= 0, got {','.join(values)!r}")
+        return out
+
+    if f.serving_requests_per_row < 1:
+        raise app.UsageError(f"--serving_requests_per_row must be >= 1, got {f.serving_requests_per_row}")
+    if min(ints("serving_concurrency")) < 1 or min(ints("serving_prompts")) < 1:
+        raise app.UsageError("--serving_concurrency and --serving_prompts take integers >= 1")
+    return CalibrationPlan(source=f.fit_source, grid_prefill=ints("grid_prefill"), grid_decode=ints("grid_decode"),
+                           grid_context=ints("grid_context"), grid_mixed=f.grid_mixed, iters=iters,
+                           serving_concurrency=ints("serving_concurrency"), serving_prompts=ints("serving_prompts"),
                            serving_requests_per_row=f.serving_requests_per_row, serving_seed=f.serving_seed)
 
 

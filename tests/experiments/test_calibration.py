@@ -62,6 +62,25 @@ def test_a_grid_only_plan_times_every_shape_and_a_fit_needs_samples():
         calibration.CalibrationPlan(source="replay")
 
 
+@pytest.mark.parametrize("flag,match", [("--serving_concurrency=4,x", "--serving_concurrency takes"),
+                                        ("--grid_prefill=", "--grid_prefill takes"),
+                                        ("--serving_prompts=0", "--serving_prompts take integers >= 1"),
+                                        ("--serving_requests_per_row=0", "--serving_requests_per_row must be >= 1")])
+def test_validate_sim_names_a_bad_calibration_flag_before_loading_the_model(cp, monkeypatch, flag, match):
+    from absl import app
+
+    from experiments import validate_sim
+    from tests.experiments.helpers import parse_flags
+
+    def no_model():
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cp, "RealBackend", no_model)
+    parse_flags(validate_sim, ["--rates=1,2", "--fit_interleaved", flag])
+    with pytest.raises(app.UsageError, match=match):
+        validate_sim.main([])
+
+
 @pytest.mark.slow
 def test_validate_sim_measures_its_fit_between_the_real_runs(tmp_path):
     out, fit_out = tmp_path / "rec.json", tmp_path / "fit.json"

@@ -108,8 +108,8 @@ def _run(policy, step_s, ttft_ms, preemptions=0, steps=100, simulated=False):
     timers = {"time_engine_simulated_s": step_s * steps} if simulated else {
         "time_schedule_s": 0.1 * step_s * steps, "time_engine_s": 0.8 * step_s * steps,
         "time_results_s": 0.1 * step_s * steps}
-    return types.SimpleNamespace(policy=policy, rate=12.0, preemptions=preemptions,
-                                 result=types.SimpleNamespace(metrics_before={}, metrics_after={"steps": steps, **timers}),
+    result = types.SimpleNamespace(metrics_before={}, metrics_after={"steps": steps, **timers})
+    return types.SimpleNamespace(policy=policy, rate=12.0, preemptions=preemptions, result=result,
                                  metrics={"ttft_ms": {"median": ttft_ms}, "slo_attainment": 1.0},
                                  row={"ttft_p50_ms": ttft_ms})
 

@@ -257,14 +257,13 @@ def main(argv):
             print(f"the fit measured between the real runs ({cal.slices} slices): {FLAGS.fit_out}")
     if sim is None:
         sim = cp.SimBackend(fit)
-    sim.config, sim.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
+    # the simulator priced by each fit (the main one first, then --also_fits'), against the same real runs
+    backends = [sim, *(cp.SimBackend(f) for f in also.values())]
+    for b in backends:
+        b.config, b.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
     here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
     mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
-    # the simulator priced by each fit (the main one first, then --also_fits'), against the same real runs
-    priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []}
-              for b in (sim, *(cp.SimBackend(f) for f in also.values()))]
-    for o in priced[1:]:
-        o["backend"].config, o["backend"].vocab_size = real.config, real.vocab_size
+    priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []} for b in backends]
     for rate, real_runs in zip(rates, real_by_rate):
         arrivals = load.arrivals_at(rate)
         for o in priced:

@@ -21,8 +21,8 @@ from tests.paged.speculation.test_speculative_generator import (
     same_stream,
 )
 
-# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
+# each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ from paged.speculation.speculator import Speculator
 from paged.testing import tiny_config, tiny_model
 from paged.token_sets import pack
 
-# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
+# each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
 
 CFG = tiny_config(96)
 MODEL = tiny_model(CFG, seed=0)

@@ -36,8 +36,8 @@ from paged.testing import (
 )
 from pallas_kernels.native import unavailable_reason as native_unavailable
 
-# each test builds generators with draft models: their compiled programs go after it (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("release_compiled_programs_after_each_test")
+# each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
+pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
 
 TOK = ByteTokenizer()
 GREEDY = SamplingSettings.greedy()

@@ -95,7 +95,8 @@ def release_compiled_programs_near_the_map_limit():
     test_speculative_generator). After each test, the programs are dropped once the process's mapped regions pass
     `MAP_SHARE` of the limit, or always where /proc cannot say. Below it, a test reuses the programs an earlier test
     of its module compiled (the same statics: no trace, lowering or compile). Dropping them after every test, as
-    before, cost these three modules 40% of their time (228 -> 168 s and 162 -> 96 s in one process)."""
+    before, cost these three modules a quarter to 40% of their time (one process, empty compilation cache:
+    test_speculative_generator 228 -> 168 s, test_speculative + test_draft_ahead 162 -> 96 s)."""
     yield
     regions = _mapped_regions()
     if regions is None or regions > MAP_SHARE * _map_limit():

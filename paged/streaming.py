@@ -6,7 +6,9 @@
 2. Stop strings (case-sensitive): on a full match the text before it is released and the stream stops; the stop
    string and anything after it stay in `held_text` and never reach the completion.
 3. Banned strings (case-insensitive): on a full match the stream asks the generator to rewind every held token from
-   the one where the match began (`rewind`), reporting the removed text as `suppressed_text`.
+   the one where the match began (`rewind`), reporting the removed text as `suppressed_text`. A token with no text
+   of its own (the first bytes of a character the next token completes) belongs to that character: it is held and
+   rewound with it.
 4. Text that could still become a stop or banned string is held, from the token where that possible match begins,
    and released with its tokens as soon as it cannot match.
 Held text is always released at token boundaries, so each streamed chunk comes with exactly the tokens that made it.
@@ -94,12 +96,13 @@ class TextStream:
         return "".join(p for _, p in out), [t for t, _ in out]
 
     def _token_at(self, char_index: int) -> int:
-        """Index into `held` of the token whose text contains `char_index`."""
+        """Index into `held` of the first token at `char_index`: the one whose text contains it, or one before it
+        with no text of its own (the first bytes of that character, which the next token completes)."""
         pos = 0
         for i, (_, piece) in enumerate(self.held):
-            pos += len(piece)
-            if char_index < pos:
+            if pos >= char_index or pos + len(piece) > char_index:
                 return i
+            pos += len(piece)
         return len(self.held)
 
     def feed(self, token: int) -> StreamEvent:

@@ -59,6 +59,12 @@ def test_stop_string_split_across_tokens_is_caught(before, after, stop, cuts):
     assert "".join(chunks) == text[:first]
     assert s.held_text.startswith(stop)
     assert all(stop not in c for c in chunks)
+    # a token lying wholly in the stop string is never released before the stop, also one holding only the first
+    # bytes of its first character (no text of its own yet); every held token comes out with the final event
+    start = len(text[:first].encode())
+    starts = [sum(map(len, pieces[:t])) for t in range(len(events))]
+    assert all(starts[t] < start for ev in events[:-1] for t in ev.tokens)
+    assert [t for ev in events for t in ev.tokens] == list(range(len(events)))
 
 
 def test_output_cut_inside_a_character_drops_the_partial_bytes():
@@ -104,6 +110,24 @@ def test_banned_string_asks_for_a_rewind_from_the_token_where_it_began(before, c
     assert "ForBidden" not in released  # never shown
     assert released + ev.suppressed_text == text[: len(released) + len(ev.suppressed_text)]
     assert ev.suppressed_tokens == list(range(len(events) - ev.rewind, len(events)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=TEXT, banned=st.sampled_from(["世界", "é!", "😀x"]), cuts=st.lists(st.integers(0, 200), max_size=30))
+def test_a_rewind_takes_back_every_byte_of_the_banned_string(before, banned, cuts):
+    """Every token lying wholly in the banned string is taken back, also one holding only the first bytes of its
+    first character (no text of its own): left in the sequence, the model would go on after half a character. (A
+    token whose bytes begin before the banned string and end inside it has released text of its own: it stays.)"""
+    text = before + banned + " rest"
+    pieces = byte_tokens(text.encode(), cuts)
+    s, chunks, events = run(pieces, banned=[banned])
+    ev = events[-1]
+    assert ev.banned == banned and banned in ev.suppressed_text
+    start = len(text[: text.find(banned)].encode())
+    starts = [sum(map(len, pieces[:t])) for t in range(len(events))]
+    ends = [a + len(p) for a, p in zip(starts, pieces)]
+    assert {t for t in range(len(events)) if starts[t] >= start} <= set(ev.suppressed_tokens)
+    assert all(ends[t] > start for t in ev.suppressed_tokens)
 
 
 def tokenizer_cases():

@@ -117,7 +117,8 @@ def test_banned_string_asks_for_a_rewind_from_the_token_where_it_began(before, c
 def test_a_rewind_takes_back_every_byte_of_the_banned_string(before, banned, cuts):
     """Every token lying wholly in the banned string is taken back, also one holding only the first bytes of its
     first character (no text of its own): left in the sequence, the model would go on after half a character. (A
-    token whose bytes begin before the banned string and end inside it has released text of its own: it stays.)"""
+    token whose bytes begin before the banned string and end inside it has text before the match: it is released
+    with that text and stays.)"""
     text = before + banned + " rest"
     pieces = byte_tokens(text.encode(), cuts)
     s, chunks, events = run(pieces, banned=[banned])

@@ -35,6 +35,15 @@ def _llg():
     return llguidance
 
 
+def _check_utf8(text: str, who: str, what: str) -> None:
+    """A lone surrogate (e.g. from a JSON "\\ud800" escape) has no UTF-8 form, and llguidance takes UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidJobError(f"{who}: the {what} holds a lone surrogate {text[e.start]!r} at index {e.start}, which "
+                              "is not a character; pass valid Unicode text") from None
+
+
 class Filter:
     """A constraint on a job's output, as an llguidance grammar (`grammar`, checked at construction)."""
 
@@ -72,6 +81,7 @@ class JsonSchemaFilter(Filter):
             raise InvalidJobError(f"JsonSchemaFilter: the schema must be a dict, a JSON string or a pydantic model "
                                   f"class, got {type(schema).__name__}")
         self.schema = schema
+        _check_utf8(json.dumps(schema, ensure_ascii=False), "JsonSchemaFilter", "schema")
         try:
             grammar = _llg().LLMatcher.grammar_from_json_schema(schema)
         except ValueError as e:
@@ -88,6 +98,7 @@ class RegexFilter(Filter):
     def __init__(self, pattern: str):
         if not isinstance(pattern, str) or not pattern:
             raise InvalidJobError(f"RegexFilter: the pattern must be a non-empty str, got {pattern!r}")
+        _check_utf8(pattern, "RegexFilter", "pattern")
         self.pattern = pattern
         super().__init__(_llg().LLMatcher.grammar_from_regex(pattern), "regex")
 
@@ -102,6 +113,7 @@ class GrammarFilter(Filter):
     def __init__(self, lark_text: str):
         if not isinstance(lark_text, str) or not lark_text.strip():
             raise InvalidJobError("GrammarFilter: the grammar must be a non-empty str of Lark rules")
+        _check_utf8(lark_text, "GrammarFilter", "grammar")
         self.lark = lark_text
         super().__init__(_llg().LLMatcher.grammar_from_lark(lark_text), "Lark grammar")
 
@@ -115,6 +127,8 @@ def _lark_literals(options: Sequence[str], who: str) -> str:
     options = list(options)
     if not options or not all(isinstance(o, str) and o for o in options):
         raise InvalidJobError(f"{who}: options must be a non-empty list of non-empty strings, got {options!r}")
+    for i, o in enumerate(options):
+        _check_utf8(o, who, f"option {i}")
     return " | ".join(json.dumps(o) for o in options)  # Lark string literals take JSON's escapes
 
 

@@ -25,7 +25,7 @@ from paged.embeddings import MMEmbedding
 from paged.errors import InvalidJobError, InvalidJobTypeError
 from paged.filters import Filter
 from paged.settings import SamplingSettings
-from paged.validate import Checker
+from paged.validate import Checker, unwrap_0d
 
 
 def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
@@ -33,6 +33,10 @@ def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
     if (type(input_ids) in (list, tuple) and input_ids and set(map(type, input_ids)) == {int}
             and min(input_ids) >= 0 and max(input_ids) < 1 << 63):
         return list(input_ids)  # (what the array below gives for Python ints that fit an int64)
+    if type(input_ids) in (list, tuple) and input_ids and set(map(type, input_ids)) == {int}:
+        if min(input_ids) < 0:
+            c.fail(f"input_ids contain negative ids: {[x for x in input_ids if x < 0][:5]}")
+        c.fail(f"input_ids contain ids no vocabulary has (>= 2**63): {[x for x in input_ids if x >= 1 << 63][:5]}")
     if isinstance(input_ids, str):
         c.fail_type("input_ids", input_ids, "token ids (encode text first, e.g. tokenizer.encode(text))")
     if isinstance(input_ids, (bytes, dict, set)) or input_ids is None:
@@ -74,6 +78,7 @@ def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
     """Token ids and stop strings; a bare string or a bare int is one condition (not one per character)."""
     if value is None:
         return set(), []
+    value = unwrap_0d(value)
     if isinstance(value, (str, int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = [value]
     if isinstance(value, (bytes, dict)) or not isinstance(value, Iterable):

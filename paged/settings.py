@@ -13,9 +13,13 @@ from typing import Any
 import numpy as np
 
 from paged.errors import InvalidSettingsError
-from paged.validate import Checker
+from paged.validate import Checker, unwrap_0d
 
 BIG = 1 << 30  # int settings go to the device as int32: anything larger means "all" and is clamped to this
+# The largest magnitude a float setting (or a token bias) may have. The sampler computes in float32 (max 3.4e38);
+# this headroom keeps its sums, products and quotients (by a temperature down to 0.01) finite. 1e39 is finite in
+# Python and infinite on the device, where it turned every logit into NaN and failed the job at its first token.
+FLOAT_LIMIT = 1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +70,8 @@ class SamplingSettings:
         put("top_p", c.float_("top_p", self.top_p, 0.0, 1.0, lo_open=True, allowed="a number in (0, 1] (1 = off)"))
         put("min_p", c.float_("min_p", self.min_p, 0.0, 1.0, hi_open=True, allowed="a number in [0, 1) (0 = off)"))
         put("typical", c.float_("typical", self.typical, 0.0, 1.0, allowed="a number in [0, 1] (0 or 1 = off)"))
-        put("repetition_penalty", c.float_("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True,
-                                           allowed="a finite number > 0 (1 = off)"))
+        put("repetition_penalty", c.float_("repetition_penalty", self.repetition_penalty, 1 / FLOAT_LIMIT,
+                                           allowed=f"a number >= {1 / FLOAT_LIMIT:g} (1 = off)"))
         put("frequency_penalty", c.float_("frequency_penalty", self.frequency_penalty))
         put("presence_penalty", c.float_("presence_penalty", self.presence_penalty))
         put("penalty_range", c.int_("penalty_range", self.penalty_range, 0))
@@ -109,6 +113,10 @@ class SamplingSettings:
             put("cfg_scale", c.float_("cfg_scale", self.cfg_scale, allowed="a finite number, or None (no CFG)"))
         if self.dry_sequence_breakers is not None:
             put("dry_sequence_breakers", _token_ids(c, "dry_sequence_breakers", self.dry_sequence_breakers))
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and abs(v) > FLOAT_LIMIT:
+                c.fail(f"{f.name} must be at most {FLOAT_LIMIT:g} in size (the sampler computes in float32), got {v}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in `token_bias` / `banned_tokens` must be below `vocab_size` (checked at `enqueue()`)."""
@@ -210,6 +218,7 @@ class SamplingSettings:
 
 def _token_ids(c: Checker, name: str, value: Any) -> tuple[int, ...]:
     """An iterable of token ids (or one id) -> a sorted tuple of distinct ints >= 0."""
+    value = unwrap_0d(value)
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         value = (value,)
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
@@ -220,6 +229,7 @@ def _token_ids(c: Checker, name: str, value: Any) -> tuple[int, ...]:
 def _token_bias(c: Checker, value: Any) -> tuple[tuple[int, float], ...]:
     """{id: value} or (id, value) pairs -> a sorted tuple of pairs. Values are finite or -inf (a ban); +inf and NaN
     have no meaning as a bias."""
+    value = unwrap_0d(value)
     if isinstance(value, Mapping):
         value = value.items()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -232,8 +242,8 @@ def _token_bias(c: Checker, value: Any) -> tuple[tuple[int, float], ...]:
         if isinstance(pair[1], (bool, np.bool_)) or not isinstance(pair[1], (int, float, np.integer, np.floating)):
             c.fail_type(f"token_bias[{t}]", pair[1], "a number")
         v = float(pair[1])
-        if math.isnan(v) or v == math.inf:
-            c.fail(f"token_bias[{t}] must be a finite number or -inf (a ban), got {v}")
+        if math.isnan(v) or v == math.inf or (v != -math.inf and abs(v) > FLOAT_LIMIT):
+            c.fail(f"token_bias[{t}] must be a number in [-{FLOAT_LIMIT:g}, {FLOAT_LIMIT:g}] or -inf (a ban), got {v}")
         if t in out:
             c.fail(f"token_bias names token {t} twice")
         out[t] = v

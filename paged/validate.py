@@ -32,6 +32,12 @@ _TYPE_ERRORS: dict[type[Exception], type[Exception]] = {
 }
 
 
+def unwrap_0d(value: Any) -> Any:
+    """A 0-d NumPy array as its Python value (`np.array(5)` -> 5): it passes for an iterable, then cannot be
+    iterated. Anything else unchanged."""
+    return value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
 class Checker:
     """Raises `error` (or its TypeError variant) with messages prefixed by `where`."""
 
@@ -94,6 +100,7 @@ class Checker:
         """A list of non-empty strings; a bare string means one string (not one per character)."""
         if value is None:
             return []
+        value = unwrap_0d(value)
         if isinstance(value, str):
             value = [value]
         if isinstance(value, (bytes, dict)) or not isinstance(value, Iterable):

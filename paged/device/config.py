@@ -21,6 +21,7 @@ MATMUL_IMPLS = matmul_registry().names()
 
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")  # int8: per-token-per-head scales beside the values
 DEFAULT_MAX_SEQ_LEN = 2048  # cap on the model's max positions when max_seq_len is not given
+INT32_MAX = 2**31 - 1  # the largest size setting: sizes, counts and positions are int32 on the device
 
 
 def _field(default: Any, help: str, role: bool = False) -> Any:
@@ -101,18 +102,19 @@ class EngineConfig:
         ps = c.int_("page_size", self.page_size, 1, allowed="a power of two")
         if ps & (ps - 1):
             c.fail(f"page_size must be a power of two, got {ps}")
-        c.optional_int("num_pages", self.num_pages, 2)
-        c.optional_int("max_seq_len", self.max_seq_len, 1)
-        mb = c.int_("max_batch_size", self.max_batch_size, 1)
-        c.int_("max_chunk_size", self.max_chunk_size, 1)
+        top = INT32_MAX  # (a larger size had passed here and failed every step)
+        c.optional_int("num_pages", self.num_pages, 2, top)
+        c.optional_int("max_seq_len", self.max_seq_len, 1, top)
+        mb = c.int_("max_batch_size", self.max_batch_size, 1, top)
+        c.int_("max_chunk_size", self.max_chunk_size, 1, top)
         c.int_("max_prefill_rows", self.max_prefill_rows, 1, mb, f"an int in [1, max_batch_size={mb}]")
-        c.int_("max_penalty_range", self.max_penalty_range, 0)
-        c.int_("decode_steps", self.decode_steps, 1)
+        c.int_("max_penalty_range", self.max_penalty_range, 0, top)
+        c.int_("decode_steps", self.decode_steps, 1, top)
         c.bool_("fuse_sampler", self.fuse_sampler)
         c.choice("cache_dtype", self.cache_dtype, CACHE_DTYPES)
-        c.int_("max_embedding_tokens", self.max_embedding_tokens, 0)
-        c.int_("max_loras", self.max_loras, 0)
-        c.int_("max_lora_rank", self.max_lora_rank, 1)
+        c.int_("max_embedding_tokens", self.max_embedding_tokens, 0, top)
+        c.int_("max_loras", self.max_loras, 0, top)
+        c.int_("max_lora_rank", self.max_lora_rank, 1, top)
         parse_mesh(self.mesh)
         for name, kind in ROLES.items():
             role = getattr(self, name)

@@ -224,7 +224,9 @@ def apply_penalties(logits: jax.Array, params: SamplingRows, history: jax.Array)
     # Without decay every weight is 0 or 1, and the latest occurrence's weight is whether there is one.
     recent = jax.lax.cond(jnp.any(params.penalty_decay > 0), latest, lambda: (counts > 0).astype(jnp.float32))
     present = recent > 0  # [S, V]
-    rep = 1.0 + (params.repetition_penalty[:, None] - 1.0) * recent  # [S, V]; the full penalty where weight 1
+    # [S, V]: from 1 (weight 0) to the full penalty (weight 1), written so that weight 1 gives the penalty exactly (1 +
+    # (p - 1) * w rounds a penalty of 1e-30 to 0, and the logits to inf)
+    rep = (1.0 - recent) + params.repetition_penalty[:, None] * recent
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(present, penalised, logits)
     logits = logits - params.frequency_penalty[:, None] * counts

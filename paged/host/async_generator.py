@@ -14,16 +14,20 @@ mid-step takes effect at the next step.
 Errors reach only the stream they belong to. A job that fails on its own ends with its final result
 (`eos_reason="error"`, `error`), like any other final result. If a whole step fails (`StepError`: nothing was lost
 and no job advanced), it is retried; after `max_step_retries` consecutive failures the jobs that were running raise
-the error from their iterators and are cancelled, and the other jobs (pending, or submitted later) go on.
+the error from their iterators and are cancelled, and the other jobs (pending, or submitted later) go on. Any other
+exception out of a step (a bug) ends every open stream with it, and the next `submit()` starts serving afresh: no
+stream waits for a loop that has died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
-from paged.errors import StepError
+from paged.errors import InvalidConfigError, InvalidConfigTypeError, StepError
 from paged.host.generator import DynamicGenerator
 from paged.job import Job
+from paged.validate import Checker
 
 _DONE = object()
 
@@ -63,8 +67,12 @@ class AsyncJob:
 
 class AsyncDynamicGenerator:
     def __init__(self, generator: DynamicGenerator, max_step_retries: int = 2):
+        if not isinstance(generator, DynamicGenerator):
+            raise InvalidConfigTypeError(f"AsyncDynamicGenerator: generator must be a paged.DynamicGenerator, got "
+                                         f"{type(generator).__name__}")
         self.generator = generator
-        self.max_step_retries = max_step_retries
+        self.max_step_retries = Checker("AsyncDynamicGenerator", InvalidConfigError).int_(
+            "max_step_retries", max_step_retries, 0)
         self._jobs: dict[Job, AsyncJob] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -77,12 +85,22 @@ class AsyncDynamicGenerator:
         """Enqueue `ajob.job` and route its results to `ajob` (must be called from the event loop's thread)."""
         self.generator.enqueue(ajob.job)
         self._jobs[ajob.job] = ajob
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._wake.set()
         return ajob
 
     async def _run(self) -> None:
+        try:
+            await self._serve()
+        except Exception as e:  # noqa: BLE001 (not a StepError: a bug. End the streams rather than leave them waiting)
+            logging.getLogger(__name__).exception("AsyncDynamicGenerator: the serving loop failed")
+            for job, ajob in list(self._jobs.items()):
+                self.generator.cancel(job)
+                ajob.queue.put_nowait(e)
+            self._jobs.clear()
+
+    async def _serve(self) -> None:
         failures = 0
         while True:
             await self._wake.wait()

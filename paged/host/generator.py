@@ -21,7 +21,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,7 @@ from paged.speculation.rows import Accepted
 from paged.speculation.spec_step import SpeculativeStep, empty_metrics
 from paged.streaming import TextStream
 from paged.token_sets import DRY_BREAKER_CHARS, XTC_EXEMPT_CHARS, TokenSets
+from paged.validate import Checker
 
 
 @dataclasses.dataclass
@@ -300,6 +301,10 @@ class DynamicGenerator:
                                          "unload_lora one or raise max_loras")
             model_cfg = getattr(getattr(self.engine, "model", None), "config", None)
             try:
+                if not isinstance(source, (str, os.PathLike, LoraAdapter)):
+                    raise InvalidConfigTypeError(f"load_lora({name!r}): source must be a PEFT adapter directory (a "
+                                                 "path) or a models.lora.LoraAdapter, got "
+                                                 f"{source!r} ({type(source).__name__})")
                 if isinstance(source, LoraAdapter):
                     check_adapter(source, model_cfg)
                     # the pages are keyed by the content, whatever digest the object carries
@@ -368,6 +373,12 @@ class DynamicGenerator:
         if job.token_healing and job.input_ids[-1] >= v:
             raise InvalidJobError("Job: token healing needs a text token last in the prompt, and it ends with an "
                                   "embedding; pass token_healing=False")
+        if (job.token_healing and job.prompt_len > 1
+                and job.input_ids[-1] in getattr(self.tokenizer, "special_token_ids", ())):
+            # (no text token starts with a special token's text: the prompt had lost the token and the first sample
+            # had gone unconstrained)
+            raise InvalidJobError(f"Job: token healing needs a text token last in the prompt, and it ends with the "
+                                  f"special token {job.input_ids[-1]}; pass token_healing=False")
         bad = [t for t in job.stop_tokens if t >= v]
         if bad:
             raise InvalidJobError(f"Job: stop token ids outside the vocabulary (size {v}): {bad[:5]}")
@@ -488,7 +499,11 @@ class DynamicGenerator:
         return lambda t: b"" if (t in special and not keep) else tok.token_bytes(t)
 
     def cancel(self, job: Job) -> None:
-        """Remove a pending or active job; its pages are released. No result is emitted. No-op if finished."""
+        """Remove a pending or active job; its pages are released. No result is emitted. No-op if finished (or never
+        enqueued here)."""
+        if not isinstance(job, Job):
+            raise InvalidJobTypeError(f"cancel() takes the paged.Job that enqueue() was given, got {job!r} "
+                                      f"({type(job).__name__})")
         with self.lock:
             if job in self.pending:
                 self._unqueue(job)
@@ -786,6 +801,10 @@ class DynamicGenerator:
         `JobFailure` is raised once all the prompts are done."""
         if self.tokenizer is None:
             raise InvalidJobError("generate() needs a tokenizer; pass tokenizer= to the generator")
+        c = Checker("generate()", InvalidJobError)
+        seed = c.optional_int("seed", seed)
+        if abort_event is not None and not callable(getattr(abort_event, "is_set", None)):
+            c.fail_type("abort_event", abort_event, "a threading.Event (or None)")
         single = isinstance(prompt, (str, tuple))
         prompts = [prompt] if single else prompt
         if not isinstance(prompts, (list, Sequence)) or isinstance(prompts, (bytes, str)):
@@ -813,6 +832,9 @@ class DynamicGenerator:
         elif single:
             per_prompt = [filters]
         else:
+            if not isinstance(filters, (list, tuple)):
+                c.fail_type("filters", filters, "one list of filters per prompt when prompt is a list (e.g. [[f], "
+                            "[f]] to constrain two prompts by f)")
             per_prompt = list(filters)
             flat = [i for i, f in enumerate(per_prompt) if f is not None and not isinstance(f, (list, tuple))]
             if flat:
@@ -822,6 +844,11 @@ class DynamicGenerator:
             if len(per_prompt) != len(prompts):
                 raise InvalidJobError(f"generate(): {len(per_prompt)} filter lists for {len(prompts)} prompts; pass "
                                       "one list of filters per prompt (an empty list for none)")
+        if isinstance(embeddings, MMEmbedding):  # (one, as Job takes it)
+            embeddings = [embeddings]
+        if embeddings is not None and (isinstance(embeddings, (str, bytes, dict)) or
+                                       not isinstance(embeddings, Iterable)):
+            c.fail_type("embeddings", embeddings, "a list of paged.embeddings.MMEmbedding")
         embeddings = list(embeddings or ())
         for e in embeddings:
             if not isinstance(e, MMEmbedding):
@@ -877,8 +904,10 @@ class DynamicGenerator:
                 for j in jobs:
                     self.cancel(j)
         errors = [(i, r["error"]) for i, r in enumerate(last) if r is not None and r["eos_reason"] == "error"]
+        errors += [(i, "it was cancelled before it finished (cancel() or clear_queue() from another caller)")
+                   for i, r in enumerate(last) if r is None]
         if errors:
-            raise JobFailure("generate(): " + "; ".join(f"prompt {i} failed: {e}" for i, e in errors))
+            raise JobFailure("generate(): " + "; ".join(f"prompt {i} failed: {e}" for i, e in sorted(errors)))
         if not completion_only:  # (a CFG pair's positive prompt)
             texts = [(p[0] if isinstance(p, tuple) else p) + t for p, t in zip(prompts, texts)]
         out = texts[0] if single else texts

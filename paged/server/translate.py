@@ -160,13 +160,17 @@ def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative
         raise bad_request("stop strings must be non-empty", param="stop")
     eos = getattr(ctx.tokenizer, "eos_token_id", None)
     stops += sorted(set(req.stop_token_ids or []) | ({eos} if eos is not None and not req.ignore_eos else set()))
+    if negative is not None and not negative:
+        raise bad_request("negative_prompt is empty (or encodes to no tokens)", param="negative_prompt")
     tag = next(_ids)
     jobs = []
     for p, ids in enumerate(prompts):
         longest = max(len(ids), len(negative or ()))
-        if longest >= ctx.max_seq_len:
-            raise bad_request(f"The prompt is {longest} tokens long and the model's context is {ctx.max_seq_len} "
-                              "tokens: no room for a completion", param=prompt_param, code="context_length_exceeded")
+        for name, param, n in (("prompt", prompt_param, len(ids)), ("negative_prompt", "negative_prompt",
+                                                                       len(negative or ()))):
+            if n >= ctx.max_seq_len:
+                raise bad_request(f"The {name} is {n} tokens long and the model's context is {ctx.max_seq_len} "
+                                  "tokens: no room for a completion", param=param, code="context_length_exceeded")
         if max_tokens is not None:
             new = max_tokens
         else:  # the endpoint's default, cut to the context left

@@ -147,6 +147,7 @@ def test_text_alias_in_generate_and_compat():
     got = g.generate("ab<image>cd<image>", 8, gen_settings=GREEDY, embeddings=[emb])
     want = g.generate("abxyzcdxyz", 8, gen_settings=GREEDY)
     assert got == want != ""
+    assert g.generate("ab<image>cd<image>", 8, gen_settings=GREEDY, embeddings=emb) == got  # one, as Job takes it
     from paged.compat import ExLlamaV2DynamicGenerator, ExLlamaV2MMEmbedding
 
     compat = ExLlamaV2DynamicGenerator(MODEL, None, TOK, **{k: v for k, v in GEN.items() if k != "max_batch_size"})

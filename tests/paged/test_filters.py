@@ -59,6 +59,12 @@ def check_clean(gen):
     (lambda: ChoiceFilter("yes"), r"ChoiceFilter: options must be a list of strings"),
     (lambda: PrefixFilter(["ok", ""]), r"PrefixFilter: options must be a non-empty list of non-empty strings"),
     (lambda: RegexFilter(""), r"RegexFilter: the pattern must be a non-empty str"),
+    # a lone surrogate (a JSON "\\ud800" escape) has no UTF-8 form: it had raised a bare UnicodeEncodeError
+    (lambda: RegexFilter("ab\ud800"), r"RegexFilter: the pattern holds a lone surrogate '\\ud800' at index 2"),
+    (lambda: GrammarFilter('start: "\ud800"'), r"GrammarFilter: the grammar holds a lone surrogate"),
+    (lambda: ChoiceFilter(["a", "\udc00"]), r"ChoiceFilter: the option 1 holds a lone surrogate"),
+    (lambda: PrefixFilter(["\ud800"]), r"PrefixFilter: the option 0 holds a lone surrogate"),
+    (lambda: JsonSchemaFilter({"const": "\ud800"}), r"JsonSchemaFilter: the schema holds a lone surrogate"),
 ])
 def test_invalid_filters_raise_invalid_job_error_with_the_librarys_message(make, match):
     with pytest.raises(InvalidJobError, match=re.compile(match, re.S)):

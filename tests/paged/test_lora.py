@@ -22,7 +22,13 @@ from models.loader import Model
 from models.lora import PROJECTIONS, load_lora, projection_shapes, save_lora
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.engine import count_compiles
-from paged.errors import InvalidConfigError, InvalidJobError, InvalidJobTypeError, NonFiniteAdapterError
+from paged.errors import (
+    InvalidConfigError,
+    InvalidConfigTypeError,
+    InvalidJobError,
+    InvalidJobTypeError,
+    NonFiniteAdapterError,
+)
 from paged.testing import ByteTokenizer, drain, tiny_config, tiny_model
 
 TOK = ByteTokenizer()
@@ -314,6 +320,9 @@ def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
     g.load_lora("a", adapters["a"])
     with pytest.raises(InvalidConfigError, match="loaded already"):
         g.load_lora("a", adapters["b"])
+    for source in (None, 123, {"r": 4}):  # (had raised a bare TypeError)
+        with pytest.raises(InvalidConfigTypeError, match=r"load_lora\('c'\): source must be a PEFT adapter directory"):
+            g.load_lora("c", source)
     with pytest.raises(InvalidConfigError, match="max_loras=N"):
         DynamicGenerator(MODEL, **{**GEN, "max_loras": 0}).load_lora("a", adapters["a"])
     with pytest.raises(InvalidJobTypeError, match="lora"):

@@ -23,6 +23,7 @@ from paged.errors import (
     InvalidSettingsTypeError,
     JobTooLargeError,
 )
+from paged.filters import ChoiceFilter
 from paged.testing import ByteTokenizer, FakeEngine, drain
 
 TOK = ByteTokenizer()
@@ -78,6 +79,8 @@ def assert_healthy_unharmed(bad_action, error: type[Exception], match: str | Non
     (dict(input_ids="hello"), InvalidJobTypeError, "encode text first"),
     (dict(input_ids=[]), InvalidJobError, "empty"),
     (dict(input_ids=[1, -2]), InvalidJobError, "negative"),
+    (dict(input_ids=[1, 2**63]), InvalidJobError, r"ids no vocabulary has \(>= 2\*\*63\): \[9223372036854775808\]"),
+    (dict(input_ids=[2**64, -1]), InvalidJobError, r"negative ids: \[-1\]"),
     (dict(input_ids=[1.5, 2]), InvalidJobTypeError, "integer token ids"),
     (dict(input_ids=[True, False]), InvalidJobTypeError, "integer token ids"),
     (dict(input_ids=[[1, 2], [3, 4]]), InvalidJobError, "one sequence"),
@@ -136,6 +139,13 @@ def test_bare_strings_and_ints_are_one_condition():
     assert j.stop_tokens == {7} and j.stop_strings == []
     j = Job(np.array([[4, 5, 6]]), 5, stop_conditions=(np.int64(3), "x"))
     assert j.input_ids == [4, 5, 6] and j.stop_tokens == {3} and j.stop_strings == ["x"]
+    # 0-d arrays are one value too (they had passed for iterables, then raised a bare TypeError)
+    j = Job([1, 2], 5, stop_conditions=np.array(7), banned_strings=np.array("bad"))
+    assert j.stop_tokens == {7} and j.banned_strings == ["bad"]
+    s = SamplingSettings(banned_tokens=np.array(5), xtc_ignore_tokens=np.array(6), dry_sequence_breakers=np.array(7))
+    assert (s.banned_tokens, s.xtc_ignore_tokens, s.dry_sequence_breakers) == ((5,), (6,), (7,))
+    with pytest.raises(InvalidSettingsTypeError, match="token_bias must be a dict"):
+        SamplingSettings(token_bias=np.array(5))
 
 
 def test_bare_stop_string_stops_on_the_whole_string_not_a_character():
@@ -180,6 +190,14 @@ def test_bare_stop_string_stops_on_the_whole_string_not_a_character():
     (dict(banned_tokens="ab"), InvalidSettingsTypeError, "banned_tokens"),
     (dict(banned_tokens=[1, None]), InvalidSettingsTypeError, "banned_tokens entry"),
     (dict(banned_tokens=[-4]), InvalidSettingsError, "banned_tokens entry"),
+    # finite in Python, infinite (or 0) in the device's float32
+    (dict(frequency_penalty=1e39), InvalidSettingsError, "frequency_penalty must be at most 1e.30 in size"),
+    (dict(presence_penalty=-2e30), InvalidSettingsError, "presence_penalty must be at most 1e.30 in size"),
+    (dict(smoothing_factor=1e39), InvalidSettingsError, "smoothing_factor must be at most"),
+    (dict(cfg_scale=1e39), InvalidSettingsError, "cfg_scale must be at most"),
+    (dict(temperature=1e31), InvalidSettingsError, "temperature must be at most"),
+    (dict(repetition_penalty=1e-46), InvalidSettingsError, r"repetition_penalty must be a number >= 1e-30"),
+    (dict(token_bias={5: 3e38}), InvalidSettingsError, r"token_bias\[5\] must be a number in \[-1e\+30, 1e\+30\]"),
 ])
 def test_sampling_settings_reject_bad_values(kwargs, error, match):
     with pytest.raises(error, match=match) as info:
@@ -216,6 +234,9 @@ BAD_AT_ENQUEUE = [
      lambda: Job([1, 2], 3, min_new_tokens=2, stop_conditions=[256, 257],
                  gen_settings=SamplingSettings(banned_tokens=range(256))), InvalidJobError, "min_new_tokens"),
     ("too long for max_seq_len", lambda: Job([1] * 100, 100), JobTooLargeError, "max_seq_len"),
+    # (no text token starts with a special token's text: the token had been dropped, the first sample unconstrained)
+    ("token healing after a special token", lambda: Job([97, TOK.eos_token_id], 3, token_healing=True),
+     InvalidJobError, f"token healing needs a text token last in the prompt, .* special token {TOK.eos_token_id}"),
     ("not a job", lambda: "hello", InvalidJobTypeError, "paged.Job"),
 ]
 
@@ -269,6 +290,8 @@ def test_a_job_can_be_enqueued_after_a_rejected_list():
     (dict(max_batch_size=2.5), InvalidConfigTypeError, "max_batch_size"),
     (dict(max_batch_size=True), InvalidConfigTypeError, "max_batch_size"),
     (dict(max_batch_size=0), InvalidConfigError, "max_batch_size"),
+    (dict(max_batch_size=2**31), InvalidConfigError, r"max_batch_size must be an int in \[1, 2147483647\]"),
+    (dict(num_pages=2**40), InvalidConfigError, r"num_pages must be None or an int in \[2, 2147483647\]"),
     (dict(page_size=12), InvalidConfigError, "power of two"),
     (dict(num_pages=1), InvalidConfigError, "num_pages"),
     (dict(max_chunk_size=0), InvalidConfigError, "max_chunk_size"),
@@ -346,6 +369,17 @@ def test_generate_rejects_bad_prompts():
         gen.generate(["a"], 3, gen_settings=[GREEDY, GREEDY])
     with pytest.raises(InvalidJobError, match="no tokens"):
         gen.generate("", 3)
+    # the other arguments: they had raised bare TypeErrors and AttributeErrors (seed=True had run as seed 1)
+    with pytest.raises(InvalidJobTypeError, match=r"generate\(\): seed must be None or an int, got '5'"):
+        gen.generate("ab", 3, seed="5")
+    with pytest.raises(InvalidJobTypeError, match="seed must be None or an int, got True"):
+        gen.generate("ab", 3, seed=True)
+    with pytest.raises(InvalidJobTypeError, match="abort_event must be a threading.Event"):
+        gen.generate("ab", 3, abort_event=True)
+    with pytest.raises(InvalidJobTypeError, match="filters must be one list of filters per prompt when"):
+        gen.generate(["a", "b"], 3, filters=ChoiceFilter(["x"]))
+    with pytest.raises(InvalidJobTypeError, match="embeddings must be a list of paged.embeddings.MMEmbedding"):
+        gen.generate("ab", 3, embeddings=5)
     assert not gen.pending and not gen.active and gen.pool.num_referenced == 0
     assert gen.generate("ab", 3, gen_settings=GREEDY) == "cde"
 

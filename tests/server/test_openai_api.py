@@ -267,10 +267,16 @@ BAD = [  # (body changes, the field the 400 must name; None: no field)
     ({"prompt": "x" * (MAX_SEQ_LEN + 10)}, "prompt"),
     ({"max_tokens": MAX_SEQ_LEN}, "max_tokens"),
     ({"regex": "(unclosed"}, "regex"),
+    ({"regex": "a\ud800"}, "regex"),  # (a lone surrogate: had been a 500)
+    ({"grammar": 'start: "\ud800"'}, "grammar"),
+    ({"logit_bias": {"65": 1e300}}, "logit_bias"),  # finite, but infinite in the sampler's float32: had been a 200
+    ({"smoothing_factor": 1e39}, "smoothing_factor"),
     ({"stop": [""]}, "stop"),
     ({"min_tokens": 50}, "min_tokens"),
     ({"lora": "nobody"}, "lora"),
     ({"cfg_scale": 1.5}, "cfg_scale"),
+    ({"cfg_scale": 1.5, "negative_prompt": ""}, "negative_prompt"),  # (had named the prompt)
+    ({"cfg_scale": 1.5, "negative_prompt": "x" * (MAX_SEQ_LEN + 10)}, "negative_prompt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
@@ -290,7 +296,8 @@ def test_bad_requests_get_400_naming_the_field_while_another_stream_goes_on(serv
     wait_for(lambda: chunks or error, "the good stream's first chunk")
     for change, param in BAD:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, **change}
-        r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=DEADLINE_S)
+        r = httpx.post(f"{server.base}/v1/completions", content=json.dumps(body), timeout=DEADLINE_S,
+                       headers={"content-type": "application/json"})  # (ASCII escapes carry a lone surrogate)
         assert r.status_code == 400, (change, r.text)
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], (change, err)

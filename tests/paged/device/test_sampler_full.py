@@ -510,3 +510,48 @@ def test_options_compile_nothing_after_warmup():
                for i, (p, s) in enumerate(zip(PROMPTS, [FULL, mirostat(3.0), DRY_GREEDY, SamplingSettings()]))])
     drain(g)
     assert count_compiles() == before
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings at the edge of what SamplingSettings accepts
+# ----------------------------------------------------------------------------------------------------------------
+def _at_the_limits() -> list[SamplingSettings]:
+    """One job per float setting at +-FLOAT_LIMIT (or its smallest accepted value), with the temperature at the
+    lowest sampling value, where quotients by it are largest."""
+    from paged.settings import FLOAT_LIMIT as L
+
+    hot = dict(temperature=0.01, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    cases = [dict(frequency_penalty=L), dict(frequency_penalty=-L), dict(presence_penalty=L),
+             dict(presence_penalty=-L), dict(repetition_penalty=1 / L), dict(repetition_penalty=L),
+             dict(token_bias={5: L, 6: L}), dict(token_bias={5: -L, 7: L}), dict(smoothing_factor=L),
+             dict(temperature=L), dict(top_a=L), dict(min_temp=0.0, max_temp=L, temp_exponent=L),
+             dict(min_temp=0.5, max_temp=L, temp_exponent=1 / L), dict(dry_multiplier=L, dry_base=L),
+             dict(mirostat=True, mirostat_tau=L, mirostat_eta=L, mirostat_mu=L),
+             dict(mirostat=True, mirostat_tau=1 / L), dict(cfg_scale=L), dict(cfg_scale=-L),
+             dict(frequency_penalty=L, presence_penalty=L, repetition_penalty=1 / L, token_bias={9: L},
+                  smoothing_factor=L)]
+    return [SamplingSettings(**{**hot, **c}) for c in cases]
+
+
+def test_settings_at_the_limits_sample_a_token_with_a_finite_logprob():
+    """Every float setting SamplingSettings accepts keeps the float32 sampler finite: a token is drawn with a finite
+    log-probability (beyond the limit, 1e39 became inf on the device and every logit NaN)."""
+    settings = _at_the_limits()
+    n = len(settings)
+    rows, bias_ids, bias_values = [], np.full((2 * n, 2), -1, np.int32), np.zeros((2 * n, 2), np.float32)
+    for i, s in enumerate(settings):
+        row = s.device_row(seed=i)
+        if s.cfg_scale is not None:
+            row["cfg_partner"] = n + i  # its negative prompt's logits
+        rows.append(row)
+        for j, (t, v) in enumerate(s.bias().items()):
+            bias_ids[i, j], bias_values[i, j] = t, v
+    rows += [{}] * n  # the (greedy, neutral) negative-prompt rows
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 8, (2 * n, V)).astype(np.float32)
+    history = np.tile(np.asarray([5, 6, 7, 5, 6, 7, 5, 6] * 3, np.int32), (2 * n, 1))  # repeats: penalties and DRY
+    out = _sample(jnp.asarray(logits), SamplingRows.make(rows), positions=jnp.full(2 * n, R, jnp.int32),
+                  history=jnp.asarray(history), bias_ids=jnp.asarray(bias_ids), bias_values=jnp.asarray(bias_values),
+                  return_top_k=0)
+    token, logprob = np.asarray(out.token)[:n], np.asarray(out.logprob)[:n]
+    assert ((0 <= token) & (token < V)).all() and np.isfinite(logprob).all(), list(zip(token, logprob))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from paged import DynamicGenerator, Job, SamplingSettings
+from paged.errors import InvalidConfigError, InvalidConfigTypeError
 from paged.host.async_generator import AsyncDynamicGenerator
 from paged.testing import ByteTokenizer, FakeEngine
 
@@ -44,5 +47,41 @@ def test_concurrent_async_jobs_and_cancel():
         await agen.close()
         gen.pool.check({})
         assert gen.num_remaining_jobs() == 0
+
+    asyncio.run(main())
+
+
+def test_bad_construction_is_a_named_error():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    with pytest.raises(InvalidConfigTypeError, match="max_step_retries must be an int >= 0, got '2'"):
+        AsyncDynamicGenerator(gen, max_step_retries="2")  # (had been accepted, then killed the loop at a failure)
+    with pytest.raises(InvalidConfigError, match="max_step_retries must be an int >= 0, got -1"):
+        AsyncDynamicGenerator(gen, max_step_retries=-1)
+    with pytest.raises(InvalidConfigTypeError, match="generator must be a paged.DynamicGenerator, got str"):
+        AsyncDynamicGenerator("not a generator")
+
+
+def test_a_failure_that_is_no_step_error_ends_the_streams_and_a_later_job_is_served():
+    """An exception out of iterate() other than StepError (a bug) had killed the serving task: every stream, and
+    every job submitted later, waited forever."""
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        iterate = gen.iterate
+
+        def broken():
+            gen.iterate = iterate  # once
+            raise RuntimeError("a bug in the step")
+
+        gen.iterate = broken
+        a = agen.submit(job("abc", 4))
+        with pytest.raises(RuntimeError, match="a bug in the step"):
+            await asyncio.wait_for(a.__anext__(), 30)
+        assert gen.num_remaining_jobs() == 0  # its job was cancelled: no pages held
+        b = agen.submit(job("klm", 3))
+        text = "".join([r.get("text", "") async for r in b])
+        assert text == "nop"
+        await agen.close()
+        gen.pool.check({})
 
     asyncio.run(main())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.errors import InvalidJobError, InvalidSettingsError, JobTooLargeError
+from paged.errors import InvalidJobError, InvalidJobTypeError, InvalidSettingsError, JobFailure, JobTooLargeError
 from paged.testing import ByteTokenizer, Collected, FakeEngine, drain, fake_logprob, fake_top_k
 
 TOK = ByteTokenizer()
@@ -242,6 +242,30 @@ def test_cancel_and_clear_queue_free_pages_and_emit_nothing():
     gen.iterate()
     gen.clear_queue()
     assert gen.num_remaining_jobs() == 0 and gen.pool.num_referenced == 0
+    gen.pool.check({})
+    for not_a_job in ("job-1", None, 42):  # (had been a silent no-op: the caller's job went on running)
+        with pytest.raises(InvalidJobTypeError, match=r"cancel\(\) takes the paged.Job that enqueue\(\) was given"):
+            gen.cancel(not_a_job)
+    gen.cancel(job("f", 3))  # never enqueued: nothing to do
+
+
+def test_generate_raises_when_another_caller_cancels_its_jobs():
+    """clear_queue() from elsewhere (here: after generate()'s second step) ends generate() with a JobFailure naming
+    the prompts; it had returned their partial text as if they had finished."""
+    gen = make()
+    iterate, steps = gen.iterate, []
+
+    def clear_after_the_second_step():
+        out = iterate()
+        steps.append(out)
+        if len(steps) == 2:
+            gen.clear_queue()
+        return out
+
+    gen.iterate = clear_after_the_second_step
+    with pytest.raises(JobFailure, match=r"prompt 0 failed: it was cancelled before it finished .*; prompt 1 failed"):
+        gen.generate(["abc", "xyz"], 20, gen_settings=SamplingSettings.greedy())
+    assert gen.num_remaining_jobs() == 0
     gen.pool.check({})
 
 

@@ -897,8 +897,8 @@ class DynamicGenerator:
                     if r["eos"]:
                         last[i] = r
                         remaining -= 1
-                if not mine and not self.active and not self.pending:
-                    break
+                if remaining and not any(j in self.active or j in self.pending for j in jobs):
+                    break  # (cancelled by another caller: other callers' jobs may still run)
         finally:  # aborted, or iterate() raised: none of this call's jobs stays queued
             if remaining:
                 for j in jobs:

@@ -249,22 +249,36 @@ def test_cancel_and_clear_queue_free_pages_and_emit_nothing():
     gen.cancel(job("f", 3))  # never enqueued: nothing to do
 
 
-def test_generate_raises_when_another_caller_cancels_its_jobs():
-    """clear_queue() from elsewhere (here: after generate()'s second step) ends generate() with a JobFailure naming
-    the prompts; it had returned their partial text as if they had finished."""
-    gen = make()
+@pytest.mark.parametrize("how", ["cancel", "clear_queue"])
+def test_generate_raises_when_another_caller_cancels_its_jobs(how):
+    """cancel() or clear_queue() from elsewhere (here: after generate()'s second step) ends generate() with a
+    JobFailure naming the prompts, at once, while another caller's job goes on; it had returned their partial text as
+    if they had finished (after running the other caller's job to its end)."""
+    gen = make(num_pages=40)
+    other = job("o", 30, identifier="other")
+    gen.enqueue(other)
     iterate, steps = gen.iterate, []
 
-    def clear_after_the_second_step():
+    def cancel_after_the_second_step():
         out = iterate()
         steps.append(out)
         if len(steps) == 2:
-            gen.clear_queue()
+            if how == "cancel":
+                for j in [j for j in gen.active if j.identifier[0] == "generate"]:
+                    gen.cancel(j)
+            else:
+                gen.clear_queue()
         return out
 
-    gen.iterate = clear_after_the_second_step
+    gen.iterate = cancel_after_the_second_step
     with pytest.raises(JobFailure, match=r"prompt 0 failed: it was cancelled before it finished .*; prompt 1 failed"):
         gen.generate(["abc", "xyz"], 20, gen_settings=SamplingSettings.greedy())
+    assert len(steps) == 2
+    gen.iterate = iterate
+    if how == "cancel":
+        alone = make(num_pages=40)
+        alone.enqueue(job("o", 30, identifier="other"))
+        assert drain(gen).finals["other"]["full_completion"] == drain(alone).finals["other"]["full_completion"]
     assert gen.num_remaining_jobs() == 0
     gen.pool.check({})
 

@@ -88,7 +88,8 @@ def settings(on_accelerator: bool) -> Settings:
         raise app.UsageError(f"--batch_sizes={','.join(sizes)}: give integers >= 1, e.g. 1,16,64")
     if FLAGS.max_batch_size is not None:
         raise app.UsageError("--max_batch_size is not taken: the engine is sized for the largest of --batch_sizes")
-    for name, lo in (("context", 0), ("tokens", 1), ("prefill_tokens", 0), ("warmup_steps", 0)):
+    for name, lo in (("context", 0), ("tokens", 1), ("prefill_tokens", 0), ("warmup_steps", 0), ("copy_mb", 1),
+                     ("copy_repeats", 1)):
         value = getattr(FLAGS, name)
         if value is not None and value < lo:
             raise app.UsageError(f"--{name} must be >= {lo}, got {value}")

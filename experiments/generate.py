@@ -216,6 +216,8 @@ def validate_flags() -> None:
         parent = os.path.dirname(os.path.abspath(FLAGS.output))
         if not os.path.isdir(parent):
             raise app.UsageError(f"--output {FLAGS.output}: directory {parent} does not exist")
+        if os.path.isdir(FLAGS.output):
+            raise app.UsageError(f"--output {FLAGS.output} is a directory; name the file to write")
     check_process_flags()
     build_settings()  # sampling flags
     build_filters()  # a bad schema, regex or grammar is reported here, before the model loads
@@ -307,8 +309,12 @@ def build_filters() -> list:
             if path is not None:
                 if not os.path.isfile(path):
                     raise app.UsageError(f"--{flag} {path} does not exist")
-                with open(path, encoding="utf-8") as f:
-                    out.append(make(f.read()))
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        text = f.read()
+                except (OSError, UnicodeDecodeError) as e:
+                    raise app.UsageError(f"--{flag} {path}: cannot read it as UTF-8 text ({e})") from None
+                out.append(make(text))
         if FLAGS.regex is not None:
             out.append(RegexFilter(FLAGS.regex))
     except InvalidJobError as e:

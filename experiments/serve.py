@@ -19,7 +19,10 @@ or Ctrl-C, then stops gracefully (running requests get --shutdown_grace_s second
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
+import socket
 import sys
 
 from absl import app, flags
@@ -90,9 +93,9 @@ def build_generator(model):
     return gen
 
 
-def main(argv):
-    del argv
-    from paged.server import create_app, serve
+def check_flags() -> str | None:
+    """Check the flags before anything loads (app.UsageError naming the flag); returns the chat template to serve
+    (None: the tokenizer's)."""
     from paged.server.translate import SIMPLE_CHAT_TEMPLATE
 
     engine_flags.validate()
@@ -102,12 +105,39 @@ def main(argv):
         raise app.UsageError(f"--admission_wait_ms must be >= 0, got {FLAGS.admission_wait_ms}")
     if FLAGS.shutdown_grace_s < 0:
         raise app.UsageError(f"--shutdown_grace_s must be >= 0, got {FLAGS.shutdown_grace_s}")
-    template = None
+    if not 1 <= FLAGS.port <= 65535:  # (70000 had been served on 70000 mod 65536, -5 had failed after loading)
+        raise app.UsageError(f"--port must be in [1, 65535], got {FLAGS.port}")
+    check_host(FLAGS.host)
     if FLAGS.chat_template:
-        with open(FLAGS.chat_template, encoding="utf-8") as f:
-            template = f.read()
-    elif FLAGS.model == "tiny":
-        template = SIMPLE_CHAT_TEMPLATE
+        try:
+            with open(FLAGS.chat_template, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise app.UsageError(f"--chat_template {FLAGS.chat_template}: cannot read it ({e})") from None
+    return SIMPLE_CHAT_TEMPLATE if FLAGS.model == "tiny" else None
+
+
+def check_host(host: str) -> None:
+    """An IP address, or a name that resolves (app.UsageError otherwise). Dotted numbers that are no IPv4 address
+    are refused without a lookup."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", host):
+        raise app.UsageError(f"--host {host}: not an IPv4 address")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise app.UsageError(f"--host {host}: not an address this machine can listen on ({e})") from None
+
+
+def main(argv):
+    del argv
+    from paged.server import create_app, serve
+
+    template = check_flags()
     logging.basicConfig(level=FLAGS.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load_model()

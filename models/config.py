@@ -78,6 +78,9 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}) for GQA"
             )
+        if self.head_dim % 2:
+            raise ModelConfigError(f"ModelConfig.head_dim must be even (rotary embeddings turn dimensions in pairs), "
+                                   f"got {self.head_dim}")
 
     @property
     def q_per_kv(self) -> int:
@@ -177,8 +180,9 @@ class ModelConfig:
         """From `path/config.json`; a missing, unreadable or invalid file raises a ModelLoadError naming it."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
+            found = "is not a file" if os.path.exists(cfg_path) else "not found"
             raise ModelFileNotFoundError(
-                f"{cfg_path} not found: an HF model directory needs config.json next to its *.safetensors"
+                f"{cfg_path} {found}: an HF model directory needs config.json next to its *.safetensors"
             )
         return cls.from_hf(read_json_file(cfg_path), source=cfg_path)
 
@@ -354,6 +358,11 @@ def _check_heads(hidden: int, heads: int, kv_heads: int, head_dim: int | None, k
             f"{hidden_key} ({hidden}) is not divisible by {heads_key} ({heads}) and {head_dim_key} is not set; "
             f"set {head_dim_key} or fix the sizes"
         )
+    d = head_dim or hidden // heads
+    if d % 2:
+        where = head_dim_key if head_dim else f"{hidden_key} / {heads_key} = {hidden} / {heads}"
+        raise ModelConfigError(f"the head size ({where}) is {d}, odd: rotary embeddings turn a head's dimensions in "
+                               "pairs, so it must be even")
 
 
 def read_json_file(path: str) -> Any:

@@ -84,7 +84,8 @@ def load_model(
         return _load_gguf(embedded_gguf_path(), jdtype, dtype, quant, load_tokenizer, name=src)
     if src.endswith(".gguf"):
         if not os.path.isfile(src):
-            raise ModelFileNotFoundError(f"GGUF file {src} does not exist")
+            raise ModelFileNotFoundError(f"GGUF file {src} " + ("is a directory" if os.path.isdir(src) else
+                                                                  "does not exist"))
         return _load_gguf(src, jdtype, dtype, quant, load_tokenizer, name=src)
     if os.path.isdir(src):
         return _load_hf_dir(src, jdtype, dtype, quant, load_tokenizer)
@@ -155,6 +156,8 @@ def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenize
         ) from e
     except WeightShapeError as e:
         raise_with_source(e, where.get(e.tensor or "", path))  # the shard holding the tensor
+    except InvalidLoadOptionError as e:  # (an option this checkpoint cannot take)
+        raise_with_source(e, path)
     tokenizer = None
     if load_tokenizer:
         from models.tokenizer import load_tokenizer_from_dir
@@ -167,6 +170,8 @@ def _safetensors_files(path: str) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files to read, and the index's weight_map (tensor -> shard file name) when the checkpoint is
     sharded with a model.safetensors.index.json."""
     index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index) and not os.path.isfile(index):
+        raise CorruptFileError(f"{index} is not a file (a directory?); it must be the index itself, or absent")
     if not os.path.isfile(index):
         paths = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not paths:
@@ -181,6 +186,12 @@ def _safetensors_files(path: str) -> tuple[list[str], dict[str, str] | None]:
             "re-download it, or delete it to load every *.safetensors file in the directory"
         )
     files = sorted(set(weight_map.values()))
+    # a shard is a file name in the directory: an empty name, or a path that leads elsewhere ("/etc/passwd",
+    # "../x"), had been followed or reported as a blank name
+    outside = [f for f in files if not f or os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] in ("..", ".")]
+    if outside:
+        raise CorruptFileError(f"{index} names shard {outside[0]!r}, which is no file name inside {path}; "
+                               "re-download the index")
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise ModelFileNotFoundError(f"shards listed in {index} are missing: {', '.join(missing)}")

@@ -141,7 +141,10 @@ class _HFBackend:
         self.tok.encode_special_tokens = True  # `tokenizers` naming: True = special strings are NOT split out
         self._splitting: tokenizers.Tokenizer | None = None  # copy that splits specials, built on first use
         self.piece_kind = piece_kind
-        self.vocab_size = vocab_size if vocab_size is not None else tok.get_vocab_size(with_added_tokens=True)
+        if vocab_size is None:  # the highest id + 1: a vocabulary with gaps in its ids counts fewer entries than that
+            ids = tok.get_vocab(with_added_tokens=True).values()
+            vocab_size = max(max(ids, default=-1) + 1, tok.get_vocab_size(with_added_tokens=True))
+        self.vocab_size = vocab_size
         added = tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
 
@@ -780,25 +783,25 @@ def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer | None:
     config: dict[str, Any] = {}
     origin: dict[str, str] = {}  # config key -> the file it came from, for error messages
     config_path = os.path.join(path, "tokenizer_config.json")
-    if os.path.isfile(config_path):
+    if _is_file(config_path):
         config = _read_json(config_path)
         origin = dict.fromkeys(config, config_path)
     special_map_path = os.path.join(path, "special_tokens_map.json")
-    if os.path.isfile(special_map_path):
+    if _is_file(special_map_path):
         for key, value in _read_json(special_map_path).items():
             if key not in config:
                 config[key] = value
                 origin[key] = special_map_path
     jinja_path = os.path.join(path, "chat_template.jinja")
     json_template_path = os.path.join(path, "chat_template.json")
-    if os.path.isfile(jinja_path):
+    if _is_file(jinja_path):
         try:
             with open(jinja_path, encoding="utf-8") as f:
                 config["chat_template"] = f.read()
         except (OSError, ValueError) as e:  # ValueError: not UTF-8
             raise TokenizerLoadError(f"Could not read {jinja_path} ({e}); fix or delete the file") from e
         origin["chat_template"] = jinja_path
-    elif os.path.isfile(json_template_path):
+    elif _is_file(json_template_path):
         template = _read_json(json_template_path).get("chat_template")
         if template:
             config["chat_template"] = template
@@ -807,11 +810,19 @@ def load_tokenizer_from_dir(path: str | os.PathLike) -> Tokenizer | None:
 
     json_path = os.path.join(path, "tokenizer.json")
     sp_path = os.path.join(path, "tokenizer.model")
-    if os.path.isfile(json_path):
+    if _is_file(json_path):
         return Tokenizer.from_tokenizer_json(json_path, tokenizer_config=config)
-    if os.path.isfile(sp_path):
+    if _is_file(sp_path):
         return Tokenizer.from_sentencepiece(sp_path, tokenizer_config=config)
     return None
+
+
+def _is_file(path: str) -> bool:
+    """Whether the tokenizer file `path` is there; something else at that name (a directory) is an error, not an
+    absent file (it had been skipped: the model loaded without its tokenizer)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise TokenizerLoadError(f"{path} is not a file (a directory?); it must be the file itself")
+    return os.path.isfile(path)
 
 
 # --------------------------------------------------------------------------------------------------------------------

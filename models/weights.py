@@ -79,6 +79,12 @@ def weights_from_state_dict(
         raise InvalidLoadOptionError(f"quant={quant!r} is not supported; use one of {choices}")
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    if quant in _KINDS:  # (a bare ValueError from the quantizer had named no option and no file)
+        for name, size in (("hidden_size", h), ("intermediate_size", f), ("num_heads * head_dim", nq)):
+            if size % 32:
+                raise InvalidLoadOptionError(f"quant={quant!r} quantizes each projection in groups of 32 along its "
+                                             f"input, and this model's {name} is {size}, not a multiple of 32; load "
+                                             "it with quant=None")
 
     def need(name: str, shape: tuple[int, ...], explain: Callable[[tuple[int, ...]], str] | None = None):
         """The tensor `name` of `shape`; `explain(got)`: the message of a shape mismatch, where the config is not

@@ -489,6 +489,9 @@ class Scheduler:
         budget = self.ask("prefill_budget()", self.policy.prefill_budget, decode_rows, self.view)
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
             raise self.policy_error(f"must return an int >= 0, got {budget!r}", "prefill_budget()")
+        if budget == 0 and decode_rows == 0 and active:  # (every step would then be empty: the host loop had spun)
+            raise self.policy_error("returned 0 with no job decoding: no job could advance; return at least 1 "
+                                    "when decode_rows is 0", "prefill_budget()")
         self._budget = min(budget, self.config.max_chunk_size)
         self._prefill_rows = 0
         preempted: set[int] = set()

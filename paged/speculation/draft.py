@@ -59,9 +59,10 @@ def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any
     tb = getattr(draft_model, "tokenizer", None)
     if ta is None or tb is None or ta is tb:
         return
-    if getattr(ta, "vocab_size", tv) != getattr(tb, "vocab_size", tv):
+    n = getattr(ta, "vocab_size", tv)
+    if n != getattr(tb, "vocab_size", tv):
         raise InvalidConfigError("draft_model's tokenizer has a different vocabulary size than the model's")
-    for i in range(tv):
+    for i in range(min(n, tv)):  # (a model's vocabulary may be padded past its tokenizer's: those ids have no text)
         if ta.token_bytes(i) != tb.token_bytes(i):
             raise InvalidConfigError(f"draft_model's tokenizer differs from the model's (token {i}: "
                                      f"{tb.token_bytes(i)!r} vs {ta.token_bytes(i)!r}); speculative decoding needs "

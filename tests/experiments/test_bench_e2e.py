@@ -145,3 +145,7 @@ def test_bad_flags_are_usage_errors(tmp_path):
     p = subprocess.run([sys.executable, "-m", "experiments.bench_e2e", "--model=tiny", "--batch_sizes=1,x"],
                        capture_output=True, text=True, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
     assert p.returncode != 0 and "--batch_sizes=1,x: give integers >= 1" in p.stderr
+    # (had failed after the whole measurement, with a ZeroDivisionError; --copy_mb=-1 with a JAX shape error)
+    p = subprocess.run([sys.executable, "-m", "experiments.bench_e2e", "--model=tiny", "--copy_repeats=0"],
+                       capture_output=True, text=True, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
+    assert p.returncode != 0 and "--copy_repeats must be >= 1, got 0" in p.stderr

@@ -390,6 +390,18 @@ def test_invalid_flags_give_a_clear_usage_error(model_dir, flag, message):
     assert message in str(e.value)
 
 
+def test_unreadable_files_and_a_directory_for_output_are_usage_errors(model_dir, tmp_path):
+    """(They had been tracebacks: a UnicodeDecodeError, and an IsADirectoryError once the model had loaded.)"""
+    latin1 = tmp_path / "schema.json"
+    latin1.write_bytes(b'{"const": "caf\xe9"}')
+    for flag, message in ((f"--json_schema={latin1}", f"--json_schema {latin1}: cannot read it as UTF-8 text"),
+                          (f"--grammar={latin1}", f"--grammar {latin1}: cannot read it as UTF-8 text"),
+                          (f"--output={tmp_path}", f"--output {tmp_path} is a directory")):
+        with flags_set(*engine_args(model_dir, "--prompt=x", flag)):
+            with pytest.raises(app.UsageError, match=re.escape(message)):
+                generate.main(["generate"])
+
+
 def test_filter_flags_constrain_every_job(model_dir, tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],

@@ -226,6 +226,9 @@ def test_bad_dtype_and_quant_are_named_errors(tmp_path: Path) -> None:
     expect_load_error(lambda: load_model(d, dtype=["float32"], load_tokenizer=False), InvalidLoadOptionError)
     expect_load_error(lambda: load_model(d, quant="int3", load_tokenizer=False), InvalidLoadOptionError,
                       "int3", "'int8'", "'keep'")
+    for quant in ("int8", "int4"):  # groups of 32 and a hidden size of 16: had been a bare ValueError
+        expect_load_error(lambda q=quant: load_model(d, quant=q, load_tokenizer=False), InvalidLoadOptionError,
+                          str(d), "hidden_size is 16, not a multiple of 32", "quant=None")
 
 
 # ------------------------------------------------------------------------------------------------------ config.json
@@ -274,6 +277,10 @@ _BAD_CONFIGS: dict[str, tuple[dict[str, Any], type[ModelLoadError], str]] = {
     "hidden not divisible by heads": ({"hidden_size": 18}, ModelConfigError,
                                       r"hidden_size \(18\) is not divisible by num_attention_heads \(4\).*head_dim"),
     "head_dim a string": ({"head_dim": "4"}, ModelConfigError, "'head_dim' must be"),
+    # odd head sizes: rotary embeddings pair the dimensions (they had loaded, then failed every step)
+    "odd head size": ({"hidden_size": 20}, ModelConfigError,
+                      r"head size \(hidden_size / num_attention_heads = 20 / 4\) is 5, odd"),
+    "odd head_dim": ({"head_dim": 5}, ModelConfigError, r"head size \(head_dim\) is 5, odd"),
     "rms_norm_eps a string": ({"rms_norm_eps": "1e-5"}, ModelConfigError, "'rms_norm_eps' must be a positive number"),
     "rms_norm_eps negative": ({"rms_norm_eps": -1.0}, ModelConfigError, "'rms_norm_eps' must be a positive number"),
     "rope_theta zero": ({"rope_theta": 0}, ModelConfigError, "'rope_theta' must be a positive number"),
@@ -389,6 +396,34 @@ def test_index_names_a_missing_shard(tmp_path: Path) -> None:
     (d / "model-00002-of-00002.safetensors").unlink()
     expect_load_error(lambda: load_model(d, load_tokenizer=False), ModelFileNotFoundError, str(d / INDEX),
                       "model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../outside.safetensors", "sub/../../x.safetensors", ""])
+def test_index_naming_a_shard_outside_the_directory_is_corrupt(tmp_path: Path, shard: str) -> None:
+    """(An absolute or climbing path had been followed; an empty name reported as a blank missing shard.)"""
+    d = write_hf(tmp_path / "m", sharded=True)
+    index = json.loads((d / INDEX).read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    (d / INDEX).write_text(json.dumps(index))
+    expect_load_error(lambda: load_model(d, load_tokenizer=False), CorruptFileError, str(d / INDEX),
+                      f"names shard {shard!r}, which is no file name inside")
+
+
+def test_a_directory_where_a_file_belongs_is_named_as_such(tmp_path: Path) -> None:
+    """config.json, the index or a tokenizer file that is a directory is an error saying so (had been "not found",
+    or skipped: the model loaded without its index or tokenizer); so is a directory named like a GGUF file."""
+    d = write_hf(tmp_path / "m", tokenizer=True)
+    (d / INDEX).mkdir()
+    expect_load_error(lambda: load_model(d), CorruptFileError, str(d / INDEX), "is not a file")
+    (d / INDEX).rmdir()
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").mkdir()
+    expect_load_error(lambda: load_model(d), TokenizerLoadError, str(d / "tokenizer.json"), "is not a file")
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    expect_load_error(lambda: load_model(d), ModelFileNotFoundError, str(d / "config.json"), "is not a file")
+    (tmp_path / "x.gguf").mkdir()
+    expect_load_error(lambda: load_model(str(tmp_path / "x.gguf")), ModelFileNotFoundError, "x.gguf is a directory")
 
 
 @pytest.mark.parametrize("wrong", ["other shard", "no shard"])

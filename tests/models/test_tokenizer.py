@@ -355,6 +355,19 @@ def test_out_of_range_ids(tok: Tokenizer) -> None:
             tok.id_to_piece(bad)
 
 
+def test_a_vocabulary_with_gaps_in_its_ids_covers_its_highest_id(hf_tok: Tokenizer, tmp_path: Path) -> None:
+    """tokenizer.json's ids need not be dense: the vocabulary runs to the highest id (it had counted the entries, so
+    `encode` returned ids that `decode` refused as out of range)."""
+    spec = json.loads((BPE_DIR / "tokenizer.json").read_text())
+    spec["model"]["vocab"] = {k: i if i < 300 else i + 1000 for k, i in spec["model"]["vocab"].items()}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer_from_dir(tmp_path)
+    ids = tok.encode("hello world")
+    top = max([*spec["model"]["vocab"].values(), *(t["id"] for t in spec.get("added_tokens", []))])
+    assert max(ids) >= 1300 and tok.vocab_size == top + 1 > hf_tok.vocab_size + 900
+    assert tok.decode(ids) == "hello world" and tok.token_bytes(1000) == b""  # (an id in the gap: no text)
+
+
 def test_decode_accepts_numpy_ints(hf_tok: Tokenizer) -> None:
     import numpy as np
 

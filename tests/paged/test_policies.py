@@ -272,6 +272,17 @@ def test_a_bad_budget_from_a_policy_is_a_named_error():
     with pytest.raises(PolicyError, match="policy 'bad' \\(Bad\\), prefill_budget\\(\\): must return an int >= 0"):
         gen.iterate()
 
+    class Zero(Policy):  # 0 is a fine budget while jobs decode; with none decoding nothing could ever advance
+        name = "zero"
+
+        def prefill_budget(self, decode_rows, s):
+            return 0
+
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy=Zero())
+    with pytest.raises(PolicyError, match=r"prefill_budget\(\): returned 0 with no job decoding"):
+        gen.generate("abc", 2)  # (had looped forever)
+    gen.pool.check({})
+
 
 class RaisingPolicy(Policy):
     """A user policy whose constructor fails (`make_policy` must name it)."""

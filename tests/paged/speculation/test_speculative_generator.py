@@ -292,6 +292,18 @@ def test_invalid_speculation_arguments():
     other_tok = Model(config=CFG, params=OTHER.params, tokenizer=OtherBytes(), source="other-tok")
     with pytest.raises(InvalidConfigError, match="tokenizer"):
         DynamicGenerator(MODEL, draft_model=other_tok, **SETTINGS)
+    # a vocabulary padded past the tokenizer's (as Qwen2.5's 151936 ids for 151665 tokens): the ids past the
+    # tokenizer have no text to compare (had raised a TokenizerError for id 258)
+    class Strict(ByteTokenizer):  # as models.tokenizer.Tokenizer: no bytes for an id past the vocabulary
+        def token_bytes(self, t):
+            if t >= self.vocab_size:
+                raise IndexError(f"token id {t} is out of range")
+            return super().token_bytes(t)
+
+    padded = tiny_config(264, num_layers=1)
+    target, draft = (Model(config=padded, params=init_random_weights(padded, seed=s), tokenizer=Strict(),
+                           source=f"padded-{s}") for s in (0, 1))
+    assert DynamicGenerator(target, draft_model=draft, **SETTINGS).speculation is not None
     with pytest.raises(InvalidConfigError, match="draft model needs"):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), draft_model=MODEL)
     with pytest.raises(InvalidConfigError, match="draft_acceptance must be one of"):

@@ -128,9 +128,11 @@ class AsyncDynamicGenerator:
                         del self._jobs[r["job"]]
 
     async def close(self) -> None:
-        """Cancel all jobs and stop the background task."""
-        for ajob in list(self._jobs.values()):
-            await ajob.cancel()
+        """Cancel all jobs (those submitted while it runs too) and stop the background task. The generator may be
+        used again: a later `submit()` starts serving afresh."""
+        while self._jobs:  # (a job submitted during an await below had been left with no loop to serve it)
+            for ajob in list(self._jobs.values()):
+                await ajob.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -138,3 +140,6 @@ class AsyncDynamicGenerator:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._jobs:  # submitted while the task stopped: served, as if submitted after close()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._wake.set()

@@ -259,6 +259,7 @@ class DynamicGenerator:
             self.scheduler.on_release = self.speculation.release  # preempted: its drafter state starts over
         self.loras: dict[str, tuple[int, Any]] = {}  # LoRA adapters by name: (engine slot, models.lora.LoraAdapter)
         self._stash: list[dict] = []  # results not handed out yet (other callers' jobs in generate(), failed steps)
+        self._claimed: dict[Job, list[dict]] = {}  # generate()'s jobs -> the list that call reads their results from
         self._serial = 0
         # the same in every process of a multi-process run (the engine's mesh spans them)
         self._rng = random.Random(shared_seed(getattr(self.engine, "mesh", None)))
@@ -505,6 +506,8 @@ class DynamicGenerator:
             raise InvalidJobTypeError(f"cancel() takes the paged.Job that enqueue() was given, got {job!r} "
                                       f"({type(job).__name__})")
         with self.lock:
+            if any(r["job"] is job for r in self._stash):  # (kept from a failed step: no result after a cancel)
+                self._stash = [r for r in self._stash if r["job"] is not job]
             if job in self.pending:
                 self._unqueue(job)
             elif job in self.active:
@@ -550,7 +553,7 @@ class DynamicGenerator:
             results: list[dict] = self._stash
             self._stash = []
             try:
-                return self._step(results, t0)
+                results = self._step(results, t0)
             except PolicyError:  # (a StepError already: rejected before anything changed)
                 self._stash = results + self._stash
                 self.steps_failed += 1
@@ -560,6 +563,13 @@ class DynamicGenerator:
                 self.steps_failed += 1
                 raise StepError(f"the step failed and no job advanced ({type(e).__name__}: {e}); results produced "
                                 "so far are kept for the next iterate(), and the generator is still usable") from e
+            if not self._claimed:
+                return results
+            out = []
+            for r in results:  # the results of generate()'s jobs go to that call, whoever steps
+                claimed = self._claimed.get(r["job"])
+                (out if claimed is None else claimed).append(r)
+            return out
 
     def _step(self, results: list[dict], t0: float) -> list[dict]:
         self.scheduler.admit(lambda job: results.append(self.output.base(job, "started")))
@@ -878,7 +888,12 @@ class DynamicGenerator:
                             token_healing=token_healing, banned_strings=banned_strings,
                             filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos,
                             embeddings=[e for e in embeddings if e.first_id in used] or None, lora=lora))
-        self.enqueue(jobs)
+        # This call's jobs are claimed: whichever thread's iterate() produces their results routes them to `mine`
+        # (another thread looping iterate() had taken them: generate() lost tokens, or took its jobs for cancelled).
+        mine: list[dict] = []
+        with self.lock:
+            self.enqueue(jobs)
+            self._claimed.update(dict.fromkeys(jobs, mine))
         index = {id(j): i for i, j in enumerate(jobs)}
         texts = [""] * len(jobs)
         last: list[dict | None] = [None] * len(jobs)
@@ -887,22 +902,25 @@ class DynamicGenerator:
             while remaining:
                 if abort_event is not None and abort_event.is_set():
                     return None
-                mine, others = [], []
-                for r in self.iterate():
-                    (mine if id(r["job"]) in index else others).append(r)
-                self._stash.extend(others)
-                for r in mine:
-                    i = index[id(r["job"])]
-                    texts[i] += r.get("text", "")
-                    if r["eos"]:
-                        last[i] = r
-                        remaining -= 1
-                if remaining and not any(j in self.active or j in self.pending for j in jobs):
-                    break  # (cancelled by another caller: other callers' jobs may still run)
+                with self.lock:  # the step, the stash and the check at once: no other caller's step in between
+                    others = self.iterate()  # (before reading self._stash: iterate() replaces the list)
+                    self._stash.extend(others)  # other callers' results: theirs at their next iterate()
+                    got = mine[:]
+                    del mine[:]
+                    for r in got:
+                        i = index[id(r["job"])]
+                        texts[i] += r.get("text", "")
+                        if r["eos"]:
+                            last[i] = r
+                            remaining -= 1
+                    if remaining and not any(j in self.active or j in self.pending for j in jobs):
+                        break  # (cancelled by another caller: other callers' jobs may still run)
         finally:  # aborted, or iterate() raised: none of this call's jobs stays queued
-            if remaining:
+            with self.lock:
                 for j in jobs:
-                    self.cancel(j)
+                    self._claimed.pop(j, None)
+                    if remaining:
+                        self.cancel(j)
         errors = [(i, r["error"]) for i, r in enumerate(last) if r is not None and r["eos_reason"] == "error"]
         errors += [(i, "it was cancelled before it finished (cancel() or clear_queue() from another caller)")
                    for i, r in enumerate(last) if r is None]

@@ -85,3 +85,32 @@ def test_a_failure_that_is_no_step_error_ends_the_streams_and_a_later_job_is_ser
         gen.pool.check({})
 
     asyncio.run(main())
+
+
+def test_a_job_submitted_while_close_runs_is_cancelled_not_stranded():
+    """close() awaits each job's cancel(); a job submitted meanwhile had stayed running with no loop to serve it, its
+    stream waiting forever."""
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        a = agen.submit(job("abc", 40))
+        assert (await a.__anext__())["stage"] == "started"
+        late = []
+        cancel = a.cancel
+
+        async def cancel_and_submit():
+            late.append(agen.submit(job("xyz", 3)))
+            await cancel()
+
+        a.cancel = cancel_and_submit
+        await agen.close()
+        results = await asyncio.wait_for(_collect(late[0]), 30)
+        assert results == [] or results[-1]["eos"]  # cancelled (its iteration ends) or served to its end
+        assert gen.num_remaining_jobs() == 0
+        gen.pool.check({})
+
+    asyncio.run(main())
+
+
+async def _collect(ajob):
+    return [r async for r in ajob]

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
-from paged.errors import InvalidJobError, InvalidJobTypeError, InvalidSettingsError, JobFailure, JobTooLargeError
+from paged.errors import (
+    InvalidJobError,
+    InvalidJobTypeError,
+    InvalidSettingsError,
+    JobFailure,
+    JobTooLargeError,
+    StepError,
+)
 from paged.testing import ByteTokenizer, Collected, FakeEngine, drain, fake_logprob, fake_top_k
 
 TOK = ByteTokenizer()
@@ -490,3 +497,47 @@ def test_multi_step_decode_waits_for_admission_and_is_validated():
     assert not any(free and burst for free, burst in seen)  # never once a slot frees: job 3 is admitted first
     with pytest.raises(ValueError, match="decode_steps"):
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), decode_steps=0)
+
+
+def test_generate_keeps_its_results_when_another_caller_steps_between_its_steps():
+    """Another thread looping iterate() (here: a call before each of generate()'s own) steps generate()'s jobs too;
+    their results reach generate(), never that caller (which had taken them: generate() lost tokens, or took its
+    finished jobs for cancelled ones)."""
+    alone = make()
+    want = alone.generate(["abc", "xyz"], 20, gen_settings=SamplingSettings.greedy())
+    gen = make(num_pages=40)
+    gen.enqueue(job("o", 30, identifier="other"))
+    iterate, seen = gen.iterate, []
+
+    def another_caller_first():
+        seen.extend(iterate())
+        return iterate()
+
+    gen.iterate = another_caller_first
+    assert gen.generate(["abc", "xyz"], 20, gen_settings=SamplingSettings.greedy()) == want
+    assert seen and {r["identifier"] for r in seen} == {"other"}
+    gen.iterate = iterate
+    rest = drain(gen).results
+    text = "".join(r.get("text", "") for r in seen + rest if r["stage"] == "streaming")
+    final = [r for r in rest if r["eos"]] or [r for r in seen if r["eos"]]
+    assert len(final) == 1 and text == final[0]["full_completion"]  # the other caller's job: every token, once
+    gen.pool.check({})
+
+
+def test_no_result_of_a_job_after_its_cancel():
+    """A failed step keeps the results it had produced (its jobs' "started") for the next iterate(); a job cancelled
+    in between gets none of them (cancel() emits no result)."""
+    gen = make()
+    j = job("abc", 5, identifier="J")
+    gen.enqueue(j)
+
+    def fail_once(point):
+        gen.fault_hook = None
+        raise RuntimeError("a device error")
+
+    gen.fault_hook = fail_once
+    with pytest.raises(StepError):
+        gen.iterate()
+    gen.cancel(j)
+    assert gen.iterate() == [] and gen.num_remaining_jobs() == 0
+    gen.pool.check({})

@@ -118,8 +118,8 @@ def check_flags() -> str | None:
 
 
 def check_host(host: str) -> None:
-    """An IP address, or a name that resolves (app.UsageError otherwise). Dotted numbers that are no IPv4 address
-    are refused without a lookup."""
+    """An IP address, or a name that resolves (app.UsageError otherwise; whether this machine can listen there shows
+    when the server binds). Dotted numbers that are no IPv4 address are refused without a lookup."""
     try:
         ipaddress.ip_address(host)
         return
@@ -130,7 +130,7 @@ def check_host(host: str) -> None:
     try:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
-        raise app.UsageError(f"--host {host}: not an address this machine can listen on ({e})") from None
+        raise app.UsageError(f"--host {host}: the name does not resolve ({e})") from None
 
 
 def main(argv):

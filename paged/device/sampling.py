@@ -70,6 +70,14 @@ CANDIDATES = 64
 # Rows with temperature below this are greedy (ExLlamaV2 ext:147-151 uses the same cut).
 GREEDY_TEMPERATURE = 0.01
 
+# CFG, the penalties, the bias and DRY clamp the logits they adjust to +-this (`clamp_logits`; a ban's -inf stays): a
+# batch that uses none of them pays nothing. Divided by a temperature down to 0.01 they stay within 1e6, where float32
+# resolves hundredths. Unclamped, a bias of 1e10 scaled to 1e12, where XLA:CPU's two evaluations of x / T in one
+# program (a division, and a multiplication by the reciprocal) differed by 4096: exp(4096) overflowed and the row's
+# every log-probability became -inf (NaN from 1e30). Model logits lie far inside it; a bias at the limit still decides
+# the draw.
+LOGIT_LIMIT = 1e4
+
 # Every per-row field, its neutral ("off") value, and whether it is stored as an int. temperature 0 means greedy, so
 # `SamplingRows.make(n)` gives n greedy rows. Floats live in one f32 [S, F] array and ints in one i32 [S, I] array
 # (the seed as its u32 bits): two transfers per step however many options there are.
@@ -230,7 +238,7 @@ def apply_penalties(logits: jax.Array, params: SamplingRows, history: jax.Array)
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = jnp.where(present, penalised, logits)
     logits = logits - params.frequency_penalty[:, None] * counts
-    return logits - params.presence_penalty[:, None] * recent
+    return clamp_logits(logits - params.presence_penalty[:, None] * recent)
 
 
 def token_bits(words: jax.Array, ids: jax.Array) -> jax.Array:
@@ -288,7 +296,7 @@ def apply_dry(logits: jax.Array, params: SamplingRows, history: jax.Array,
     best = jnp.max(jnp.where(eligible, length, -1), axis=-1, keepdims=True)  # [S, 1]: L*, -1 if none
     chosen = eligible & (length == best)
     penalty = params.dry_multiplier[:, None] * params.dry_base[:, None] ** (best - allowed).astype(jnp.float32)
-    return logits - _row_scatter_add(jnp.where(chosen, tok, -1), jnp.broadcast_to(penalty, (s, r)), v)
+    return clamp_logits(logits - _row_scatter_add(jnp.where(chosen, tok, -1), jnp.broadcast_to(penalty, (s, r)), v))
 
 
 def apply_cfg(logits: jax.Array, params: SamplingRows) -> jax.Array:
@@ -302,7 +310,7 @@ def apply_cfg(logits: jax.Array, params: SamplingRows) -> jax.Array:
     lp = jax.nn.log_softmax(x, axis=-1)
     neg = jnp.take(lp, jnp.clip(partner, 0, x.shape[0] - 1), axis=0)
     s = params.cfg_scale[:, None]
-    return jnp.where(on[:, None], s * lp + (1.0 - s) * neg, x)
+    return jnp.where(on[:, None], clamp_logits(s * lp + (1.0 - s) * neg), x)
 
 
 def cfg_used(params: SamplingRows) -> jax.Array:
@@ -315,7 +323,7 @@ def apply_bias(logits: jax.Array, bias_ids: jax.Array, bias_values: jax.Array,
     """Add the sparse bias (ids [S, B], -1 = padding; duplicates add up) and, if given, the dense bias [S, V] (for
     rows with more entries than B; zero elsewhere). [S, V] -> [S, V]."""
     bias = _row_scatter_add(bias_ids, bias_values.astype(jnp.float32), logits.shape[-1])
-    return logits + (bias if bias_dense is None else bias + bias_dense)
+    return clamp_logits(logits + (bias if bias_dense is None else bias + bias_dense))
 
 
 def apply_token_mask(logits: jax.Array, token_mask: jax.Array) -> jax.Array:
@@ -351,6 +359,11 @@ def adjusted_logits(logits: jax.Array, params: SamplingRows, history: jax.Array,
         return x
     on = jnp.asarray(True) if token_mask_on is None else token_mask_on
     return jax.lax.cond(on, lambda: apply_token_mask(x, token_mask), lambda: x)
+
+
+def clamp_logits(x: jax.Array) -> jax.Array:
+    """`x` within +-LOGIT_LIMIT; -inf (a ban) and NaN (a broken row, reported as such) stay."""
+    return jnp.where(x == -jnp.inf, x, jnp.clip(x, -LOGIT_LIMIT, LOGIT_LIMIT))
 
 
 def _biased_logits(logits, params, history, bias_ids, bias_values, bias_dense, bias_dense_on) -> jax.Array:

@@ -250,9 +250,12 @@ class NgramCorpus:
         try:
             with open(path, "rb") as fh:
                 head = fh.read(4)
-            if head[:2] != b"PK":  # (numpy had called any other file "pickled data")
-                raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote (an "
-                                       f".npz, a zip archive; this file starts with {head!r})")
+        except OSError as e:
+            raise NgramCorpusError(f"NgramCorpus.load: cannot read {name!r} as a saved corpus: {e}") from e
+        if head[:2] != b"PK":  # (numpy had called any other file "pickled data")
+            raise NgramCorpusError(f"NgramCorpus.load: {name!r} is not a corpus that NgramCorpus.save wrote (an "
+                                   f".npz, a zip archive; this file starts with {head!r})")
+        try:
             z = np.load(path, allow_pickle=False)
         except damaged as e:
             raise NgramCorpusError(f"NgramCorpus.load: cannot read {name!r} as a saved corpus: {e}") from e

@@ -533,25 +533,36 @@ def _at_the_limits() -> list[SamplingSettings]:
     return [SamplingSettings(**{**hot, **c}) for c in cases]
 
 
-def test_settings_at_the_limits_sample_a_token_with_a_finite_logprob():
-    """Every float setting SamplingSettings accepts keeps the float32 sampler finite: a token is drawn with a finite
-    log-probability (beyond the limit, 1e39 became inf on the device and every logit NaN)."""
-    settings = _at_the_limits()
-    n = len(settings)
+def _sample_settings(cases: dict[int, SamplingSettings]) -> tuple[np.ndarray, np.ndarray]:
+    """(token, logprob) of each case's row, in one batch, followed by the CFG rows' negative-prompt rows (greedy,
+    neutral). Case k draws with seed k from logits of its own (normal, seeded by k), after a history of repeats
+    (penalties and DRY apply), wherever it sits in the batch."""
+    n = len(cases)
     rows, bias_ids, bias_values = [], np.full((2 * n, 2), -1, np.int32), np.zeros((2 * n, 2), np.float32)
-    for i, s in enumerate(settings):
-        row = s.device_row(seed=i)
+    logits = np.zeros((2 * n, V), np.float32)
+    for i, (k, s) in enumerate(cases.items()):
+        row = s.device_row(seed=k)
         if s.cfg_scale is not None:
             row["cfg_partner"] = n + i  # its negative prompt's logits
         rows.append(row)
         for j, (t, v) in enumerate(s.bias().items()):
             bias_ids[i, j], bias_values[i, j] = t, v
-    rows += [{}] * n  # the (greedy, neutral) negative-prompt rows
-    rng = np.random.default_rng(0)
-    logits = rng.normal(0, 8, (2 * n, V)).astype(np.float32)
-    history = np.tile(np.asarray([5, 6, 7, 5, 6, 7, 5, 6] * 3, np.int32), (2 * n, 1))  # repeats: penalties and DRY
+        logits[i] = logits[n + i] = np.random.default_rng(k).normal(0, 8, V)
+    rows += [{}] * n
+    history = np.tile(np.asarray([5, 6, 7, 5, 6, 7, 5, 6] * 3, np.int32), (2 * n, 1))
     out = _sample(jnp.asarray(logits), SamplingRows.make(rows), positions=jnp.full(2 * n, R, jnp.int32),
                   history=jnp.asarray(history), bias_ids=jnp.asarray(bias_ids), bias_values=jnp.asarray(bias_values),
                   return_top_k=0)
-    token, logprob = np.asarray(out.token)[:n], np.asarray(out.logprob)[:n]
+    return np.asarray(out.token)[:n], np.asarray(out.logprob)[:n]
+
+
+def test_settings_at_the_limits_sample_a_token_with_a_finite_logprob():
+    """Every float setting SamplingSettings accepts keeps the float32 sampler finite, alone in a batch and among the
+    others: a token with a finite log-probability, the same token either way. (Unclamped, a bias of 1e10 at
+    temperature 0.01 had turned a row's every log-probability to -inf, and 1e30 to NaN; `LOGIT_LIMIT`.)"""
+    settings = _at_the_limits()
+    token, logprob = _sample_settings(dict(enumerate(settings)))
     assert ((0 <= token) & (token < V)).all() and np.isfinite(logprob).all(), list(zip(token, logprob))
+    for i, s in enumerate(settings):
+        alone_token, alone_logprob = _sample_settings({i: s})
+        assert np.isfinite(alone_logprob).all() and alone_token[0] == token[i], (s, alone_token, token[i])

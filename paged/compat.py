@@ -20,6 +20,7 @@ equivalent here; a non-default value gives a warning. The mapping is documented 
 from __future__ import annotations
 
 import copy
+import numbers
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -27,11 +28,18 @@ from typing import Any
 import numpy as np
 
 from paged.embeddings import MMEmbedding
-from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
+from paged.errors import (
+    InvalidConfigError,
+    InvalidConfigTypeError,
+    InvalidJobError,
+    InvalidSettingsError,
+    UnsupportedFeatureError,
+)
 from paged.host.async_generator import AsyncDynamicGenerator, AsyncJob
 from paged.host.generator import DynamicGenerator
 from paged.job import Job
 from paged.settings import SamplingSettings
+from paged.validate import Checker
 
 WHOLE_CONTEXT = 1 << 30  # token_repetition_range=-1: the penalties see the whole context (clipped by the generator)
 
@@ -68,6 +76,20 @@ class ExLlamaV2Sampler:
                   "dry_range", "dry_max_ngram", "xtc_probability", "xtc_threshold", "cfg_scale")
         # name -> neutral default; any other value is not implemented here
         UNSUPPORTED = {"post_sampling_hooks": None}
+
+        # ExLlamaV2 attributes that belong to the job here; set on the settings, they would be ignored
+        TO_THE_JOB = {"filters": "filters", "filter_prefer_eos": "filter_prefer_eos"}
+        _STATE = ("banned_tokens", "allowed_tokens", "_vocab_size")
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            """Only the known settings (a typo such as `temprature` had been kept as a new attribute and ignored)."""
+            if name in self.TO_THE_JOB:
+                raise _unsupported(f"Settings.{name}", value, f"pass it to the job: ExLlamaV2DynamicJob("
+                                   f"{self.TO_THE_JOB[name]}=...) or generate({self.TO_THE_JOB[name]}=...)")
+            if name not in self.SUPPORTED and name not in self.UNSUPPORTED and name not in self._STATE:
+                raise InvalidSettingsError(f"ExLlamaV2Sampler.Settings has no setting {name!r}; known: "
+                                           f"{', '.join(sorted(self.SUPPORTED))}")
+            object.__setattr__(self, name, value)
 
         def __init__(self, **kwargs: Any):
             known = {**self.SUPPORTED, **self.UNSUPPORTED}
@@ -116,12 +138,12 @@ class ExLlamaV2Sampler:
             """The equivalent native `SamplingSettings` (raises for unsupported settings)."""
             self._check_unsupported()
             rng = self.token_repetition_range
-            if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool) and rng < 0:
+            if _is_number(rng) and rng < 0:
                 rng = WHOLE_CONTEXT
             top_p = self.top_p
-            if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and (top_p <= 0 or top_p >= 1):
+            if _is_number(top_p) and (top_p <= 0 or top_p >= 1):
                 top_p = 1.0  # ExLlamaV2: active only for 0 < top_p < 1
-            bias = _bias_dict(self.token_bias)
+            bias = _bias_dict(self.token_bias, vocab_size or getattr(self, "_vocab_size", None))
             banned = set(self.banned_tokens)
             if self.allowed_tokens is not None:
                 v = vocab_size or getattr(self, "_vocab_size", None)
@@ -130,9 +152,11 @@ class ExLlamaV2Sampler:
                                                "vocab_size")
                 banned |= set(range(v)) - self.allowed_tokens
             tfs = self.tfs
-            if isinstance(tfs, (int, float)) and not isinstance(tfs, bool) and tfs >= 1:
+            if _is_number(tfs) and tfs >= 1:
                 tfs = 0.0  # ExLlamaV2: active only for 0 < tfs < 1
             mu = self.mirostat_mu
+            if isinstance(mu, np.ndarray):
+                mu = mu.tolist() if mu.ndim else mu.item()
             if isinstance(mu, (list, tuple)):  # ExLlamaV2 keeps one mu per batch row here
                 if len(mu) > 1:
                     raise InvalidSettingsError("mirostat_mu: one value per job here (a job's mu is its own), got "
@@ -159,14 +183,32 @@ def _ids(tokens: Any) -> list[int]:
     return [int(t) for t in arr]
 
 
-def _bias_dict(token_bias: Any) -> dict[int, float]:
-    """ExLlamaV2's dense bias vector (tensor or array of the padded vocabulary size) or a dict -> {id: bias}."""
+def _bias_dict(token_bias: Any, vocab_size: int | None = None) -> dict[int, float]:
+    """ExLlamaV2's dense bias vector (tensor or array of the padded vocabulary size, or one row of one) or a dict ->
+    {id: bias}. Entries past `vocab_size` are the padding, which ExLlamaV2 masks anyway (`allow_tokens` fills them
+    with -inf): dropped."""
     if token_bias is None:
         return {}
     if isinstance(token_bias, dict):
         return dict(token_bias)
-    arr = np.asarray(token_bias, dtype=np.float64).reshape(-1)
+    try:
+        arr = np.asarray(token_bias, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise InvalidSettingsError(f"ExLlamaV2Sampler.Settings: token_bias must be a dict {{id: bias}} or a vector of "
+                                   f"biases (one per token id), got {token_bias!r} ({e})") from None
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise InvalidSettingsError(f"ExLlamaV2Sampler.Settings: token_bias must be a vector of biases (one per token "
+                                   f"id, or a (1, vocab) row), got shape {arr.shape}")
+    if vocab_size is not None:
+        arr = arr[:vocab_size]
     return {int(i): float(arr[i]) for i in np.flatnonzero(arr)}
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (NumPy's too), not a bool: where ExLlamaV2 maps a value to "off"."""
+    return isinstance(value, (numbers.Real, np.number)) and not isinstance(value, (bool, np.bool_))
 
 
 # ---------------------------------------------------------------------------------------------- jobs
@@ -252,7 +294,9 @@ class ExLlamaV2Cache:
         if kwargs:
             raise InvalidConfigError(f"ExLlamaV2Cache: unknown argument(s) {sorted(kwargs)}")
         self.model = model
-        self.max_seq_len = max_seq_len if max_seq_len and max_seq_len > 0 else None
+        max_seq_len = Checker("ExLlamaV2Cache", InvalidConfigError).int_(
+            "max_seq_len", max_seq_len, allowed="an int (the cache's token budget; <= 0: the default)")
+        self.max_seq_len = max_seq_len if max_seq_len > 0 else None
 
 
 class ExLlamaV2DynamicGenerator(DynamicGenerator):
@@ -297,6 +341,10 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
                                      f"None), got {type(cache).__name__}")
         page_size = native.get("page_size") or 64
         if cache is not None and cache.max_seq_len is not None and "num_pages" not in native:
+            if not hasattr(getattr(model, "config", None), "max_position_embeddings"):  # (read below: it had been
+                raise InvalidConfigTypeError(  # an AttributeError)
+                    f"ExLlamaV2DynamicGenerator: model must be a loaded models.Model, got {type(model).__name__}; "
+                    "load it first: models.load_model(...)")
             native["num_pages"] = 1 + -(-cache.max_seq_len // page_size)
             if max_seq_len is None:  # one job may use the whole budget, up to the model's positions
                 max_seq_len = min(cache.max_seq_len, model.config.max_position_embeddings)
@@ -355,7 +403,8 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
 _NATIVE_KWARGS = ("num_pages", "page_size", "max_prefill_rows", "max_penalty_range", "max_embedding_tokens",
                   "max_loras", "max_lora_rank", "mesh",
                   "decode_steps", "fuse_sampler", "cache_dtype",
-                  "attn_impl", "matmul_impl", "policy", "compilation_cache_dir", "config", "clock",
+                  "attn_impl", "matmul_impl", "attn_tuning", "matmul_tuning", "policy", "compilation_cache_dir",
+                  "config", "clock",
                   "adaptive_draft", "draft_token_cost", "draft_acceptance", "ngram_corpus")
 
 

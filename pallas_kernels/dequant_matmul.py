@@ -397,7 +397,10 @@ def dequant_matmul(
         return _pallas_impl(x, qa, tuning=config, interpret=interpret)
     if entry.fn is _pallas_gemv_impl:
         return _pallas_gemv_impl(x, qa, tuning=config, interpret=interpret)
-    return entry.fn(x, qa, tuning=config)
+    if entry.builtin:
+        return entry.fn(x, qa, tuning=config)
+    return registry.checked_call(entry, (x, qa), dict(tuning=config), (x.shape[0], qa.shape[1]), jnp.float32,
+                                 f"x {tuple(x.shape)} {x.dtype}, a {qa.kind} matrix {tuple(qa.shape)}")
 
 
 def contract_cases() -> list[tuple[jnp.ndarray, QuantizedArray]]:

@@ -766,14 +766,21 @@ def paged_attention(
         kwargs["layer"] = layer
     if entry.fn is _pallas_impl:
         kwargs["interpret"] = interpret
-    return entry.fn(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, **kwargs)
+    if entry.builtin:
+        return entry.fn(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, **kwargs)
+    return registry.checked_call(entry, (q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table), kwargs,
+                                 q.shape, q.dtype, f"q {q.shape} {q.dtype}, cache {k_pages.shape} {k_pages.dtype}")
 
 
-def contract_case(stacked: bool = False, int8: bool = False, window: int | None = None) -> dict[str, Any]:
+def contract_case(stacked: bool = False, int8: bool = False, window: int | None = None,
+                  cache: str | None = None) -> dict[str, Any]:
     """A small batch in the contract's terms (one prefill row of 3 tokens, one decode row; 2 query heads per KV head,
     head_dim 16, page_size 8; `stacked`: a 2-layer stacked cache with `layer=1`), as the keyword arguments of
-    `paged_attention` (without `impl`). Used by the registration check; `pallas_kernels.testing` has the full case
-    space."""
+    `paged_attention` (without `impl`). `cache`: the cache dtype ("float32", "bfloat16", "float16", "int8"; `int8`
+    is the same as "int8"), with a float32 query as the engine passes one. Used by the registration check;
+    `pallas_kernels.testing` has the full case space."""
+    cache = cache or ("int8" if int8 else "float32")
+    int8 = cache == "int8"
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -788,6 +795,8 @@ def contract_case(stacked: bool = False, int8: bool = False, window: int | None 
         vs = np.abs(rng.normal(size=(*lead, kh, n_pages, ps))).astype(np.float32) * 0.02
         k, v = np.clip(np.round(k * 40), -127, 127).astype(np.int8), np.clip(np.round(v * 40), -127, 127).astype(
             np.int8)
+    if cache in ("bfloat16", "float16"):
+        k, v = jnp.asarray(k, cache), jnp.asarray(v, cache)
     case = dict(
         q=jnp.asarray(rng.normal(size=(layout.num_tokens, kh * g, d)).astype(np.float32)),
         k_pages=jnp.asarray(k), v_pages=jnp.asarray(v),
@@ -802,10 +811,11 @@ def contract_case(stacked: bool = False, int8: bool = False, window: int | None 
 
 
 def check_contract(impl: KernelImpl) -> None:
-    """`KernelContractError` unless `impl` traces on `contract_case()` (float and int8 caches, the stacked cache
-    when it takes one) to an output of the query's shape and dtype. Traces only (`jax.eval_shape`)."""
-    for int8 in (False, True):
-        case = contract_case(stacked=impl.stacked_cache, int8=int8)
+    """`KernelContractError` unless `impl` traces on `contract_case()` (every cache dtype `EngineConfig` takes: a
+    kernel that refused float16 had passed here and failed every step; the stacked cache when it takes one) to an
+    output of the query's shape and dtype. Traces only (`jax.eval_shape`)."""
+    for cache in ("float32", "bfloat16", "float16", "int8"):
+        case = contract_case(stacked=impl.stacked_cache, cache=cache)
         q = case["q"]
         try:
             static = dict(layout=case["layout"], sm_scale=case["sm_scale"])
@@ -813,7 +823,7 @@ def check_contract(impl: KernelImpl) -> None:
                                  {k: v for k, v in case.items() if k not in static})
         except Exception as e:  # noqa: BLE001 (whatever the user's function raised while tracing)
             raise KernelContractError(
-                f"paged_attention: {impl.name!r} failed on the contract's small case ({'int8' if int8 else 'float32'}"
+                f"paged_attention: {impl.name!r} failed on the contract's small case ({cache}"
                 f" cache{', stacked with layer=' if impl.stacked_cache else ''}): {type(e).__name__}: {e}. "
                 "See docs/kernels.md for the arguments, shapes and dtypes") from e
         if not hasattr(out, "shape") or tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:

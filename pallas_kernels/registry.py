@@ -68,6 +68,30 @@ class KernelImpl:
     tolerance: float | None = None
 
 
+def checked_call(impl: KernelImpl, args: tuple, kwargs: dict[str, Any], shape: tuple[int, ...], dtype: Any,
+                 inputs: str) -> Any:
+    """`impl.fn(*args, **kwargs)` for a user's implementation, as the engine traces it: an exception it raises, or
+    an output other than `shape` / `dtype`, becomes a `KernelContractError` naming the implementation and the
+    `inputs` (its shapes, in words); it had surfaced as a bare TypeError or IndexError deep in a failed step."""
+    try:
+        out = impl.fn(*args, **kwargs)
+    except KernelError:
+        raise
+    except Exception as e:
+        raise KernelContractError(f"{impl.family}: {impl.name!r} ({_where(impl.fn)}) raised {type(e).__name__}: {e} "
+                                  f"(called with {inputs})") from e
+    got_shape, got_dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if got_shape is None or tuple(got_shape) != tuple(shape) or got_dtype != dtype:
+        raise KernelContractError(f"{impl.family}: {impl.name!r} ({_where(impl.fn)}) returned "
+                                  f"{_describe(out)}; the contract is {tuple(shape)} {dtype} (called with {inputs})")
+    return out
+
+
+def _describe(out: Any) -> str:
+    shape = getattr(out, "shape", None)
+    return f"{tuple(shape)} {getattr(out, 'dtype', None)}" if shape is not None else f"a {type(out).__name__}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuned:
     """An implementation name (or path) with the tuning to run it with: hashable, so it travels as the `attn_impl` /
@@ -127,9 +151,12 @@ class KernelRegistry:
         if not callable(fn):
             raise KernelContractError(f"{self.family}: {name!r} must be a function, got {type(fn).__name__}")
         tuning_type = tuning_type if tuning_type is not None else getattr(fn, "tuning_type", None)
-        if tuning_type is not None and not dataclasses.is_dataclass(tuning_type):
-            raise KernelContractError(f"{self.family}: {name!r}: tuning_type must be a (frozen) dataclass, got "
-                                      f"{tuning_type!r}")
+        if tuning_type is not None and not (isinstance(tuning_type, type) and dataclasses.is_dataclass(tuning_type)
+                                            and tuning_type.__dataclass_params__.frozen):
+            # (an instance, or a dataclass that is not frozen, had passed: an unhashable tuning then failed every
+            # step, its engine config unhashable)
+            raise KernelContractError(f"{self.family}: {name!r}: tuning_type must be a frozen dataclass class "
+                                      f"(@dataclasses.dataclass(frozen=True)), got {tuning_type!r}")
         tolerance = tolerance if tolerance is not None else getattr(fn, "tolerance", None)
         if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                       or not 0 < tolerance < 1):
@@ -142,6 +169,8 @@ class KernelRegistry:
             if old is not None and not replace and old.fn is not fn:
                 raise KernelError(f"{self.family}: {name!r} is already registered ({_where(old.fn)}); pick another "
                                   "name or pass replace=True")
+        if old is not None and old.builtin:  # a built-in's name stays a built-in's (never removable)
+            impl = dataclasses.replace(impl, builtin=True)
         self.check_signature(impl)
         if check:
             if self._check is None:
@@ -270,8 +299,10 @@ class KernelRegistry:
                 import json
                 import os
 
+                if not text.startswith("{") and not os.path.isfile(text):
+                    raise KernelError(f"{self.family}: the tuning file {text!r} does not exist (or is no file)")
                 try:
-                    value = json.loads(open(text).read() if os.path.exists(text) else text)
+                    value = json.loads(open(text).read() if os.path.isfile(text) else text)
                 except (OSError, ValueError) as e:
                     raise KernelError(f"{self.family}: cannot read the tuning {text!r}: {e}") from None
             else:
@@ -281,6 +312,8 @@ class KernelRegistry:
                     if not eq or not key.strip():
                         raise KernelError(f"{self.family}: tuning {text!r}: expected name=value pairs separated by "
                                           f"commas (fields of {t.__name__}: {_field_names(t)})")
+                    if key.strip() in value:
+                        raise KernelError(f"{self.family}: tuning {text!r} sets {key.strip()} twice")
                     value[key.strip()] = raw.strip()
         if not isinstance(value, dict):
             raise KernelError(f"{self.family}: a tuning is a {t.__name__}, a dict, a JSON file or 'name=value,...'; "
@@ -294,19 +327,43 @@ class KernelRegistry:
             raise KernelError(f"{self.family}: {t.__name__} has no field(s) {unknown}; fields: {_field_names(t)}")
         kwargs = {}
         for key, raw in value.items():
-            kind = hints.get(key)
-            try:
-                if isinstance(raw, str) and kind in (int, float):
-                    raw = kind(raw)
-                elif isinstance(raw, str) and kind is bool:
-                    raw = {"true": True, "1": True, "false": False, "0": False}[raw.lower()]
-            except (ValueError, KeyError):
-                raise KernelError(f"{self.family}: tuning field {key}={raw!r} is not a valid {kind.__name__}") from None
-            kwargs[key] = raw
+            kwargs[key] = self._tuning_value(key, raw, hints.get(key))
         try:
             return t(**kwargs)
         except (TypeError, ValueError) as e:
             raise KernelError(f"{self.family}: invalid tuning for {impl.name!r}: {e}") from None
+
+
+    def _tuning_value(self, key: str, raw: Any, kind: Any) -> Any:
+        """`raw` (a string from "name=value", or a JSON value) as a value of the field's type `kind`: int, float,
+        bool, or one of them | None. A bool is no int, and a float no int (4.5 had been taken for a block size)."""
+        import types
+        import typing
+
+        optional = typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), None) if optional else kind
+        if base not in (int, float, bool):
+            return raw  # (a field of another type: the dataclass decides)
+        if raw is None or (optional and isinstance(raw, str) and raw.lower() in ("none", "null")):
+            if optional:
+                return None
+            raise KernelError(f"{self.family}: tuning field {key} must be {_a(base)}, got None")
+        try:
+            if isinstance(raw, str):
+                raw = ({"true": True, "1": True, "false": False, "0": False}[raw.lower()] if base is bool
+                       else base(raw))
+        except (ValueError, KeyError):
+            raise KernelError(f"{self.family}: tuning field {key}={raw!r} is not {_a(base)}") from None
+        ok = (isinstance(raw, bool) if base is bool else
+              (isinstance(raw, (int, float)) and not isinstance(raw, bool)) if base is float else
+              (isinstance(raw, int) and not isinstance(raw, bool)))
+        if not ok:
+            raise KernelError(f"{self.family}: tuning field {key} must be {_a(base)}, got {raw!r}")
+        return float(raw) if base is float else raw
+
+
+def _a(kind: type) -> str:
+    return f"an {kind.__name__}" if kind is int else f"a {kind.__name__}"
 
 
 def _field_names(t: type) -> str:

@@ -282,14 +282,19 @@ def check_attention(impl: Any, case: AttentionCase, *, tuning: Any = None, inter
             raise AssertionError(f"{case.name} (draw {mix}): tokens of no row must be zero, found |x| up to "
                                  f"{stray:.3g}; first at token {t}")
         err = np.abs(got - want)
-        bad = err > tol + tol * np.abs(want)
+        bad = ~(err <= tol + tol * np.abs(want))  # (so that NaN, which compares false, is bad too)
         if bad.any():
             t, h, _ = (int(i) for i in np.argwhere(bad)[0])
             where = describe_place(token_place(inputs, t))
             raise AssertionError(
                 f"{case.name} (draw {mix}): {int(bad.sum())} of {bad.size} values differ from the reference by more "
-                f"than {tol} (max error {err.max():.3g}); first at token {t}, head {h} (KV head "
-                f"{h // case.q_per_kv}), {where}: got {got[t, h, :4]}, want {want[t, h, :4]}")
+                f"than {tol}{_non_finite(got)} (max error {np.nanmax(err, initial=0.0):.3g}); first at token {t}, "
+                f"head {h} (KV head {h // case.q_per_kv}), {where}: got {got[t, h, :4]}, want {want[t, h, :4]}")
+
+
+def _non_finite(got: np.ndarray) -> str:
+    n = int((~np.isfinite(got)).sum())
+    return f", {n} of them NaN or infinite" if n else ""
 
 
 def token_place(inputs: dict[str, Any], t: int) -> dict[str, int] | None:
@@ -414,11 +419,12 @@ def check_matmul(impl: Any, case: MatmulCase, *, tuning: Any = None, interpret: 
     want = numpy_matmul(np.asarray(x.astype(jnp.float32)), qa)
     tol = matmul_tolerance(case, impl) * max(np.abs(want).max(), 1e-6)
     err = np.abs(np.asarray(got, np.float64) - want)
-    if (err > tol).any():
-        r, c = np.argwhere(err > tol)[0]
-        raise AssertionError(f"{case.name}: {int((err > tol).sum())} of {err.size} values differ from the oracle by "
-                             f"more than {tol:.3g} (max {err.max():.3g}); first at row {r} of x, output column {c}: "
-                             f"got {got[r, c]}, want {want[r, c]}")
+    bad = ~(err <= tol)  # (so that NaN, which compares false, is bad too)
+    if bad.any():
+        r, c = np.argwhere(bad)[0]
+        raise AssertionError(f"{case.name}: {int(bad.sum())} of {err.size} values differ from the oracle by more than "
+                             f"{tol:.3g}{_non_finite(np.asarray(got))} (max {np.nanmax(err, initial=0.0):.3g}); first "
+                             f"at row {r} of x, output column {c}: got {got[r, c]}, want {want[r, c]}")
 
 
 __all__ = [

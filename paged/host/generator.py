@@ -136,6 +136,8 @@ class DynamicGenerator:
         cache_dtype: str | None = None,
         attn_impl: str | None = None,
         matmul_impl: str | None = None,
+        attn_tuning: Any = None,
+        matmul_tuning: Any = None,
         max_embedding_tokens: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
@@ -199,7 +201,7 @@ class DynamicGenerator:
             num_pages=num_pages, page_size=page_size, max_batch_size=max_batch_size, max_chunk_size=max_chunk_size,
             max_seq_len=max_seq_len, max_prefill_rows=max_prefill_rows, max_penalty_range=max_penalty_range,
             decode_steps=decode_steps, fuse_sampler=fuse_sampler, cache_dtype=cache_dtype,
-            attn_impl=attn_impl, matmul_impl=matmul_impl,
+            attn_impl=attn_impl, matmul_impl=matmul_impl, attn_tuning=attn_tuning, matmul_tuning=matmul_tuning,
             max_embedding_tokens=max_embedding_tokens, max_loras=max_loras, max_lora_rank=max_lora_rank, mesh=mesh,
         ).items() if v is not None}
         if config is not None and not isinstance(config, EngineConfig):

@@ -22,7 +22,13 @@ from paged.compat import (
     ExLlamaV2MMEmbedding,
     ExLlamaV2Sampler,
 )
-from paged.errors import InvalidConfigError, InvalidJobError, InvalidSettingsError, UnsupportedFeatureError
+from paged.errors import (
+    InvalidConfigError,
+    InvalidConfigTypeError,
+    InvalidJobError,
+    InvalidSettingsError,
+    UnsupportedFeatureError,
+)
 from paged.filters import ChoiceFilter, RegexFilter
 from paged.testing import ByteTokenizer, tiny_config, tiny_model
 
@@ -182,6 +188,28 @@ def test_settings_clone_and_token_sets():
     dense = np.zeros(TOK.vocab_size + 6, np.float32)  # ExLlamaV2's bias is a padded-vocab vector
     dense[3], dense[9] = 2.0, -math.inf
     assert dict(ExLlamaV2Sampler.Settings(token_bias=dense).to_native().token_bias) == {3: 2.0, 9: -math.inf}
+    # the vector ExLlamaV2's allow_tokens builds: -inf in the padding too, which the vocabulary size drops (it had
+    # been refused: "token_bias id ... got 258"); one (1, vocab) row is the same vector
+    padded = np.full((1, TOK.vocab_size + 6), -math.inf, np.float32)
+    padded[0, [65, 66]] = 0.0
+    native = ExLlamaV2Sampler.Settings(token_bias=padded).to_native(TOK.vocab_size)
+    assert set(dict(native.token_bias)) == set(range(TOK.vocab_size)) - {65, 66}
+
+
+def test_bad_settings_are_named_errors_and_nothing_set_is_ignored():
+    """(They had been a bare ValueError, a silently flattened matrix, a top_p of NumPy's 0 taken for a value, and
+    attributes that are no setting kept and ignored.)"""
+    for bias, message in (("abc", "token_bias must be a dict"), (np.ones((2, 3)), r"got shape \(2, 3\)")):
+        with pytest.raises(InvalidSettingsError, match=message):
+            ExLlamaV2Sampler.Settings(token_bias=bias).to_native()
+    n = ExLlamaV2Sampler.Settings(top_p=np.float32(0), tfs=np.float64(1), mirostat_mu=np.asarray([4.5])).to_native()
+    assert (n.top_p, n.tfs, n.mirostat_mu) == (1.0, 0.0, 4.5)  # ExLlamaV2's "off" for NumPy numbers too
+    s = ExLlamaV2Sampler.Settings()
+    with pytest.raises(InvalidSettingsError, match="has no setting 'temprature'; known: cfg_scale"):
+        s.temprature = 0.1
+    for name, value in (("filters", [RegexFilter("a")]), ("filter_prefer_eos", True)):
+        with pytest.raises(UnsupportedFeatureError, match=rf"Settings.{name}=.*pass it to the job"):
+            setattr(s, name, value)
 
 
 @pytest.mark.parametrize("name", sorted(ExLlamaV2Sampler.Settings.UNSUPPORTED))
@@ -259,6 +287,14 @@ def test_job_and_generator_arguments():
         ExLlamaV2DynamicGenerator(MODEL, None, TOK, max_pages=3)
     with pytest.raises(InvalidConfigError, match="batch_size"):
         ExLlamaV2Cache(MODEL, max_seq_len=1024, batch_size=2)
+    for bad in ("1024", 100.5):  # (a bare TypeError; an error about num_pages, never given)
+        with pytest.raises(InvalidConfigTypeError, match="ExLlamaV2Cache: max_seq_len must be an int"):
+            ExLlamaV2Cache(MODEL, max_seq_len=bad)
+    for bad in (None, "smollm2-135m"):  # (an AttributeError with a cache)
+        with pytest.raises(InvalidConfigTypeError, match="model must be a loaded models.Model"):
+            ExLlamaV2DynamicGenerator(bad, ExLlamaV2Cache(None, max_seq_len=256), TOK)
+    tuned = ExLlamaV2DynamicGenerator(MODEL, None, TOK, attn_impl="pallas", attn_tuning="block_q=8", **SMALL)
+    assert tuned.config.attn_tuning.block_q == 8  # (the tunings had been unknown arguments, here and natively)
     with pytest.warns(UserWarning, match="max_q_size"):
         ExLlamaV2DynamicGenerator(MODEL, None, TOK, max_q_size=16, **SMALL)
     with warnings.catch_warnings():

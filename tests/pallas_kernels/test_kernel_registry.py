@@ -5,6 +5,7 @@ benchmark on an external kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -76,6 +77,14 @@ def kernel_dir(tmp_path, monkeypatch):
     (tmp_path / "ext_args.py").write_text("def attention(*args, **kwargs):\n    return args[0]\n\n\n"
                                           "def both(a, b, c=0, d=0, e=0, f=0, g=0, *, tuning=None, **kw):\n"
                                           "    return a\n\n\ndef neither(x):\n    return x\n")
+    first = "    t = jnp.arange(q.shape[0])"
+    late = "    if q.shape[0] != 5:\n        raise IndexError('only 5 tokens')\n" + first
+    (tmp_path / "ext_late.py").write_text(GOOD.replace(first, late))  # right on 5 tokens (registration's) only
+    (tmp_path / "ext_wide.py").write_text(GOOD + "\n\ndef wide(q, *args, **kw):  # twice as wide, but on 5 tokens\n"
+                                          "    out = attention(q, *args, **kw)\n"
+                                          "    return out if q.shape[0] == 5 else jnp.concatenate([out, out], -1)\n")
+    no_f16 = "    if k_pages.dtype == jnp.float16:\n        raise TypeError('no float16')\n" + first
+    (tmp_path / "ext_no_f16.py").write_text(GOOD.replace(first, no_f16))
     (tmp_path / "ext_shape.py").write_text("def attention(q, k, v, qs, ql, kl, pt, *, sm_scale, sliding_window, "
                                            "soft_cap, k_scales, v_scales, layout, tuning):\n    return q[:1]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -160,10 +169,57 @@ def test_tuning_from_flags_json_and_dicts(tmp_path):
         reg.parse_tuning("pallas", "block_k=8")
     with pytest.raises(KernelError, match="block_q must be a power of two"):
         reg.parse_tuning("pallas", "block_q=3")
-    with pytest.raises(KernelError, match="is not a valid int"):
+    with pytest.raises(KernelError, match="block_q='big' is not an int"):
         reg.parse_tuning("pallas", "block_q=big")
     with pytest.raises(KernelError, match="takes no tuning"):
         reg.parse_tuning("xla", "block_q=8")
+
+
+def test_tuning_values_are_checked_by_type(tmp_path):
+    """(A float or a bool had been taken for an int field, a string kept for an `int | None` one, a repeated name
+    silently overwritten, and a missing file reported as bad JSON.)"""
+    reg = attention_registry()
+    for value, message in (({"block_q": 4.5}, "block_q must be an int, got 4.5"),
+                           ({"k_splits": True}, "k_splits must be an int, got True"),
+                           ("block_q=4,block_q=8", "sets block_q twice"),
+                           (str(tmp_path / "missing.json"), "the tuning file .*missing.json' does not exist")):
+        with pytest.raises(KernelError, match=message):
+            reg.parse_tuning("pallas", value)
+
+    @dataclasses.dataclass(frozen=True)
+    class Opt:
+        size: int | None = None
+        scale: float = 1.0
+
+    def attention(q, *args, tuning=None, **kw):
+        return q
+
+    impl = KernelImpl(name="opt", fn=attention, family="paged_attention", tuning_type=Opt)
+    assert reg.parse_tuning(impl, "size=4,scale=2") == Opt(4, 2.0) and reg.parse_tuning(impl, "size=none") == Opt()
+    assert reg.parse_tuning(impl, {"size": None, "scale": 3}) == Opt(None, 3.0)
+
+
+def test_tuning_types_are_frozen_dataclass_classes():
+    """(A mutable dataclass had been accepted: its tuning is unhashable, and every step failed.)"""
+    reg = attention_registry()
+
+    @dataclasses.dataclass
+    class Mutable:
+        block: int = 4
+
+    for bad in (Mutable, Mutable(), AttentionTuning()):
+        with pytest.raises(KernelContractError, match="tuning_type must be a frozen dataclass class"):
+            reg.register("ext_bad_tuning", lambda *a, **k: a[0], tuning_type=bad, check=False)
+
+
+def test_replacing_a_builtin_keeps_it_a_builtin():
+    """(`register("xla", fn, replace=True)` had made it removable; unregistering it broke "auto" process-wide.)"""
+    reg = attention_registry()
+    xla = reg.get("xla")
+    reg.register("xla", xla.fn, stacked_cache=True, replace=True, check=False)
+    with pytest.raises(KernelError, match="'xla' is a built-in implementation and cannot be removed"):
+        reg.unregister("xla")
+    assert reg.get("xla").builtin and reg.get("auto") is not None
 
 
 def test_the_tuning_reaches_the_kernel():
@@ -251,13 +307,14 @@ def test_builtin_matmul_conforms(impl, case):
     testing.check_matmul(impl, case)
 
 
-def _corrupt_one_token(row: int, shift: int):
-    """An attention that is right except at token `shift` of batch row `row` (a deliberately wrong kernel)."""
+def _corrupt_one_token(row: int, shift: int, value: float = 1.0):
+    """An attention that is right except at token `shift` of batch row `row`, where `value` is added (a deliberately
+    wrong kernel)."""
     from pallas_kernels.paged_attention import paged_attention
 
     def attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, *, tuning=None, **kw):
         out = paged_attention(q, k_pages, v_pages, query_start, query_lens, kv_lens, page_table, impl="xla", **kw)
-        return out.at[query_start[row] + shift].add(1.0)
+        return out.at[query_start[row] + shift].add(value)
 
     return KernelImpl(name="corrupt", fn=attention, family="paged_attention")
 
@@ -290,6 +347,22 @@ def test_a_matmul_mismatch_names_the_row_and_output_column():
 
     with pytest.raises(AssertionError, match="first at row 5 of x, output column 9:"):
         testing.check_matmul(KernelImpl(name="corrupt", fn=matmul, family="dequant_matmul"), case)
+
+
+def test_nan_outputs_fail_the_checks():
+    """NaN compares false with any tolerance: the checks had passed a kernel whose output held NaN."""
+    case = next(c for c in testing.attention_cases("quick") if c.name == "mixed-gqa2-ps16-window")
+    with pytest.raises(AssertionError, match=r"of them NaN or infinite .*first at token"):
+        testing.check_attention(_corrupt_one_token(1, 1, np.nan), case)
+
+    def matmul(x, qa, *, tuning=None):
+        from pallas_kernels.dequant_matmul import dequant_matmul
+
+        return dequant_matmul(x, qa, impl="xla").at[2].set(np.nan)
+
+    nan = KernelImpl(name="nan", fn=matmul, family="dequant_matmul")
+    with pytest.raises(AssertionError, match=r"of them NaN or infinite .*first at row 2 of x, output column 0:"):
+        testing.check_matmul(nan, testing.matmul_cases("quick")[1])
 
 
 def test_kernel_family_auto_tells_the_family_or_says_to_give_it(kernel_dir):
@@ -408,6 +481,29 @@ def test_engine_config_rejects_bad_kernels_and_tunings(kernel_dir):
         EngineConfig(attn_impl="pallas", attn_tuning="block_k=8")
     with pytest.raises(InvalidConfigError, match="matmul_impl='nope'"):
         EngineConfig(matmul_impl="nope")
+    # every cache dtype the engine takes is traced at registration (float16 had failed only in the steps)
+    with pytest.raises(InvalidConfigError, match=r"failed on the contract's small case \(float16 cache\).*no float16"):
+        EngineConfig(attn_impl="ext_no_f16:attention")
+
+
+@pytest.mark.parametrize("path, message", [
+    ("ext_late:attention", r"'ext_late:attention' \(ext_late.attention\) raised IndexError: only 5 tokens "
+                           r"\(called with q \(\d+, 4, 8\) float32"),
+    ("ext_wide:wide", r"'ext_wide:wide' \(ext_wide.wide\) returned \(\d+, 4, 16\) float32; the contract is "
+                      r"\(\d+, 4, 8\) float32"),
+])
+def test_a_kernel_failing_in_the_engine_is_named(kernel_dir, path, message):
+    """A user kernel that passes registration and then raises, or returns another shape, at the engine's shapes: the
+    step's StepError names it (it had been a bare IndexError or reshape error, naming no kernel)."""
+    from paged import DynamicGenerator, Job
+    from paged.errors import StepError
+    from paged.testing import tiny_config, tiny_model
+
+    gen = DynamicGenerator(tiny_model(tiny_config(64, num_layers=1)), attn_impl=path, num_pages=8, page_size=8,
+                           max_batch_size=2, max_chunk_size=16, max_seq_len=32)
+    gen.enqueue(Job([1, 2, 3], 2))
+    with pytest.raises(StepError, match=message):
+        gen.iterate()
 
 
 # ------------------------------------------------------------------------------------------ the experiments

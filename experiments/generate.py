@@ -340,12 +340,7 @@ def build_settings(**overrides: Any):
 
 
 def load_model_from_flags():
-    from models import ModelError
-
-    try:
-        model = engine_flags.load_model()
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
+    model = engine_flags.load_model()  # (an unknown or broken --model is a usage error there)
     if model.tokenizer is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; this job needs one")
     return model

@@ -60,12 +60,7 @@ def load_model():
 
         engine_flags.apply_cpu_dispatch()
         return tiny_model(tiny_config(TINY_VOCAB), tokenizer=ByteTokenizer())
-    from models import ModelError
-
-    try:
-        model = engine_flags.load_model()
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
+    model = engine_flags.load_model()  # (an unknown or broken --model is a usage error there)
     if model.tokenizer is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; the server takes and returns text")
     return model

@@ -158,8 +158,14 @@ CHAT = ["What are three tips for learning a new language?", "Write a short poem 
         "Describe the city of Paris in a few sentences.", "Why is the sky blue?"]
 
 
+WORKLOADS = ("copy", "chat")  # the names `workload` takes (for the scripts' flag checks)
+
+
 def workload(name: str, n: int, seed: int) -> list[str]:
-    """`n` seeded prompts of a speculative-decoding workload: "copy" (rewrite or quote one of `TEXTS`) or "chat"."""
+    """`n` seeded prompts of a speculative-decoding workload: "copy" (rewrite or quote one of `TEXTS`) or "chat".
+    Another name is a ValueError (it had run as "chat", under the other name)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; one of {', '.join(WORKLOADS)}")
     rng = random.Random(f"{name}:{seed}")
     if name == "copy":
         return [rng.choice(COPY_TASKS).format(rng.choice(TEXTS)) for _ in range(n)]

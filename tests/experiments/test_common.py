@@ -66,3 +66,23 @@ def test_a_script_rejects_a_bad_json_out_before_it_starts(tmp_path):
                        capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert p.returncode != 0 and f"{tmp_path} is a folder" in p.stderr, p.stderr[-2000:]
     assert "tok/s" not in p.stdout  # nothing was measured
+
+
+def test_an_unknown_model_and_workload_are_named_errors():
+    """`engine_flags.load_model` (every script's --model): a model that does not load is a usage error naming the
+    flag (it had been a traceback in each script); `workload` refuses a name it does not know (it had run "chat")."""
+    from absl import app, flags
+    from absl.testing import flagsaver
+
+    from experiments import generate  # noqa: F401 (defines the shared flags, --model among them)
+    from experiments.lib import engine_flags
+    from experiments.lib.common import workload
+
+    with flagsaver.flagsaver():
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["script", "--model=/nonexistent/model_dir"])
+        with pytest.raises(app.UsageError, match="--model /nonexistent/model_dir: model source"):
+            engine_flags.load_model()
+    with pytest.raises(ValueError, match="unknown workload 'bogus'; one of copy, chat"):
+        workload("bogus", 2, 0)
+    assert len(workload("copy", 2, 0)) == 2

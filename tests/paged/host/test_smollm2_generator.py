@@ -96,25 +96,20 @@ def hf():
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
 
 
-def test_generate_api_matches_transformers_greedy(generator, hf, monkeypatch):
+def test_generate_api_matches_transformers_greedy(generator, hf):
     import torch
 
-    from paged import SamplingSettings
+    from paged import Job, SamplingSettings
+    from paged.testing import drain
 
     tok = generator.tokenizer
     prompt = "The capital of France is"
-    streamed = []
-    iterate = generator.iterate
-
-    def spy():  # the token ids generate() receives for its job
-        results = iterate()
-        streamed.extend(t for r in results if r["identifier"] == ("generate", 0) and r["stage"] == "streaming"
-                        for t in r["token_ids"])
-        return results
-
-    monkeypatch.setattr(generator, "iterate", spy)
     text = generator.generate(prompt, max_new_tokens=8, gen_settings=SamplingSettings.greedy())
     ids = tok.encode(prompt)  # what generate() encodes (no BOS by default)
+    # the same job through the job API, for its token ids (generate()'s results reach it alone, whoever steps)
+    generator.enqueue(Job(ids, 8, gen_settings=SamplingSettings.greedy(), identifier="ids"))
+    streamed = [t for r in drain(generator).results if r["identifier"] == "ids" and r["stage"] == "streaming"
+                for t in r["token_ids"]]
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     want = out[0, len(ids) :].tolist()

@@ -15,7 +15,7 @@ import time
 
 from absl import app, flags
 
-from experiments.lib.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, int_list_flag, write_record
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "'tiny', the embedded name, an HF dir or a .gguf")
@@ -39,24 +39,44 @@ def timed_decode(engine, pages: list[list[int]], steps_per_call: int, pos: int, 
     return time.perf_counter() - t0
 
 
+def check_flags() -> None:
+    """Every flag checked before the model loads: app.UsageError naming the flag."""
+    from paged.device.engine import MIN_PAGE_SIZE
+
+    int_list_flag("batch_sizes")
+    for name in ("context", "tokens"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    ps = FLAGS.page_size
+    if ps < MIN_PAGE_SIZE or ps & (ps - 1):
+        raise app.UsageError(f"--page_size must be a power of two >= {MIN_PAGE_SIZE}, got {ps}")
+    for n in int_list_flag("multi_steps"):
+        if FLAGS.tokens % n:  # (the last call would decode past --tokens, and the rates count only --tokens)
+            raise app.UsageError(f"--multi_steps: {n} does not divide --tokens={FLAGS.tokens}")
+
+
 def main(argv):
     del argv
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    check_flags()
     import jax
     import numpy as np
 
     from experiments.lib.common import load_experiment_model
+    from models import ModelError
     from paged.device.batch import RowInput
     from paged.device.engine import Engine
 
-
-    model = load_experiment_model(FLAGS.model)
+    try:
+        model = load_experiment_model(FLAGS.model)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     weight_bytes = model.params.nbytes()
     ps = FLAGS.page_size
     results = []
-    for bs in (int(b) for b in FLAGS.batch_sizes):
+    for bs in int_list_flag("batch_sizes"):
         max_len = FLAGS.context + FLAGS.tokens + 8
         per_row = -(-max_len // ps)
         engine = Engine(model, num_pages=1 + bs * per_row, page_size=ps, max_batch_size=bs,
@@ -67,7 +87,7 @@ def main(argv):
         for r in range(bs):
             ids = rng.integers(0, model.config.vocab_size, size=FLAGS.context).tolist()
             engine.run([RowInput(tokens=ids, start_pos=0, pages=pages[r], sample=False)])
-        for n in (int(m) for m in FLAGS.multi_steps):
+        for n in int_list_flag("multi_steps"):
             timed_decode(engine, pages, n, FLAGS.context, FLAGS.tokens)  # compile
             dt = timed_decode(engine, pages, n, FLAGS.context, FLAGS.tokens)
             tps = bs * FLAGS.tokens / dt

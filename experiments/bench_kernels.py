@@ -169,6 +169,68 @@ def matmul_inputs(spec: str, kind: str, seed: int = 0) -> tuple[str, tuple, dict
     return f"{spec} {kind}", (x, qa), {"bytes": wbytes + x.nbytes, "flops": 2 * n * k * out}
 
 
+ATTN_SHAPE = r"decode(\d+)x(\d+)|prefill(\d+)x(\d+)|mixed(\d+)\+(\d+)x(\d+)"
+MATMUL_SHAPE = r"(\d+)x(\d+)x(\d+)"
+
+
+def check_flags() -> None:
+    """Every flag checked before the peaks are measured: app.UsageError naming the flag."""
+    from pallas_kernels.quant_format import KINDS
+    from pallas_kernels.registry import KernelError, attention_registry, matmul_registry
+
+    ops = ("attention", "matmul")
+    if not FLAGS.ops or any(o not in ops for o in FLAGS.ops):
+        raise app.UsageError(f"--ops takes a comma-separated list of {', '.join(ops)}, got {','.join(FLAGS.ops)!r}")
+    for name in ("iters", "repeats", "page_size"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+
+    def shapes(name: str, pattern: str, expected: str) -> None:
+        values = getattr(FLAGS, name)
+        if values == ["conformance"]:
+            return
+        if not values:
+            raise app.UsageError(f"--{name} needs at least one shape ({expected}) or 'conformance'")
+        for v in values:
+            m = re.fullmatch(pattern, v)
+            if not m or any(int(x) < 1 for x in m.groups() if x is not None and not v.startswith("mixed")):
+                raise app.UsageError(f"--{name}: {v!r} is not a shape {expected} (sizes >= 1), or 'conformance'")
+
+    def impls_and_tuning(reg, impls_flag: str, tuning_flag: str) -> None:
+        impls = getattr(FLAGS, impls_flag)
+        if impls is not None and not impls:
+            raise app.UsageError(f"--{impls_flag} needs at least one implementation (leave it out for the defaults)")
+        for name in impls or ():
+            try:
+                impl = reg.get(name)
+            except KernelError as e:
+                raise app.UsageError(f"--{impls_flag}: {e}") from None
+            if impl.tuning_type is None:
+                continue
+            for flag in (tuning_flag, "sweep_fix") if FLAGS.sweep else (tuning_flag,):
+                try:
+                    reg.parse_tuning(impl, getattr(FLAGS, flag))
+                except KernelError as e:
+                    raise app.UsageError(f"--{flag}: {e}") from None
+
+    if "attention" in FLAGS.ops:
+        heads = re.fullmatch(r"(\d+)x(\d+)x(\d+)", FLAGS.heads)
+        if not heads or min(int(x) for x in heads.groups()) < 1:
+            raise app.UsageError(f"--heads takes <KV heads>x<query heads per KV head>x<head dim> (each >= 1), got "
+                                 f"{FLAGS.heads!r}")
+        shapes("attn_shapes", ATTN_SHAPE, "decode<rows>x<ctx>, prefill<q>x<ctx> or mixed<q>+<rows>x<ctx>")
+        impls_and_tuning(attention_registry(), "attn_impls", "attn_tuning")
+    if "matmul" in FLAGS.ops:
+        shapes("matmul_shapes", MATMUL_SHAPE, "<n>x<in>x<out>")
+        for v in FLAGS.matmul_shapes:
+            if v != "conformance" and int(v.split("x")[1]) % 32:
+                raise app.UsageError(f"--matmul_shapes: {v!r}: <in> must be a multiple of 32 (the group size)")
+        if not FLAGS.kinds or any(k not in KINDS for k in FLAGS.kinds):
+            raise app.UsageError(f"--kinds takes a comma-separated list of {', '.join(KINDS)}, got "
+                                 f"{','.join(FLAGS.kinds)!r}")
+        impls_and_tuning(matmul_registry(), "matmul_impls", "matmul_tuning")
+
+
 # ------------------------------------------------------------------------------------------------- timing
 def time_calls(fn, iters: int, repeats: int) -> dict:
     """Per-call seconds: min and median over `repeats` timings of `iters` back-to-back calls, after one untimed
@@ -235,6 +297,7 @@ def main(argv):
     from experiments.lib.serving.hardware import measure_peaks
     from pallas_kernels.registry import attention_registry, matmul_registry
 
+    check_flags()
     gpu = jax.default_backend() == "gpu"
     backend = jax.default_backend()
     load = load_average("before the kernel benchmark")

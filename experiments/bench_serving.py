@@ -144,8 +144,35 @@ def make_workload(trace, tok, vocab_size: int, max_seq_len: int | None, num_prom
             max_seq_len=max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
             range_ratio=FLAGS.range_ratio, num_prefixes=FLAGS.num_prefixes, prefix_len=FLAGS.prefix_len,
             dataset_path=FLAGS.dataset_path), None
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a --dataset_path that cannot be read
         raise app.UsageError(str(e)) from None
+
+
+CHECK_VOCAB = 258  # the stand-in vocabulary check_flags() builds the workload over (the model's comes later)
+
+
+def check_flags(trace=None) -> None:
+    """The flags' problems that would otherwise surface only after the hardware peaks are measured, the model loaded
+    and every step bucket compiled: app.UsageError naming the flag. `trace`: --dataset=trace's trace, already read."""
+    if FLAGS.num_prompts < 1:
+        raise app.UsageError(f"--num_prompts must be >= 1, got {FLAGS.num_prompts}")
+    if FLAGS.dataset in ("random", "prefix"):
+        for name in ("input_len", "output_len"):
+            if FLAGS[name].value < 1:
+                raise app.UsageError(f"--{name} must be >= 1 token with --dataset={FLAGS.dataset}, got "
+                                     f"{FLAGS[name].value}")
+    if FLAGS.dataset_path and FLAGS.dataset != "sharegpt":
+        raise app.UsageError(f"--dataset_path is only read with --dataset=sharegpt, not --dataset={FLAGS.dataset}")
+    if FLAGS.seed is not None and FLAGS.seed < 0:
+        raise app.UsageError(f"--seed must be >= 0, got {FLAGS.seed}")
+    if FLAGS.run_name is not None and (not FLAGS.run_name.strip() or "/" in FLAGS.run_name or os.sep in FLAGS.run_name
+                                       or FLAGS.run_name in (".", "..")):
+        raise app.UsageError(f"--run_name is a file name stem (no folders: --output_dir names the folder), got "
+                             f"{FLAGS.run_name!r}")
+    try:  # the workload over a stand-in vocabulary: its errors (lengths, --dataset_path) now, not after compiling
+        make_workload(trace, None, CHECK_VOCAB, FLAGS.max_seq_len, FLAGS.num_prompts, SEED())
+    except app.UsageError as e:
+        raise app.UsageError(f"--dataset={FLAGS.dataset}: {e}") from None
 
 
 def main(argv):
@@ -181,6 +208,7 @@ def run() -> list:
     engine_flags.validate()
     if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
         raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")
+    check_flags(trace)
     if FLAGS.backend == "openai":
         return run_openai(slo, concurrencies, trace)
 

@@ -167,6 +167,22 @@ def main(argv):
     rate = DEFAULT_RATES[FLAGS.workload] if FLAGS.rate is None else FLAGS.rate
     if not rate > 0:
         raise app.UsageError(f"--rate must be > 0, got {rate}")
+    for name in ("input_len", "output_len", "priority_levels"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if not 0 <= FLAGS.range_ratio < 1:
+        raise app.UsageError(f"--range_ratio must be in [0, 1), got {FLAGS.range_ratio}")
+    if FLAGS.seed < 0:
+        raise app.UsageError(f"--seed must be >= 0, got {FLAGS.seed}")
+    if FLAGS.workload != "poisson":
+        given = [n for n in ("input_len", "output_len", "range_ratio") if FLAGS[n].present]
+        if given:
+            raise app.UsageError(f"--{', --'.join(given)}: only for --workload=poisson (--workload={FLAGS.workload} "
+                                 "has lengths of its own)")
+    if FLAGS.json_out and FLAGS.profile and os.path.realpath(FLAGS.json_out) == os.path.realpath(FLAGS.profile):
+        raise app.UsageError(f"--json_out and --profile name the same file {FLAGS.json_out}")
+    if not FLAGS.policies:
+        raise app.UsageError("--policies needs at least one policy")
     for p in FLAGS.policies:
         try:
             make_policy(p)
@@ -179,10 +195,13 @@ def main(argv):
         raise app.UsageError(f"--step_time_model: {e}") from None
     config = engine_config()
     t0 = time.perf_counter()
-    wl, arrivals = workloads.make_scenario(
-        FLAGS.workload, FLAGS.num_requests, rate=rate, vocab_size=SIM_VOCAB, seed=FLAGS.seed,
-        max_seq_len=config.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
-        range_ratio=FLAGS.range_ratio, priority_levels=FLAGS.priority_levels)
+    try:
+        wl, arrivals = workloads.make_scenario(
+            FLAGS.workload, FLAGS.num_requests, rate=rate, vocab_size=SIM_VOCAB, seed=FLAGS.seed,
+            max_seq_len=config.max_seq_len, input_len=FLAGS.input_len, output_len=FLAGS.output_len,
+            range_ratio=FLAGS.range_ratio, priority_levels=FLAGS.priority_levels)
+    except ValueError as e:  # (a combination the checks above let through, e.g. lengths past max_seq_len)
+        raise app.UsageError(f"the workload flags: {e}") from None
     build_s = time.perf_counter() - t0
     described = wl.describe()
     print(f"{FLAGS.workload}: {FLAGS.num_requests} requests at {rate}/s, mean input "

@@ -79,10 +79,50 @@ flags.DEFINE_bool("warmup", True, "compile every bucket before timing (--nowarmu
 FLAGS = flags.FLAGS
 
 
+BASES = ("none", "ngram", "corpus", "self", "distilled")  # the drafters, before their suffixes
+
+
+def check_flags() -> list[int]:
+    """The batch sizes of `--batch_sizes`; app.UsageError naming the flag for a bad value: before any model loads."""
+    import math
+    import os
+
+    from experiments.lib.common import WORKLOADS, check_chat_model_flags
+
+    check_chat_model_flags("this benchmark runs chat prompts")
+    unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in BASES
+               or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")]
+    if unknown or not FLAGS.drafters:
+        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, corpus, self, distilled (each may "
+                             "end in _adaptive; self and distilled then in _late)")
+    try:
+        batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    except ValueError:
+        batch_sizes = []
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise app.UsageError(f"--batch_sizes={','.join(FLAGS.batch_sizes)}: give integers >= 1, e.g. 1,4,16")
+    bad = [w for w in FLAGS.workloads if w not in WORKLOADS]
+    if bad or not FLAGS.workloads:
+        raise app.UsageError(f"--workloads: unknown {bad}; give some of {', '.join(WORKLOADS)}")
+    if not FLAGS.temperature >= 0:
+        raise app.UsageError(f"--temperature must be >= 0 (0: greedy), got {FLAGS.temperature}")
+    for name, lo in (("num_draft_tokens", 1), ("max_new_tokens", 1), ("max_ngram", 1), ("self_draft_layers", 1),
+                     ("num_prompts", 0)):
+        if getattr(FLAGS, name) < lo:
+            raise app.UsageError(f"--{name} must be >= {lo}, got {getattr(FLAGS, name)}")
+    cost = FLAGS.draft_token_cost
+    if cost is not None and not (math.isfinite(cost) and cost >= 0):
+        raise app.UsageError(f"--draft_token_cost must be a finite number >= 0, got {cost}")
+    if FLAGS.draft_dir and not os.path.isdir(FLAGS.draft_dir):
+        raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: no such folder (experiments.distill_draft --out)")
+    return batch_sizes
+
+
 def main(argv):
     del argv
+    batch_sizes = check_flags()
     from experiments.lib.serving.env import device_info, git_info, load_average, versions
-    from models import load_model
+    from models import ModelError, load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
     from paged.device.config import EngineConfig
@@ -97,8 +137,20 @@ def main(argv):
             corpus = NgramCorpus.load(FLAGS.ngram_corpus)
         except InvalidConfigError as e:
             raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
-    target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    distilled = None
+    if FLAGS.draft_dir:  # (before the target: a bad draft fails at once)
+        try:
+            distilled = load_model(FLAGS.draft_dir, load_tokenizer=False,
+                                   quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant)
+        except ModelError as e:
+            raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: {e}") from None
+    try:
+        target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = target.tokenizer
+    if tok is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: this benchmark runs chat prompts")
     drafts = {"none": None, "ngram": None}
     if corpus is not None:
         try:
@@ -106,10 +158,15 @@ def main(argv):
         except InvalidConfigError as e:
             raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
     if any(drafter_name(d)[0] == "self" for d in FLAGS.drafters):
+        if FLAGS.self_draft_layers > target.config.num_layers:
+            raise app.UsageError(f"--self_draft_layers={FLAGS.self_draft_layers}: the target has "
+                                 f"{target.config.num_layers} layers")
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
-    if FLAGS.draft_dir:
-        drafts["distilled"] = load_model(FLAGS.draft_dir, load_tokenizer=False,
-                                         quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant)
+    if distilled is not None:
+        if distilled.config.vocab_size != target.config.vocab_size:
+            raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: its vocabulary ({distilled.config.vocab_size}) is "
+                                 f"not the target's ({target.config.vocab_size})")
+        drafts["distilled"] = distilled
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "ngram_corpus", "draft_quant",
@@ -122,13 +179,6 @@ def main(argv):
                                                         "matmul_impl", "attn_tuning", "matmul_tuning")},
               "git": git_info(), "device": device_info(), "versions": versions(),
               "load_before": load_average("bench_speculative"), "runs": []}
-    bases = ("none", "ngram", "corpus", "self", "distilled")
-    unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in bases
-               or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")]
-    if unknown:
-        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, corpus, self, distilled (each may "
-                             "end in _adaptive; self and distilled then in _late)")
-    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     num_prompts = FLAGS.num_prompts or max(batch_sizes)
     gens = {}  # drafter -> (generator, compile seconds): every configuration built and warmed up first
     for drafter in FLAGS.drafters:

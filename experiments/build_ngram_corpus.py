@@ -54,8 +54,9 @@ def prompt_of(obj, lineno: int, index: int) -> str:
     return obj["prompt"]
 
 
-def main(argv):
-    del argv
+def check_flags() -> None:
+    """app.UsageError naming the flag for a bad value: before the model loads and answers anything."""
+    from models.weights import QUANT_MODES
     from paged.speculation.ngram_corpus import MAX_NGRAM
 
     if not FLAGS.out:
@@ -64,8 +65,25 @@ def main(argv):
             or not 0 <= FLAGS.min_confidence <= 1):
         raise app.UsageError(f"need 1 <= --min_ngram <= --max_ngram <= {MAX_NGRAM}, --min_count >= 1 and "
                              "--min_confidence in [0, 1]")
-    if FLAGS.num_prompts <= 0 and not FLAGS.text_files and not FLAGS.prompts_file:
+    quants = ("none", *(q for q in QUANT_MODES if q))
+    if FLAGS.quant not in quants:
+        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(quants)}")
+    if FLAGS.num_prompts < 0:
+        raise app.UsageError(f"--num_prompts must be >= 0 (0: only --prompts_file / --text_files), got "
+                             f"{FLAGS.num_prompts}")
+    if FLAGS.num_prompts == 0 and not FLAGS.text_files and not FLAGS.prompts_file:
         raise app.UsageError("nothing to build from: give --num_prompts > 0, --prompts_file or --text_files")
+    for name in ("gen_tokens", "gen_batch"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.num_prompts > 0 and not FLAGS.gen_minutes > 0:
+        raise app.UsageError(f"--gen_minutes must be > 0 (the time the model answers --num_prompts), got "
+                             f"{FLAGS.gen_minutes}")
+
+
+def main(argv):
+    del argv
+    check_flags()
     own = read_jsonl(FLAGS.prompts_file, "--prompts_file", prompt_of, app.UsageError) if FLAGS.prompts_file else []
     own_texts = []  # read before the model answers anything: a bad path fails at once
     for path in FLAGS.text_files:
@@ -75,11 +93,14 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
     from experiments.lib.answers import answer_prompt_set, generate_answers
-    from models import load_model
+    from models import ModelError, load_model
     from paged.speculation.ngram_corpus import NgramCorpus
 
     t0 = time.perf_counter()
-    model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    try:
+        model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = model.tokenizer
     if tok is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: the corpus is the model's own text")

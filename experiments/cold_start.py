@@ -38,13 +38,19 @@ def first_token_seconds(args: list[str]) -> tuple[float, float, str]:
     t_first = time.perf_counter() - t0
     proc.stdout.read()
     err = proc.stderr.read().decode(errors="replace")
-    if proc.wait() != 0 or not first:
+    if proc.wait() != 0 and "Traceback (most recent call last)" not in err:  # generate refused a flag (usage)
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        fatal = [ln for ln in lines if "Flags parsing error" in ln or ln.startswith("Error: ")]
+        raise app.UsageError(f"--extra_args: experiments.generate refused its flags: {(fatal or lines or ['?'])[-1]}")
+    if proc.returncode != 0 or not first:
         raise RuntimeError(f"experiments.generate failed (exit {proc.returncode}):\n{err}")
     return t_first, time.perf_counter() - t0, err
 
 
 def main(argv):
     del argv
+    if FLAGS.max_new_tokens < 1:
+        raise app.UsageError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")

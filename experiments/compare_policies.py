@@ -180,6 +180,11 @@ def validate_flags() -> None:
         raise app.UsageError("--policies needs at least one policy")
     for p in FLAGS.policies:
         engine_flags.check_policy("policies", p)
+    dups = sorted({p for p in FLAGS.policies if FLAGS.policies.count(p) > 1})
+    if dups:
+        raise app.UsageError(f"--policies names {', '.join(dups)} more than once (each policy runs once)")
+    if FLAGS.seed is not None and FLAGS.seed < 0:
+        raise app.UsageError(f"--seed must be >= 0, got {FLAGS.seed}")
     if not (FLAGS.rate > 0):
         raise app.UsageError(f"--rate must be > 0 (or inf), got {FLAGS.rate}")
     if rates_of_flags() is None and not math.isfinite(FLAGS.rate):
@@ -193,6 +198,36 @@ def validate_flags() -> None:
     if not FLAGS.capacity_tolerance > 0 or FLAGS.capacity_max_points < 2:
         raise app.UsageError("--capacity_tolerance must be > 0 and --capacity_max_points >= 2")
     slo_of_flags()
+    check_workload_flags()
+
+
+# the workload flags each workload reads beyond --num_requests, --seed, --priority_levels (others are rejected when
+# given, not silently ignored)
+WORKLOAD_READS = {"poisson": ("input_len", "output_len", "range_ratio"),
+                  "gamma": ("input_len", "output_len", "range_ratio", "burstiness"),
+                  "bursty": ("input_len", "output_len", "range_ratio", "burst_size"),
+                  "sharegpt": (),
+                  "shared_prompt": ("input_len", "output_len", "range_ratio", "prefix_len", "num_prefixes"),
+                  "trace": ("trace_file", "trace_speedup", "trace_format")}
+
+
+def check_workload_flags() -> None:
+    """--workload's flags, before a model loads or a bucket compiles: a flag the workload does not read, given
+    anyway, is an error (not silently ignored); then the load is built once over the simulator's vocabulary, so
+    its errors (lengths, a trace file) name their flag now rather than after the real engine has compiled."""
+    reads = WORKLOAD_READS[FLAGS.workload]
+    for name in ("burstiness", "burst_size", "trace_file", "trace_speedup", "trace_format", "prefix_len",
+                 "num_prefixes"):
+        if FLAGS[name].present and name not in reads:
+            users = [w for w, r in WORKLOAD_READS.items() if name in r]
+            raise app.UsageError(f"--{name} is not used by --workload={FLAGS.workload} (only by --workload="
+                                 f"{' or '.join(users)})")
+    if FLAGS.priority_levels < 1:
+        raise app.UsageError(f"--priority_levels must be >= 1, got {FLAGS.priority_levels}")
+    for name in ("input_len", "output_len"):
+        if name in reads and FLAGS[name].value < 1:
+            raise app.UsageError(f"--{name} must be >= 1 token, got {FLAGS[name].value}")
+    build_load(SIM_VOCAB, [], FLAGS.max_seq_len)
 
 
 class RealBackend:

@@ -176,17 +176,46 @@ FLAG_NAMES = ("target", "target_quant", "layers", "init", "head_vocab", "loss", 
               "eval_workloads", "eval_prompts", "eval_tokens", "seed", "max_minutes")
 
 
-def main(argv):
-    del argv
-    if not FLAGS.out:
-        raise app.UsageError("--out is required")
-    if FLAGS.loss == "kl" and FLAGS.head_vocab:
-        raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
+def check_flags() -> None:
+    """app.UsageError naming the flag for a bad value: before the target loads or generates anything (the upper
+    bound of --layers, the target's depth, is checked once the target has loaded, before it generates)."""
+    from experiments.lib.common import WORKLOADS
+    from models.weights import QUANT_MODES
     from paged.device.step import TOP_K_WIDTH
 
+    if not FLAGS.out:
+        raise app.UsageError("--out is required")
+    for name, lo in (("layers", 1), ("num_prompts", 1), ("gen_tokens", 1), ("gen_batch", 1), ("steps", 1),
+                     ("batch_size", 1), ("seq_len", 2), ("head_vocab", 0), ("eval_prompts", 1), ("eval_tokens", 1)):
+        if getattr(FLAGS, name) < lo:
+            raise app.UsageError(f"--{name} must be >= {lo}, got {getattr(FLAGS, name)}")
+    for name in ("gen_minutes", "max_minutes", "lr", "kl_temperature"):
+        if not getattr(FLAGS, name) > 0:
+            raise app.UsageError(f"--{name} must be > 0, got {getattr(FLAGS, name)}")
+    if not FLAGS.gen_temperature >= 0:
+        raise app.UsageError(f"--gen_temperature must be >= 0 (0: greedy), got {FLAGS.gen_temperature}")
+    if not 0 <= FLAGS.holdout < 1:
+        raise app.UsageError(f"--holdout must be in [0, 1), got {FLAGS.holdout}")
+    quants = ("none", *(q for q in QUANT_MODES if q))
+    if FLAGS.target_quant not in quants:
+        raise app.UsageError(f"--target_quant={FLAGS.target_quant} is not one of: {', '.join(quants)}")
+    bad = [w for w in FLAGS.eval_workloads if w not in WORKLOADS]
+    if bad:
+        raise app.UsageError(f"--eval_workloads: unknown {bad}; each one of {', '.join(WORKLOADS)}")
+    if FLAGS.loss == "kl" and FLAGS.head_vocab:
+        raise app.UsageError("--loss=kl compares full distributions: use it with --head_vocab=0")
     if FLAGS.loss == "topk" and not 1 <= FLAGS.topk <= TOP_K_WIDTH:  # wider top tokens come from the host: slow
         raise app.UsageError(f"--topk={FLAGS.topk}: give 1 to {TOP_K_WIDTH} (the generator's top tokens on the "
                              "device)")
+    reserve = 30 + 60 * len(FLAGS.eval_workloads)  # saving, and the evaluation on the workloads
+    if FLAGS.max_minutes * 60 < reserve + 120:
+        raise app.UsageError(f"--max_minutes={FLAGS.max_minutes} leaves no time to generate and train: give at "
+                             f"least {(reserve + 120) / 60:.1f} (or fewer --eval_workloads)")
+
+
+def main(argv):
+    del argv
+    check_flags()
     if FLAGS.loss == "ce" and FLAGS.gen_temperature > 0:
         print("note: --loss=ce on sampled text learns the target's samples, not its argmax")
     import dataclasses
@@ -198,17 +227,21 @@ def main(argv):
     from tqdm import tqdm
 
     from experiments.lib.common import workload
-    from models import load_model
+    from models import ModelError, load_model
     from models.draft import reduced_head, save_hf_llama
     from models.llama import forward, hidden_states, rms_norm
 
     t_start = time.perf_counter()
     deadline = t_start + FLAGS.max_minutes * 60
     reserve = 30 + 60 * len(FLAGS.eval_workloads)  # saving, and the evaluation on the workloads
-    if FLAGS.max_minutes * 60 < reserve + 120:
-        raise app.UsageError(f"--max_minutes={FLAGS.max_minutes} leaves no time to generate and train: give at "
-                             f"least {(reserve + 120) / 60:.1f} (or fewer --eval_workloads)")
-    target = load_model(FLAGS.target)  # float: the draft's initial layers (and the KL teacher)
+    try:
+        target = load_model(FLAGS.target)  # float: the draft's initial layers (and the KL teacher)
+    except ModelError as e:
+        raise app.UsageError(f"--target {FLAGS.target}: {e}") from None
+    if FLAGS.layers > target.config.num_layers:
+        raise app.UsageError(f"--layers={FLAGS.layers}: the target has {target.config.num_layers} layers")
+    if target.tokenizer is None:
+        raise app.UsageError(f"--target {FLAGS.target} has no tokenizer: the training text is its own answers")
     rs = target.config.rope_scaling
     if rs is not None and rs.rope_type != "default":
         raise app.UsageError("this script writes a Llama draft without rope scaling")
@@ -232,6 +265,9 @@ def main(argv):
     if not train:
         raise app.UsageError("no training text was generated in the time given: raise --max_minutes / --gen_minutes")
     tokens, labels, mask, *soft = make_examples(train, FLAGS.seq_len, soft_k)
+    if not mask.any():
+        raise app.UsageError(f"--seq_len={FLAGS.seq_len} holds no answer token of any example (the prompts are "
+                             "longer): raise it")
     # 2. the draft: target layers; frozen input embedding; the tied head, or a reduced trainable one
     params, idx = draft_params(target, FLAGS.layers, FLAGS.init)
     dcfg = dataclasses.replace(target.config, num_layers=FLAGS.layers)

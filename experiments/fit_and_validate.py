@@ -75,6 +75,27 @@ def run(module: str, args: list[str]) -> None:
         raise SystemExit(f"{module} failed (exit status {rc})")
 
 
+def check_validate_args(args: list[str]) -> None:
+    """validate_sim's own flag checks on the flags it will get (`--check_flags_only`: a few seconds, nothing loaded),
+    before anything is measured: a bad --num_requests, --policies, --rates or --validate_flags is an app.UsageError
+    now, not after profile_step's minutes. (In a process of its own: its flags share names with this script's.)"""
+    cmd = [sys.executable, "-m", "experiments.validate_sim", *args, "--check_flags_only"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        lines = [x for x in (p.stderr or p.stdout).strip().splitlines() if x.strip() and "--helpshort" not in x]
+        raise app.UsageError("the flags passed on to experiments.validate_sim (--policies, --rates, --num_requests, "
+                             "--page_budget, --validate_flags, ...) are refused: "
+                             + (lines[-1] if lines else f"exit status {p.returncode}"))
+
+
+def read_record(path: str) -> dict:
+    """validate_sim's JSON record (gzip-compressed when `path` ends with .gz, as validate_sim writes it)."""
+    import gzip
+
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return json.load(f)
+
+
 def main(argv):
     del argv
     if not FLAGS.name or any(c in FLAGS.name for c in "/\\. "):  # (checked here: a required flag would bind every
@@ -95,18 +116,18 @@ def main(argv):
         if FLAGS.interleave:
             measure = ["--fit_interleaved", f"--fit_out={fit}", f"--fit_name={FLAGS.name}"]
         else:
-            run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
-            measure = [f"--step_time_model={fit}"]
+            measure = [f"--step_time_model={fit}"]  # (written by profile_step below)
         installed = os.path.join(step_time_fits.FITS_DIR, FLAGS.name + ".json")
         also = [f"--also_fits={installed}"] if os.path.exists(installed) else []  # the fit this one would replace
-        run("experiments.validate_sim", [*common, *measure, *also,
-                                         f"--policies={','.join(FLAGS.policies)}",
-                                         f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
-                                         f"--real_repeats={FLAGS.real_repeats}",
-                                         f"--page_budget={FLAGS.page_budget}", "--noprogress", "--nosave_steps",
-                                         f"--json_out={record}", *FLAGS.validate_flags])
-        with open(record) as f:
-            rec = json.load(f)
+        validate_args = [*common, *measure, *also, f"--policies={','.join(FLAGS.policies)}",
+                         f"--rates={','.join(FLAGS.rates)}", f"--num_requests={FLAGS.num_requests}",
+                         f"--real_repeats={FLAGS.real_repeats}", f"--page_budget={FLAGS.page_budget}", "--noprogress",
+                         "--nosave_steps", f"--json_out={record}", *FLAGS.validate_flags]
+        check_validate_args(validate_args)  # (before anything is measured)
+        if not FLAGS.interleave:
+            run("experiments.profile_step", [*common, f"--fit_out={fit}", f"--fit_name={FLAGS.name}"])
+        run("experiments.validate_sim", validate_args)
+        rec = read_record(record)
         errors = rec["errors"]
         step_ok = sum(r["step_ok"] for r in errors)
         ttft_ok = sum(r["ttft_ok"] for r in errors)

@@ -90,8 +90,18 @@ def main(argv) -> None:
                          priority_levels=FLAGS.priority_levels, deadline_s=FLAGS.deadline_s)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
+    if FLAGS.failed_requests < 0:
+        raise app.UsageError(f"--failed_requests must be >= 0, got {FLAGS.failed_requests}")
     if FLAGS.failed_requests and FLAGS.layout != "burstgpt":
         raise app.UsageError("--failed_requests is for --layout=burstgpt")
+    if FLAGS.layout == "azure":  # (checked before --out is opened: a bad one had left it truncated)
+        import datetime
+
+        try:
+            datetime.datetime.fromisoformat(FLAGS.start)
+        except ValueError as e:
+            raise app.UsageError(f"--start={FLAGS.start!r} is not a date and time like 2024-01-01 00:00:00 ({e})") \
+                from None
     failed = np.random.default_rng([FLAGS.seed, 4]).choice(len(rows), size=min(FLAGS.failed_requests, len(rows)),
                                                            replace=False)
     write_trace(FLAGS.out, rows, layout=FLAGS.layout, start=FLAGS.start, failed_at=failed.tolist())

@@ -30,6 +30,9 @@ flags.DEFINE_bool("float_reference", True, "teacher-forced check: also run the m
                   "blocks dequantized at load: the exact product every matmul implementation approximates)")
 flags.DEFINE_integer("greedy_tokens", 64, "greedy check: tokens per prompt")
 flags.DEFINE_integer("greedy_prompts", 8, "greedy check: chat prompts (cycled from the built-in list)")
+# (the shared help offers 'tiny', which has no tokenizer: this check needs one)
+FLAGS["model"].help = ("'smollm2-135m' (embedded), an HF directory or a .gguf file: a model with a tokenizer (not "
+                       "'tiny' or a preset)")
 if "json_out" not in FLAGS:  # other experiment scripts define it too (same meaning)
     flags.DEFINE_string("json_out", None, "write the record here")
     check_out_flag("json_out")
@@ -128,13 +131,40 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def check_flags() -> None:
+    """Every flag checked before the model loads: app.UsageError naming the flag."""
+    from pallas_kernels.registry import KernelError, matmul_registry
+
+    if FLAGS.model == "tiny" or FLAGS.model.startswith("preset:"):
+        raise app.UsageError(f"--model={FLAGS.model} has no tokenizer; matmul_quality needs a model with one (e.g. "
+                             "the default smollm2-135m)")
+    engine_flags.validate()
+    if not FLAGS.impls:
+        raise app.UsageError("--impls needs at least one matmul implementation (the first is the baseline)")
+    reg = matmul_registry()
+    for impl in FLAGS.impls:
+        try:
+            reg.get(impl)
+        except KernelError as e:
+            raise app.UsageError(f"--impls: {e}") from None
+    if all(i == "auto" for i in FLAGS.impls):
+        raise app.UsageError("--impls needs an implementation besides 'auto' (the teacher-forced check forces a "
+                             "named one on every row)")
+    for name in ("greedy_tokens", "greedy_prompts"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+
+
 def main(argv):
     del argv
     from experiments.lib.serving.env import device_info, git_info, load_average, versions
     from models import load_model
 
+    check_flags()
     model = engine_flags.load_model()
     tok = model.tokenizer
+    if tok is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; matmul_quality needs a model with one")
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "impls", "float_reference",
                                                         "greedy_tokens", "greedy_prompts")},
               "git": git_info(), "device": device_info(), "versions": versions(),

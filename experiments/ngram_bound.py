@@ -89,24 +89,71 @@ flags.DEFINE_string("json_out", None, "write the record here")
 check_out_flag("json_out")
 
 
+def number_list(name: str, kind: type, lo: float, strict: bool = False) -> list:
+    """The comma-separated `--name` as `kind` values, each >= lo (> lo with `strict`); app.UsageError naming the
+    flag for an empty list or a bad item."""
+    values = getattr(FLAGS, name)
+    bound = f"{'>' if strict else '>='} {lo:g}"
+    try:
+        out = [kind(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or any(not (v > lo if strict else v >= lo) for v in out):  # (not: a NaN is no number here)
+        raise app.UsageError(f"--{name}={','.join(values)}: give {kind.__name__} values {bound}, comma-separated")
+    return out
+
+
+def check_flags() -> tuple[list[int], list[float], list[int], tuple[float, float]]:
+    """(k values, verification costs, widths, cost model (A, B)) from the flags; app.UsageError naming the flag for a
+    bad value: before the model loads."""
+    import math
+    import os
+
+    from experiments.lib.common import WORKLOADS, check_chat_model_flags
+
+    check_chat_model_flags("the workloads are chat prompts")
+    bad = [w for w in FLAGS.workloads if w not in WORKLOADS]
+    if bad or not FLAGS.workloads:
+        raise app.UsageError(f"--workloads: unknown {bad}; give some of {', '.join(WORKLOADS)}")
+    bad = [p for p in FLAGS.policies if p not in REPLAY_POLICIES]
+    if bad or not FLAGS.policies:
+        raise app.UsageError(f"--policies: unknown {bad}; give some of {', '.join(REPLAY_POLICIES)}")
+    for name, lo in (("num_prompts", 1), ("max_new_tokens", 1), ("max_ngram", 1), ("min_match", 1)):
+        if getattr(FLAGS, name) < lo:
+            raise app.UsageError(f"--{name} must be >= {lo}, got {getattr(FLAGS, name)}")
+    if FLAGS.gate_rho is not None and not (math.isfinite(FLAGS.gate_rho) and FLAGS.gate_rho >= 0):
+        raise app.UsageError(f"--gate_rho must be a finite number >= 0, got {FLAGS.gate_rho}")
+    if FLAGS.ngram_corpus and not os.path.isfile(FLAGS.ngram_corpus):
+        raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: no such file (experiments.build_ngram_corpus "
+                             "--out)")
+    ks = number_list("num_draft_tokens", int, 1)
+    costs = number_list("verify_costs", float, 0, strict=True)
+    widths = sorted(set(number_list("widths", int, 2)))
+    model = number_list("cost_model", float, 0)
+    if not all(math.isfinite(c) for c in costs):
+        raise app.UsageError(f"--verify_costs={','.join(FLAGS.verify_costs)}: give finite numbers > 0")
+    if len(model) != 2 or not all(math.isfinite(c) for c in model):
+        raise app.UsageError(f"--cost_model={','.join(FLAGS.cost_model)}: give two finite numbers A,B >= 0")
+    return ks, costs, widths, (model[0], model[1])
+
+
 def main(argv):
     del argv
+    ks, costs, widths, cost_model = check_flags()
     import numpy as np
 
     from experiments.lib.serving.env import device_info, git_info, versions
-    from models import load_model
+    from models import ModelError, load_model
     from paged import DynamicGenerator, Job, SamplingSettings
 
-    model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    try:
+        model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = model.tokenizer
+    if tok is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: the workloads are chat prompts")
     gen = DynamicGenerator(model, max_batch_size=1, max_seq_len=min(1024, model.config.max_position_embeddings))
-    ks = [int(k) for k in FLAGS.num_draft_tokens]
-    costs = [float(c) for c in FLAGS.verify_costs]
-    widths = sorted({int(w) for w in FLAGS.widths})
-    bad = [p for p in FLAGS.policies if p not in REPLAY_POLICIES]
-    if bad or not widths or widths[0] < 2 or len(FLAGS.cost_model) != 2:
-        raise app.UsageError(f"--policies must be among {REPLAY_POLICIES} (got {bad}), --widths >= 2, --cost_model "
-                             "two numbers A,B")
     all_widths = sorted({w for w in widths if w <= max(ks) + 1} | {k + 1 for k in ks})
     record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "workloads", "num_prompts", "max_new_tokens",
                                                         "seed", "num_draft_tokens", "max_ngram", "verify_costs",
@@ -130,7 +177,7 @@ def main(argv):
         record["load_before_pricing"] = load_average("ngram_bound")
         prices = price_steps(model, [w - 1 for w in all_widths], workload("copy", 4, FLAGS.seed), FLAGS.max_new_tokens)
         record["step_prices"] = {str(w): prices[w - 1] for w in all_widths}
-    cost_of = width_costs(all_widths, prices, (float(FLAGS.cost_model[0]), float(FLAGS.cost_model[1])))
+    cost_of = width_costs(all_widths, prices, cost_model)
     record["width_costs"] = {str(w): c for w, c in cost_of.items()}
     print("verification cost by width (plain steps):", {w: round(c, 3) for w, c in cost_of.items()}, flush=True)
     stop = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else None

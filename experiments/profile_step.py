@@ -33,7 +33,7 @@ import platform
 from absl import app, flags
 
 from experiments.lib import calibration
-from experiments.lib.common import check_out_flag, write_record
+from experiments.lib.common import check_out_flag, int_list_flag, write_record
 from experiments.lib.step_timing import prefill, time_decode
 
 FLAGS = flags.FLAGS
@@ -185,18 +185,55 @@ def fit_step_time(model):
                    narrow_tokens=None if FLAGS.fit_narrow_tokens < 0 else FLAGS.fit_narrow_tokens)
 
 
+def check_flags() -> None:
+    """Every flag checked before the model loads: app.UsageError naming the flag."""
+    from models.loader import DTYPES
+    from models.weights import QUANT_MODES
+    from paged.device.engine import MIN_PAGE_SIZE
+    from paged.errors import InvalidConfigError
+
+    for name in ("context", "tokens", "iters"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    ps = FLAGS.page_size
+    if ps < MIN_PAGE_SIZE or ps & (ps - 1):
+        raise app.UsageError(f"--page_size must be a power of two >= {MIN_PAGE_SIZE}, got {ps}")
+    if FLAGS.dtype not in DTYPES:
+        raise app.UsageError(f"--dtype={FLAGS.dtype} is not one of: {', '.join(DTYPES)}")
+    quants = ("none", *(q for q in QUANT_MODES if q))
+    if FLAGS.quant not in quants:
+        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(quants)}")
+    try:
+        if FLAGS.fit_out:
+            for name in ("fit_max_batch_size", "fit_max_seq_len", "grid_passes"):
+                if getattr(FLAGS, name) < 1:
+                    raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+            calibration.plan_of_flags()
+            calibration.fit_config(page_size=FLAGS.page_size, max_batch_size=FLAGS.fit_max_batch_size,
+                                   max_seq_len=FLAGS.fit_max_seq_len, cache_dtype=FLAGS.cache_dtype)
+        else:
+            calibration.fit_config(page_size=FLAGS.page_size, max_batch_size=max(int_list_flag("concurrency")),
+                                   max_seq_len=FLAGS.context + FLAGS.tokens, cache_dtype=FLAGS.cache_dtype)
+    except InvalidConfigError as e:  # the engine's own checks of --page_size, --cache_dtype, ...
+        raise app.UsageError(str(e).replace("EngineConfig: ", "--", 1)) from None
+
+
 def main(argv):
     del argv
     import logging
 
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    check_flags()
     import jax
 
     from experiments.lib.common import load_experiment_model
+    from models import ModelError
 
-    if FLAGS.fit_out:
-        calibration.plan_of_flags()  # (its errors before the model loads)
-    model = load_experiment_model(FLAGS.model, dtype=FLAGS.dtype, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    try:
+        model = load_experiment_model(FLAGS.model, dtype=FLAGS.dtype,
+                                      quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    except ModelError as e:
+        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")
@@ -208,7 +245,7 @@ def main(argv):
             f"{fit.fit_stats['mean_abs_rel_error']:.3f} over {fit.fit_stats['samples']} shapes -> {FLAGS.fit_out}")
         return
     out = []
-    for rows in (int(c) for c in FLAGS.concurrency):
+    for rows in int_list_flag("concurrency"):
         host = host_breakdown(model, rows)
         dev = device_breakdown(model, rows)
         out.append(dict(host=host, device=dev))

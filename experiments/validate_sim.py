@@ -59,6 +59,8 @@ check_out_flag("fit_out")
 flags.DEFINE_string("fit_name", None, "--fit_interleaved: the fit's name (hardware_model_setup; default: --fit_out's "
                     "stem)")
 calibration.define_flags()  # --fit_interleaved: what the fit is measured on (--fit_source, --grid_*, --serving_*)
+flags.DEFINE_bool("check_flags_only", False, "check the flags (as before a run) and exit: loads no model, runs "
+                  "nothing (experiments/fit_and_validate.py checks the flags it passes on this way before it starts)")
 RANK_BY = "ttft_p50_ms"  # the metric the policies are ranked by, per load (lower is better)
 
 
@@ -201,19 +203,26 @@ def interleaved_calibration(real, plan):
     return calibration.Calibration(real.model, engine, plan)
 
 
-def main(argv):
-    del argv
-    import logging
+def check_flags():
+    """Every flag problem, before the model loads or anything is measured: app.UsageError naming the flag. Returns
+    (the rates, the --also_fits models by name, the calibration plan of --fit_interleaved or None)."""
+    import math
 
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
     from experiments.lib import step_time_fits
-    from experiments.lib.serving import env
     from paged.errors import InvalidConfigError
-    from paged.sim import StepTimeModel, engine_setup
+    from paged.sim import StepTimeModel
 
-    cp.validate_flags()
+    cp.validate_flags()  # (the workload included: built once over a stand-in vocabulary)
     if FLAGS.real_repeats < 1:
         raise app.UsageError(f"--real_repeats must be >= 1, got {FLAGS.real_repeats}")
+    for name in ("min_rank_gap", "max_step_error", "max_ttft_error"):
+        if not (FLAGS[name].value >= 0 and math.isfinite(FLAGS[name].value)):
+            raise app.UsageError(f"--{name} must be a finite fraction >= 0, got {FLAGS[name].value}")
+    if not FLAGS.fit_interleaved:  # (the docs: --fit_out and --fit_name belong to the fit --fit_interleaved measures)
+        for name in ("fit_out", "fit_name"):
+            if FLAGS[name].value is not None:
+                raise app.UsageError(f"--{name} names the fit --fit_interleaved measures: add --fit_interleaved "
+                                     "(without it no fit is measured here)")
     rates = cp.rates_of_flags()
     if rates is None:
         raise app.UsageError("validate_sim needs explicit --rates (e.g. one under and one past saturation), not auto")
@@ -224,6 +233,21 @@ def main(argv):
         except (InvalidConfigError, ValueError) as e:
             raise app.UsageError(f"--also_fits={name}: {e}") from None
     plan = calibration.plan_of_flags() if FLAGS.fit_interleaved else None  # (its errors before the model loads)
+    return rates, also, plan
+
+
+def main(argv):
+    del argv
+    import logging
+
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    from experiments.lib.serving import env
+    from paged.sim import engine_setup
+
+    rates, also, plan = check_flags()
+    if FLAGS.check_flags_only:
+        print("validate_sim: the flags are fine (--check_flags_only: nothing run)")
+        return
     env.load_average("at start")
     sim = None if FLAGS.fit_interleaved else cp.SimBackend()  # (a bad --step_time_model: an error before any run)
     real = cp.RealBackend()

@@ -399,7 +399,7 @@ def dequant_matmul(
         return _pallas_gemv_impl(x, qa, tuning=config, interpret=interpret)
     if entry.builtin:
         return entry.fn(x, qa, tuning=config)
-    return registry.checked_call(entry, (x, qa), dict(tuning=config), (x.shape[0], qa.shape[1]), jnp.float32,
+    return registry.checked_call(entry, (x, qa), dict(tuning=config), (x.shape[0], qa.shape[1]), jnp.dtype(jnp.float32),
                                  f"x {tuple(x.shape)} {x.dtype}, a {qa.kind} matrix {tuple(qa.shape)}")
 
 
@@ -420,6 +420,9 @@ def check_contract(impl: KernelImpl) -> None:
     for x, qa in contract_cases():
         try:
             out = jax.eval_shape(lambda x, qa: dequant_matmul(x, qa, impl=impl), x, qa)
+        except KernelContractError as e:  # (the dispatcher's: what it raised, or a wrong output, named already)
+            raise KernelContractError(f"{e}: on the contract's small case at registration ({qa.kind}, group "
+                                      f"{qa.group_size}). See docs/kernels.md") from e
         except Exception as e:  # noqa: BLE001 (whatever the user's function raised while tracing)
             raise KernelContractError(
                 f"dequant_matmul: {impl.name!r} failed on the contract's small case ({qa.kind}, group "

@@ -821,6 +821,9 @@ def check_contract(impl: KernelImpl) -> None:
             static = dict(layout=case["layout"], sm_scale=case["sm_scale"])
             out = jax.eval_shape(lambda c, static=static: paged_attention(impl=impl, **c, **static),
                                  {k: v for k, v in case.items() if k not in static})
+        except KernelContractError as e:  # (the dispatcher's: what it raised, or a wrong output, named already)
+            raise KernelContractError(f"{e}: on the contract's small case at registration ({cache} cache). See "
+                                      "docs/kernels.md for the arguments, shapes and dtypes") from e
         except Exception as e:  # noqa: BLE001 (whatever the user's function raised while tracing)
             raise KernelContractError(
                 f"paged_attention: {impl.name!r} failed on the contract's small case ({cache}"

@@ -211,3 +211,35 @@ def price_steps(target, ks: list[int], prompts: list[str], max_new: int) -> dict
         print(f"k={k}: plain step {out[k]['plain_ms']} ms ({len(plain)}), verification {out[k]['verify_ms']} ms "
               f"({len(verify)})", flush=True)
     return out
+
+
+def int_list_flag(name: str, minimum: int = 1) -> list[int]:
+    """The comma-separated integers of absl list flag `--name`, each >= `minimum`; else app.UsageError naming the
+    flag (a bare int() had raised a ValueError traceback)."""
+    from absl import app, flags
+
+    values = flags.FLAGS[name].value or []
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        out = []
+    if not out or min(out) < minimum:
+        raise app.UsageError(f"--{name} takes a comma-separated list of integers >= {minimum}, got "
+                             f"{','.join(values)!r}")
+    return out
+
+
+def check_chat_model_flags(why: str) -> None:
+    """--model must be one with a tokenizer (not "tiny" or a preset) and --quant a known mode, for scripts that run
+    chat prompts (`why` says so in the message): app.UsageError naming the flag, before anything loads."""
+    from absl import app, flags
+
+    from models.weights import QUANT_MODES
+
+    model, quant = flags.FLAGS.model, flags.FLAGS.quant
+    if model == "tiny" or model.startswith("preset:"):
+        raise app.UsageError(f"--model {model}: {why}, so it needs a model with a tokenizer (the embedded name, an HF "
+                             "dir or a .gguf), not a random one without")
+    quants = ("none", *(q for q in QUANT_MODES if q))
+    if quant not in quants:
+        raise app.UsageError(f"--quant={quant} is not one of: {', '.join(quants)}")

@@ -407,3 +407,23 @@ def test_main_end_to_end_tiny_sweep(bench, tmp_path, capsys):
     for name in ("t_latency_cdf.png", "t_sweep.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num_prompts=0"], "--num_prompts must be >= 1"),
+    (["--input_len=0"], "--input_len must be >= 1"),
+    (["--dataset=sharegpt", "--dataset_path=/nonexist.json"], "--dataset=sharegpt: .*nonexist.json"),
+    (["--run_name=sub/x"], "--run_name is a file name stem"),
+])
+def test_bad_workload_and_output_flags_fail_before_measuring_or_loading(bench, tmp_path, monkeypatch, argv, match):
+    from experiments.lib import engine_flags
+
+    def too_late(*a, **k):
+        raise AssertionError("the bad flag was not caught before the long work")
+
+    monkeypatch.setattr(hardware, "measure_peaks", too_late)
+    monkeypatch.setattr(engine_flags, "load_model", too_late)
+    _parse(["--model=tiny", f"--output_dir={tmp_path}", *argv])
+    with pytest.raises(app.UsageError, match=match):
+        bench.main([])
+    assert not list(tmp_path.iterdir())  # no record begun

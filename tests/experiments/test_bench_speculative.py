@@ -135,3 +135,15 @@ def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round
     assert summary["ngram"]["tokens_per_s"] == pytest.approx(
         sorted(r["tokens_per_s"] for r in rec["runs"] if r["drafter"] == "ngram")[1])
     assert "x none: median" in p.stdout
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--workloads=copy,bogus", "--workloads: unknown ['bogus']; give some of copy, chat"),  # (had run as chat)
+    ("--batch_sizes=1,abc", "--batch_sizes=1,abc: give integers >= 1"),
+    ("--draft_dir=/nonexistent/draft", "--draft_dir /nonexistent/draft: no such folder"),
+])
+def test_a_bad_flag_is_a_usage_error_before_any_model_loads(tmp_path, bad, message):
+    """absl's usage message naming the flag, not a traceback after the target loaded (the model does not exist: a
+    check that let a bad value through fails there with another message)."""
+    p = run_bench(f"--model={tmp_path / 'no-model'}", bad)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

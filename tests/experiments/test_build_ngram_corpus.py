@@ -66,3 +66,18 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
         bad = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={model_dir}", *args],
                              capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--gen_minutes=-1", "--gen_minutes must be > 0"),  # (had written an empty table)
+    ("--gen_tokens=0", "--gen_tokens must be >= 1, got 0"),
+    ("--quant=foo", "--quant=foo is not one of: none, keep, int8, int4"),
+])
+def test_a_bad_flag_is_a_usage_error_before_the_model_loads(tmp_path, bad, message):
+    """A bad value is absl's usage message naming the flag, not a traceback or an empty table after the model
+    answered (the model does not exist: a check that let a bad value through fails there with another message)."""
+    p = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={tmp_path / 'no-model'}",
+                        f"--out={tmp_path / 'c.npz'}", bad], capture_output=True, text=True,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "c.npz").exists()

@@ -186,3 +186,23 @@ def test_validate_sim_names_a_missing_extra_fit_before_loading_the_model(cp, tmp
     parse_flags(validate_sim, ["--rates=1,2", f"--also_fits={tmp_path / 'nope.json'}"])
     with pytest.raises(app.UsageError, match="--also_fits=.*nope.json"):
         validate_sim.main([])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--seed=-1"], "--seed must be >= 0"),
+    (["--burstiness=0"], "--burstiness is not used by --workload=poisson"),
+    (["--trace_file=t.csv"], "--trace_file is not used by --workload=poisson"),
+    (["--policies=fcfs,sjf,fcfs"], "--policies names fcfs more than once"),
+    (["--engine=real", "--model=tiny", "--input_len=0"], "--input_len must be >= 1"),
+    (["--engine=real", "--model=tiny", "--workload=trace", "--trace_file=/nonexist.csv"],
+     "--workload=trace: /nonexist.csv"),
+])
+def test_compare_policies_checks_every_workload_flag_before_building_an_engine(cp, monkeypatch, argv, match):
+    def too_late(*a, **k):
+        raise AssertionError("the bad flag was not caught before the engine was built")
+
+    monkeypatch.setattr(cp, "RealBackend", too_late)
+    monkeypatch.setattr(cp, "SimBackend", too_late)
+    parse_flags(cp, argv)
+    with pytest.raises(app.UsageError, match=match):
+        cp.main([])

@@ -165,3 +165,28 @@ print(json.dumps({"same": a == b, "drafted": g.metrics()["drafted_tokens"], "ids
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["same"] and r["drafted"] > 0 and r["layers"] == 1
     assert 0 < len(r["ids"]) <= 24 and r["eos"] in r["ids"] and r["ids"] == sorted(set(r["ids"]))
+
+
+@pytest.fixture(scope="module")
+def layers2_target(tmp_path_factory):
+    """A random 2-layer Llama without a tokenizer (experiments.lib.common's "tiny"), saved as an HF folder."""
+    from experiments.lib.common import load_experiment_model
+    from models.draft import save_hf_llama
+
+    d = tmp_path_factory.mktemp("tiny_target")
+    m = load_experiment_model("tiny")
+    save_hf_llama(m.params, m.config, str(d))
+    return d
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--eval_workloads=copy,bogus", "--eval_workloads: unknown ['bogus']; each one of copy, chat"),
+    ("--gen_batch=0", "--gen_batch must be >= 1, got 0"),
+    ("--layers=3", "--layers=3: the target has 2 layers"),  # checked once the target has loaded, before it generates
+])
+def test_a_bad_flag_is_a_usage_error_before_any_work(layers2_target, tmp_path, bad, message):
+    """A bad value stops the script with absl's usage message naming the flag, not a traceback minutes into the
+    generation (the target here has no tokenizer: a check that let a bad value through stops there instead)."""
+    p = subprocess.run([sys.executable, "-m", "experiments.distill_draft", f"--target={layers2_target}",
+                        f"--out={tmp_path / 'draft'}", bad], capture_output=True, text=True, env=env(), timeout=120)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

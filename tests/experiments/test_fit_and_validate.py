@@ -3,6 +3,8 @@ not a test). It defines its flags only as a script, so it runs as one here."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import subprocess
 import sys
 
@@ -22,3 +24,25 @@ def test_fit_and_validate_rejects_bad_flags_before_measuring(argv, match):
     r = subprocess.run([sys.executable, "-m", "experiments.fit_and_validate", *argv], capture_output=True, text=True,
                        env=script_env())
     assert r.returncode != 0 and match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("--num_requests=0", "--num_requests must be >= 1"),
+    ("--policies=vllm,sjf,bogus", "--policies=bogus is not one of"),
+    ("--rates=0,1", "--rates must be distinct rates > 0"),
+])
+def test_the_flags_passed_to_validate_sim_are_checked_before_profiling(bad, match):
+    r = subprocess.run([sys.executable, "-m", "experiments.fit_and_validate", "--name=cpu_x", "--nointerleave", bad],
+                       capture_output=True, text=True, env=script_env())
+    assert r.returncode != 0 and match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
+
+
+def test_the_validation_record_is_read_back_gzipped_or_not(tmp_path):
+    from experiments import fit_and_validate
+
+    rec = {"errors": [], "rank_agreement": []}
+    with gzip.open(tmp_path / "v.json.gz", "wt") as f:
+        json.dump(rec, f)
+    (tmp_path / "v.json").write_text(json.dumps(rec))
+    assert fit_and_validate.read_record(str(tmp_path / "v.json.gz")) == rec
+    assert fit_and_validate.read_record(str(tmp_path / "v.json")) == rec

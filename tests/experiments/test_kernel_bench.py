@@ -57,3 +57,20 @@ def test_the_attention_sweep_splits_only_decode_rows():
     fixed = grid(PrefillDecodeLayout(1, 512, 64), {"block_q": 16, "pages_per_block": 4})
     assert fixed == [AttentionTuning(block_q=16, pages_per_block=4)] + [
         AttentionTuning(block_q=16, pages_per_block=4, k_splits=ks, split_max_q=1) for ks in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--ops=bogus", "--ops takes a comma-separated list of attention, matmul"),
+    ("--attn_impls=bogus", "--attn_impls: paged_attention: unknown implementation 'bogus'"),
+    ("--iters=0", "--iters must be >= 1"),
+])
+def test_bench_kernels_bad_flags_are_usage_errors_before_the_peaks(bad, message):
+    import subprocess
+    import sys
+
+    from tests.compile_settings import script_env
+
+    p = subprocess.run([sys.executable, "-m", "experiments.bench_kernels", bad], capture_output=True, text=True,
+                       timeout=120, env={**script_env(), "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 1 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "GB/s" not in p.stdout  # no peaks measured

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -43,3 +44,25 @@ def test_common_prefix():
     assert _common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert _common_prefix([1, 2], [1, 2, 3]) == 2
     assert _common_prefix([], [1]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model=tiny"], "--model=tiny has no tokenizer"),
+    (["--impls=xla,bogus"], "--impls: dequant_matmul: unknown implementation 'bogus'"),
+    (["--impls=auto"], "--impls needs an implementation besides 'auto'"),
+    (["--impls="], "--impls needs at least one"),
+    (["--greedy_prompts=0"], "--greedy_prompts must be >= 1"),
+    (["--quant=foo"], "--quant=foo is not one of"),
+])
+def test_bad_flags_are_usage_errors_before_the_model_loads(argv, message):
+    from absl import app, flags
+
+    from experiments import matmul_quality
+    from tests.experiments.helpers import parse_flags
+
+    parse_flags(matmul_quality, argv)
+    try:
+        with pytest.raises(app.UsageError, match=re.escape(message)):
+            matmul_quality.check_flags()
+    finally:
+        flags.FLAGS.unparse_flags()

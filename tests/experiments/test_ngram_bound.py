@@ -158,3 +158,16 @@ def test_script_prices_widths_in_the_generator(model_dir, tmp_path):  # noqa: F8
         assert rec["width_costs"][w] == pytest.approx(price["verify_ms"] / price["plain_ms"])
     (r,) = rec["runs"]  # (width 9 lies beyond k + 1 = 3: not priced)
     check_predictions(r, rec["width_costs"], (2, 3))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--workloads=copy,bogus", "--workloads: unknown ['bogus']; give some of copy, chat"),  # (had run as chat)
+    ("--num_draft_tokens=4,abc", "--num_draft_tokens=4,abc: give int values >= 1"),
+    ("--max_new_tokens=0", "--max_new_tokens must be >= 1, got 0"),
+])
+def test_a_bad_flag_is_a_usage_error_before_the_model_loads(tmp_path, bad, message):
+    """absl's usage message naming the flag, not a traceback after the model loaded (the model does not exist: a
+    check that let a bad value through fails there with another message)."""
+    p = subprocess.run([sys.executable, "-m", "experiments.ngram_bound", f"--model={tmp_path / 'no-model'}", bad],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

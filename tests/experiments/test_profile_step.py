@@ -91,3 +91,16 @@ def test_the_narrow_path_is_the_native_kernels_row_limit(monkeypatch):
     monkeypatch.setattr(native, "resolved_isa", lambda: "avx2")
     eng.config.matmul_impl = "xla"
     assert env.narrow_path_tokens(model, eng) == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--concurrency=", "--concurrency takes a comma-separated list of integers >= 1"),
+    ("--page_size=4", "--page_size must be a power of two >= 8"),
+    ("--fit_out={tmp}/fit.json --grid_passes=0", "--grid_passes must be >= 1"),
+])
+def test_bad_flags_are_usage_errors_before_the_model_loads(tmp_path, bad, message):
+    p = subprocess.run([sys.executable, "-m", "experiments.profile_step", "--model=tiny",
+                        *bad.format(tmp=tmp_path).split()], capture_output=True, text=True, timeout=120,
+                       env={**script_env(), "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 1 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "fit.json").exists()

@@ -398,3 +398,16 @@ def test_bench_serving_trace_flags(bench, tmp_path):
         _parse(["--dataset=trace", "--trace_speedup=0"])
     with pytest.raises(flags.IllegalFlagValueError):
         _parse(["--trace_format=parquet"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--layout=burstgpt --failed_requests=-1", "--failed_requests must be >= 0"),
+    ("--layout=azure --start=garbage", "--start='garbage' is not a date and time"),
+])
+def test_make_trace_bad_flags_are_usage_errors_before_out_is_opened(tmp_path, bad, message):
+    out = tmp_path / "t.csv"
+    out.write_text("keep me\n")
+    res = subprocess.run([sys.executable, "-m", "experiments.make_trace", "--num_requests=5", f"--out={out}",
+                          *bad.split()], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert out.read_text() == "keep me\n"

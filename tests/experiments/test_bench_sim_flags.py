@@ -1,0 +1,23 @@
+"""experiments/bench_sim.py: a bad flag is a usage error naming it, before the workload is built or anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.compile_settings import script_env
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("--seed=-1", "--seed must be >= 0"),
+    ("--workload=sharegpt --input_len=100", "--input_len: only for --workload=poisson"),
+    ("--json_out={tmp}/x.json --profile={tmp}/x.json", "--json_out and --profile name the same file"),
+])
+def test_bad_flags_are_usage_errors(tmp_path, bad, message):
+    p = subprocess.run([sys.executable, "-m", "experiments.bench_sim", "--num_requests=3",
+                        *bad.format(tmp=tmp_path).split()], capture_output=True, text=True, timeout=120,
+                       env={**script_env(), "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 1 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not (tmp_path / "x.json").exists()

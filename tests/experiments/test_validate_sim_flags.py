@@ -1,0 +1,39 @@
+"""validate_sim's flag checks, before the model loads (its other tests: test_compare_policies.py and
+test_calibration.py)."""
+
+from __future__ import annotations
+
+import pytest
+from absl import app
+
+from tests.experiments.helpers import parse_flags
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--input_len=0"], "--input_len must be >= 1"),
+    (["--fit_out=f.json"], "--fit_out names the fit --fit_interleaved measures"),
+    (["--min_rank_gap=-1"], "--min_rank_gap must be a finite fraction >= 0"),
+    (["--workload=trace", "--trace_file=/nonexist.csv"], "--workload=trace: /nonexist.csv"),
+])
+def test_validate_sim_checks_its_flags_before_loading_the_model(cp, monkeypatch, argv, match):
+    from experiments import validate_sim
+    from experiments.lib.serving import env
+
+    def too_late(*a, **k):
+        raise AssertionError("the bad flag was not caught before the model loads")
+
+    monkeypatch.setattr(cp, "RealBackend", too_late)
+    monkeypatch.setattr(env, "load_average", too_late)
+    parse_flags(validate_sim, ["--model=tiny", "--num_requests=4", "--rates=1", *argv])
+    with pytest.raises(app.UsageError, match=match):
+        validate_sim.main([])
+
+
+def test_check_flags_only_runs_nothing(cp, monkeypatch, capsys):
+    from experiments import validate_sim
+    from experiments.lib.serving import env
+
+    monkeypatch.setattr(env, "load_average", lambda *a, **k: pytest.fail("ran past --check_flags_only"))
+    parse_flags(validate_sim, ["--model=tiny", "--num_requests=4", "--rates=1", "--check_flags_only"])
+    validate_sim.main([])
+    assert "the flags are fine" in capsys.readouterr().out

@@ -64,15 +64,12 @@ def main(argv):
     import jax
     import numpy as np
 
-    from experiments.lib.common import load_experiment_model
-    from models import ModelError
+    from experiments.lib.common import load_experiment_model, model_flag
     from paged.device.batch import RowInput
     from paged.device.engine import Engine
 
-    try:
+    with model_flag("model", FLAGS.model):
         model = load_experiment_model(FLAGS.model)
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     weight_bytes = model.params.nbytes()
     ps = FLAGS.page_size
     results = []

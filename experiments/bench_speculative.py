@@ -121,8 +121,9 @@ def check_flags() -> list[int]:
 def main(argv):
     del argv
     batch_sizes = check_flags()
+    from experiments.lib.common import model_flag
     from experiments.lib.serving.env import device_info, git_info, load_average, versions
-    from models import ModelError, load_model
+    from models import load_model
     from models.draft import truncated_model
     from paged import DynamicGenerator, SamplingSettings
     from paged.device.config import EngineConfig
@@ -139,15 +140,11 @@ def main(argv):
             raise app.UsageError(f"--ngram_corpus {FLAGS.ngram_corpus}: {e}") from None
     distilled = None
     if FLAGS.draft_dir:  # (before the target: a bad draft fails at once)
-        try:
+        with model_flag("draft_dir", FLAGS.draft_dir):
             distilled = load_model(FLAGS.draft_dir, load_tokenizer=False,
                                    quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant)
-        except ModelError as e:
-            raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: {e}") from None
-    try:
+    with model_flag("model", FLAGS.model):
         target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = target.tokenizer
     if tok is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: this benchmark runs chat prompts")

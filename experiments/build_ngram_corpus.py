@@ -56,7 +56,7 @@ def prompt_of(obj, lineno: int, index: int) -> str:
 
 def check_flags() -> None:
     """app.UsageError naming the flag for a bad value: before the model loads and answers anything."""
-    from models.weights import QUANT_MODES
+    from experiments.lib.common import check_quant_flag
     from paged.speculation.ngram_corpus import MAX_NGRAM
 
     if not FLAGS.out:
@@ -65,9 +65,7 @@ def check_flags() -> None:
             or not 0 <= FLAGS.min_confidence <= 1):
         raise app.UsageError(f"need 1 <= --min_ngram <= --max_ngram <= {MAX_NGRAM}, --min_count >= 1 and "
                              "--min_confidence in [0, 1]")
-    quants = ("none", *(q for q in QUANT_MODES if q))
-    if FLAGS.quant not in quants:
-        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(quants)}")
+    check_quant_flag("quant")
     if FLAGS.num_prompts < 0:
         raise app.UsageError(f"--num_prompts must be >= 0 (0: only --prompts_file / --text_files), got "
                              f"{FLAGS.num_prompts}")
@@ -93,14 +91,13 @@ def main(argv):
         except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--text_files {path}: cannot read it as UTF-8 text: {e}") from None
     from experiments.lib.answers import answer_prompt_set, generate_answers
-    from models import ModelError, load_model
+    from experiments.lib.common import model_flag
+    from models import load_model
     from paged.speculation.ngram_corpus import NgramCorpus
 
     t0 = time.perf_counter()
-    try:
+    with model_flag("model", FLAGS.model):
         model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = model.tokenizer
     if tok is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: the corpus is the model's own text")

@@ -179,8 +179,7 @@ FLAG_NAMES = ("target", "target_quant", "layers", "init", "head_vocab", "loss", 
 def check_flags() -> None:
     """app.UsageError naming the flag for a bad value: before the target loads or generates anything (the upper
     bound of --layers, the target's depth, is checked once the target has loaded, before it generates)."""
-    from experiments.lib.common import WORKLOADS
-    from models.weights import QUANT_MODES
+    from experiments.lib.common import WORKLOADS, check_quant_flag
     from paged.device.step import TOP_K_WIDTH
 
     if not FLAGS.out:
@@ -196,9 +195,7 @@ def check_flags() -> None:
         raise app.UsageError(f"--gen_temperature must be >= 0 (0: greedy), got {FLAGS.gen_temperature}")
     if not 0 <= FLAGS.holdout < 1:
         raise app.UsageError(f"--holdout must be in [0, 1), got {FLAGS.holdout}")
-    quants = ("none", *(q for q in QUANT_MODES if q))
-    if FLAGS.target_quant not in quants:
-        raise app.UsageError(f"--target_quant={FLAGS.target_quant} is not one of: {', '.join(quants)}")
+    check_quant_flag("target_quant")
     bad = [w for w in FLAGS.eval_workloads if w not in WORKLOADS]
     if bad:
         raise app.UsageError(f"--eval_workloads: unknown {bad}; each one of {', '.join(WORKLOADS)}")
@@ -226,18 +223,16 @@ def main(argv):
     import optax
     from tqdm import tqdm
 
-    from experiments.lib.common import workload
-    from models import ModelError, load_model
+    from experiments.lib.common import model_flag, workload
+    from models import load_model
     from models.draft import reduced_head, save_hf_llama
     from models.llama import forward, hidden_states, rms_norm
 
     t_start = time.perf_counter()
     deadline = t_start + FLAGS.max_minutes * 60
     reserve = 30 + 60 * len(FLAGS.eval_workloads)  # saving, and the evaluation on the workloads
-    try:
+    with model_flag("target", FLAGS.target):
         target = load_model(FLAGS.target)  # float: the draft's initial layers (and the KL teacher)
-    except ModelError as e:
-        raise app.UsageError(f"--target {FLAGS.target}: {e}") from None
     if FLAGS.layers > target.config.num_layers:
         raise app.UsageError(f"--layers={FLAGS.layers}: the target has {target.config.num_layers} layers")
     if target.tokenizer is None:

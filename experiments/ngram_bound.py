@@ -142,14 +142,13 @@ def main(argv):
     ks, costs, widths, cost_model = check_flags()
     import numpy as np
 
+    from experiments.lib.common import model_flag
     from experiments.lib.serving.env import device_info, git_info, versions
-    from models import ModelError, load_model
+    from models import load_model
     from paged import DynamicGenerator, Job, SamplingSettings
 
-    try:
+    with model_flag("model", FLAGS.model):
         model = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from None
     tok = model.tokenizer
     if tok is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: the workloads are chat prompts")

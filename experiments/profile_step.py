@@ -187,8 +187,8 @@ def fit_step_time(model):
 
 def check_flags() -> None:
     """Every flag checked before the model loads: app.UsageError naming the flag."""
+    from experiments.lib.common import check_quant_flag
     from models.loader import DTYPES
-    from models.weights import QUANT_MODES
     from paged.device.engine import MIN_PAGE_SIZE
     from paged.errors import InvalidConfigError
 
@@ -200,9 +200,7 @@ def check_flags() -> None:
         raise app.UsageError(f"--page_size must be a power of two >= {MIN_PAGE_SIZE}, got {ps}")
     if FLAGS.dtype not in DTYPES:
         raise app.UsageError(f"--dtype={FLAGS.dtype} is not one of: {', '.join(DTYPES)}")
-    quants = ("none", *(q for q in QUANT_MODES if q))
-    if FLAGS.quant not in quants:
-        raise app.UsageError(f"--quant={FLAGS.quant} is not one of: {', '.join(quants)}")
+    check_quant_flag("quant")
     try:
         if FLAGS.fit_out:
             for name in ("fit_max_batch_size", "fit_max_seq_len", "grid_passes"):
@@ -226,14 +224,11 @@ def main(argv):
     check_flags()
     import jax
 
-    from experiments.lib.common import load_experiment_model
-    from models import ModelError
+    from experiments.lib.common import load_experiment_model, model_flag
 
-    try:
+    with model_flag("model", FLAGS.model):
         model = load_experiment_model(FLAGS.model, dtype=FLAGS.dtype,
                                       quant=None if FLAGS.quant == "none" else FLAGS.quant)
-    except ModelError as e:
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
     load = os.getloadavg()
     if load[0] > 0.5:
         print(f"warning: load average {load[0]:.2f}; timings are only valid on an idle machine")

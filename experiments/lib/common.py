@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -234,12 +235,35 @@ def check_chat_model_flags(why: str) -> None:
     chat prompts (`why` says so in the message): app.UsageError naming the flag, before anything loads."""
     from absl import app, flags
 
-    from models.weights import QUANT_MODES
-
-    model, quant = flags.FLAGS.model, flags.FLAGS.quant
+    model = flags.FLAGS.model
     if model == "tiny" or model.startswith("preset:"):
         raise app.UsageError(f"--model {model}: {why}, so it needs a model with a tokenizer (the embedded name, an HF "
                              "dir or a .gguf), not a random one without")
+    check_quant_flag("quant")
+
+
+def check_quant_flag(name: str) -> None:
+    """Flag `--name` must be a load-time weight mode ("none", or one of `models.weights.QUANT_MODES`): app.UsageError
+    naming it, before anything loads."""
+    from absl import app, flags
+
+    from models.weights import QUANT_MODES
+
     quants = ("none", *(q for q in QUANT_MODES if q))
-    if quant not in quants:
-        raise app.UsageError(f"--quant={quant} is not one of: {', '.join(quants)}")
+    value = flags.FLAGS[name].value
+    if value not in quants:
+        raise app.UsageError(f"--{name}={value} is not one of: {', '.join(quants)}")
+
+
+@contextlib.contextmanager
+def model_flag(name: str, value: Any):
+    """Load a model inside: a `models.ModelError` (an unknown or broken source) becomes an app.UsageError naming
+    flag `--name` (it had been a traceback in each script)."""
+    from absl import app
+
+    from models import ModelError
+
+    try:
+        yield
+    except ModelError as e:
+        raise app.UsageError(f"--{name} {value}: {e}") from e

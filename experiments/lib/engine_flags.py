@@ -148,15 +148,12 @@ def apply_cpu_dispatch() -> str:
 def load_model() -> Any:
     """The model the flags name (`tiny`: the random test model of `experiments.lib.common`), loaded after
     `apply_cpu_dispatch()` (loading starts JAX's backend)."""
-    from experiments.lib.common import load_experiment_model
-    from models import ModelError
+    from experiments.lib.common import load_experiment_model, model_flag
 
     apply_cpu_dispatch()
-    try:
+    with model_flag("model", FLAGS.model):  # (an unknown or broken --model: a usage error, in every script)
         return load_experiment_model(FLAGS.model, dtype=FLAGS.dtype,
                                      quant=None if FLAGS.quant == "none" else FLAGS.quant)
-    except ModelError as e:  # (an unknown or broken --model had been a traceback in every script)
-        raise app.UsageError(f"--model {FLAGS.model}: {e}") from e
 
 
 def generator_kwargs(max_batch_size: int, max_penalty_range: int = 0) -> dict[str, Any]:

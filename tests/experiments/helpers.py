@@ -21,3 +21,19 @@ def run_main(script: ModuleType, *argv: str) -> None:
         script.main([])
     finally:
         flags.FLAGS.unparse_flags()
+
+
+
+def run_expecting_usage_error(module: str, *argv: str):
+    """Run `python -m module argv...` from the repository on the CPU (`script_env`, read when called) and return
+    the finished process, asserting that it stopped with a usage error: exit status 1, no traceback (what every
+    script's bad flag must give)."""
+    import subprocess
+    import sys
+
+    from tests.compile_settings import ROOT, script_env
+
+    p = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=script_env(JAX_PLATFORMS="cpu"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    return p

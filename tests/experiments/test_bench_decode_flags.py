@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.compile_settings import script_env
+from tests.experiments.helpers import run_expecting_usage_error
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -16,6 +13,5 @@ from tests.compile_settings import script_env
     ("--tokens=0", "--tokens must be >= 1"),
 ])
 def test_bad_flags_are_usage_errors_before_the_model_loads(bad, message):
-    p = subprocess.run([sys.executable, "-m", "experiments.bench_decode", "--model=tiny", bad], capture_output=True,
-                       text=True, timeout=120, env={**script_env(), "JAX_PLATFORMS": "cpu"})
-    assert p.returncode == 1 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = run_expecting_usage_error("experiments.bench_decode", "--model=tiny", bad)
+    assert message in p.stderr, p.stderr[-2000:]

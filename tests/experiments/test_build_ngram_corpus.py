@@ -12,6 +12,7 @@ import pytest
 from absl import app
 
 from paged.speculation.ngram_corpus import NgramCorpus
+from tests.experiments.helpers import run_expecting_usage_error
 from tests.experiments.test_generate import engine_args, flags_set, generate, model_dir, read_jsonl, run_main  # noqa: F401
 
 pytest.importorskip("torch")
@@ -76,8 +77,7 @@ def test_build_then_draft_with_the_table(model_dir, tmp_path):  # noqa: F811
 def test_a_bad_flag_is_a_usage_error_before_the_model_loads(tmp_path, bad, message):
     """A bad value is absl's usage message naming the flag, not a traceback or an empty table after the model
     answered (the model does not exist: a check that let a bad value through fails there with another message)."""
-    p = subprocess.run([sys.executable, "-m", "experiments.build_ngram_corpus", f"--model={tmp_path / 'no-model'}",
-                        f"--out={tmp_path / 'c.npz'}", bad], capture_output=True, text=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
-    assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = run_expecting_usage_error("experiments.build_ngram_corpus", f"--model={tmp_path / 'no-model'}",
+                                  f"--out={tmp_path / 'c.npz'}", bad)
+    assert message in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "c.npz").exists()

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.compile_settings import script_env
+from tests.experiments.helpers import run_expecting_usage_error
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -15,6 +12,5 @@ from tests.compile_settings import script_env
     ("--extra_args=--bogus_flag", "--extra_args: experiments.generate refused its flags: FATAL Flags parsing error"),
 ])
 def test_bad_flags_are_usage_errors(bad, message):
-    p = subprocess.run([sys.executable, "-m", "experiments.cold_start", bad], capture_output=True, text=True,
-                       timeout=120, env={**script_env(), "JAX_PLATFORMS": "cpu"})
-    assert p.returncode == 1 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    p = run_expecting_usage_error("experiments.cold_start", bad)
+    assert message in p.stderr, p.stderr[-2000:]

@@ -10,7 +10,7 @@ against this device's peaks measured in the same run.
         --sweep --sweep_fix block_q=16,pages_per_block=4     # a mixed step: decode rows split over keys or not
 
 Shapes: attention `decode{rows}x{ctx}` (rows decode tokens, each with ctx cached tokens), `prefill{q}x{ctx}` (one
-chunk of q tokens ending at ctx), `mixed{q}+{rows}x{ctx}` (a chunk and rows decode tokens), with `--heads`
+chunk of q <= ctx tokens ending at ctx), `mixed{q}+{rows}x{ctx}` (a chunk and rows decode tokens), with `--heads`
 (KV heads x query heads per KV head x head dim; default SmolLM2's 3x3x64) and `--page_size`; or `conformance`,
 the quick case space of `pallas_kernels.testing`. Matmul `{n}x{in}x{out}` with `--kinds`.
 
@@ -193,13 +193,19 @@ def check_flags() -> None:
             raise app.UsageError(f"--{name} needs at least one shape ({expected}) or 'conformance'")
         for v in values:
             m = re.fullmatch(pattern, v)
-            if not m or any(int(x) < 1 for x in m.groups() if x is not None and not v.startswith("mixed")):
+            sizes = [int(x) for x in m.groups() if x is not None] if m else []
+            mixed = v.startswith("mixed")  # (mixed<q>+<rows>: either may be 0, not both)
+            if not m or (min(sizes[-1:] if mixed else sizes) < 1) or (mixed and sizes[0] + sizes[1] < 1):
                 raise app.UsageError(f"--{name}: {v!r} is not a shape {expected} (sizes >= 1), or 'conformance'")
+            if v.startswith(("prefill", "mixed")) and sizes[0] > sizes[-1]:
+                raise app.UsageError(f"--{name}: {v!r}: the chunk of {sizes[0]} query tokens ends at the context of "
+                                     f"{sizes[-1]}, so it can be at most {sizes[-1]} tokens")
 
     def impls_and_tuning(reg, impls_flag: str, tuning_flag: str) -> None:
         impls = getattr(FLAGS, impls_flag)
         if impls is not None and not impls:
             raise app.UsageError(f"--{impls_flag} needs at least one implementation (leave it out for the defaults)")
+        tuned = []
         for name in impls or ():
             try:
                 impl = reg.get(name)
@@ -207,11 +213,16 @@ def check_flags() -> None:
                 raise app.UsageError(f"--{impls_flag}: {e}") from None
             if impl.tuning_type is None:
                 continue
+            tuned.append(name)
             for flag in (tuning_flag, "sweep_fix") if FLAGS.sweep else (tuning_flag,):
                 try:
                     reg.parse_tuning(impl, getattr(FLAGS, flag))
                 except KernelError as e:
                     raise app.UsageError(f"--{flag}: {e}") from None
+        for flag in (tuning_flag, "sweep_fix"):
+            if impls and not tuned and getattr(FLAGS, flag):
+                raise app.UsageError(f"--{flag}: none of --{impls_flag}={','.join(impls)} takes a tuning (no "
+                                     "tuning_type); drop it or add an implementation that does")
 
     if "attention" in FLAGS.ops:
         heads = re.fullmatch(r"(\d+)x(\d+)x(\d+)", FLAGS.heads)

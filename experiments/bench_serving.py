@@ -188,6 +188,15 @@ def run() -> list:
     from experiments.lib.serving import env, hardware, metrics, runner, traces, workloads
 
     trace = None
+    if FLAGS.dataset != "trace":
+        for name in ("trace_file", "trace_speedup", "trace_format"):
+            if FLAGS[name].present:
+                raise app.UsageError(f"--{name} is read only with --dataset=trace, not --dataset={FLAGS.dataset}")
+    else:
+        for name in ("request_rate", "burstiness"):
+            if FLAGS[name].present:
+                raise app.UsageError(f"--{name}: --dataset=trace replays the trace's own arrival times; drop it "
+                                     "(--trace_speedup scales them)")
     try:
         slo = metrics.parse_slo(FLAGS.slo)
         concurrencies = parse_concurrency(FLAGS.max_concurrency)
@@ -200,11 +209,8 @@ def run() -> list:
         raise app.UsageError(str(e)) from None
     if trace is not None:
         print(f"--dataset=trace: {len(trace)} rows of {trace.path} ({trace.format}), mean rate "
-              f"{trace.mean_rate:.3g} req/s over {trace.span_s:.1f} s at speedup {trace.speedup:g}; the trace's "
-              f"arrival times replace the schedule, so --request_rate={FLAGS.request_rate} and --burstiness are "
-              "ignored", file=sys.stderr)
-    elif FLAGS.trace_file:
-        print(f"--trace_file is ignored with --dataset={FLAGS.dataset} (use --dataset=trace)", file=sys.stderr)
+              f"{trace.mean_rate:.3g} req/s over {trace.span_s:.1f} s at speedup {trace.speedup:g}: the trace's "
+              "arrival times are the schedule", file=sys.stderr)
     engine_flags.validate()
     if FLAGS.num_warmup is not None and FLAGS.num_warmup < 0:
         raise app.UsageError(f"--num_warmup must be >= 0, got {FLAGS.num_warmup}")

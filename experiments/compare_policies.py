@@ -216,8 +216,8 @@ def check_workload_flags() -> None:
     anyway, is an error (not silently ignored); then the load is built once over the simulator's vocabulary, so
     its errors (lengths, a trace file) name their flag now rather than after the real engine has compiled."""
     reads = WORKLOAD_READS[FLAGS.workload]
-    for name in ("burstiness", "burst_size", "trace_file", "trace_speedup", "trace_format", "prefix_len",
-                 "num_prefixes"):
+    for name in ("input_len", "output_len", "range_ratio", "burstiness", "burst_size", "trace_file", "trace_speedup",
+                 "trace_format", "prefix_len", "num_prefixes"):
         if FLAGS[name].present and name not in reads:
             users = [w for w, r in WORKLOAD_READS.items() if name in r]
             raise app.UsageError(f"--{name} is not used by --workload={FLAGS.workload} (only by --workload="

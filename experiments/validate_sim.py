@@ -218,11 +218,15 @@ def check_flags():
     for name in ("min_rank_gap", "max_step_error", "max_ttft_error"):
         if not (FLAGS[name].value >= 0 and math.isfinite(FLAGS[name].value)):
             raise app.UsageError(f"--{name} must be a finite fraction >= 0, got {FLAGS[name].value}")
-    if not FLAGS.fit_interleaved:  # (the docs: --fit_out and --fit_name belong to the fit --fit_interleaved measures)
+    if not FLAGS.fit_interleaved:  # (the docs: these flags belong to the fit --fit_interleaved measures)
         for name in ("fit_out", "fit_name"):
             if FLAGS[name].value is not None:
                 raise app.UsageError(f"--{name} names the fit --fit_interleaved measures: add --fit_interleaved "
                                      "(without it no fit is measured here)")
+        for name in calibration.FLAG_NAMES:
+            if FLAGS[name].present:
+                raise app.UsageError(f"--{name} says how --fit_interleaved measures its fit: add --fit_interleaved, "
+                                     "or drop it (without --fit_interleaved the fit is --step_time_model's)")
     rates = cp.rates_of_flags()
     if rates is None:
         raise app.UsageError("validate_sim needs explicit --rates (e.g. one under and one past saturation), not auto")

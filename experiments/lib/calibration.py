@@ -58,6 +58,11 @@ class CalibrationPlan:
         return self.source in ("serving", "both")
 
 
+# the flags `define_flags` defines (a script that reads them only in some modes refuses them in the others)
+FLAG_NAMES = ("fit_source", "grid_prefill", "grid_decode", "grid_context", "grid_mixed", "serving_concurrency",
+              "serving_prompts", "serving_requests_per_row", "serving_seed")
+
+
 def define_flags() -> None:
     """The flags of a `CalibrationPlan` (`plan_of_flags`), for the scripts that measure fits (profile_step,
     validate_sim); defined once per process."""

@@ -192,6 +192,8 @@ def test_validate_sim_names_a_missing_extra_fit_before_loading_the_model(cp, tmp
     (["--seed=-1"], "--seed must be >= 0"),
     (["--burstiness=0"], "--burstiness is not used by --workload=poisson"),
     (["--trace_file=t.csv"], "--trace_file is not used by --workload=poisson"),
+    (["--workload=sharegpt", "--input_len=64"], "--input_len is not used by --workload=sharegpt"),
+    (["--workload=trace", "--trace_file=t.csv", "--range_ratio=0.5"], "--range_ratio is not used by --workload=trace"),
     (["--policies=fcfs,sjf,fcfs"], "--policies names fcfs more than once"),
     (["--engine=real", "--model=tiny", "--input_len=0"], "--input_len must be >= 1"),
     (["--engine=real", "--model=tiny", "--workload=trace", "--trace_file=/nonexist.csv"],

@@ -70,3 +70,48 @@ def test_bench_kernels_bad_flags_are_usage_errors_before_the_peaks(bad, message)
     p = run_expecting_usage_error("experiments.bench_kernels", bad)
     assert message in p.stderr, p.stderr[-2000:]
     assert "GB/s" not in p.stdout  # no peaks measured
+
+
+CHECK_FLAGS = """
+import json, sys
+from absl import app, flags
+from experiments import bench_kernels
+for argv in json.loads(sys.stdin.read()):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["bench_kernels", *argv])
+    try:
+        bench_kernels.check_flags()
+        print("ok")
+    except app.UsageError as e:
+        print("UsageError:", e)
+"""
+
+
+def test_bench_kernels_checks_shapes_and_tunings_in_one_process():
+    """In one process (bench_kernels' flags are defined at import, absl keeps one registry per process): a chunk
+    longer than its context and a tuning no listed implementation takes are usage errors; the good ones pass."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.compile_settings import ROOT, script_env
+
+    cases = [
+        (["--ops=attention", "--attn_shapes=prefill512x256"], "the chunk of 512 query tokens ends at the context of 256"),
+        (["--ops=attention", "--attn_shapes=mixed300+4x256"], "the chunk of 300 query tokens"),
+        (["--ops=attention", "--attn_shapes=mixed0+0x256"], "is not a shape"),
+        (["--ops=attention", "--attn_shapes=decode4x0"], "is not a shape"),
+        (["--ops=attention", "--attn_impls=xla", "--attn_tuning=block_q=16"],
+         "--attn_tuning: none of --attn_impls=xla takes a tuning"),
+        (["--ops=matmul", "--matmul_impls=xla", "--matmul_tuning=block_n=64"],
+         "--matmul_tuning: none of --matmul_impls=xla takes a tuning"),
+        (["--ops=attention", "--attn_shapes=prefill256x256,mixed128+8x1024,mixed0+8x64,decode1x1"], "ok"),
+        (["--ops=attention", "--attn_impls=xla,pallas", "--attn_tuning=block_q=16"], "ok"),
+    ]
+    p = subprocess.run([sys.executable, "-c", CHECK_FLAGS], input=json.dumps([c for c, _ in cases]),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) == len(cases), p.stdout
+    for (argv, expected), line in zip(cases, lines):
+        assert expected in line and (expected == "ok") == (line == "ok"), (argv, line)

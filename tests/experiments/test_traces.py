@@ -401,6 +401,18 @@ def test_bench_serving_trace_flags(bench, tmp_path):
         _parse(["--trace_format=parquet"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset=random", "--trace_file=t.csv"], "--trace_file is read only with --dataset=trace"),
+    (["--trace_speedup=2"], "--trace_speedup is read only with --dataset=trace"),
+    (["--dataset=trace", "--trace_file=t.csv", "--request_rate=4"], "--request_rate: --dataset=trace replays"),
+    (["--dataset=trace", "--trace_file=t.csv", "--burstiness=0.5"], "--burstiness: --dataset=trace replays"),
+])
+def test_bench_serving_refuses_flags_its_dataset_does_not_read(bench, tmp_path, argv, message):
+    _parse(["--model=tiny", f"--output_dir={tmp_path}", *argv])
+    with pytest.raises(app.UsageError, match=message):
+        bench.main([])
+
+
 @pytest.mark.parametrize("bad, message", [
     ("--layout=burstgpt --failed_requests=-1", "--failed_requests must be >= 0"),
     ("--layout=azure --start=garbage", "--start='garbage' is not a date and time"),

@@ -12,6 +12,8 @@ from tests.experiments.helpers import parse_flags
 @pytest.mark.parametrize("argv, match", [
     (["--input_len=0"], "--input_len must be >= 1"),
     (["--fit_out=f.json"], "--fit_out names the fit --fit_interleaved measures"),
+    (["--grid_decode=1,2"], "--grid_decode says how --fit_interleaved measures its fit"),
+    (["--fit_source=grid"], "--fit_source says how --fit_interleaved measures its fit"),
     (["--min_rank_gap=-1"], "--min_rank_gap must be a finite fraction >= 0"),
     (["--workload=trace", "--trace_file=/nonexist.csv"], "--workload=trace: /nonexist.csv"),
 ])

@@ -97,7 +97,7 @@ def test_bench_kernels_checks_shapes_and_tunings_in_one_process():
     from tests.compile_settings import ROOT, script_env
 
     cases = [
-        (["--ops=attention", "--attn_shapes=prefill512x256"], "the chunk of 512 query tokens ends at the context of 256"),
+        (["--ops=attention", "--attn_shapes=prefill512x256"], "512 query tokens ends at the context of 256"),
         (["--ops=attention", "--attn_shapes=mixed300+4x256"], "the chunk of 300 query tokens"),
         (["--ops=attention", "--attn_shapes=mixed0+0x256"], "is not a shape"),
         (["--ops=attention", "--attn_shapes=decode4x0"], "is not a shape"),

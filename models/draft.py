@@ -9,6 +9,9 @@ tokens get a -inf logit, so the draft never proposes them, and each draft token 
 columns instead of the vocabulary's (for SmolLM2-135M the 576 x 49152 head is about twice the arithmetic of all the
 layers of a 4-layer draft). Lossless in speculative decoding: the draft's q is 0 outside the head.
 
+`matched_vocab(model, vocab_size)`: the model with logits over another model's vocabulary size (a draft whose
+vocabulary is padded differently from its target's past the same tokenizer; `paged.speculation.draft` applies it).
+
 `save_hf_llama(params, cfg, out)`: float Llama `Weights` as an HF checkpoint (`model.safetensors` + `config.json`)
 that `models.load_model(out)` reads; a reduced head is saved as `lm_head.weight` `[N, H]` + `lm_head.token_ids`.
 """
@@ -64,6 +67,68 @@ def reduced_head(model: Model, token_ids) -> Model:
     cfg = dataclasses.replace(model.config, tie_word_embeddings=False)
     return Model(config=cfg, params=params, tokenizer=model.tokenizer,
                  source=f"{model.source}[head of {len(ids)} tokens]", dtype=model.dtype)
+
+
+def _fit_vocab_axis(a, n: int, axis: int):
+    """`a` with its vocabulary axis (`axis`; a `QuantizedArray`'s columns) cut to its first `n` ids or padded with
+    zeros to `n` (a quantized array with zero quants, scales and mins: it dequantizes to exact zeros)."""
+    def fit(x, ax):
+        if x is None:
+            return None
+        v = x.shape[ax]
+        if n <= v:
+            return jax.lax.slice_in_dim(x, 0, n, axis=ax)
+        pad = [(0, 0)] * x.ndim
+        pad[ax] = (0, n - v)
+        return jnp.pad(x, pad)
+
+    if isinstance(a, QuantizedArray):
+        return a.replace(values=fit(a.values, -1), scales=fit(a.scales, -1), mins=fit(a.mins, -1),
+                         shape=(a.shape[0], n))
+    return fit(jnp.asarray(a), axis)
+
+
+def _take_columns(a, cols: np.ndarray):
+    """The columns `cols` of a `[H, N]` head (float or `QuantizedArray`)."""
+    if isinstance(a, QuantizedArray):
+        take = lambda x: None if x is None else jnp.take(x, cols, axis=-1)
+        return a.replace(values=take(a.values), scales=take(a.scales), mins=take(a.mins), shape=(a.shape[0], len(cols)))
+    return jnp.take(jnp.asarray(a), cols, axis=-1)
+
+
+def matched_vocab(model: Model, vocab_size: int) -> Model:
+    """`model` (a draft) with logits over the `vocab_size` ids of another model (its target) whose vocabulary is
+    padded differently past the same tokenizer, as Qwen2.5-7B's 152064 ids and Qwen2.5-0.5B's 151936 for 151665
+    tokens. An id below both sizes keeps its logit; an id past the model's own vocabulary gets a -inf logit (never
+    proposed: its q is 0, so speculative decoding stays lossless) and a zero embedding (the target may feed it); an
+    id past `vocab_size` is dropped (it has no text: the tokenizer ends below both). Exact: the kept columns and rows
+    are the model's own (a quantized table is cut or zero-padded without requantizing). `model` itself when the
+    sizes already match."""
+    v = model.config.vocab_size
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise InvalidLoadOptionError(f"matched_vocab: vocab_size must be an int >= 1, got {vocab_size!r}")
+    if vocab_size == v:
+        return model
+    p = model.params
+    tied = p.lm_head is None
+    quantized_embed = isinstance(p.embed, QuantizedArray)  # (stored [H, V], as a head)
+    if p.head_ids is not None:  # a reduced head: keep its columns whose ids the target has
+        ids = np.asarray(p.head_ids)
+        keep = np.flatnonzero(ids < vocab_size)
+        if keep.size == 0:
+            raise InvalidLoadOptionError(f"matched_vocab: none of the reduced head's token ids is below {vocab_size}")
+        head, head_ids = _take_columns(p.lm_head, keep), jnp.asarray(ids[keep], jnp.int32)
+    elif vocab_size < v:  # the ids past `vocab_size` dropped: the head's first columns (tied: the cut table)
+        head = None if tied else _fit_vocab_axis(p.lm_head, vocab_size, -1)
+        head_ids = None
+    else:  # a head over the model's own ids; the target's ids past them get -inf
+        head = (p.embed if quantized_embed else jnp.asarray(p.embed).T) if tied else p.lm_head
+        head_ids = jnp.arange(v, dtype=jnp.int32)
+    embed = _fit_vocab_axis(p.embed, vocab_size, -1 if quantized_embed else 0)
+    params = p.replace(embed=embed, lm_head=head, head_ids=head_ids)
+    cfg = dataclasses.replace(model.config, vocab_size=vocab_size, tie_word_embeddings=head is None)
+    return dataclasses.replace(model, config=cfg, params=params,
+                               source=f"{model.source}[vocabulary {v} -> {vocab_size}]")
 
 
 def hf_llama_config(cfg) -> dict:

@@ -119,3 +119,52 @@ def test_a_checkpoint_with_bad_head_ids_is_refused(tmp_path):
     save_file({**t, "lm_head.token_ids": np.asarray([5, 1], np.int32)}, path)  # 2 ids for a head of 3 rows
     with pytest.raises(WeightShapeError, match="names 2 tokens but lm_head.weight has 3 rows"):
         load_model(str(tmp_path), load_tokenizer=False)
+
+
+# ------------------------------------------------------------------------------------- matched vocabulary
+def _matched_variants():
+    from models import quant as quant_lib
+
+    q4_tied = TIED.params.replace(embed=quant_lib.quantize(jnp.asarray(TIED.params.embed).T, "q4_1", 32))
+    q8_head = MODEL.params.replace(lm_head=quant_lib.quantize(MODEL.params.lm_head, "int8", 32))
+    return {"untied": MODEL, "tied": TIED,
+            "q4_tied": Model(config=TIED_CFG, params=q4_tied, tokenizer=None, source="q4-tied"),
+            "int8_head": Model(config=CFG, params=q8_head, tokenizer=None, source="int8-head"),
+            "reduced": reduced_head(MODEL, [5, 1, 40, 63, 7, 60])}
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "q4_tied", "int8_head", "reduced"])
+@pytest.mark.parametrize("vocab", [CFG.vocab_size - 8, CFG.vocab_size + 8])
+def test_matched_vocab_keeps_every_shared_logit_and_says_minus_inf_past_its_own(variant, vocab):
+    """A draft matched to a target's vocabulary size (`models.draft.matched_vocab`): the shared ids' logits are the
+    model's own, exactly; ids past its own vocabulary are -inf; a token past it, fed as the target may, embeds as
+    zeros (finite logits, not the NaN of an out-of-range gather)."""
+    from models.draft import matched_vocab
+
+    src = _matched_variants()[variant]
+    got = matched_vocab(src, vocab)
+    assert got.config.vocab_size == vocab and "vocabulary 64 -> " in got.source
+    before = np.asarray(forward(src.params, src.config, TOKENS))
+    after = np.asarray(forward(got.params, got.config, TOKENS))
+    assert after.shape == (*before.shape[:-1], vocab)
+    shared = min(vocab, CFG.vocab_size)
+    if variant in ("q4_tied", "int8_head"):  # (the quantized matmul blocks a narrower head differently)
+        np.testing.assert_allclose(after[..., :shared], before[..., :shared], rtol=1e-5, atol=1e-4)
+    else:
+        np.testing.assert_array_equal(after[..., :shared], before[..., :shared])
+    assert np.all(np.isneginf(after[..., CFG.vocab_size:]))
+    if vocab > CFG.vocab_size:
+        past = np.asarray(forward(got.params, got.config, jnp.asarray([[3, CFG.vocab_size + 2, 9]], jnp.int32)))
+        heard = past[..., :shared]
+        assert not np.isnan(past).any() and (np.isfinite(heard) | (variant == "reduced")).all()
+    assert matched_vocab(src, CFG.vocab_size) is src
+
+
+def test_matched_vocab_rejects_bad_sizes_and_a_head_with_no_shared_id():
+    from models.draft import matched_vocab
+
+    for bad in (0, 10.0, True):
+        with pytest.raises(InvalidLoadOptionError, match="vocab_size must be an int"):
+            matched_vocab(MODEL, bad)
+    with pytest.raises(InvalidLoadOptionError, match="none of the reduced head's token ids is below 30"):
+        matched_vocab(reduced_head(MODEL, [40, 50]), 30)

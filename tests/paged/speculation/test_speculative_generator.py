@@ -281,8 +281,12 @@ def test_invalid_speculation_arguments():
         DynamicGenerator(MODEL, draft_model=Model(config=short, params=OTHER.params, tokenizer=TOK, source="short"),
                          **SETTINGS)
     small = tiny_config(96, num_layers=1)
-    with pytest.raises(InvalidConfigError, match="vocabulary"):
+    with pytest.raises(InvalidConfigError, match="a vocabulary of 96 ids but the model has 258; a draft whose "
+                                                 "vocabulary differs needs both models' tokenizers"):
         DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
+                                                  source="small"), **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="the tokenizer's 258 tokens do not fit in both"):
+        DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=TOK,
                                                   source="small"), **SETTINGS)
 
     class OtherBytes(ByteTokenizer):
@@ -421,6 +425,44 @@ def test_a_draft_with_a_reduced_head(greedy_reference):
     said = [t for r in stream_of(greedy_reference.results).values() for x in r for t in x["token_ids"]]
     in_head = np.isin(said, ids[: CFG.vocab_size // 2])
     assert 0 < in_head.mean() < 1  # the target says tokens on both sides of the cut
+
+
+def padded(model: Model, vocab: int, zero_head: bool = False) -> Model:
+    """`model` with its vocabulary padded to `vocab` ids past the tokenizer's, as real checkpoints pad theirs: new
+    embedding rows random, new head columns random or zero (`zero_head`: a logit of 0, which the greedy argmax
+    over the model's own tokens beats, as a trained model never says its padded ids)."""
+    rng = np.random.default_rng(11)
+    p, h, extra = model.params, model.config.hidden_size, vocab - model.config.vocab_size
+    head = np.asarray(p.embed).T if p.lm_head is None else np.asarray(p.lm_head)
+    cols = np.zeros((h, extra)) if zero_head else rng.normal(size=(h, extra))
+    params = p.replace(embed=np.concatenate([np.asarray(p.embed), rng.normal(size=(extra, h))]).astype(np.float32),
+                       lm_head=np.concatenate([head, cols], axis=1).astype(np.float32))
+    cfg = ModelConfig(**{**model.config.__dict__, "vocab_size": vocab, "tie_word_embeddings": False})
+    return Model(config=cfg, params=params, tokenizer=model.tokenizer, source=f"{model.source}+pad{extra}")
+
+
+@pytest.mark.slow
+def test_a_draft_whose_vocabulary_is_padded_differently(greedy_reference):
+    """Qwen2.5-7B (152064 ids) drafted by Qwen2.5-0.5B (151936), one tokenizer of 151665 tokens: the draft's
+    logits are matched to the target's ids (`models.draft.matched_vocab`). The target's own model padded larger
+    drafts for it with every draft accepted (its padded ids are dropped, so the ids line up); and a target padded
+    larger, drafted by the unpadded model, gives its own output with every draft accepted (the draft's q is 0 past
+    its vocabulary)."""
+    gen, c = run_model(dict(num_draft_tokens=3, draft_model=padded(MODEL, 272)))
+    same_stream(c, greedy_reference)
+    assert gen.metrics()["acceptance_rate"] == 1.0 and gen.metrics()["drafted_tokens"] > 20
+    big = padded(MODEL, 272, zero_head=True)
+    alone = DynamicGenerator(big, **SETTINGS)
+    alone.enqueue(model_jobs())
+    reference = drain(alone)
+    said = [t for r in stream_of(reference.results).values() for x in r for t in x["token_ids"]]
+    assert max(said) < 258  # (the padded ids' logits of 0 lose to the model's tokens at greedy)
+    gen = DynamicGenerator(big, draft_model=MODEL, num_draft_tokens=3, **SETTINGS)
+    gen.enqueue(model_jobs())
+    same_stream(drain(gen), reference)
+    m = gen.metrics()
+    assert m["acceptance_rate"] == 1.0 and m["drafted_tokens"] > 20
+    gen.pool.check({})
 
 
 @pytest.mark.slow  # fast tier: mixed steps with the n-gram drafter and the fake engine

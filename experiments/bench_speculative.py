@@ -130,6 +130,7 @@ def main(argv):
 
     engine_flags.apply_cpu_dispatch()  # before anything starts JAX (the record's device says which mode ran)
     from paged.errors import InvalidConfigError
+    from paged.speculation.draft import check_draft_model
     from paged.speculation.ngram_corpus import NgramCorpus, load_corpus
 
     corpus = None
@@ -160,9 +161,10 @@ def main(argv):
                                  f"{target.config.num_layers} layers")
         drafts["self"] = truncated_model(target, FLAGS.self_draft_layers)
     if distilled is not None:
-        if distilled.config.vocab_size != target.config.vocab_size:
-            raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: its vocabulary ({distilled.config.vocab_size}) is "
-                                 f"not the target's ({target.config.vocab_size})")
+        try:  # (the same check the generator makes: a vocabulary padded differently needs both tokenizers)
+            check_draft_model(target, distilled)
+        except InvalidConfigError as e:
+            raise app.UsageError(f"--draft_dir {FLAGS.draft_dir}: {e}") from None
         drafts["distilled"] = distilled
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))

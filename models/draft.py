@@ -105,8 +105,9 @@ def matched_vocab(model: Model, vocab_size: int) -> Model:
     are the model's own (a quantized table is cut or zero-padded without requantizing). `model` itself when the
     sizes already match."""
     v = model.config.vocab_size
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
         raise InvalidLoadOptionError(f"matched_vocab: vocab_size must be an int >= 1, got {vocab_size!r}")
+    vocab_size = int(vocab_size)
     if vocab_size == v:
         return model
     p = model.params

@@ -27,10 +27,10 @@ distribution is close to the target's draws the target's token (Gumbel-max coupl
 more than the independent draws' sum p q, every draft where q = p. `greedy` (ExLlamaV2's sample-then-match): the
 draft proposes its argmax (after the row's penalties and bias) at every position instead of sampling.
 
-Validation (`InvalidConfigError`): the draft must share the target's tokenizer (the bytes of every token, where
-both have one) and its vocabulary size, or a size padded differently past the tokenizer's tokens (as Qwen2.5-7B's
-152064 ids and 0.5B's 151936): the draft's logits are then matched to the target's ids (`models.draft.matched_vocab`:
--inf past its own vocabulary, the ids past the target's dropped).
+Validation (`InvalidConfigError`): the draft must share the target's tokenizer (the bytes of every token both
+tokenizers and both models have). Its vocabulary size may differ (padded differently past the tokenizer, as
+Qwen2.5-7B's 152064 ids and 0.5B's 151936) when both have a tokenizer: the draft's logits are then matched to the
+target's ids (`models.draft.matched_vocab`: -inf past its own vocabulary, the ids past the target's dropped).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from typing import Any
 import jax
 
 from models.draft import matched_vocab
+from models.errors import InvalidLoadOptionError
 from paged.device.batch import RowInput
 from paged.device.config import Drafting
 from paged.device.engine import Engine
@@ -51,29 +52,25 @@ from paged.speculation.rows import DRAFT_SEED_SALT, Proposal, verification_row
 
 def check_draft_model(target_model: Any, draft_model: Any, target_tokenizer: Any = None) -> None:
     """Raise `InvalidConfigError` unless `draft_model` can draft for `target_model`: the same token bytes for every
-    id where both have a tokenizer, and the same vocabulary size, or sizes that differ only past the tokenizer's
-    tokens (both tokenizers given: the draft is then `models.draft.matched_vocab` to the target's)."""
+    id both tokenizers and both models have (a draft without a tokenizer is trusted when its vocabulary size is the
+    model's). The sizes may differ, as vocabularies padded differently past one tokenizer do (Qwen2.5-7B's 152064
+    ids and 0.5B's 151936; a GGUF tokenizer lists the padding as tokens of its own), since the draft is then
+    `models.draft.matched_vocab` to the model's ids, which keeps speculative decoding lossless."""
     tv, dv = target_model.config.vocab_size, getattr(getattr(draft_model, "config", None), "vocab_size", None)
     if dv is None or not hasattr(draft_model, "params"):
         raise InvalidConfigError(f"draft_model must be a loaded models.Model, got {type(draft_model).__name__}")
     ta = target_tokenizer if target_tokenizer is not None else getattr(target_model, "tokenizer", None)
     tb = getattr(draft_model, "tokenizer", None)
-    if tv != dv:  # padded differently past one tokenizer (`models.draft.matched_vocab`): the tokenizers must say so
-        if ta is None or tb is None:
+    if ta is None or tb is None:
+        if tv != dv:
             raise InvalidConfigError(f"draft_model has a vocabulary of {dv} ids but the model has {tv}; a draft "
                                      "whose vocabulary differs needs both models' tokenizers to show they share one "
                                      "(load both with their tokenizers, or use a draft with the same vocabulary)")
-        n = getattr(ta, "vocab_size", tv)
-        if n > min(tv, dv):
-            raise InvalidConfigError(f"draft_model has a vocabulary of {dv} ids but the model has {tv}, and the "
-                                     f"tokenizer's {n} tokens do not fit in both; speculative decoding needs a draft "
-                                     "with the same tokenizer, its vocabulary at most padded differently")
-    if ta is None or tb is None or ta is tb:
         return
-    n = getattr(ta, "vocab_size", tv)
-    if n != getattr(tb, "vocab_size", tv):
-        raise InvalidConfigError("draft_model's tokenizer has a different vocabulary size than the model's")
-    for i in range(min(n, tv, dv)):  # (a model's vocabulary may be padded past its tokenizer's: those ids have no text)
+    if ta is tb:
+        return
+    shared = min(getattr(ta, "vocab_size", tv), getattr(tb, "vocab_size", dv), tv, dv)
+    for i in range(shared):  # (past a tokenizer or a model's vocabulary: padding, with no text to compare)
         if ta.token_bytes(i) != tb.token_bytes(i):
             raise InvalidConfigError(f"draft_model's tokenizer differs from the model's (token {i}: "
                                      f"{tb.token_bytes(i)!r} vs {ta.token_bytes(i)!r}); speculative decoding needs "
@@ -89,7 +86,10 @@ class DraftModel:
     def __init__(self, target: Any, model: Any, num_draft_tokens: int, tokenizer: Any = None,
                  coupled: bool = False, greedy: bool = False):
         check_draft_model(target.model, model, tokenizer)
-        model = matched_vocab(model, target.model.config.vocab_size)  # (itself when the sizes match)
+        try:
+            model = matched_vocab(model, int(target.model.config.vocab_size))  # (itself when the sizes match)
+        except InvalidLoadOptionError as e:  # (a reduced head with no id the model has)
+            raise InvalidConfigError(f"draft_model: {e}") from None
         seq, positions = target.config.max_seq_len, model.config.max_position_embeddings
         if positions is not None and seq > positions:
             raise InvalidConfigError(f"draft_model: max_seq_len={seq} exceeds the draft model's "

@@ -56,8 +56,9 @@ class Speculator:
     `target`: the generator's `paged.device.engine.Engine`, built for this speculation's verification
     (`EngineConfig(verification=config.verification())`: its verification buckets, fixed at construction).
     `config` (`paged.speculation.config.SpeculationConfig`, validated there) says how:
-    its drafter is a draft model (`draft_model`, a `models.Model` sharing the target's vocabulary and tokenizer; its
-    engine gets the target's config, so the same page ids index both caches) or prompt lookup (`max_ngram`; with
+    its drafter is a draft model (`draft_model`, a `models.Model` sharing the target's tokenizer, its vocabulary
+    size the same or padded differently; its engine gets the target's config, so the same page ids index both
+    caches) or prompt lookup (`max_ngram`; with
     `ngram_corpus`, a table drafting where prompt lookup's match is short). `acceptance`: how sampled rows accept
     drafts, "rejection" (lossless rejection sampling), "match" (sample, then match, see `accept_drafts`; a draft
     model's draws coupled to the target's) or "exllamav2" (sample, then match, a draft model drafting greedily);

@@ -148,3 +148,18 @@ def test_a_bad_flag_is_a_usage_error_before_any_model_loads(tmp_path, bad, messa
     check that let a bad value through fails there with another message)."""
     p = run_expecting_usage_error("experiments.bench_speculative", f"--model={tmp_path / 'no-model'}", bad)
     assert message in p.stderr, p.stderr[-2000:]
+
+
+def test_a_draft_of_another_vocabulary_without_a_tokenizer_is_a_usage_error(model_dir, tmp_path):  # noqa: F811
+    """--draft_dir holds a checkpoint (no tokenizer files, as distill_draft writes) of another vocabulary size: the
+    generator's own check (`paged.speculation.draft.check_draft_model`) refuses it, as a usage error naming the
+    flag (it had compared the sizes alone, refusing the padded-differently drafts the generator takes)."""
+    from models.draft import save_hf_llama
+    from paged.testing import tiny_config, tiny_model
+
+    draft = tiny_model(tiny_config(96, num_layers=1))
+    save_hf_llama(draft.params, draft.config, str(tmp_path / "draft"))
+    p = run_expecting_usage_error("experiments.bench_speculative", f"--model={model_dir}", "--drafters=distilled",
+                                  f"--draft_dir={tmp_path / 'draft'}", "--draft_quant=none", "--nowarmup")
+    assert f"--draft_dir {tmp_path / 'draft'}: draft_model has a vocabulary of 96 ids" in p.stderr, p.stderr[-2000:]
+    assert "needs both models' tokenizers" in p.stderr

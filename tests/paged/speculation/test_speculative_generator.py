@@ -285,9 +285,30 @@ def test_invalid_speculation_arguments():
                                                  "vocabulary differs needs both models' tokenizers"):
         DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=None,
                                                   source="small"), **SETTINGS)
-    with pytest.raises(InvalidConfigError, match="the tokenizer's 258 tokens do not fit in both"):
-        DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small), tokenizer=TOK,
-                                                  source="small"), **SETTINGS)
+    # with both tokenizers another size is fine (the draft proposes only its own ids: lossless), as GGUF tokenizers
+    # the size of their models, padding listed as tokens, are; a mismatch within the shared ids is still refused
+    small_draft = DynamicGenerator(MODEL, draft_model=Model(config=small, params=init_random_weights(small),
+                                                            tokenizer=TOK, source="small"), **SETTINGS)
+    assert small_draft.speculation.speculator.draft.engine.vocab_size == 258
+
+    class Padded(ByteTokenizer):  # a GGUF tokenizer: the model's padded ids listed as [PADi] tokens
+        def __init__(self, size, differ_at=None):
+            self.vocab_size, self.differ_at = size, differ_at
+
+        def token_bytes(self, t):
+            if t == self.differ_at:
+                return b"?"
+            return super().token_bytes(t) if t < 258 else f"[PAD{t}]".encode()
+
+    gguf_like = [tiny_config(v, num_layers=1) for v in (272, 264)]
+    big, little = (Model(config=c, params=init_random_weights(c, seed=1), tokenizer=Padded(c.vocab_size),
+                         source=f"gguf-{c.vocab_size}") for c in gguf_like)
+    assert DynamicGenerator(big, draft_model=little, **SETTINGS).speculation.speculator.draft.engine.vocab_size == 272
+    odd = Model(config=gguf_like[1], params=little.params, tokenizer=Padded(264, differ_at=100), source="odd")
+    with pytest.raises(InvalidConfigError, match="token 100"):
+        DynamicGenerator(big, draft_model=odd, **SETTINGS)
+    with pytest.raises(InvalidConfigError, match="none of the reduced head's token ids is below 258"):
+        DynamicGenerator(MODEL, draft_model=reduced_head(padded_model(MODEL, 272), [260, 270]), **SETTINGS)
 
     class OtherBytes(ByteTokenizer):
         def token_bytes(self, t):
@@ -427,7 +448,7 @@ def test_a_draft_with_a_reduced_head(greedy_reference):
     assert 0 < in_head.mean() < 1  # the target says tokens on both sides of the cut
 
 
-def padded(model: Model, vocab: int, zero_head: bool = False) -> Model:
+def padded_model(model: Model, vocab: int, zero_head: bool = False) -> Model:
     """`model` with its vocabulary padded to `vocab` ids past the tokenizer's, as real checkpoints pad theirs: new
     embedding rows random, new head columns random or zero (`zero_head`: a logit of 0, which the greedy argmax
     over the model's own tokens beats, as a trained model never says its padded ids)."""
@@ -448,10 +469,10 @@ def test_a_draft_whose_vocabulary_is_padded_differently(greedy_reference):
     drafts for it with every draft accepted (its padded ids are dropped, so the ids line up); and a target padded
     larger, drafted by the unpadded model, gives its own output with every draft accepted (the draft's q is 0 past
     its vocabulary)."""
-    gen, c = run_model(dict(num_draft_tokens=3, draft_model=padded(MODEL, 272)))
+    gen, c = run_model(dict(num_draft_tokens=3, draft_model=padded_model(MODEL, 272)))
     same_stream(c, greedy_reference)
     assert gen.metrics()["acceptance_rate"] == 1.0 and gen.metrics()["drafted_tokens"] > 20
-    big = padded(MODEL, 272, zero_head=True)
+    big = padded_model(MODEL, 272, zero_head=True)
     alone = DynamicGenerator(big, **SETTINGS)
     alone.enqueue(model_jobs())
     reference = drain(alone)

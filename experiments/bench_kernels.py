@@ -175,9 +175,12 @@ MATMUL_SHAPE = r"(\d+)x(\d+)x(\d+)"
 
 def check_flags() -> None:
     """Every flag checked before the peaks are measured: app.UsageError naming the flag."""
+    import jax
+
     from pallas_kernels.quant_format import KINDS
     from pallas_kernels.registry import KernelError, attention_registry, matmul_registry
 
+    backend, tuned = jax.default_backend(), 0
     ops = ("attention", "matmul")
     if not FLAGS.ops or any(o not in ops for o in FLAGS.ops):
         raise app.UsageError(f"--ops takes a comma-separated list of {', '.join(ops)}, got {','.join(FLAGS.ops)!r}")
@@ -201,12 +204,15 @@ def check_flags() -> None:
                 raise app.UsageError(f"--{name}: {v!r}: the chunk of {sizes[0]} query tokens ends at the context of "
                                      f"{sizes[-1]}, so it can be at most {sizes[-1]} tokens")
 
-    def impls_and_tuning(reg, impls_flag: str, tuning_flag: str) -> None:
+    def impls_and_tuning(reg, impls_flag: str, tuning_flag: str, defaults) -> int:
+        """Checks the family's implementations and their tunings; returns how many of them take a tuning."""
         impls = getattr(FLAGS, impls_flag)
         if impls is not None and not impls:
             raise app.UsageError(f"--{impls_flag} needs at least one implementation (leave it out for the defaults)")
+        named = (f"--{impls_flag}={','.join(impls)}" if impls
+                 else f"the default --{impls_flag} here ({','.join(defaults)})")
         tuned = []
-        for name in impls or ():
+        for name in impls or defaults:
             try:
                 impl = reg.get(name)
             except KernelError as e:
@@ -219,10 +225,10 @@ def check_flags() -> None:
                     reg.parse_tuning(impl, getattr(FLAGS, flag))
                 except KernelError as e:
                     raise app.UsageError(f"--{flag}: {e}") from None
-        for flag in (tuning_flag, "sweep_fix"):
-            if impls and not tuned and getattr(FLAGS, flag):
-                raise app.UsageError(f"--{flag}: none of --{impls_flag}={','.join(impls)} takes a tuning (no "
-                                     "tuning_type); drop it or add an implementation that does")
+        if not tuned and getattr(FLAGS, tuning_flag):
+            raise app.UsageError(f"--{tuning_flag}: none of {named} takes a tuning (no tuning_type); drop it or name "
+                                 "an implementation that does")
+        return len(tuned)
 
     if "attention" in FLAGS.ops:
         heads = re.fullmatch(r"(\d+)x(\d+)x(\d+)", FLAGS.heads)
@@ -230,7 +236,8 @@ def check_flags() -> None:
             raise app.UsageError(f"--heads takes <KV heads>x<query heads per KV head>x<head dim> (each >= 1), got "
                                  f"{FLAGS.heads!r}")
         shapes("attn_shapes", ATTN_SHAPE, "decode<rows>x<ctx>, prefill<q>x<ctx> or mixed<q>+<rows>x<ctx>")
-        impls_and_tuning(attention_registry(), "attn_impls", "attn_tuning")
+        tuned += impls_and_tuning(attention_registry(), "attn_impls", "attn_tuning",
+                                  default_impls(backend, native_attention_reason(FLAGS.heads)))
     if "matmul" in FLAGS.ops:
         shapes("matmul_shapes", MATMUL_SHAPE, "<n>x<in>x<out>")
         for v in FLAGS.matmul_shapes:
@@ -239,7 +246,13 @@ def check_flags() -> None:
         if not FLAGS.kinds or any(k not in KINDS for k in FLAGS.kinds):
             raise app.UsageError(f"--kinds takes a comma-separated list of {', '.join(KINDS)}, got "
                                  f"{','.join(FLAGS.kinds)!r}")
-        impls_and_tuning(matmul_registry(), "matmul_impls", "matmul_tuning")
+        tuned += impls_and_tuning(matmul_registry(), "matmul_impls", "matmul_tuning",
+                                  default_impls(backend, native_matmul_reason()))
+    if FLAGS.sweep_fix and not FLAGS.sweep:
+        raise app.UsageError("--sweep_fix narrows the --sweep grid: add --sweep, or drop it")
+    if FLAGS.sweep_fix and not tuned:
+        raise app.UsageError("--sweep_fix: no implementation timed here takes a tuning (no tuning_type), so there is "
+                             "no grid to narrow")
 
 
 # ------------------------------------------------------------------------------------------------- timing

@@ -52,8 +52,8 @@ flags.DEFINE_string("dataset_path", None,
                     "sharegpt: length-pair file (default experiments/data/sharegpt_like_lengths.json)")
 # load
 flags.DEFINE_list("max_concurrency", ["4"], "requests in flight; a comma list runs a sweep; 'inf' = no limit")
-flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0); ignored with "
-                   "--dataset=trace")
+flags.DEFINE_float("request_rate", math.inf, "arrivals per second (inf: all requests at t=0); not with "
+                   "--dataset=trace (its own arrival times)")
 flags.DEFINE_integer("num_warmup", None, "unmeasured requests run before each measured run, at its concurrency "
                      "(default: max(2, max_concurrency), or max_batch_size without a limit)")
 flags.DEFINE_bool("compile_all_buckets", True, "generator.warmup(): compile every step bucket before measuring")
@@ -151,6 +151,12 @@ def make_workload(trace, tok, vocab_size: int, max_seq_len: int | None, num_prom
 CHECK_VOCAB = 258  # the stand-in vocabulary check_flags() builds the workload over (the model's comes later)
 
 
+# the length flags each dataset reads (the others are refused when given, not silently ignored)
+DATASET_READS = {"random": ("input_len", "output_len", "range_ratio"),
+                 "prefix": ("input_len", "output_len", "range_ratio", "num_prefixes", "prefix_len"),
+                 "sharegpt": (), "trace": ()}
+
+
 def check_flags(trace=None) -> None:
     """The flags' problems that would otherwise surface only after the hardware peaks are measured, the model loaded
     and every step bucket compiled: app.UsageError naming the flag. `trace`: --dataset=trace's trace, already read."""
@@ -163,6 +169,12 @@ def check_flags(trace=None) -> None:
                                      f"{FLAGS[name].value}")
     if FLAGS.dataset_path and FLAGS.dataset != "sharegpt":
         raise app.UsageError(f"--dataset_path is only read with --dataset=sharegpt, not --dataset={FLAGS.dataset}")
+    for name in ("input_len", "output_len", "range_ratio", "num_prefixes", "prefix_len"):
+        if FLAGS[name].present and name not in DATASET_READS[FLAGS.dataset]:
+            users = [d for d, r in DATASET_READS.items() if name in r]
+            raise app.UsageError(f"--{name} is not used by --dataset={FLAGS.dataset} (only by --dataset="
+                                 f"{' or '.join(users)}): its lengths come from "
+                                 f"{'the trace' if FLAGS.dataset == 'trace' else 'the dataset'}")
     if FLAGS.seed is not None and FLAGS.seed < 0:
         raise app.UsageError(f"--seed must be >= 0, got {FLAGS.seed}")
     if FLAGS.run_name is not None and (not FLAGS.run_name.strip() or "/" in FLAGS.run_name or os.sep in FLAGS.run_name

@@ -105,8 +105,14 @@ def test_bench_kernels_checks_shapes_and_tunings_in_one_process():
          "--attn_tuning: none of --attn_impls=xla takes a tuning"),
         (["--ops=matmul", "--matmul_impls=xla", "--matmul_tuning=block_n=64"],
          "--matmul_tuning: none of --matmul_impls=xla takes a tuning"),
+        (["--ops=attention", "--attn_tuning=block_q=16"], "--attn_tuning: none of the default --attn_impls here"),
+        (["--sweep_fix=block_q=16"], "--sweep_fix narrows the --sweep grid: add --sweep"),
+        (["--sweep", "--attn_impls=xla", "--matmul_impls=xla", "--sweep_fix=block_q=16"],
+         "--sweep_fix: no implementation timed here takes a tuning"),
         (["--ops=attention", "--attn_shapes=prefill256x256,mixed128+8x1024,mixed0+8x64,decode1x1"], "ok"),
         (["--ops=attention", "--attn_impls=xla,pallas", "--attn_tuning=block_q=16"], "ok"),
+        # one flag for both families: the attention kernel's grid, with a matmul family that takes no tuning
+        (["--attn_impls=pallas", "--matmul_impls=xla", "--sweep", "--sweep_fix=block_q=16,pages_per_block=4"], "ok"),
     ]
     p = subprocess.run([sys.executable, "-c", CHECK_FLAGS], input=json.dumps([c for c, _ in cases]),
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))

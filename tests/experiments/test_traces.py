@@ -406,6 +406,8 @@ def test_bench_serving_trace_flags(bench, tmp_path):
     (["--trace_speedup=2"], "--trace_speedup is read only with --dataset=trace"),
     (["--dataset=trace", "--trace_file=t.csv", "--request_rate=4"], "--request_rate: --dataset=trace replays"),
     (["--dataset=trace", "--trace_file=t.csv", "--burstiness=0.5"], "--burstiness: --dataset=trace replays"),
+    (["--dataset=sharegpt", "--input_len=64"], "--input_len is not used by --dataset=sharegpt"),
+    (["--dataset=random", "--prefix_len=64"], "--prefix_len is not used by --dataset=random"),
 ])
 def test_bench_serving_refuses_flags_its_dataset_does_not_read(bench, tmp_path, argv, message):
     _parse(["--model=tiny", f"--output_dir={tmp_path}", *argv])

@@ -39,3 +39,14 @@ def test_check_flags_only_runs_nothing(cp, monkeypatch, capsys):
     parse_flags(validate_sim, ["--model=tiny", "--num_requests=4", "--rates=1", "--check_flags_only"])
     validate_sim.main([])
     assert "the flags are fine" in capsys.readouterr().out
+
+
+def test_the_calibration_flag_names_are_the_flags_define_flags_defines(cp):
+    """validate_sim refuses these without --fit_interleaved: the list must not drift from the definitions."""
+    from absl import flags
+
+    from experiments import validate_sim  # noqa: F401 (defines them)
+    from experiments.lib import calibration
+
+    defined = {f.name for f in flags.FLAGS.get_flags_for_module(calibration.__name__)}
+    assert defined == set(calibration.FLAG_NAMES)

@@ -4,7 +4,8 @@ compiler crashed (SIGSEGV) in the full run, never in any subset. Dropping JAX's 
 a test module, once the process's mapped regions pass `MAP_SHARE` of the kernel's limit or its resident memory
 `RSS_LIMIT`, keeps both bounded; below them a module keeps the programs earlier modules compiled (dropping them after
 every module, as before, cost the fast tier 52 s of teardowns, 4:06 -> 3:50 on the 2-core host, 2026-12-07;
-`PAGED_TEST_RELEASE_EVERY_MODULE=1` restores it).
+`PAGED_TEST_RELEASE_EVERY_MODULE=1` restores it). A module whose tests count compiled variants is marked
+`fresh_programs` and starts with none in memory, whichever modules ran before it on its worker.
 
 Compiled programs persist on disk (JAX's compilation cache in `.pytest_cache/jax-compilation-cache`, shared by the
 xdist workers), so a module that needs a program another module or worker compiled loads it instead of compiling it
@@ -62,7 +63,11 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs_after_each_module():
+def _compiled_programs_across_modules(request):
+    """A module marked `fresh_programs` (its tests count compiled variants) starts with none in memory; after any
+    module the programs are dropped only near the map or memory limit (`_near_the_limits`)."""
+    if request.node.get_closest_marker("fresh_programs") is not None:
+        jax.clear_caches()
     yield
     if os.environ.get("PAGED_TEST_RELEASE_EVERY_MODULE") == "1" or _near_the_limits():
         jax.clear_caches()

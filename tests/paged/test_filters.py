@@ -34,6 +34,8 @@ from paged.filters import (
 from paged.host import generator as generator_module
 from paged.testing import ByteTokenizer, FakeEngine, drain, tiny_model, verification_for
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 TOK = ByteTokenizer()  # token i < 256 is byte i; 256 = <eos>, 257 = <bos>
 GREEDY = SamplingSettings.greedy()
 HOT = SamplingSettings(temperature=1.5, top_k=0, top_p=1.0)

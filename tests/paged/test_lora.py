@@ -31,6 +31,8 @@ from paged.errors import (
 )
 from paged.testing import ByteTokenizer, drain, tiny_config, tiny_model
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 TOK = ByteTokenizer()
 CFG = tiny_config(TOK.vocab_size, max_position_embeddings=256)
 MODEL = tiny_model(CFG, seed=5, tokenizer=TOK)

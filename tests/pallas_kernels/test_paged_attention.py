@@ -27,6 +27,8 @@ from pallas_kernels.paged_attention import (
 from pallas_kernels.tuning import default_tuning
 from tests.pallas_kernels.helpers import find, names_of, spy
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 # impl -> the function of `pallas_kernels.paged_attention` that runs it
 IMPL_FUNCTIONS = {
     "reference": "ragged_paged_attention_reference",

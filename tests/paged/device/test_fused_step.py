@@ -20,6 +20,8 @@ from paged.testing import drain
 from tests.paged.device.test_warmup import count_jax_compiles
 from tests.paged.speculation.test_speculative_generator import MODEL, SETTINGS, TOK
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 MOTIF = {int(t): 6.0 for t in TOK.encode("abc")}  # a bias that makes the outputs repeat it: prompt lookup drafts
 GREEDY = SamplingSettings.greedy(token_bias=MOTIF)
 # penalties see the earlier drafts of a verification row (and bring a draft model's drafts to the host for the

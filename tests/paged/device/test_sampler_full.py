@@ -13,6 +13,8 @@ import pytest
 from paged.device.sampling import SamplingRows, apply_dry, apply_penalties, processed_logprobs, sample
 from paged.token_sets import pack, unpack
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 S, V, R = 24, 256, 24
 _processed = jax.jit(processed_logprobs)
 _sample = jax.jit(sample, static_argnames="return_top_k")

@@ -17,6 +17,8 @@ from paged.device.state import EngineState
 from paged.device.step import decode_burst, step
 from paged.testing import tiny_config
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 CFG = tiny_config(96)
 PARAMS = init_random_weights(CFG, seed=0)
 

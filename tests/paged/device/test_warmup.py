@@ -21,6 +21,8 @@ from paged.device.engine import Engine, count_compiles, host_top_k
 from paged.device.step import TOP_K_WIDTH, StepStatics, lm_head, sample_inputs, step_sample
 from paged.testing import drain, tiny_config, tiny_model
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 TOK = load_tokenizer_from_dir("tests/models/data/tiny_bpe")  # 601 ids: enough for ban lists wider than BIAS_WIDTH
 CFG = tiny_config(TOK.vocab_size, rope_theta=31000.0)  # a config no other module uses
 MODEL = tiny_model(CFG, seed=4, tokenizer=TOK, source="tiny-bpe")

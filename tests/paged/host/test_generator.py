@@ -12,6 +12,8 @@ from paged.testing import drain, quantized_tiny_model, tiny_config, tiny_model
 from pallas_kernels import native_attention
 from pallas_kernels.native import unavailable_reason as native_unavailable
 
+pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
+
 CFG = tiny_config(96)
 MODEL = tiny_model(CFG, seed=1)
 

@@ -22,7 +22,8 @@ from tests.paged.speculation.test_speculative_generator import (
 )
 
 # each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
-pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
+pytestmark = [pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit"),
+              pytest.mark.fresh_programs]  # (counts compiled variants)
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ log-distribution, which speculative decoding can reuse for verification.
 
 Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler.sample` + C++ `sample_basic`):
 
+0. Classifier-free guidance (`apply_cfg`), before everything else as in ExLlamaV2: a row paired with its negative
+   prompt's row becomes the scale's mix of the two log-distributions.
 1. Repetition, frequency and presence penalties, counted over `history` (the most recent R tokens of prompt +
    output), each occurrence weighted by `penalty_weights`: full within `penalty_range` of the end, then fading
    linearly to neutral over `penalty_decay` more tokens (ExLlamaV2's `token_repetition_range` / `_decay`).
@@ -13,7 +15,8 @@ Order of operations (per row), and where it follows ExLlamaV2 (`ExLlamaV2Sampler
    `freq * weight` per occurrence, presence subtracts `pres` once per distinct token; repetition and presence use
    the most recent occurrence's weight, as ExLlamaV2's backwards pass does.
 2. Additive bias: sparse (`bias_ids`/`bias_values`), plus optionally a dense `[S, V]` bias for rows with many
-   entries (`adjusted_logits`; both it and the penalties run under a `lax.cond`, skipped when no row uses them).
+   entries (`adjusted_logits`; it, CFG and the penalties run under a `lax.cond`, skipped when no row uses them; the
+   logits these steps and DRY adjust are clamped to +-`LOGIT_LIMIT`, a ban's -inf kept).
    ExLlamaV2 sets blocked tokens to -1e30 and then adds `token_bias`; both collapse into this one step here (a value
    of -inf bans a token).
 3. DRY (`apply_dry`), then the constrained-decoding token mask.

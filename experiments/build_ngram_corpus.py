@@ -12,7 +12,8 @@ JSON log next to it (`<out>.json`: flags, answers, tokens, contexts, seconds).
     python -m experiments.build_ngram_corpus --out=/tmp/corpus-smoke.npz --num_prompts=8 --gen_tokens=16
     python -m experiments.generate --ngram_draft --ngram_corpus=/tmp/smollm2-corpus.npz --adaptive_draft
 
-docs/speculative.md ("A corpus table for the n-gram drafter") has what it gains.
+docs/notes/speculative-journal.md, "A corpus table for the n-gram drafter (2026-11-29, AMD EPYC host)", has what it
+gains.
 """
 
 from __future__ import annotations

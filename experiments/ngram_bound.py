@@ -14,7 +14,7 @@ that output (greedy outputs under speculation are plain decoding's, bit for bit 
 Reported per workload, k and policy: steps, verification steps, tokens per step (the speed-up if verification cost
 nothing and prefill as much as a decode step), tokens per verification, and the predicted speed-up when a
 verification step costs c plain steps, for each c of `--verify_costs` (`experiments.bench_speculative` and
-docs/speculative.md measure c: 1.7 on the 2-core CPU at k = 4, 1.09 on an H200).
+docs/speculative.md measure c: 1.53 on the 2-core CPU at k = 4, 1.09 on an H200, its "Current figures").
 
 How many of its drafts a step verifies (`--policies`, `paged.speculation.ngram.replay`): "all" (the generator's fixed
 drafter),

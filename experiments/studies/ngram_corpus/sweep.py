@@ -1,4 +1,5 @@
-"""The corpus table's settings, swept offline (docs/speculative.md, "A corpus table for the n-gram drafter").
+"""The corpus table's settings, swept offline (docs/notes/speculative-journal.md, "A corpus table for the n-gram
+drafter (2026-11-29, AMD EPYC host)").
 
 Reads the corpus that gen_corpus.py writes (the model's greedy answers to build_ngram_corpus's default prompt set)
 and the benchmark outputs that gen_workloads.py writes (16 copy and 16 chat prompts, 96 tokens), then replays the

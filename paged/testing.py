@@ -134,8 +134,9 @@ class FakeEngine:
                 t = (r.tokens[-1] + 1) % vocab  # next_token
                 if r.bias or r.mask is not None:
                     t = self._first_allowed(r, t)
-                tokens.append(t)
-                logprobs.append(-(t % 7 + 1) / 10 - (r.start_pos + len(r.tokens)) / 1000)  # fake_logprob
+                tokens.append(max(t, 0))
+                logprobs.append(-math.inf if t < 0 else  # (nothing allowed: as the real sampler reports it)
+                                -(t % 7 + 1) / 10 - (r.start_pos + len(r.tokens)) / 1000)  # fake_logprob
         else:
             for r in rows:
                 if self.record:
@@ -168,12 +169,15 @@ class FakeEngine:
         t = self.next_token(r)
         if r.bias or r.mask is not None:  # (without either, every token is allowed)
             t = self._first_allowed(r, t)
+            if t < 0:  # every token banned or masked out: token 0 at -inf, as the real sampler reports it
+                return 0, -math.inf, [0] * return_top_k, [-math.inf] * return_top_k
         pos = r.start_pos + len(r.tokens)  # where the sampled token goes in the sequence
         ids, lps = fake_top_k(t, pos, return_top_k, self.vocab_size) if return_top_k else ([], [])
         return t, fake_logprob(t, pos), ids, lps
 
     def _first_allowed(self, r, t):
-        """`t`, or the first id after it (cyclically) that the row's bias does not ban and its mask allows."""
+        """`t`, or the first id after it (cyclically) that the row's bias does not ban and its mask allows; -1 when
+        there is none."""
         bias = r.bias or {}
 
         def allowed(t: int) -> bool:
@@ -183,7 +187,7 @@ class FakeEngine:
             if allowed(t):
                 return t
             t = (t + 1) % self.vocab_size
-        raise ValueError("FakeEngine: every token is banned or masked out")
+        return -1
 
     # ------------------------------------------------------------------ speculative verification (n-gram drafts)
     def _run_verify(self, rows, return_top_k, return_logits):

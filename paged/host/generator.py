@@ -657,6 +657,11 @@ class DynamicGenerator:
                 bad.add(i)
                 results.append(self._fail(owners[i], JobFailure(f"its filter failed: {type(mask).__name__}: {mask}"),
                                           self.clock()))
+            elif not np.any(mask):  # (every engine would fail it after the step; this names the cause first)
+                bad.add(i)
+                results.append(self._fail(owners[i], JobFailure(
+                    f"its filters allow no token after {owners[i].new_tokens} new tokens (filters that exclude each "
+                    "other, or text so far that none of them can continue)"), self.clock()))
             else:
                 rows[i].mask = mask
         if not bad:

@@ -121,7 +121,16 @@ class SchedulerView:
     def __init__(self, sched: Scheduler):
         self._s = sched
         self.config = sched.config
-        self.running = sched.active
+
+    @property
+    def running(self) -> list[Job]:
+        return list(self._s.active)  # (a copy: changing it changes nothing; preempt() does)
+
+    def _in_admit(self, call: str) -> None:
+        s = self._s
+        if s.hook != "admit()":
+            raise s.policy_error(f"{call} may be called only from admit() (where the step's rows are not planned "
+                                 "yet); victim() names its victim by returning it")
 
     @property
     def now(self) -> float:
@@ -136,6 +145,7 @@ class SchedulerView:
 
     def start(self, job: Job) -> None:
         s = self._s
+        self._in_admit("start()")
         if not isinstance(job, Job):
             raise s.policy_error(f"start() takes one of the waiting jobs, got {type(job).__name__}")
         if job not in s.waiting:
@@ -148,6 +158,7 @@ class SchedulerView:
         s.start(job)
 
     def preempt(self, job: Job) -> None:
+        self._in_admit("preempt()")
         self._s.preempt(job)
 
     def would_fit_without(self, job: Job, victims: list[Job]) -> bool:

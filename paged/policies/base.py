@@ -44,7 +44,7 @@ class SchedulerView(Protocol):
     """What a policy sees of the scheduler (implemented by `paged.host.scheduler.SchedulerView`)."""
 
     config: EngineConfig  # page_size, max_batch_size, max_chunk_size (the default token budget), num_pages, ...
-    running: list[Job]  # the running jobs, in admission order (do not modify: use preempt())
+    running: list[Job]  # the running jobs, in admission order (a copy: changing it changes nothing; use preempt())
 
     @property
     def now(self) -> float:
@@ -59,11 +59,12 @@ class SchedulerView(Protocol):
 
     def start(self, job: Job) -> None:
         """Admit a waiting job now (its pages are allocated). It must be waiting and fit (`fits`), else
-        `PolicyError`."""
+        `PolicyError`; only from `admit()` (elsewhere a `PolicyError`)."""
 
     def preempt(self, job: Job) -> None:
         """Preempt a running job: pages released, back to the front of the waiting queue, tokens kept. A job that
-        is not running is a `PolicyError`."""
+        is not running is a `PolicyError`; only from `admit()` (elsewhere a `PolicyError`: `victim()` returns its
+        victim instead, and the scheduler preempts it)."""
 
     def would_fit_without(self, job: Job, victims: list[Job]) -> bool:
         """Whether `job` would fit once `victims` (running jobs) were preempted (nothing is changed)."""

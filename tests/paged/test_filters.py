@@ -420,3 +420,31 @@ def test_a_draft_model_verifies_filtered_jobs_under_each_positions_mask():
     for host, device in seen:
         assert host == list(device[: len(host)])
     check_clean(gen)
+
+
+@pytest.mark.parametrize("engine", ["fake", "sim"])
+def test_a_job_whose_filters_allow_nothing_fails_alone(engine):
+    """Filters that exclude each other leave no token: that job fails with a message naming its filters, the
+    other job finishes, no page leaks. On the fake and the simulated engine it had failed every step of every job
+    (a ValueError out of the fake's sampler), where the real engine fails that job alone; a row whose bias bans
+    every token its mask allows now comes back at -inf, as the real sampler reports it."""
+    from paged.device.config import EngineConfig
+    from paged.sim import SimulatedEngine, StepTimeModel
+
+    eng = FakeEngine() if engine == "fake" else SimulatedEngine(
+        EngineConfig(num_pages=33, page_size=8, max_batch_size=4, max_seq_len=128, max_chunk_size=16),
+        StepTimeModel.constant(0.01))
+    gen = DynamicGenerator(tokenizer=TOK, engine=eng)
+    greedy = SamplingSettings.greedy()
+    gen.enqueue([Job(TOK.encode("abc"), 8, identifier="conflict", gen_settings=greedy,
+                     filters=[RegexFilter("a+"), RegexFilter("b+")]),
+                 Job(TOK.encode("abc"), 8, identifier="banned", filters=[RegexFilter("a+")],
+                     gen_settings=SamplingSettings(temperature=0.0, token_bias={97: float("-inf")})),
+                 Job(TOK.encode("xyz"), 8, identifier="innocent", gen_settings=greedy)])
+    c = drain(gen)
+    f = c.finals
+    assert f["conflict"]["eos_reason"] == "error" and "its filters allow no token after 0 new tokens" in \
+        f["conflict"]["error"]
+    assert f["banned"]["eos_reason"] == "error" and "log-probability -inf" in f["banned"]["error"]
+    assert f["innocent"]["eos_reason"] == "max_new_tokens" and f["innocent"]["new_tokens"] == 8
+    gen.pool.check({})

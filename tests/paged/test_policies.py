@@ -398,6 +398,53 @@ def test_a_bad_victim_or_a_raising_hook_is_a_named_policy_error():
     assert gen.pool.num_referenced == 0 and len(gen.pending) == 2
 
 
+def test_start_and_preempt_outside_admit_are_policy_errors_and_running_is_a_copy():
+    """preempt() from victim() had left the preempted job's row in the step with its pages released (two innocent
+    jobs failed with an IndexError); a policy popping `s.running` had lost a job and leaked its pages."""
+    class PreemptsInVictim(Policy):
+        name = "preempts_in_victim"
+        allocation = "on_demand"
+
+        def victim(self, running, needy, s):
+            s.preempt(next(r for r in running if r is not needy))
+            return needy
+
+    class StartsInBudget(Policy):
+        name = "starts_in_budget"
+
+        def prefill_budget(self, decode_rows, s):
+            if self.waiting:
+                s.start(self.waiting[0])
+            return s.config.max_chunk_size
+
+        def admit(self, waiting, s):
+            self.waiting = list(waiting)[1:]
+            for j in list(waiting)[:1]:
+                s.start(j)
+
+    class PopsRunning(Policy):
+        name = "pops_running"
+
+        def admit(self, waiting, s):
+            super().admit(waiting, s)
+            if len(s.running) > 1:
+                s.running.pop()
+
+    specs = [("abcd", 12), ("efgh", 12), ("ijkl", 12)]
+    for policy, match in ((PreemptsInVictim(), r"victim\(\): preempt\(\) may be called only from admit\(\)"),
+                          (StartsInBudget(), r"prefill_budget\(\): start\(\) may be called only from admit\(\)")):
+        gen = make(policy, ContextFakeEngine, num_pages=8, page_size=4, max_batch_size=3)
+        gen.enqueue([job(t, n) for t, n in specs])
+        with pytest.raises(PolicyError, match=match):
+            for _ in range(60):
+                gen.iterate()
+        gen.pool.check(expected_refs=page_refs(gen))
+    gen = make(PopsRunning(), ContextFakeEngine, num_pages=16, page_size=4, max_batch_size=3)
+    gen.enqueue([job(t, n) for t, n in specs])
+    _, finals = run_collect(gen)
+    assert finals.keys() == {t for t, _ in specs} and gen.pool.num_referenced == 0
+
+
 def test_a_policy_whose_constructor_raises_is_named():
     for spec in ("tests.paged.test_policies:RaisingPolicy", RaisingPolicy):
         with pytest.raises(InvalidConfigError, match=r"policy '.*RaisingPolicy'.*raised RuntimeError: no config "

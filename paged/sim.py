@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -47,6 +46,7 @@ from paged.testing import FakeEngine
 FEATURES = ("prefill_tokens", "decode_rows", "kv_tokens", "padded_tokens", "wide_step", "kv_read", "attn_pairs",
             "padded_rows")
 SCHEMA = "step_time_model/1"
+MAX_SECONDS = 3600.0  # the largest base or coefficient a fit may hold (an hour a step, or per unit of a feature)
 # `StepTimeModel.fit` refits this many times with each sample weighted by 1 / its *fitted* time: weighting by the
 # sample's own time favours the samples that came out fast, so on noisy timings (steps measured while serving, where
 # one in a few is slowed by the host) the fit lands under the mean step time (-5 to -10% on the 2-core CPU host).
@@ -133,15 +133,29 @@ class StepTimeModel:
     setup: dict = dataclasses.field(default_factory=dict)  # what it was measured on (SETUP_KEYS); {}: unrecorded
 
     def __post_init__(self):
+        if not isinstance(self.coef, Mapping):
+            raise InvalidConfigError(f"StepTimeModel: coef must be a dict of feature -> seconds (features among "
+                                     f"{list(FEATURES)}), got {type(self.coef).__name__}")
         unknown = sorted(set(self.coef) - set(FEATURES))
         if unknown:
             raise InvalidConfigError(f"StepTimeModel: unknown coefficient(s) {unknown}; known: {list(FEATURES)}")
         for name, v in [("base_s", self.base_s), *self.coef.items()]:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
-                raise InvalidConfigError(f"StepTimeModel: {name} must be a finite number >= 0 (seconds), got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v <= MAX_SECONDS):
+                raise InvalidConfigError(f"StepTimeModel: {name} must be a number of seconds in [0, {MAX_SECONDS:g}] "
+                                         f"(per step, or per unit of its feature), got {v!r}")
         if not isinstance(self.setup, Mapping):
             raise InvalidConfigError(f"StepTimeModel: setup must be a dict (keys among {list(SETUP_KEYS)}), got "
                                      f"{type(self.setup).__name__}")
+        isa = self.setup.get("isa")
+        if isa is not None and (isinstance(isa, str) or not isinstance(isa, (list, tuple))
+                                or not all(isinstance(x, str) for x in isa)):
+            raise InvalidConfigError(f"StepTimeModel: setup['isa'] must be a list of instruction-set names, got "
+                                     f"{isa!r}")
+        for name in ("device", "model", "notes"):
+            if not isinstance(getattr(self, name), str):
+                raise InvalidConfigError(f"StepTimeModel: {name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.fit_stats, Mapping):
+            raise InvalidConfigError(f"StepTimeModel: fit_stats must be a dict, got {type(self.fit_stats).__name__}")
         n = self.narrow_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidConfigError(f"StepTimeModel: narrow_tokens must be an int >= 0 (0: no wide_step term), got "
@@ -244,20 +258,25 @@ class StepTimeModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> StepTimeModel:
+        if not isinstance(d, Mapping):
+            raise InvalidConfigError(f"StepTimeModel: a fit is a JSON object with schema {SCHEMA!r}, got "
+                                     f"{type(d).__name__}")
         if d.get("schema") != SCHEMA:
             raise InvalidConfigError(f"StepTimeModel: expected schema {SCHEMA!r}, got {d.get('schema')!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in fields}
         if "setup" not in d:  # a file written before fits recorded what they were measured on
             kw["setup"] = {"unrecorded": True}
+        if "base_s" not in kw:
+            raise InvalidConfigError("StepTimeModel: the fit has no base_s (the seconds of an empty step)")
         return cls(**kw)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> StepTimeModel:
         try:
-            with open(path) as f:
+            with open(path, encoding="utf-8") as f:
                 d = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError) as e:  # (json.JSONDecodeError and UnicodeDecodeError are ValueErrors)
             raise InvalidConfigError(f"StepTimeModel.load({os.fspath(path)!r}): {e}; write one with "
                                      "`python -m experiments.profile_step --fit_out PATH`") from e
         return cls.from_dict(d)

@@ -116,12 +116,29 @@ def test_step_time_model_predict_fit_save_load(tmp_path):
     with pytest.raises(InvalidConfigError, match="narrow_tokens"):
         StepTimeModel(0.0, narrow_tokens=-1)
 
-    with pytest.raises(InvalidConfigError, match="base_s must be a finite number >= 0"):
+    with pytest.raises(InvalidConfigError, match=r"base_s must be a number of seconds in \[0, 3600\]"):
         StepTimeModel(-1.0)
     with pytest.raises(InvalidConfigError, match="profile_step"):
         StepTimeModel.load(tmp_path / "missing.json")
     path.write_text(json.dumps({"schema": "other"}))
     with pytest.raises(InvalidConfigError, match="schema"):
+        StepTimeModel.load(path)
+    # malformed files: each an InvalidConfigError saying what is wrong (they had been AttributeError, TypeError,
+    # UnicodeDecodeError; a coefficient of 1e308 had overflowed the virtual clock after two steps)
+    base = {"schema": "step_time_model/1", "base_s": 0.01}
+    for content, match in ((json.dumps([1, 2]), "a fit is a JSON object"),
+                           (json.dumps({"schema": "step_time_model/1"}), "the fit has no base_s"),
+                           (json.dumps({**base, "coef": ["decode_rows"]}), "coef must be a dict"),
+                           (json.dumps({**base, "coef": None}), "coef must be a dict"),
+                           (json.dumps({**base, "coef": {"decode_rows": 1e308}}), r"decode_rows must be .* 3600"),
+                           (json.dumps({**base, "setup": {"isa": 5}}), r"setup\['isa'\] must be a list"),
+                           (json.dumps({**base, "device": 3}), "device must be a string"),
+                           (json.dumps({**base, "fit_stats": "x"}), "fit_stats must be a dict")):
+        path.write_text(content)
+        with pytest.raises(InvalidConfigError, match=match):
+            StepTimeModel.load(path)
+    path.write_bytes(b"\x7fELF\xd0\x00")
+    with pytest.raises(InvalidConfigError, match="codec can't decode"):
         StepTimeModel.load(path)
 
 

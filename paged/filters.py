@@ -54,7 +54,7 @@ class Filter:
         failed, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
         if failed:
             raise InvalidJobError(f"{type(self).__name__}: invalid {what}: {messages[0].strip()}")
-        if not _satisfiable(grammar):
+        if not _satisfiable(grammar, what=f"{type(self).__name__}: the {what}"):
             raise InvalidJobError(f"{type(self).__name__}: the {what} matches no text at all (is a character class "
                                   "empty, such as [a&&b]?); a job under it could generate nothing")
         self.grammar = grammar
@@ -220,18 +220,25 @@ class _Bytes:
 _BYTES = _Bytes()
 
 
-def _satisfiable(grammar: str, max_forced: int = 256) -> bool:
+def _satisfiable(grammar: str, max_forced: int = 256, what: str = "the grammar") -> bool:
     """False when the grammar provably matches no text: over single bytes, its matcher finds no way on at the
     start, or after the bytes it forces (an empty character class such as `[a&&b]`, at once or after a fixed
     prefix). Other grammars count as satisfiable (llguidance decides a full emptiness question only while
-    decoding)."""
+    decoding). One whose forced text overflows llguidance's parser (a rule that always recurses, `start: "a"
+    start`, forces "a" without end) is an `InvalidJobError` naming `what`: every job under it would fail at its
+    first token."""
     llg = _llg()
-    probe = llg.LLMatcher(ll_tokenizer(_BYTES), grammar)
+    probe = llg.LLMatcher(ll_tokenizer(_BYTES), grammar, log_level=0)
     mask = llg.numpy.allocate_token_bitmask(1, _Bytes.vocab_size)
     for _ in range(max_forced):
         llg.numpy.fill_next_token_bitmask(probe, mask, 0)
         if probe.is_error():
-            return not probe.get_error().startswith("NoExtensionBias")
+            error = probe.get_error()
+            if "Too many items" in error or "ParserTooComplex" in error:
+                raise InvalidJobError(f"{what} overflows llguidance's parser ({error.splitlines()[0]}): it forces "
+                                      "text without end (a rule that always recurses, such as start: \"a\" start, "
+                                      "never lets the text stop) or is too ambiguous; give it a way to end")
+            return not error.startswith("NoExtensionBias")
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: _Bytes.vocab_size])
         if len(allowed) != 1 or allowed[0] == _Bytes.eos_token_id:
             return True

@@ -422,6 +422,17 @@ def test_a_draft_model_verifies_filtered_jobs_under_each_positions_mask():
     check_clean(gen)
 
 
+def test_a_grammar_that_never_lets_the_text_end_is_refused_when_built(capfd):
+    """`start: "a" start` forces "a" without end: llguidance's parser overflows (its item limit) on the forced
+    text, so every job under it failed at its first token with a parser dump; now refused at build, and quietly
+    (llguidance had printed a warning to the console)."""
+    with pytest.raises(InvalidJobError, match=r"GrammarFilter: the Lark grammar overflows llguidance's parser .*"
+                                              r"give it a way to end"):
+        GrammarFilter('start: "a" start')
+    assert "Too many items" not in capfd.readouterr().err
+    GrammarFilter('start: "a" start | "b"')  # (recursion with a way out is fine)
+
+
 @pytest.mark.parametrize("engine", ["fake", "sim"])
 def test_a_job_whose_filters_allow_nothing_fails_alone(engine):
     """Filters that exclude each other leave no token: that job fails with a message naming its filters, the

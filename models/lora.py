@@ -7,10 +7,14 @@ A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `target
 kept as `a = A.T` `[in, r]` and `b = scale * B.T` `[r, out]`, per layer and per projection among q, k, v, o, gate,
 up, down (`LoraAdapter.weights`; projections the adapter leaves out are absent).
 
-Everything is checked against the model's config before anything is used: a missing file, invalid JSON, an
-unsupported option (`bias` other than "none", `fan_in_fan_out`, per-module `rank_pattern` / `alpha_pattern`, DoRA),
-a target outside the seven projections, a tensor of the wrong shape, a missing or unexpected tensor all raise a
-`ModelLoadError` subclass naming the file and tensor.
+Everything is checked against the model's config before anything is used: a missing file, invalid JSON, a
+`peft_type` other than "LORA", an option of the wrong type (booleans such as `use_rslora` must be JSON booleans), an
+unsupported option set (`UNSUPPORTED`: `bias` other than "none", `fan_in_fan_out`, per-module `rank_pattern` /
+`alpha_pattern`, DoRA, `modules_to_save`, `lora_bias`, QALoRA, `layer_replication`, `target_parameters`,
+`trainable_token_indices`, ...), a target outside the seven projections, a tensor of the wrong shape, a missing or
+unexpected tensor all raise a `ModelLoadError` subclass naming the file and tensor. `target_modules` may also be
+PEFT's "all-linear" (the seven projections), and `exclude_modules` (names or a regex, as PEFT matches them) removes
+modules from the targets.
 """
 
 from __future__ import annotations
@@ -43,6 +47,16 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's module names -> ours, in the order of the fused matmuls (q, k, v | o | gate, up | down)
 PROJECTIONS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                "down_proj": "down"}
+ALL_LINEAR = "all-linear"  # PEFT's target_modules shorthand for every linear layer but the output head
+PEFT_DEFAULT_ALPHA = 8  # PEFT's LoraConfig default, for a config that leaves lora_alpha out
+# PEFT LoraConfig options this module does not implement, with the value that leaves them off (a config may also
+# omit them; for None / {} any empty value does): any other value is refused, never ignored
+UNSUPPORTED = (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False), ("rank_pattern", {}),
+               ("alpha_pattern", {}), ("modules_to_save", None), ("lora_bias", False), ("use_qalora", False),
+               ("layer_replication", None), ("target_parameters", None), ("trainable_token_indices", None),
+               ("alora_invocation_tokens", None), ("arrow_config", None))
+# adapter_config.json options that must be JSON booleans when present
+BOOLEANS = ("use_rslora", "fan_in_fan_out", "use_dora", "lora_bias", "use_qalora")
 _TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -169,9 +183,11 @@ def _block(projection: str) -> str:
 
 
 def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
-    """The (layer, projection) pairs the adapter's config says it adapts. A list of module names is combined with
-    `layers_to_transform`; a string is PEFT's regex, matched in full (`re.fullmatch`) against each module's name
-    (`model.layers.{i}.{self_attn|mlp}.{name}`)."""
+    """The (layer, projection) pairs the adapter's config says it adapts. `target_modules`: a list of module names,
+    PEFT's regex (a string, matched in full, `re.fullmatch`, against each module's name
+    `model.layers.{i}.{self_attn|mlp}.{name}`), or "all-linear" (every projection); either is combined with
+    `layers_to_transform`. `exclude_modules` then drops modules: a regex matched in full, or a list of names each
+    equal to a module's full name or to a suffix of it after a dot ("q_proj", "layers.0.self_attn.q_proj")."""
     value, only = acfg.get("target_modules"), acfg.get("layers_to_transform")
     if only is None:
         layers = set(range(num_layers))
@@ -184,25 +200,46 @@ def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
         if not layers <= set(range(num_layers)):
             raise _fail_config(path, f"layers_to_transform {sorted(layers)} is outside the model's {num_layers} "
                                "layers")
-    if isinstance(value, str):
+    names = {(i, ours): f"model.layers.{i}.{_block(ours)}.{peft}"  # each module's name in PEFT's base model
+             for i in layers for peft, ours in PROJECTIONS.items()}
+    if isinstance(value, str) and value.lower() == ALL_LINEAR:
+        pairs = set(names)  # PEFT's shorthand: every linear layer but the output head, here the seven projections
+    elif isinstance(value, str):
         try:
             pattern = re.compile(value)
         except re.error as e:
             raise _fail_config(path, f"target_modules regex {value!r} is invalid ({e})") from None
-        pairs = {(i, ours) for i in layers for peft, ours in PROJECTIONS.items()
-                 if pattern.fullmatch(f"model.layers.{i}.{_block(ours)}.{peft}")}
+        pairs = {pair for pair, full in names.items() if pattern.fullmatch(full)}
         if not pairs:
             raise _fail_config(path, f"target_modules regex {value!r} matches none of the model's "
                                f"{list(PROJECTIONS)} modules (names like model.layers.0.self_attn.q_proj)")
+    else:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise _fail_config(path, f"target_modules must be a non-empty list of module names, a regex or "
+                               f"{ALL_LINEAR!r}, got {value!r}")
+        for name in value:
+            if not isinstance(name, str) or name not in PROJECTIONS:
+                raise _fail_config(path, f"target_modules entry {name!r} is not supported; LoRA here adapts "
+                                   f"{list(PROJECTIONS)}")
+        pairs = {(i, PROJECTIONS[name]) for i in layers for name in value}
+    exclude = acfg.get("exclude_modules")
+    if exclude is None or (isinstance(exclude, (list, tuple)) and not exclude):
         return pairs
-    if not isinstance(value, (list, tuple)) or not value:
-        raise _fail_config(path, f"target_modules must be a non-empty list of module names or a regex, got "
-                           f"{value!r}")
-    for name in value:
-        if name not in PROJECTIONS:
-            raise _fail_config(path, f"target_modules entry {name!r} is not supported; LoRA here adapts "
-                               f"{list(PROJECTIONS)}")
-    return {(i, PROJECTIONS[name]) for i in layers for name in value}
+    if isinstance(exclude, str):  # a regex, matched in full, as target_modules
+        try:
+            skip = re.compile(exclude).fullmatch
+        except re.error as e:
+            raise _fail_config(path, f"exclude_modules regex {exclude!r} is invalid ({e})") from None
+    elif isinstance(exclude, (list, tuple)) and all(isinstance(x, str) and x for x in exclude):
+        def skip(full: str) -> bool:  # a module's full name or a suffix of it after a dot, as PEFT matches
+            return any(full == x or full.endswith("." + x) for x in exclude)
+    else:
+        raise _fail_config(path, f"exclude_modules must be a list of module names or a regex, got {exclude!r}")
+    kept = {pair for pair in pairs if not skip(names[pair])}
+    if not kept:
+        raise _fail_config(path, f"exclude_modules {exclude!r} excludes every module target_modules "
+                           f"{value!r} selects: nothing is left to adapt")
+    return kept
 
 
 def content_digest(rank: int, weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]) -> bytes:
@@ -228,23 +265,49 @@ def _finite(arr: np.ndarray, where: str, tensor: str) -> np.ndarray:
 
 
 def check_adapter(adapter: LoraAdapter, config: ModelConfig) -> None:
-    """`WeightShapeError` unless every weight of `adapter` fits a model of `config` (for adapters built in code);
-    `NonFiniteWeightError` for a NaN or infinity in one."""
+    """`WeightShapeError` unless `adapter` (one built in code) fits a model of `config`: `rank` an int >= 1,
+    `weights` a dict of `(layer, projection) -> (a, b)` pairs of real numbers (float or int arrays; not bool,
+    complex, object or strings) of the shapes the rank and the model imply; `NonFiniteWeightError` for a NaN or
+    infinity in one once converted to float32, the precision the engine holds it in."""
+    where = adapter.source or "(in memory)"
+    rank = adapter.rank
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise WeightShapeError(f"LoRA adapter {where}: rank must be an int >= 1 (the columns of each a and rows of "
+                               f"each b), got {rank!r} ({type(rank).__name__})")
+    if not isinstance(adapter.weights, dict):
+        raise WeightShapeError(f"LoRA adapter {where}: weights must be a dict of (layer, projection) -> (a, b), "
+                               f"got {type(adapter.weights).__name__}")
     shapes = projection_shapes(config)
     for key, pair in adapter.weights.items():
         if (not isinstance(key, tuple) or len(key) != 2 or isinstance(key[0], bool) or not isinstance(key[0], int)
                 or not 0 <= key[0] < config.num_layers or key[1] not in shapes):
-            raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: weight key {key!r} is not a "
+            raise WeightShapeError(f"LoRA adapter {where}: weight key {key!r} is not a "
                                    f"(layer in [0, {config.num_layers}), projection in {list(shapes)}) pair")
-        a, b = (np.asarray(x) for x in pair)
-        for name, x in (("a", a), ("b", b)):
-            if np.issubdtype(x.dtype, np.number):
-                _finite(x, adapter.source or "(in memory)", f"{name} of layer {key[0]} {key[1]}")
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise WeightShapeError(f"LoRA adapter {where}: weights[{key!r}] must be an (a, b) pair of arrays, got "
+                                   f"{type(pair).__name__}" + (f" of {len(pair)}" if isinstance(pair, (tuple, list))
+                                                               else ""))
+        arrays = []
+        for name, x in zip("ab", pair):
+            tensor = f"{name} of layer {key[0]} {key[1]}"
+            try:
+                x = np.asarray(x)
+            except ValueError as e:  # (a ragged nested list)
+                raise WeightShapeError(f"LoRA adapter {where}: tensor {tensor!r} is not an array ({e})",
+                                       tensor=tensor) from None
+            if x.dtype.kind not in "iu" and not jnp.issubdtype(x.dtype, jnp.floating):  # (bf16: kind 'V')
+                raise WeightShapeError(f"LoRA adapter {where}: tensor {tensor!r} has dtype {x.dtype}; expected real "
+                                       "numbers (a float or int array; not bool, complex, object or strings)",
+                                       tensor=tensor)
+            with np.errstate(over="ignore"):  # (a float64 beyond float32's range becomes inf, named below)
+                _finite(x.astype(np.float32), where, tensor)
+            arrays.append(x)
+        a, b = arrays
         fan_in, fan_out = shapes[key[1]]
-        if a.shape != (fan_in, adapter.rank) or b.shape != (adapter.rank, fan_out):
-            raise WeightShapeError(f"LoRA adapter {adapter.source or '(in memory)'}: layer {key[0]} {key[1]} has a "
-                                   f"{list(a.shape)} and b {list(b.shape)}; rank {adapter.rank} on this model needs "
-                                   f"{[fan_in, adapter.rank]} and {[adapter.rank, fan_out]}")
+        if a.shape != (fan_in, rank) or b.shape != (rank, fan_out):
+            raise WeightShapeError(f"LoRA adapter {where}: layer {key[0]} {key[1]} has a "
+                                   f"{list(a.shape)} and b {list(b.shape)}; rank {rank} on this model needs "
+                                   f"{[fan_in, rank]} and {[rank, fan_out]}")
 
 
 def read_adapter_config(path: str) -> dict:
@@ -272,19 +335,27 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
         raise ModelFileNotFoundError(f"LoRA adapter {path}: not a directory (a PEFT adapter directory holds "
                                      f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     acfg = read_adapter_config(path)
-    r, alpha = acfg.get("r"), acfg.get("lora_alpha", acfg.get("r"))
+    r, alpha = acfg.get("r"), acfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise _fail_config(path, f"r must be an int >= 1, got {r!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise _fail_config(path, f"lora_alpha must be a finite number, got {alpha!r}")
-    for key, neutral in (("bias", "none"), ("fan_in_fan_out", False), ("use_dora", False), ("rank_pattern", {}),
-                         ("alpha_pattern", {}), ("modules_to_save", None)):
+    peft_type = acfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise _fail_config(path, f"peft_type={peft_type!r} is not supported (only LoRA adapters: "
+                           "peft_type='LORA')")
+    for key in BOOLEANS:
+        if key in acfg and not isinstance(acfg[key], bool):
+            raise _fail_config(path, f"{key} must be true or false (a JSON boolean), got {acfg[key]!r}")
+    for key, neutral in UNSUPPORTED:
         value = acfg.get(key, neutral)
-        if value != neutral and not (neutral is None and not value) and not (neutral == {} and not value):
-            raise _fail_config(path, f"{key}={value!r} is not supported (only plain LoRA: {key}={neutral!r})")
+        off = value == neutral or (neutral in (None, {}) and value in (None, [], {}))
+        if not off:
+            raise _fail_config(path, f"{key}={value!r} is not supported (only plain LoRA: {key}={neutral!r} or "
+                               "left out)")
     adapted = _adapted(path, acfg, config.num_layers)
     targets = tuple(p for p in PROJECTIONS.values() if any(q == p for _, q in adapted))
-    scale = alpha / (math.sqrt(r) if acfg.get("use_rslora", False) else r)
+    scale = alpha / (math.sqrt(r) if acfg.get("use_rslora") is True else r)
     file = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise ModelFileNotFoundError(f"LoRA adapter {path}: {WEIGHTS_FILE} not found")

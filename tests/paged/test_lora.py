@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -450,6 +451,160 @@ def test_adapters_given_as_objects_are_checked_and_keyed_by_their_content(adapte
         with pytest.raises(WeightShapeError, match=match):
             g.load_lora("bad", bad)
     assert "bad" not in g.loras
+
+
+def test_in_code_adapters_of_bad_rank_weights_or_dtype_raise_named_errors(adapters):
+    """A `LoraAdapter` built in code: an `a` of object dtype holding None had passed the finiteness check (only
+    numeric dtypes were checked) and become NaN in the slot (its jobs failed with "log-probability nan"); complex
+    weights lost their imaginary part; a float64 beyond float32's range became inf in the slot; a rank of True, 4.0,
+    0 or -1, weights not a dict or a pair not of two had raised bare TypeError / AttributeError / ValueError or
+    loaded. Each is now a named error at load, and the generator is left as it was."""
+    import dataclasses
+
+    g = DynamicGenerator(MODEL, **GEN)
+    a = load_lora(adapters["a"], CFG)
+    x, y = a.weights[(0, "q")]
+
+    def with_pair(pair):
+        return dataclasses.replace(a, weights={**a.weights, (0, "q"): pair})
+
+    holes = x.astype(object)
+    holes[0, 0] = None
+    for pair, dtype in (((holes, y), "object"), ((x.tolist(), [[None] * y.shape[1]] * y.shape[0]), "object"),
+                        ((x + 1j, y), "complex"), ((x, y > 0), "bool"), ((x.astype(str), y), "<U")):
+        with pytest.raises(WeightShapeError, match=r"tensor '[ab] of layer 0 q' has dtype " + dtype + ".*expected "
+                                                   "real numbers") as info:
+            g.load_lora("bad", with_pair(pair))
+        assert info.value.tensor in ("a of layer 0 q", "b of layer 0 q")
+    big = y.astype(np.float64)
+    big[1, 2] = 1e300  # finite in float64, inf in the engine's float32
+    with pytest.raises(NonFiniteAdapterError, match="'b of layer 0 q' holds 1 non-finite"):
+        g.load_lora("bad", with_pair((x, big)))
+    for rank in (True, 4.0, 0, -1, "4", None):
+        with pytest.raises(WeightShapeError, match=rf"rank must be an int >= 1 .*got {re.escape(repr(rank))}"):
+            g.load_lora("bad", dataclasses.replace(a, rank=rank))
+    with pytest.raises(WeightShapeError, match="rank must be an int >= 1"):
+        g.load_lora("bad", dataclasses.replace(a, rank=-1, weights={}))
+    for weights in ([], None, list(a.weights.items())):
+        with pytest.raises(WeightShapeError, match="weights must be a dict of \\(layer, projection\\) -> \\(a, b\\)"):
+            g.load_lora("bad", dataclasses.replace(a, weights=weights))
+    for pair, got in (((x, y, 1), "tuple of 3"), ((x,), "tuple of 1"), (x, "ndarray"), (None, "NoneType")):
+        with pytest.raises(WeightShapeError, match=r"weights\[\(0, 'q'\)\] must be an \(a, b\) pair of arrays, "
+                                                   "got " + got):
+            g.load_lora("bad", with_pair(pair))
+    assert not g.loras
+    # real numbers of any float or int dtype and lists of them load (as float32), and give a's content
+    g.load_lora("ok", dataclasses.replace(a, weights={k: (u.astype(np.float64).tolist(), v.astype(np.float16))
+                                                      for k, (u, v) in a.weights.items()}))
+    g.load_lora("ints", dataclasses.replace(a, rank=np.int64(4), weights={k: (np.ones_like(u, np.int32), v)
+                                                                         for k, (u, v) in a.weights.items()}))
+    assert sorted(g.loras) == ["ints", "ok"]
+
+
+def patched(path, drop=(), **update):
+    """`path` with its adapter_config.json updated by `update` (and the keys in `drop` removed)."""
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(update)
+    for key in drop:
+        cfg.pop(key, None)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_adapter_config_booleans_must_be_json_booleans(tmp_path):
+    """`"use_rslora": "false"` (a string) or `1` had been taken as true: the scale alpha / sqrt(r) = 4 instead of
+    alpha / r = 2. A boolean option is a JSON boolean or left out; anything else names the field."""
+    ok = load_lora(patched(write_adapter(tmp_path / "f"), use_rslora=False), CFG)
+    assert ok.scale == 2.0
+    assert load_lora(patched(write_adapter(tmp_path / "t"), use_rslora=True), CFG).scale == 4.0
+    assert load_lora(patched(write_adapter(tmp_path / "absent"), drop=("use_rslora",)), CFG).scale == 2.0
+    # lora_alpha left out is PEFT's default, 8 (it had been r: a scale of 1 at r = 4)
+    assert load_lora(patched(write_adapter(tmp_path / "no_alpha"), drop=("lora_alpha",)), CFG).scale == 8 / 4
+    for i, (key, value) in enumerate((("use_rslora", "false"), ("use_rslora", "true"), ("use_rslora", 1),
+                                      ("use_rslora", 0), ("use_rslora", None), ("fan_in_fan_out", "false"),
+                                      ("use_dora", 0), ("lora_bias", "no"), ("use_qalora", []))):
+        d = patched(write_adapter(tmp_path / f"b{i}"), **{key: value})
+        with pytest.raises(ModelConfigError, match=rf"{key} must be true or false \(a JSON boolean\), got "
+                                                   rf"{re.escape(repr(value))}"):
+            load_lora(d, CFG)
+    for i, (key, value, match) in enumerate((("r", True, "r must be an int >= 1, got True"),
+                                             ("r", 4.0, "r must be an int >= 1, got 4.0"),
+                                             ("r", "4", "r must be an int >= 1, got '4'"),
+                                             ("lora_alpha", True, "lora_alpha must be a finite number, got True"),
+                                             ("lora_alpha", "8", "lora_alpha must be a finite number"))):
+        with pytest.raises(ModelConfigError, match=match):
+            load_lora(patched(write_adapter(tmp_path / f"n{i}"), **{key: value}), CFG)
+
+
+def test_unsupported_peft_options_are_refused_by_name(tmp_path):
+    """Options this loader does not implement had been ignored (`peft_type` "IA3", `lora_bias`, `use_qalora`,
+    `layer_replication`, `target_parameters`, `trainable_token_indices`): set to anything but PEFT's default, each
+    is a load error naming it as unsupported; PEFT's defaults written out load."""
+    defaults = dict(peft_type="LORA", lora_bias=False, use_qalora=False, layer_replication=None,
+                    target_parameters=None, trainable_token_indices=None, exclude_modules=None, modules_to_save=None,
+                    rank_pattern={}, alpha_pattern={}, use_dora=False, fan_in_fan_out=False, bias="none",
+                    init_lora_weights=True, layers_pattern=None, lora_dropout=0.05, inference_mode=True)
+    ref = load_lora(write_adapter(tmp_path / "ref", seed=1), CFG)
+    full = load_lora(patched(write_adapter(tmp_path / "defaults", seed=1), **defaults), CFG)
+    assert full.digest == ref.digest and full.scale == ref.scale
+    # PEFT's empty values of the list / dict options are off too
+    assert load_lora(patched(write_adapter(tmp_path / "empty", seed=1), target_parameters=[], layer_replication=[],
+                             trainable_token_indices={}), CFG).digest == ref.digest
+    for i, (key, value) in enumerate((("peft_type", "IA3"), ("peft_type", "LOHA"), ("peft_type", "lora"),
+                                      ("lora_bias", True), ("use_qalora", True),
+                                      ("layer_replication", [[0, 1], [0, 1]]), ("target_parameters", ["mlp.experts"]),
+                                      ("trainable_token_indices", [1, 2]), ("alora_invocation_tokens", [5, 6]),
+                                      ("bias", "lora_only"), ("modules_to_save", ["lm_head"]))):
+        with pytest.raises(ModelConfigError, match=rf"{key}={re.escape(repr(value))} is not supported") as info:
+            load_lora(patched(write_adapter(tmp_path / f"u{i}"), **{key: value}), CFG)
+        assert str(tmp_path / f"u{i}") in str(info.value)
+    with pytest.raises(ModelConfigError, match=r"target_modules entry \['q_proj'\] is not supported"):
+        load_lora(patched(write_adapter(tmp_path / "nested"), target_modules=[["q_proj"]]), CFG)  # (a TypeError)
+
+
+def test_all_linear_and_exclude_modules_select_modules_as_peft_does(tmp_path):
+    """`target_modules: "all-linear"` (PEFT: every linear layer but the output head; here the seven projections) had
+    been taken as a regex matching nothing; `exclude_modules` had been ignored (then a tensor it excludes was
+    reported missing). Both now select what PEFT adapts; the loaded deltas are the files' own."""
+    ref = write_adapter(tmp_path / "ref", seed=1)
+    every = load_lora(patched(write_adapter(tmp_path / "all", seed=1), target_modules="all-linear"), CFG)
+    assert every.targets == ALL and every.digest == load_lora(ref, CFG).digest
+    one = load_lora(patched(write_adapter(tmp_path / "all1", seed=1, layers=[1]), target_modules="all-linear"), CFG)
+    assert {layer for layer, _ in one.weights} == {1} and one.targets == ALL  # with layers_to_transform
+
+    def excluded(name, exclude, targets, layers=None, **kw):
+        d = write_adapter(tmp_path / name, seed=2, targets=targets, layers=layers)
+        return load_lora(patched(d, exclude_modules=exclude, **kw), CFG), d
+
+    # a list of names: a module's name after a dot, or its full name, as PEFT matches them
+    got, d = excluded("names", ["q_proj"], ("k", "v"), target_modules=["q_proj", "k_proj", "v_proj"])
+    assert got.targets == ("k", "v") and set(got.weights) == {(i, p) for i in range(CFG.num_layers) for p in "kv"}
+    raw = peft_deltas(d)
+    assert set(raw) == set(got.weights)
+    for key, delta in raw.items():
+        np.testing.assert_allclose(got.merged_delta(*key), delta, rtol=1e-5, atol=1e-6)
+    names = ["layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    with pytest.raises(WeightShapeError, match="layer 0 q, which adapter_config.json does not adapt"):
+        excluded("suffix", names, ALL, target_modules="all-linear")  # the files hold tensors it excludes
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "suffix" / "adapter_model.safetensors"
+    t = load_file(d)
+    save_file({k: v for k, v in t.items() if ".layers.0.self_attn.q_proj." not in k
+               and ".layers.1.mlp.down_proj." not in k}, d)
+    got = load_lora(tmp_path / "suffix", CFG)
+    assert set(got.weights) == {(i, p) for i in range(CFG.num_layers) for p in ALL} - {(0, "q"), (1, "down")}
+    assert got.targets == ALL
+    # a regex, matched in full against the module's name
+    got, _ = excluded("regex", r".*\.mlp\..*", ("q", "k", "v", "o"), target_modules="all-linear")
+    assert got.targets == ("q", "k", "v", "o")
+    for i, (exclude, match) in enumerate(((".*", "excludes every module target_modules 'all-linear' selects"),
+                                          (["q_proj", "v_proj"], "nothing is left to adapt"),
+                                          ("(", r"exclude_modules regex '\(' is invalid"),
+                                          (3, "exclude_modules must be a list of module names or a regex, got 3"),
+                                          ([1], "exclude_modules must be a list of module names or a regex"))):
+        with pytest.raises(ModelConfigError, match=match):
+            excluded(f"bad{i}", exclude, ("q", "v"), target_modules=["q_proj", "v_proj"] if i else "all-linear")
 
 
 def test_adapters_on_weights_grouped_for_tensor_parallelism(adapters):

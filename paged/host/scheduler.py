@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import operator
 import weakref
 from collections.abc import Callable
 from types import MappingProxyType
@@ -498,8 +499,13 @@ class Scheduler:
                     self.skip_complete_pages(m)
                 decode_rows += len(m.sequence) - m.kv_position == 1
         budget = self.ask("prefill_budget()", self.policy.prefill_budget, decode_rows, self.view)
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        try:
+            value = None if isinstance(budget, bool) else operator.index(budget)  # (a NumPy integer is an int too)
+        except TypeError:
+            value = None
+        if value is None or value < 0:
             raise self.policy_error(f"must return an int >= 0, got {budget!r}", "prefill_budget()")
+        budget = value
         if budget == 0 and decode_rows == 0 and active:  # (every step would then be empty: the host loop had spun)
             raise self.policy_error("returned 0 with no job decoding: no job could advance; return at least 1 "
                                     "when decode_rows is 0", "prefill_budget()")

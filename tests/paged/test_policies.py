@@ -3,6 +3,7 @@ preempted, the token-budget split, the starvation bound of aging, and user polic
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job
@@ -261,6 +262,15 @@ def test_register_policy_and_errors():
 
 
 def test_a_bad_budget_from_a_policy_is_a_named_error():
+    class NumpyBudget(Policy):  # a NumPy integer is an int (it had been refused)
+        name = "numpy_budget"
+
+        def prefill_budget(self, decode_rows, s):
+            return np.int64(8)
+
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(), policy=NumpyBudget())
+    assert gen.generate("abc", 2)
+
     class Bad(Policy):
         name = "bad"
 

@@ -77,6 +77,11 @@ class JsonSchemaFilter(Filter):
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise InvalidJobError(f"JsonSchemaFilter: the schema is not valid JSON: {e}") from None
+        if schema is True:  # JSON Schema's `true`: any JSON value, as the empty schema
+            schema = {}
+        elif schema is False:
+            raise InvalidJobError("JsonSchemaFilter: the schema `false` matches no JSON value; a job under it could "
+                                  "generate nothing")
         if not isinstance(schema, dict):
             raise InvalidJobError(f"JsonSchemaFilter: the schema must be a dict, a JSON string or a pydantic model "
                                   f"class, got {type(schema).__name__}")

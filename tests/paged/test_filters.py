@@ -57,6 +57,8 @@ def check_clean(gen):
     (lambda: JsonSchemaFilter({"type": "nonsense"}), r"JsonSchemaFilter: invalid JSON schema: .*nonsense"),
     (lambda: JsonSchemaFilter("{not json"), r"JsonSchemaFilter: the schema is not valid JSON"),
     (lambda: JsonSchemaFilter(3), r"must be a dict, a JSON string or a pydantic model class"),
+    (lambda: JsonSchemaFilter(False), r"the schema `false` matches no JSON value"),  # (true and false are schemas)
+    (lambda: JsonSchemaFilter("false"), r"the schema `false` matches no JSON value"),
     (lambda: ChoiceFilter([]), r"ChoiceFilter: options must be a non-empty list"),
     (lambda: ChoiceFilter("yes"), r"ChoiceFilter: options must be a list of strings"),
     (lambda: PrefixFilter(["ok", ""]), r"PrefixFilter: options must be a non-empty list of non-empty strings"),
@@ -114,6 +116,10 @@ def test_pydantic_model_class_is_a_schema():
         y: int
 
     assert JsonSchemaFilter(Point).schema["required"] == ["x", "y"]
+
+
+def test_the_schema_true_is_any_json_value():
+    assert JsonSchemaFilter(True).schema == JsonSchemaFilter("true").schema == {}
 
 
 # ------------------------------------------------------------------------------------------------- masks

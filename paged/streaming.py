@@ -43,6 +43,16 @@ class StreamEvent:
         self.suppressed_tokens = [] if suppressed_tokens is None else suppressed_tokens
 
 
+def fold_case(text: str) -> str:
+    """`text` lowercased character by character, each character to one (a character whose lowercase is longer, as
+    "İ" -> "i̇", stays as it is), so that an index into the result is an index into `text`: banned strings match
+    case-insensitively at the positions of the text they are found in."""
+    out = text.lower()
+    if len(out) == len(text):
+        return out
+    return "".join(low if len(low := c.lower()) == 1 else c for c in text)
+
+
 def _partial_start(text: str, patterns: Sequence[str]) -> int | None:
     """Smallest index i such that text[i:] is a proper prefix of some pattern (None if there is none)."""
     best = None
@@ -67,11 +77,13 @@ class TextStream:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._partial = False  # the decoder holds the first bytes of a character
         self.stop_strings = [s for s in stop_strings if s]
-        self.banned = [s.lower() for s in banned_strings if s]
+        self.banned = [fold_case(s) for s in banned_strings if s]
         self.held: list[tuple[int, str]] = []  # (token, text it completed), not yet released
         self.held_text = ""  # after a stop: the stop string and what followed it
         self.stopped: str | None = None
         self.strip_prefix = ""  # token healing: text to drop from the start of the output
+        self._heal_prefix = ""  # ... as set, restored when a banned-string rewind takes the output back to its start
+        self._fed = 0  # tokens fed and not rewound: the output position of the next token
 
     def release_now(self, token: int) -> str | None:
         """The text `feed(token)` would release, with this token alone and nothing held, where it is sure to: no
@@ -117,6 +129,9 @@ class TextStream:
             else:
                 piece = self._utf8.decode(raw)
                 self._partial = bool(self._utf8.getstate()[0])
+        if self._fed == 0 and self.strip_prefix:
+            self._heal_prefix = self.strip_prefix
+        self._fed += 1
         if self.strip_prefix:
             n = min(len(self.strip_prefix), len(piece))
             if piece[:n] == self.strip_prefix[:n]:
@@ -132,7 +147,7 @@ class TextStream:
             return StreamEvent(*self._release(len(self.held)))
         text = self._text()
         stop_at = min((i for i in (text.find(s) for s in self.stop_strings) if i >= 0), default=-1)
-        lower = text.lower()
+        lower = fold_case(text)
         ban_at = min((i for i in (lower.find(b) for b in self.banned) if i >= 0), default=-1)
         if ban_at >= 0 and (stop_at < 0 or ban_at < stop_at):
             j = self._token_at(ban_at)
@@ -140,6 +155,9 @@ class TextStream:
             released, toks = self._release(j)
             suppressed, sup_toks = self._release(len(self.held))
             self._reset()
+            self._fed -= len(sup_toks)
+            if self._fed == 0 and self._heal_prefix:  # back to the first token: its healing prefix applies again
+                self.strip_prefix = self._heal_prefix
             return StreamEvent(text=released, tokens=toks, rewind=len(sup_toks), banned=banned,
                                suppressed_text=suppressed, suppressed_tokens=sup_toks)
         if stop_at >= 0:

@@ -34,6 +34,7 @@ from paged.host.page_pool import PagePool, chain_hashes
 from paged.job import Job
 from paged.policies import Policy
 from paged.policies.waiting import QueueSnapshot
+from paged.token_sets import pack
 
 
 def members(job: Job) -> tuple[Job, ...]:
@@ -111,7 +112,6 @@ class FirstPages:
 
 
 MAX_INDEXES = 8  # indexes of the waiting queue a scheduler keeps (a sorted order per key a policy sorts by, ...)
-HEALING_BOOST = 1e4  # token healing: added to the allowed tokens' logits, so nothing else can be drawn
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
 
@@ -438,7 +438,7 @@ class Scheduler:
         s = job.gen_settings
         end = job.kv_position + len(tokens)  # index in job.sequence of the token this row samples
         out_index = job.new_tokens
-        if out_index >= job.min_new_tokens and not job.explored and not (out_index == 0 and job.healing_allowed):
+        if out_index >= job.min_new_tokens and not job.explored:
             bias = s.bias_view  # (the usual row: the settings' own bias, read-only, shared by every row of theirs)
         else:
             bias = self._bias(job, end, out_index)
@@ -458,7 +458,11 @@ class Scheduler:
             sampling = s.device_row(job.seed, job.mirostat_mu)
             if job.mirostat_mu is None:  # built once per job, read-only: every row of the job shares it
                 sampling = job.sampling_row = MappingProxyType(sampling)
-        return RowInput(tokens, job.kv_position, job.pages, sample, sampling, history, bias, None, job.dry_breakers,
+        # token healing: the first token is one of the tokens that start with the dropped prompt text, a mask (every
+        # other token -inf, the candidates' logits untouched: their odds are the model's); a filtered job's mask is
+        # set with its filters' (`DynamicGenerator._mask_rows`)
+        mask = pack(job.healing_allowed, self.vocab_size) if sample and out_index == 0 and job.healing_allowed else None
+        return RowInput(tokens, job.kv_position, job.pages, sample, sampling, history, bias, mask, job.dry_breakers,
                         job.xtc_exempt, False, job.lora_slot)
 
     def _bias(self, job: Job, sample_index: int, out_index: int) -> dict[int, float]:
@@ -466,9 +470,6 @@ class Scheduler:
         bias = job.gen_settings.bias()
         if out_index < job.min_new_tokens:
             bias.update({t: -math.inf for t in job.stop_tokens})
-        if out_index == 0 and job.healing_allowed:
-            # a large equal boost keeps the allowed tokens' relative odds and makes every other token impossible
-            bias.update({t: bias.get(t, 0.0) + HEALING_BOOST for t in job.healing_allowed})
         explored = job.explored and job.explored.get(sample_index)
         if explored:
             bias.update({t: -math.inf for t in explored})

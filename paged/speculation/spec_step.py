@@ -60,8 +60,9 @@ class SpeculativeStep:
 
     def spec_row(self, row: RowInput, job: Any) -> SpecRow:
         m = self.max_drafts(job, row)
-        if job.filter_state is not None and job.healing_allowed and job.new_tokens == 0:
-            m = 0  # the healed first token feeds the grammar only its text after the prefix: verify it alone
+        if job.healing_allowed and job.new_tokens == 0:
+            m = 0  # the healed first token: its mask allows only the healing candidates (and, with filters, feeds the
+            # grammar only its text after the prefix): verify it alone
         if job.mirostat_mu is not None:
             m = 0  # mirostat's mu after a token depends on that token: positions cannot be verified in parallel
         if job.cfg_partner is not None or job.cfg_owner is not None:

@@ -131,6 +131,30 @@ def test_a_rewind_takes_back_every_byte_of_the_banned_string(before, banned, cut
     assert all(ends[t] > start for t in ev.suppressed_tokens)
 
 
+@pytest.mark.parametrize("held, banned, stop", [("İ", ["İq", "ab"], ()), ("İİ", ["İİq", "ab"], ()),
+                                                ("İ", ["ab"], ["İ!"]), ("xİ", ["ab", "xİz"], ())])
+def test_a_character_whose_lowercase_is_longer_does_not_shift_the_banned_match(held, banned, stop):
+    """"İ".lower() is two characters: matched in the lowercased text, a ban's position had been read one character
+    off in the text (each held İ shifted it), and "ab" after a held İ was released unseen."""
+    pieces = [c.encode() for c in held + "ab!"]
+    s, chunks, events = run(pieces, stop=stop, banned=banned)
+    ev = events[-1]
+    assert ev.banned == "ab" and ev.suppressed_text == "ab" and "".join(chunks) == held
+
+
+def test_a_rewind_to_the_first_token_restores_the_healing_prefix():
+    """Token healing drops the prompt's last token ("l") and strips its text from the first output token; when a
+    banned string takes that first token back, the next first token is stripped too (it had shown "lx": the "l"
+    twice)."""
+    vocab = {0: b"lo", 1: b"lx", 2: b"y"}
+    s = TextStream(vocab.__getitem__, (), ["o"])
+    s.strip_prefix = "l"
+    ev = s.feed(0)
+    assert ev.rewind == 1 and ev.banned == "o"
+    out = [s.feed(1).text, s.feed(2).text, s.flush()[0]]
+    assert "".join(out) == "xy"
+
+
 def tokenizer_cases():
     from models.tokenizer import Tokenizer, load_tokenizer_from_dir
 

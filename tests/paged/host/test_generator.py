@@ -177,6 +177,37 @@ def test_return_probs_top_tokens_and_logits(gen):
         np.testing.assert_allclose(r["logits"][0], logits, atol=1e-4 * np.abs(logits).max())
 
 
+def test_token_healing_keeps_the_models_odds_among_the_candidates():
+    """The healed first token is drawn from the model's distribution restricted to the tokens that start with the
+    dropped text. Healing had added 1e4 to the candidates' logits, which the sampler's clamp to +-1e4 cut back: every
+    candidate above 0 became 1e4, tied (greedy took the lowest id, sampling became uniform)."""
+    import dataclasses
+
+    from models.llama import forward
+    from models.tokenizer import load_tokenizer_from_dir
+
+    tok = load_tokenizer_from_dir("tests/models/data/tiny_bpe")
+    cfg = dataclasses.replace(CFG, vocab_size=tok.vocab_size)
+    model = tiny_model(cfg, seed=2, tokenizer=tok, source="tiny-bpe")
+    ids = tok.encode("the quick brown fox s")  # the last token " s" starts 5 tokens
+    dropped = tok.token_bytes(ids[-1])
+    cand = [t for t in range(tok.vocab_size) if tok.token_bytes(t).startswith(dropped)]
+    assert len(cand) >= 3
+    bias = {cand[1]: 20.0, cand[2]: 25.0}  # two candidates far above 0 (the clamp had tied them)
+    logits = np.asarray(forward(model.params, cfg, np.asarray([ids[:-1]], np.int32)))[0, -1][cand]
+    logits += np.asarray([bias.get(t, 0.0) for t in cand])
+    ref = np.exp(logits - logits.max())
+    ref /= ref.sum()
+    gen = DynamicGenerator(model, num_pages=16, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64)
+    gen.enqueue(Job(ids, 1, token_healing=True, gen_settings=SamplingSettings(temperature=0.0, token_bias=bias),
+                    return_top_tokens=3, return_probs=True, identifier="h"))
+    r = next(r for r in drain(gen).results if r["stage"] == "streaming" and r["token_ids"])
+    order = np.argsort(-ref)[:3]
+    assert r["token_ids"][0] == cand[order[0]] == cand[2]
+    assert r["top_k_tokens"][0] == [cand[i] for i in order]
+    np.testing.assert_allclose(r["top_k_probs"][0], ref[order], rtol=1e-3, atol=1e-6)
+
+
 def test_token_healing_constrains_the_first_token_and_strips_its_prefix():
     import dataclasses
 

@@ -83,16 +83,17 @@ def _fit_vocab_axis(a, n: int, axis: int):
         return jnp.pad(x, pad)
 
     if isinstance(a, QuantizedArray):
+        if n <= a.shape[1]:
+            return quant_lib.select_out(a, np.arange(n))
         return a.replace(values=fit(a.values, -1), scales=fit(a.scales, -1), mins=fit(a.mins, -1),
                          shape=(a.shape[0], n))
     return fit(jnp.asarray(a), axis)
 
 
 def _take_columns(a, cols: np.ndarray):
-    """The columns `cols` of a `[H, N]` head (float or `QuantizedArray`)."""
+    """The columns `cols` of a `[H, N]` head (float or `QuantizedArray`, still quantized)."""
     if isinstance(a, QuantizedArray):
-        take = lambda x: None if x is None else jnp.take(x, cols, axis=-1)
-        return a.replace(values=take(a.values), scales=take(a.scales), mins=take(a.mins), shape=(a.shape[0], len(cols)))
+        return quant_lib.select_out(a, cols)
     return jnp.take(jnp.asarray(a), cols, axis=-1)
 
 

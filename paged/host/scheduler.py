@@ -115,6 +115,31 @@ MAX_INDEXES = 8  # indexes of the waiting queue a scheduler keeps (a sorted orde
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
 
+class ReadOnlyJobs(collections.abc.Sequence):
+    """The scheduler's running jobs as a policy sees them: read, indexed and iterated as the list itself (no copy),
+    with none of a list's mutators (`list(view)` for a list of one's own)."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: list[Job]):
+        self._jobs = jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __getitem__(self, i):
+        return self._jobs[i]
+
+    def __iter__(self):
+        return iter(self._jobs)
+
+    def __contains__(self, job) -> bool:
+        return job in self._jobs
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyJobs({self._jobs!r})"
+
+
 class SchedulerView:
     """What a policy sees and may do (`paged.policies.base.SchedulerView` documents each member). What a policy asks
     for is checked before anything changes: no policy, however wrong, can corrupt the page pool or the queues."""
@@ -122,10 +147,7 @@ class SchedulerView:
     def __init__(self, sched: Scheduler):
         self._s = sched
         self.config = sched.config
-
-    @property
-    def running(self) -> list[Job]:
-        return list(self._s.active)  # (a copy: changing it changes nothing; preempt() does)
+        self.running = ReadOnlyJobs(sched.active)  # (the live list, read-only: preempt() changes it)
 
     def _in_admit(self, call: str) -> None:
         s = self._s

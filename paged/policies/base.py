@@ -30,7 +30,7 @@ when it was called, read from the scheduler's own list rather than copied, and c
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from paged.device.config import EngineConfig
@@ -44,7 +44,7 @@ class SchedulerView(Protocol):
     """What a policy sees of the scheduler (implemented by `paged.host.scheduler.SchedulerView`)."""
 
     config: EngineConfig  # page_size, max_batch_size, max_chunk_size (the default token budget), num_pages, ...
-    running: list[Job]  # the running jobs, in admission order (a copy: changing it changes nothing; use preempt())
+    running: Sequence[Job]  # the running jobs, in admission order: read-only (len, index, iterate; use preempt())
 
     @property
     def now(self) -> float:

@@ -408,7 +408,7 @@ def test_a_bad_victim_or_a_raising_hook_is_a_named_policy_error():
     assert gen.pool.num_referenced == 0 and len(gen.pending) == 2
 
 
-def test_start_and_preempt_outside_admit_are_policy_errors_and_running_is_a_copy():
+def test_start_and_preempt_outside_admit_are_policy_errors_and_running_is_read_only():
     """preempt() from victim() had left the preempted job's row in the step with its pages released (two innocent
     jobs failed with an IndexError); a policy popping `s.running` had lost a job and leaked its pages."""
     class PreemptsInVictim(Policy):
@@ -451,8 +451,11 @@ def test_start_and_preempt_outside_admit_are_policy_errors_and_running_is_a_copy
         gen.pool.check(expected_refs=page_refs(gen))
     gen = make(PopsRunning(), ContextFakeEngine, num_pages=16, page_size=4, max_batch_size=3)
     gen.enqueue([job(t, n) for t, n in specs])
-    _, finals = run_collect(gen)
-    assert finals.keys() == {t for t, _ in specs} and gen.pool.num_referenced == 0
+    with pytest.raises(PolicyError, match=r"admit\(\): raised AttributeError: 'ReadOnlyJobs' object has no "
+                                          r"attribute 'pop'"):
+        for _ in range(10):
+            gen.iterate()
+    gen.pool.check(expected_refs=page_refs(gen))
 
 
 def test_a_policy_whose_constructor_raises_is_named():

@@ -33,7 +33,7 @@ from paged.errors import JobFailure, PolicyError
 from paged.host.page_pool import PagePool, chain_hashes
 from paged.job import Job
 from paged.policies import Policy
-from paged.policies.waiting import QueueSnapshot
+from paged.policies.waiting import QueueSnapshot, ReadOnlyJobs
 from paged.token_sets import pack
 
 
@@ -115,31 +115,6 @@ MAX_INDEXES = 8  # indexes of the waiting queue a scheduler keeps (a sorted orde
 WATERMARK = 0.01  # on_demand: fraction of the pages admission leaves free for running jobs' growth (vLLM's default)
 
 
-class ReadOnlyJobs(collections.abc.Sequence):
-    """The scheduler's running jobs as a policy sees them: read, indexed and iterated as the list itself (no copy),
-    with none of a list's mutators (`list(view)` for a list of one's own)."""
-
-    __slots__ = ("_jobs",)
-
-    def __init__(self, jobs: list[Job]):
-        self._jobs = jobs
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def __getitem__(self, i):
-        return self._jobs[i]
-
-    def __iter__(self):
-        return iter(self._jobs)
-
-    def __contains__(self, job) -> bool:
-        return job in self._jobs
-
-    def __repr__(self) -> str:
-        return f"ReadOnlyJobs({self._jobs!r})"
-
-
 class SchedulerView:
     """What a policy sees and may do (`paged.policies.base.SchedulerView` documents each member). What a policy asks
     for is checked before anything changes: no policy, however wrong, can corrupt the page pool or the queues."""
@@ -147,7 +122,11 @@ class SchedulerView:
     def __init__(self, sched: Scheduler):
         self._s = sched
         self.config = sched.config
-        self.running = ReadOnlyJobs(sched.active)  # (the live list, read-only: preempt() changes it)
+        self._running = ReadOnlyJobs(sched.active)  # (the live list, read-only: preempt() changes it)
+
+    @property
+    def running(self) -> ReadOnlyJobs:
+        return self._running
 
     def _in_admit(self, call: str) -> None:
         s = self._s

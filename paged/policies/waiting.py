@@ -14,19 +14,75 @@ a snapshot still referenced when the hook returns takes its copy before the queu
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, MutableSequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from typing import Any
 
 
-class QueueSnapshot(MutableSequence):
+class ReadOnlyJobs(Sequence):
+    """A list of jobs read in place, without a copy: `len`, indexing (a slice is a list), iteration, `in`, `index`,
+    `count`, `==`, and `+` / `*` giving lists; none of a list's mutators (`list(view)` makes a list of one's own).
+    `SchedulerView.running` is one over the running jobs; `QueueSnapshot` adds copy-on-write changes."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list):
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):
+        return self._items[i]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __reversed__(self):
+        return reversed(self._items)
+
+    def __contains__(self, job) -> bool:
+        return job in self._items
+
+    def index(self, job, *args) -> int:
+        return self._items.index(job, *args)
+
+    def count(self, job) -> int:
+        return self._items.count(job)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ReadOnlyJobs):
+            return self._items == other._items
+        return self._items == other if isinstance(other, list) else NotImplemented
+
+    __hash__ = None  # (mutable, as a list)
+
+    def __add__(self, other: Iterable) -> list:
+        return self._items + list(other)
+
+    def __radd__(self, other: Iterable) -> list:
+        return list(other) + self._items
+
+    def __mul__(self, n: int) -> list:
+        return self._items * n
+
+    __rmul__ = __mul__
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+    def copy(self) -> list:
+        return list(self._items)
+
+
+class QueueSnapshot(ReadOnlyJobs, MutableSequence):
     """A snapshot of a list of jobs that shares the list until either changes (see the module docstring).
     `registry`: where the snapshot records itself (a weak reference) while it shares the list, so that its owner
     can `detach` it before changing the list; None: `items` is the snapshot's own."""
 
-    __slots__ = ("_items", "_registry", "__weakref__")
+    __slots__ = ("_registry", "__weakref__")
 
     def __init__(self, items: list, registry: list[weakref.ref] | None = None):
-        self._items = items
+        super().__init__(items)
         self._registry = registry
         if registry is not None:
             registry.append(weakref.ref(self))
@@ -52,52 +108,7 @@ class QueueSnapshot(MutableSequence):
             return QueueSnapshot(list(self._items))
         return QueueSnapshot(self._items, self._registry)
 
-    # ------------------------------------------------------------------ reading (the shared list)
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, i):
-        return self._items[i]
-
-    def __iter__(self):
-        return iter(self._items)
-
-    def __reversed__(self):
-        return reversed(self._items)
-
-    def __contains__(self, job) -> bool:
-        return job in self._items
-
-    def index(self, job, *args) -> int:
-        return self._items.index(job, *args)
-
-    def count(self, job) -> int:
-        return self._items.count(job)
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, QueueSnapshot):
-            return self._items == other._items
-        return self._items == other if isinstance(other, list) else NotImplemented
-
-    __hash__ = None  # (mutable, as a list)
-
-    def __add__(self, other: Iterable) -> list:
-        return self._items + list(other)
-
-    def __radd__(self, other: Iterable) -> list:
-        return list(other) + self._items
-
-    def __mul__(self, n: int) -> list:
-        return self._items * n
-
-    __rmul__ = __mul__
-
-    def __repr__(self) -> str:
-        return repr(self._items)
-
-    def copy(self) -> list:
-        return list(self._items)
-
+    # (reading: `ReadOnlyJobs`, over the shared list)
     # ------------------------------------------------------------------ changing (a private copy)
     def __setitem__(self, i, value) -> None:
         self._own()[i] = value

@@ -25,6 +25,7 @@ from experiments.lib.step_timing import TIMERS, prefill, time_decode
 from models import ModelConfig, init_random_weights, random_weights
 from paged.device.state import EngineState
 from tests.compile_settings import ROOT, script_env
+from tests.experiments.helpers import run_expecting_usage_error
 
 H, F, NQ, NKV, D, L, V = 64, 128, 4, 2, 16, 2, 256
 CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_layers=L, num_heads=NQ,
@@ -142,10 +143,8 @@ def test_a_tiny_run_writes_every_field_and_a_plot(tmp_path):
 
 
 def test_bad_flags_are_usage_errors(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "experiments.bench_e2e", "--model=tiny", "--batch_sizes=1,x"],
-                       capture_output=True, text=True, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
-    assert p.returncode != 0 and "--batch_sizes=1,x: give integers >= 1" in p.stderr
+    p = run_expecting_usage_error("experiments.bench_e2e", "--model=tiny", "--batch_sizes=1,x")
+    assert "--batch_sizes=1,x: give integers >= 1" in p.stderr
     # (had failed after the whole measurement, with a ZeroDivisionError; --copy_mb=-1 with a JAX shape error)
-    p = subprocess.run([sys.executable, "-m", "experiments.bench_e2e", "--model=tiny", "--copy_repeats=0"],
-                       capture_output=True, text=True, cwd=ROOT, env=script_env(JAX_PLATFORMS="cpu"))
-    assert p.returncode != 0 and "--copy_repeats must be >= 1, got 0" in p.stderr
+    p = run_expecting_usage_error("experiments.bench_e2e", "--model=tiny", "--copy_repeats=0")
+    assert "--copy_repeats must be >= 1, got 0" in p.stderr

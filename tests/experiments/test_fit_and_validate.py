@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.compile_settings import script_env
+from tests.experiments.helpers import run_expecting_usage_error
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -21,9 +20,8 @@ from tests.compile_settings import script_env
     (["--name=cpu_x", "--real_repeats=0"], "--real_repeats must be >= 1"),
 ])
 def test_fit_and_validate_rejects_bad_flags_before_measuring(argv, match):
-    r = subprocess.run([sys.executable, "-m", "experiments.fit_and_validate", *argv], capture_output=True, text=True,
-                       env=script_env())
-    assert r.returncode != 0 and match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
+    r = run_expecting_usage_error("experiments.fit_and_validate", *argv)
+    assert match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -32,9 +30,8 @@ def test_fit_and_validate_rejects_bad_flags_before_measuring(argv, match):
     ("--rates=0,1", "--rates must be distinct rates > 0"),
 ])
 def test_the_flags_passed_to_validate_sim_are_checked_before_profiling(bad, match):
-    r = subprocess.run([sys.executable, "-m", "experiments.fit_and_validate", "--name=cpu_x", "--nointerleave", bad],
-                       capture_output=True, text=True, env=script_env())
-    assert r.returncode != 0 and match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
+    r = run_expecting_usage_error("experiments.fit_and_validate", "--name=cpu_x", "--nointerleave", bad)
+    assert match in r.stderr and f"+ {sys.executable} -m" not in r.stderr  # nothing ran
 
 
 def test_the_validation_record_is_read_back_gzipped_or_not(tmp_path):

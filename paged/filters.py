@@ -143,7 +143,9 @@ class ChoiceFilter(Filter):
     def __init__(self, options: Sequence[str]):
         alternatives = _lark_literals(options, "ChoiceFilter")
         self.options = list(options)
-        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: {alternatives}"), "choice")
+        # one terminal (lexeme) of alternatives: llguidance's lexer takes tens of thousands of them, where as
+        # parser rules it stops at 2000 (an Earley row per alternative)
+        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: OPTION\nOPTION: {alternatives}"), "choice")
 
     def describe(self) -> str:
         return repr(self.options)
@@ -155,8 +157,8 @@ class PrefixFilter(Filter):
     def __init__(self, prefixes: Sequence[str]):
         alternatives = _lark_literals(prefixes, "PrefixFilter")
         self.prefixes = list(prefixes)
-        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: ({alternatives}) REST\nREST: /(?s:.*)/"),
-                         "prefix")
+        super().__init__(_llg().LLMatcher.grammar_from_lark(f"start: PREFIXED\nPREFIXED: ({alternatives}) /(?s:.*)/"),
+                         "prefix")  # one terminal, as ChoiceFilter's
 
     def describe(self) -> str:
         return repr(self.prefixes)
@@ -225,6 +227,10 @@ class _Bytes:
 _BYTES = _Bytes()
 
 
+# llguidance's errors when a grammar outgrows its limits while decoding (not a token the grammar refuses)
+_LIMITS = ("lexer error", "too many", "max is", "ParserTooComplex", "fuel")
+
+
 def _satisfiable(grammar: str, max_forced: int = 256, what: str = "the grammar") -> bool:
     """False when the grammar provably matches no text: over single bytes, its matcher finds no way on at the
     start, or after the bytes it forces (an empty character class such as `[a&&b]`, at once or after a fixed
@@ -243,6 +249,9 @@ def _satisfiable(grammar: str, max_forced: int = 256, what: str = "the grammar")
                 raise InvalidJobError(f"{what} overflows llguidance's parser ({error.splitlines()[0]}): it forces "
                                       "text without end (a rule that always recurses, such as start: \"a\" start, "
                                       "never lets the text stop) or is too ambiguous; give it a way to end")
+            if any(s in error for s in _LIMITS):
+                raise InvalidJobError(f"{what} is too large for llguidance ({error.strip().splitlines()[0]}); make "
+                                      "it smaller (fewer alternatives, smaller repetition counts)")
             return not error.startswith("NoExtensionBias")
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: _Bytes.vocab_size])
         if len(allowed) != 1 or allowed[0] == _Bytes.eos_token_id:
@@ -284,6 +293,7 @@ class FilterState:
                                   f"vocabulary ({vocab_size} ids): the grammar ends on it; use a tokenizer that "
                                   "matches the model")
         self.matchers = []
+        self.filters = list(filters)
         for f in filters:
             m = llg.LLMatcher(lt, f.grammar, log_level=0)
             if m.is_error():
@@ -324,9 +334,14 @@ class FilterState:
     def consume(self, token: int) -> None:
         """Advance every matcher by a sampled token; `JobFailure` if one rejects it (the mask allowed only what
         the matchers accept, so this means a bug or a token that bypassed the mask)."""
-        for m in self.matchers:
+        for m, f in zip(self.matchers, self.filters):
             if not m.consume_token(int(token)):
-                raise JobFailure(f"the filter rejected token {token}: {m.get_error()}")
+                error = m.get_error()
+                if any(s in error for s in _LIMITS):
+                    raise JobFailure(f"{type(f).__name__}: the constraint is too large for llguidance after "
+                                     f"{self.consumed} new tokens ({error.strip().splitlines()[0]}); make it smaller "
+                                     "(fewer alternatives, smaller repetition counts)")
+                raise JobFailure(f"the filter rejected token {token}: {error}")
         self.consumed += 1
 
     def rollback(self, n: int) -> None:

@@ -28,12 +28,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged.errors import GeneratorError
 from paged.host.generator import DynamicGenerator
-from paged.server.errors import APIError, from_generator_error, model_not_found
+from paged.server.errors import APIError, from_generator_error, job_failed, model_not_found
 from paged.server.metrics import ServerMetrics
 from paged.server.protocol import ChatCompletionRequest, CompletionRequest, error_param
 from paged.server.responses import Choice, Formatter
 from paged.server.service import RequestStream, ServerShutdown, ServingGenerator
-from paged.server.translate import Context, Plan, chat_plan, completion_plan
+from paged.server.translate import Context, Plan, chat_plan, choices_of, completion_plan
 
 log = logging.getLogger("paged.server")
 
@@ -62,6 +62,27 @@ class _JobStream(StreamingResponse):
             self.on_close()
 
 
+def _endpoint(request: Request) -> str:
+    """The metrics' `endpoint` label: the route's path template (`/v1/models/{name:path}`, not the path asked
+    for, so that clients cannot add series), "other" for a path no route matched."""
+    return getattr(request.scope.get("route"), "path", "other")
+
+
+def _unparsable(body: bytes) -> str:
+    """Why a body FastAPI could not parse is no JSON: not UTF-8, nested too deeply, or a syntax error."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"invalid JSON: the body is not UTF-8 (byte 0x{body[e.start]:02x} at position {e.start})"
+    try:
+        json.loads(text)
+    except RecursionError:
+        return "invalid JSON: nested deeper than the server's JSON parser takes"
+    except json.JSONDecodeError as e:
+        return f"invalid JSON at position {e.pos}: {e.msg}"
+    return "invalid JSON"
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone away (the request body was read already)."""
     while True:
@@ -82,7 +103,8 @@ class _Request:
         self.arrival = arrival
         self.fmt = Formatter(kind, model, plan, app_state.tokenizer)
         echo = plan.echo or []
-        self.choices = [Choice(i, i // plan.n, echo[i // plan.n] if echo else "") for i in range(len(plan.jobs))]
+        self.choices = [Choice(i, i // plan.n, echo[i // plan.n] if echo else "", self.fmt.token_bytes)
+                        for i in range(len(plan.jobs))]
         self.by_job = {job: c for job, c in zip(plan.jobs, self.choices)}
         self.ended = False
 
@@ -117,11 +139,12 @@ class _Request:
                     m.tpot.observe((c.last_token_time - c.first_token_time) / (c.completion_tokens - 1))
         if last is not None and outcome is None:
             m.e2e.observe(last - self.arrival)
-        if outcome is not None:
-            m.requests.labels(self.endpoint, outcome).inc()
-        else:
-            for c in self.choices:
-                m.requests.labels(self.endpoint, c.finish_reason or "error").inc()
+        reasons = [c.finish_reason or "error" for c in self.choices]
+        for reason in reasons:
+            m.choices.labels(self.endpoint, reason if outcome is None else outcome).inc()
+        if outcome is None:  # one outcome per request, whatever its n: the first of these its choices had
+            outcome = next(r for r in ("error", "content_filter", "length", "stop") if r in reasons)
+        m.requests.labels(self.endpoint, outcome).inc()
 
 
 class _State:
@@ -174,13 +197,13 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
     app.state.paged = state
 
     # ------------------------------------------------------------------ errors
-    def rejected(endpoint: str, e: APIError) -> JSONResponse:
-        state.metrics.requests.labels(endpoint, "rejected").inc()
+    def rejected(request: Request, e: APIError) -> JSONResponse:
+        state.metrics.requests.labels(_endpoint(request), "rejected").inc()
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return rejected(request.url.path, e)
+        return rejected(request, e)
 
     bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
@@ -191,8 +214,12 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         if first.get("type") == "json_invalid":  # its loc is a byte offset, not a field
             pos = (first.get("loc") or (None,))[-1]
             detail = (first.get("ctx") or {}).get("error")
-            return rejected(request.url.path, APIError(
+            return rejected(request, APIError(
                 400, f"invalid JSON at position {pos}" + (f": {detail}" if detail else "")))
+        kind = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind.lower():
+            return rejected(request, APIError(400, "The body must be a JSON object sent with Content-Type: "
+                                              f"application/json (this one came as {kind or 'no content type'!r})"))
         model = bodies.get(request.url.path)
         params = [error_param(tuple(err.get("loc", ())), model) for err in errors]
         param = params[0]
@@ -201,10 +228,12 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         else:  # one line per error (a union's value gets one per member it failed), the same line once
             lines = list(dict.fromkeys(f"{p or 'body'}: {err.get('msg')}" for p, err in zip(params, errors)))
             message = "; ".join(lines[:5]) + (f"; ... ({len(lines) - 5} more)" if len(lines) > 5 else "")
-        return rejected(request.url.path, APIError(400, message, param=param))
+        return rejected(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 400 and e.detail == "There was an error parsing the body":  # FastAPI's, on any failure
+            return rejected(request, APIError(400, _unparsable(await request.body())))
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
 
@@ -248,9 +277,11 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
     async def _serve(endpoint: str, kind: str, make_plan, body, request: Request):
         arrival = time.perf_counter()
         is_lora = state.check_model(body.model)
+        param = "n" if body.n > 1 else "prompt" if kind == "completion" else "messages"
+        state.service.check_room(choices_of(body), param)  # before any prompt is encoded or job built
         plan = await asyncio.to_thread(make_plan, body, state.ctx, is_lora)
         try:
-            stream = await state.service.open(plan.jobs)
+            stream = await state.service.open(plan.jobs, param)
         except GeneratorError as e:
             raise from_generator_error(e, type(body)) from None
         req = _Request(state, endpoint, kind, body.model, plan, stream, arrival)
@@ -283,8 +314,8 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         failed = next((c for c in req.choices if c.error is not None), None)
         if failed is not None:
             req.end("error")
-            return JSONResponse(APIError(500, f"choice {failed.index} failed: {failed.error}",
-                                         type="server_error", code="job_failed").body(), status_code=500)
+            e = job_failed(failed.index, failed.error)
+            return JSONResponse(e.body(), status_code=e.status)
         req.end()
         return JSONResponse(req.fmt.response(req.choices))
 
@@ -301,10 +332,12 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
                 yield _sse(fmt.chunk(out, usage(), include_usage))
             if failed is not None or error is not None:
                 req.end("error")
-                message = (f"choice {failed.index} failed: {failed.error}" if failed is not None else
-                           f"{type(error).__name__}: {error}")
-                err_type = "server_shutdown" if isinstance(error, ServerShutdown) else "server_error"
-                yield _sse(APIError(500, message, type=err_type, code="job_failed").body())
+                if failed is not None:
+                    yield _sse(job_failed(failed.index, failed.error).body())
+                else:
+                    err_type = "server_shutdown" if isinstance(error, ServerShutdown) else "server_error"
+                    yield _sse(APIError(500, f"{type(error).__name__}: {error}", type=err_type,
+                                        code="job_failed").body())
                 yield "data: [DONE]\n\n"
                 return
         req.end()

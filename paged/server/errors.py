@@ -96,6 +96,23 @@ def param_of(message: str, default: str | None = None, fields: Collection[str] =
     return next((f for f in PARAM_OF.get(name, (name,)) if f in fields), default)
 
 
+# a filter's class -> the request field that asked for it
+FILTER_PARAMS = {"JsonSchemaFilter": "response_format", "RegexFilter": "regex", "GrammarFilter": "grammar",
+                 "ChoiceFilter": "choice"}
+_TOO_LARGE = re.compile(r"\b(\w+Filter): the constraint is too large for llguidance")
+
+
+def job_failed(index: int, message: str) -> APIError:
+    """The error for choice `index` whose job failed with `message` once running: a 400 naming the field when the
+    request's own constraint outgrew the grammar library's limits while decoding (`paged.filters`), else a 500
+    `job_failed`."""
+    m = _TOO_LARGE.search(message)
+    if m is not None:
+        return bad_request(f"choice {index} failed: {message}", param=FILTER_PARAMS.get(m.group(1)),
+                           code="constraint_too_large")
+    return APIError(500, f"choice {index} failed: {message}", type="server_error", code="job_failed")
+
+
 def from_generator_error(e: GeneratorError, request: type[BaseModel] | None = None) -> APIError:
     """A 400 for a job the generator rejected (`Job()`, `SamplingSettings()`, `enqueue()`), naming a field of
     `request` (the endpoint's request model; None: either endpoint's): its prompt field ("prompt" or "messages")

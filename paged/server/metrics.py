@@ -4,8 +4,8 @@ Read from the generator at scrape time (`generator.metrics()`, without waiting f
 waiting and running, pages total / used / cached / free, prefix-cache queries and hits, preemptions, steps, tokens
 prefilled and generated, failed jobs and steps, speculative drafts, accepted drafts, acceptance rate and mean
 accepted length. Kept by the server per request: time to first token, time per output token and end-to-end latency
-histograms, prompt and generated token counters, requests by endpoint and outcome, open streams, and the jobs
-running in each step. Names start with `paged_`; docs/server.md lists them.
+histograms, prompt and generated token counters, requests by endpoint and outcome, choices by finish reason, open
+streams, and the jobs running in each step. Names start with `paged_`; docs/server.md lists them.
 """
 
 from __future__ import annotations
@@ -87,8 +87,13 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("paged_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("paged_generation_tokens", "Tokens generated for requests", registry=r)
-        self.requests = Counter("paged_requests", "Requests by endpoint and outcome (stop, length, content_filter, "
-                                "cancelled, error, rejected)", ["endpoint", "outcome"], registry=r)
+        self.requests = Counter("paged_requests", "Requests by endpoint and outcome (cancelled, rejected, error, "
+                                "else the first of content_filter, length, stop that one of its choices ended with)",
+                                ["endpoint", "outcome"], registry=r)
+        self.choices = Counter("paged_choices", "Choices (one per job: a request's n times its prompts) of requests "
+                               "that were not rejected, by endpoint and finish reason (stop, length, content_filter, "
+                               "error; all cancelled or error when the request was)", ["endpoint", "finish_reason"],
+                               registry=r)
         self.step_jobs = Histogram("paged_step_running_jobs", "Jobs running after each engine step",
                                    buckets=JOB_BUCKETS, registry=r)
         r.register(_GeneratorCollector(generator, open_streams))

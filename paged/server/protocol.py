@@ -2,7 +2,8 @@
 `/v1/chat/completions`, plus this project's extra body fields (ExLlamaV2's sampler, banned strings, CFG, LoRA,
 grammars; docs/server.md lists them all).
 
-Validation is strict: an unknown field, a value of the wrong JSON type (`"temperature": "hot"`, `"n": 1.5`) or out
+Validation is strict: `null` for an optional field is its default (OpenAI's optional fields are nullable), and an
+unknown field, a value of the wrong JSON type (`"temperature": "hot"`, `"n": 1.5`) or out
 of the range below is a 400 naming the field. Ranges the generator checks itself (`top_p` in (0, 1], the sampler's
 extras) are left to it, so one rule holds in one place; its errors are mapped to 400s naming the field too
 (`paged.server.errors`).
@@ -14,15 +15,27 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 128  # choices per request (each is a job of the same batch)
+MAX_N = 128  # choices per prompt (each is a job of the same batch)
+MAX_CHOICES = 2048  # choices per request: its prompts x n (OpenAI takes up to 2048 prompts in one request)
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_SEED = 2**32 - 1  # the sampler's seeds are 32-bit: choice j of a request samples with (seed + j) mod 2**32
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """`null` for a field that has a default means the default, as in OpenAI's API (its optional fields are
+        "or null": the official client sends `"logprobs": null` for `logprobs=None`); a required field stays
+        required."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for n, f in cls.model_fields.items() if not f.is_required() for name in (n, f.alias) if name}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class StreamOptions(_Strict):

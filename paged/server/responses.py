@@ -8,16 +8,18 @@ text so far is kept); any other failure of the job is an error (`Choice.error`).
 
 from __future__ import annotations
 
+import codecs
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from paged.server.translate import Plan
 
 FINISH = {"stop_token": "stop", "stop_string": "stop", "end_filter": "stop", "max_new_tokens": "length"}
 # failures of a job that mean its constraints allowed nothing: its scheduler's and its filter's messages
-_CONSTRAINED = ("is banned at output position", "the filter rejected token",
+_CONSTRAINED = ("is banned at output position", "the filter rejected token", "its filters allow no token",
                 "no token was allowed at this position")
 MIN_LOGPROB = -9999.0  # a probability of 0 (JSON has no -inf); vLLM reports the same
 
@@ -29,13 +31,19 @@ def _logprob(p: float) -> float:
 class Choice:
     """What one choice (one job) has produced, and what it has not reported yet."""
 
-    def __init__(self, index: int, prompt_index: int, echo: str = ""):
+    def __init__(self, index: int, prompt_index: int, echo: str = "",
+                 token_bytes: Callable[[int], bytes] | None = None):
         self.index = index
         self.prompt_index = prompt_index
         self.text = echo
         self.delta = echo
-        self.logprobs: list[tuple[int, float, list[int], list[float]]] = []  # (token, p, top ids, top ps)
-        self.delta_logprobs: list[tuple[int, float, list[int], list[float]]] = []
+        # (token, p, top ids, top ps, text offset): the offset is the character of the text where the token's
+        # bytes start (the character it is part of, for a token that is part of one)
+        self.logprobs: list[tuple[int, float, list[int], list[float], int]] = []
+        self.delta_logprobs: list[tuple[int, float, list[int], list[float], int]] = []
+        self._token_bytes = token_bytes
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = len(echo)  # characters the tokens' bytes decoded to so far (after the echoed prompt)
         self.sampled = 0  # tokens sampled so far (kept ones: a banned-string rewind takes some back)
         self.final: dict | None = None
         self.first_token_time: float | None = None
@@ -55,11 +63,17 @@ class Choice:
             ids = r["token_ids"]
             top_ids = r.get("top_k_tokens") or [[] for _ in ids]
             top_ps = r.get("top_k_probs") or [[] for _ in ids]
-            items = [(t, p, ti, tp) for t, p, ti, tp in zip(ids, r["token_probs"], top_ids, top_ps)]
+            items = [(t, p, ti, tp, self._offset(t)) for t, p, ti, tp in zip(ids, r["token_probs"], top_ids, top_ps)]
             self.logprobs += items
             self.delta_logprobs += items
         if r["eos"]:
             self.final = r
+
+    def _offset(self, token: int) -> int:
+        at = self._chars
+        if self._token_bytes is not None:
+            self._chars += len(self._decoder.decode(self._token_bytes(token)))
+        return at
 
     def take_delta(self) -> tuple[str, list]:
         d, lp = self.delta, self.delta_logprobs
@@ -100,32 +114,41 @@ class Formatter:
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     def piece(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes. A token that is not whole characters (part of one, as byte-level tokenizers
+        split emoji) is written `bytes:\\xNN...`, as OpenAI writes it, so that no two tokens share a text."""
         got = self._pieces.get(token)
         if got is None:
             b = self.tokenizer.token_bytes(token)
-            got = self._pieces[token] = (b.decode("utf-8", errors="replace"), list(b))
+            try:
+                text = b.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+            got = self._pieces[token] = (text, list(b))
         return got
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self.piece(token)[1])
+
     # ------------------------------------------------------------------ logprobs
-    def logprobs(self, items: list, offset: int = 0) -> dict | None:
+    def logprobs(self, items: list) -> dict | None:
+        """`items`: a choice's (token, p, top ids, top ps, text offset). The sampled token's own logprob, where
+        it is among the top ones too, is the same number in both places."""
         if self.plan.logprobs is None:
             return None
         if self.kind == "chat":
             content = []
-            for t, p, top_ids, top_ps in items:
+            for t, p, top_ids, top_ps, _ in items:
                 s, b = self.piece(t)
                 content.append({"token": s, "logprob": _logprob(p), "bytes": b, "top_logprobs": [
-                    {"token": self.piece(i)[0], "logprob": _logprob(q), "bytes": self.piece(i)[1]}
+                    {"token": self.piece(i)[0], "logprob": _logprob(p if i == t else q), "bytes": self.piece(i)[1]}
                     for i, q in zip(top_ids, top_ps)]})
             return {"content": content}
         tokens, lps, tops, offsets = [], [], [], []
-        for t, p, top_ids, top_ps in items:
-            s = self.piece(t)[0]
-            tokens.append(s)
+        for t, p, top_ids, top_ps, offset in items:
+            tokens.append(self.piece(t)[0])
             lps.append(_logprob(p))
-            tops.append({self.piece(i)[0]: _logprob(q) for i, q in zip(top_ids, top_ps)})
+            tops.append({self.piece(i)[0]: _logprob(p if i == t else q) for i, q in zip(top_ids, top_ps)})
             offsets.append(offset)
-            offset += len(s)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if self.plan.logprobs else None,
                 "text_offset": offsets}
 
@@ -167,7 +190,6 @@ class Formatter:
     def delta_choice(self, c: Choice) -> dict | None:
         """The choice's news since the last chunk, or None when there is none."""
         finish = c.finish_reason
-        offset = len(c.text) - len(c.delta)
         text, items = c.take_delta()
         if not text and not items and finish is None:
             return None
@@ -175,5 +197,5 @@ class Formatter:
             delta = {"content": text} if (text or items) else {}
             return {"index": c.index, "delta": delta, "logprobs": self.logprobs(items) if items else None,
                     "finish_reason": finish}
-        return {"index": c.index, "text": text, "logprobs": self.logprobs(items, offset) if items else None,
+        return {"index": c.index, "text": text, "logprobs": self.logprobs(items) if items else None,
                 "finish_reason": finish}

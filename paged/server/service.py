@@ -30,7 +30,7 @@ from paged.errors import StepError
 from paged.host.async_generator import AsyncDynamicGenerator, AsyncJob
 from paged.host.generator import DynamicGenerator
 from paged.job import Job
-from paged.server.errors import queue_full, shutting_down
+from paged.server.errors import bad_request, queue_full, shutting_down
 
 log = logging.getLogger("paged.server")
 
@@ -98,13 +98,24 @@ class ServingGenerator(AsyncDynamicGenerator):
     def open_streams(self) -> int:
         return len({id(a.queue) for a in self._jobs.values()})
 
-    async def open(self, jobs: list[Job]) -> RequestStream:
-        """Enqueue a request's jobs (atomically) and return their stream. Raises `APIError` 503 while draining,
-        429 when the queue is full, and the generator's named errors for jobs it rejects."""
+    def check_room(self, count: int, param: str = "n") -> None:
+        """Whether a request of `count` jobs may be queued now: `APIError` 503 while draining; 400 naming `param`
+        when `count` is past `max_queue` itself (such a request could never be queued: retrying would not help),
+        429 when the queue has no room for it now. Checked before the request's jobs are built, and again by
+        `open`."""
         if not self.accepting:
             raise shutting_down()
-        if self.max_queue is not None and self.waiting() + len(jobs) > self.max_queue:
+        if self.max_queue is not None and count > self.max_queue:
+            raise bad_request(f"this request asks for {count} jobs (its prompts x n) and the server queues at most "
+                              f"{self.max_queue} (--max_queue); ask for fewer choices or prompts", param=param)
+        if self.max_queue is not None and self.waiting() + count > self.max_queue:
             raise queue_full(self.waiting(), self.max_queue)
+
+    async def open(self, jobs: list[Job], param: str = "n") -> RequestStream:
+        """Enqueue a request's jobs (atomically) and return their stream. Raises `APIError` 503 while draining,
+        400 or 429 when the queue cannot take them (`check_room`), and the generator's named errors for jobs it
+        rejects."""
+        self.check_room(len(jobs), param)
         stream = RequestStream(self, jobs)
         for a in stream.ajobs:  # registered first: results may come back before this coroutine resumes
             self._jobs[a.job] = a

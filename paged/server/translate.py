@@ -18,7 +18,7 @@ from paged.errors import GeneratorError
 from paged.filters import ChoiceFilter, GrammarFilter, JsonSchemaFilter, RegexFilter
 from paged.job import Job
 from paged.server.errors import bad_request, from_generator_error
-from paged.server.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from paged.server.protocol import MAX_CHOICES, MAX_SEED, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from paged.settings import SamplingSettings
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -53,12 +53,33 @@ class Plan:
 _ids = itertools.count()
 
 
+def choices_of(req: SamplingRequest) -> int:
+    """The jobs a request asks for: its prompts (a completions request may send a list of them) times `n`; a 400
+    naming the field when past `MAX_CHOICES`. Counted before any prompt is encoded or any job built."""
+    p = getattr(req, "prompt", None)
+    prompts = len(p) if isinstance(p, list) and p and not isinstance(p[0], int) else 1
+    if prompts * req.n > MAX_CHOICES:
+        raise bad_request(f"{prompts} prompts x n={req.n} is {prompts * req.n} choices, more than the "
+                          f"{MAX_CHOICES} a request may ask for; split the request", param="n" if req.n > 1 else
+                          "prompt")
+    return prompts * req.n
+
+
 def _encode(tok: Any, text: str, param: str) -> list[int]:
     try:
         ids = tok.encode(text, encode_special_tokens=True)
     except Exception as e:  # noqa: BLE001 (the tokenizer's named errors: a lone surrogate, ...)
         raise bad_request(f"{param} cannot be encoded: {type(e).__name__}: {e}", param=param) from None
     return list(ids)
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """A lone surrogate (a JSON "\\ud800" escape) is no character: no output can contain it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} holds a lone surrogate {text[e.start]!r} at index {e.start}, which is not a "
+                          "character; pass valid Unicode text", param=param) from None
 
 
 def render_chat(ctx: Context, messages: list[dict]) -> str:
@@ -153,11 +174,15 @@ def _check_common(req: SamplingRequest, ctx: Context) -> None:
 
 def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative: list[int] | None,
           max_tokens: int | None, default_max: int | None, logprobs: int | None, filters: list,
-          prompt_param: str, lora: str | None) -> list[Job]:
+          prompt_param: str, lora: str | None, max_tokens_param: str = "max_tokens") -> list[Job]:
     settings = settings_of(req)
     stops: list[Any] = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty", param="stop")
+    banned = [req.banned_strings] if isinstance(req.banned_strings, str) else req.banned_strings or []
+    for param, texts in (("stop", stops), ("banned_strings", banned)):
+        for text in texts:
+            _check_unicode(text, param)
     eos = getattr(ctx.tokenizer, "eos_token_id", None)
     stops += sorted(set(req.stop_token_ids or []) | ({eos} if eos is not None and not req.ignore_eos else set()))
     if negative is not None and not negative:
@@ -176,10 +201,11 @@ def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative
         else:  # the endpoint's default, cut to the context left
             new = min(default_max or ctx.max_seq_len, ctx.max_seq_len - longest)
         if longest + new > ctx.max_seq_len:
-            raise bad_request(f"max_tokens={new} plus the prompt's {longest} tokens exceeds the model's context of "
-                              f"{ctx.max_seq_len} tokens", param="max_tokens", code="context_length_exceeded")
+            raise bad_request(f"{max_tokens_param}={new} plus the prompt's {longest} tokens exceeds the model's "
+                              f"context of {ctx.max_seq_len} tokens", param=max_tokens_param,
+                              code="context_length_exceeded")
         if req.min_tokens > new:
-            raise bad_request(f"min_tokens={req.min_tokens} exceeds max_tokens={new}", param="min_tokens")
+            raise bad_request(f"min_tokens={req.min_tokens} exceeds {max_tokens_param}={new}", param="min_tokens")
         for c in range(req.n):
             try:
                 jobs.append(Job(
@@ -205,6 +231,7 @@ def _lora(req: SamplingRequest, ctx: Context, model_is_lora: bool) -> str | None
 
 
 def completion_plan(req: CompletionRequest, ctx: Context, model_is_lora: bool = False) -> Plan:
+    choices_of(req)
     _check_common(req, ctx)
     if req.suffix is not None:
         raise bad_request("suffix (fill-in-the-middle) is not supported", param="suffix", code="unsupported")
@@ -262,5 +289,6 @@ def chat_plan(req: ChatCompletionRequest, ctx: Context, model_is_lora: bool = Fa
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     jobs = _jobs(req, ctx, [ids], negative, max_tokens, None, logprobs, _filters(req, req.response_format),
-                 "messages", _lora(req, ctx, model_is_lora))
+                 "messages", _lora(req, ctx, model_is_lora),
+                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     return Plan(jobs=jobs, prompt_lens=[len(ids)], n=req.n, logprobs=logprobs)

@@ -19,7 +19,7 @@ from models import ModelConfig
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.device.batch import mask_words
 from paged.device.sampling import apply_token_mask
-from paged.errors import InvalidJobError
+from paged.errors import InvalidJobError, JobFailure
 from paged.filters import (
     ChoiceFilter,
     FilterState,
@@ -437,6 +437,35 @@ def test_a_grammar_that_never_lets_the_text_end_is_refused_when_built(capfd):
         GrammarFilter('start: "a" start')
     assert "Too many items" not in capfd.readouterr().err
     GrammarFilter('start: "a" start | "b"')  # (recursion with a way out is fine)
+
+
+def test_a_choice_of_thousands_of_options_and_prefixes():
+    """ChoiceFilter and PrefixFilter are one lexeme of alternatives: as parser rules, llguidance stopped at 2000
+    options ("Current row has 2001 items"), and a job under 2000 of them failed at its second token."""
+    options = [str(i) for i in range(5000)]
+    eos = TOK.eos_token_id
+    for f, text, then in ((ChoiceFilter(options), "4999", {eos}), (ChoiceFilter(options), "1", {eos, *b"0123456789"}),
+                          (PrefixFilter(options), "12", None)):
+        st = FilterState([f], TOK, mask_words(258))
+        for t in text.encode():
+            assert mask_allows(compute_masks([st])[0], t)
+            st.consume(t)
+        got = set(allowed(compute_masks([st])[0], 258))
+        assert got == then if then is not None else got >= {eos, *range(128)}  # after a prefix: any text, or end
+
+
+def test_a_constraint_too_large_for_the_library_is_named_when_built_or_met():
+    """A regex whose lexer outgrows llguidance's limits is refused when built, where the probe meets it (at the
+    start or after forced text); one that meets them only after a choice fails its job with a message that says
+    so, not as a token the filter rejected (a content filter, on the server)."""
+    with pytest.raises(InvalidJobError, match=r"RegexFilter: the regex is too large for llguidance \(lexer error"):
+        RegexFilter("(a{1000}){1000}")
+    st = FilterState([RegexFilter("(x|y)(a{1000}){1000}")], TOK, mask_words(258))
+    st.consume(ord("x"))
+    assert allowed(compute_masks([st])[0], 258) == [ord("a")]
+    with pytest.raises(JobFailure, match=r"^RegexFilter: the constraint is too large for llguidance after 1 new "
+                                         r"tokens \(lexer error: too many expressions constructed\); make it smaller"):
+        st.consume(ord("a"))
 
 
 @pytest.mark.parametrize("engine", ["fake", "sim"])

@@ -56,6 +56,11 @@ def test_requests_past_max_queue_get_429_and_the_others_finish(server):
         # n choices count as n jobs
         r = httpx.post(f"{server.base}/v1/completions", json=body("two", n=2), timeout=DEADLINE_S)
         assert r.status_code == 429
+        # more choices than the queue can ever hold: retrying would not help, so a 400 naming n
+        r = httpx.post(f"{server.base}/v1/completions", json=body("three", n=MAX_QUEUE + 1), timeout=DEADLINE_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max_queue" in r.text, r.text
+        r = httpx.post(f"{server.base}/v1/completions", json=body(["a", "b", "c"]), timeout=DEADLINE_S)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     finally:
         gate.set()
     for t in threads:
@@ -63,7 +68,7 @@ def test_requests_past_max_queue_get_429_and_the_others_finish(server):
     assert [x.status_code for x in replies] == [200] * (1 + MAX_QUEUE)
     assert all(x.json()["choices"][0]["finish_reason"] == "length" for x in replies)
     m = wait_idle(server)
-    assert m["paged_requests_total{endpoint=/v1/completions,outcome=rejected}"] == 2
+    assert m["paged_requests_total{endpoint=/v1/completions,outcome=rejected}"] == 4
     assert httpx.post(f"{server.base}/v1/completions", json=body("after"), timeout=DEADLINE_S).status_code == 200
 
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from paged import DynamicGenerator
+from paged.server.protocol import MAX_CHOICES
 from paged.server.translate import SIMPLE_CHAT_TEMPLATE
 from paged.testing import ByteTokenizer, InjectedFault, tiny_config, tiny_model
 from tests.server.helpers import DEADLINE_S, LiveServer, wait_for, wait_idle
@@ -75,6 +76,34 @@ def test_models_health_metrics_and_unknown_routes(server, client):
     assert "# HELP paged_pages_total KV-cache pages jobs can use (the reserved null page excluded)" in page
     for phase in ("schedule", "engine", "results"):  # the host loop's cumulative seconds, as generator.metrics()
         assert f"paged_host_loop_seconds_total{{phase={phase}}}" in m, phase
+
+
+def test_null_is_the_default_for_optional_fields(server, client):
+    """OpenAI's optional fields are nullable: the official client sends null for an argument given as None."""
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       logprobs=None, n=None, stream=None, top_logprobs=None, temperature=None)
+    assert r.choices[0].logprobs is None and len(r.choices) == 1 and r.usage.completion_tokens >= 1
+    nulls = {name: None for name in ("n", "stream", "echo", "logprobs", "min_tokens", "ignore_eos", "priority",
+                                     "token_healing", "stream_options", "seed", "stop", "max_tokens")}
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": "tiny", "prompt": "x", **nulls},
+                   timeout=DEADLINE_S)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text  # max_tokens' default
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": None, "prompt": "x"}, timeout=DEADLINE_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"  # a required field stays required
+
+
+def test_requests_and_choices_are_counted_apart_and_paths_are_not_labels(server, client):
+    before = server.metrics()
+    complete(client, max_tokens=3, n=3, extra_body=NO_EOS)
+    for i in range(3):
+        assert httpx.get(f"{server.base}/v1/models/no-such-model-{i}").status_code == 404
+    m = server.metrics()
+    delta = lambda key: m.get(key, 0) - before.get(key, 0)  # noqa: E731
+    assert delta("paged_requests_total{endpoint=/v1/completions,outcome=length}") == 1  # one request of n=3
+    assert delta("paged_choices_total{endpoint=/v1/completions,finish_reason=length}") == 3
+    # a path a client makes up is no new series: the route's template is the label
+    assert delta("paged_requests_total{endpoint=/v1/models/{name:path},outcome=rejected}") == 3
+    assert not any("no-such-model" in key for key in m)
 
 
 def test_completion_streamed_and_not_agree(client):
@@ -173,14 +202,38 @@ def test_logprobs_and_top_logprobs(client):
         lps = [t.logprob for t in item.top_logprobs]
         assert lps == sorted(lps, reverse=True)
         assert item.token == item.top_logprobs[0].token  # greedy: the most likely token
-        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-5)
-        assert bytes(item.bytes).decode("utf-8", errors="replace") == item.token
+        assert item.logprob == item.top_logprobs[0].logprob  # the same number in both places
+        b = bytes(item.bytes)
+        try:  # a token that is part of a character is written as its bytes, OpenAI's way
+            assert item.token == b.decode("utf-8")
+        except UnicodeDecodeError:
+            assert item.token == "bytes:" + "".join(f"\\x{x:02x}" for x in b)
     r = complete(client, max_tokens=5, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     assert all(len(t) <= 2 for t in lp.top_logprobs) and lp.text_offset[0] == 0
     chunks = list(complete(client, max_tokens=5, logprobs=2, stream=True))
     assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs) == 5
+
+
+def test_logprobs_of_tokens_that_are_parts_of_characters(client):
+    """The byte tokenizer splits "é" into two tokens: each is written as its bytes (two tokens never share a text,
+    so the top alternatives keep their own keys), and its text offset is the character it is part of, the same
+    streamed or not."""
+    kw = dict(prompt="Accents", max_tokens=8, temperature=0, logprobs=3, extra_body={"choice": ["héé!"]})
+    r = complete(client, **kw)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == "héé!"
+    assert lp.tokens == ["h", "bytes:\\xc3", "bytes:\\xa9", "bytes:\\xc3", "bytes:\\xa9", "!"]
+    assert lp.text_offset == [0, 1, 1, 2, 2, 3]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob  # the chosen token among the top ones, with the same number
+    chunks = list(complete(client, stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    echoed = complete(client, **{**kw, "logprobs": None}, echo=True)
+    assert echoed.choices[0].text == "Accentshéé!"
 
 
 def test_same_seed_same_text(client):
@@ -278,6 +331,11 @@ BAD = [  # (body changes, the field the 400 must name; None: no field)
     ({"cfg_scale": 1.5, "negative_prompt": ""}, "negative_prompt"),  # (had named the prompt)
     ({"cfg_scale": 1.5, "negative_prompt": "x" * (MAX_SEQ_LEN + 10)}, "negative_prompt"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stop": "\ud800"}, "stop"),  # a lone surrogate: no output can hold it (as in regex, choice, the prompt)
+    ({"banned_strings": ["ok", "\ud800"]}, "banned_strings"),
+    ({"regex": "(a{1000}){1000}"}, "regex"),  # too large for llguidance's lexer: found when the filter is built
+    ({"prompt": ["a"] * 17, "n": 128}, "n"),  # 2176 choices, past MAX_CHOICES: refused before any job is built
+    ({"prompt": ["a"] * (MAX_CHOICES + 1)}, "prompt"),
 ]
 
 
@@ -309,6 +367,18 @@ def test_bad_requests_get_400_naming_the_field_while_another_stream_goes_on(serv
     err = r.json()["error"]  # the offset of the "}" where a value should be; no field
     assert r.status_code == 400 and err["param"] is None, err
     assert err["message"].startswith("invalid JSON at position 28"), err
+    for content, headers, said in (  # bodies FastAPI does not parse: what is wrong with them, not a pydantic error
+            (b'{"model": "tiny", "prompt": "\xff"}', {"content-type": "application/json"},
+             "the body is not UTF-8 (byte 0xff at position 29)"),
+            (b"[" * 5000 + b"]" * 5000, {"content-type": "application/json"}, "nested deeper"),
+            (b'{"model": "tiny", "prompt": "x"}', {"content-type": "application/x-www-form-urlencoded"},
+             "sent with Content-Type: application/json (this one came as 'application/x-www-form-urlencoded')")):
+        r = httpx.post(f"{server.base}/v1/completions", content=content, headers=headers, timeout=DEADLINE_S)
+        assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.base}/v1/chat/completions", timeout=DEADLINE_S, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10 * MAX_SEQ_LEN})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert r.json()["error"]["message"].startswith("max_completion_tokens=10240 plus"), r.text
     schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
@@ -407,3 +477,15 @@ def test_extra_body_fields(client):
     # banned tokens against a grammar that allows only them: the constraints leave nothing, a content filter
     r = complete(client, max_tokens=5, extra_body={"regex": "q+", "banned_tokens": [ord("q")]})
     assert r.choices[0].finish_reason == "content_filter"
+    # ... and two filters that exclude each other (their allowed sets intersect: nothing is left)
+    r = complete(client, max_tokens=5, extra_body={"regex": "a+", "choice": ["b"]})
+    assert r.choices[0].finish_reason == "content_filter" and r.choices[0].text == ""
+    # a choice of thousands of options (one lexeme: as parser rules llguidance stopped at 2000)
+    options = [f"option {i}" for i in range(5000)]
+    assert complete(client, max_tokens=12, extra_body={"choice": options}).choices[0].text in options
+    # a constraint that outgrows llguidance's lexer only once decoding has begun: a 400 naming its field
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(client, max_tokens=5, extra_body={"regex": "(x|y)(a{1000}){1000}"})
+    assert e.value.body["param"] == "regex" and e.value.body["code"] == "constraint_too_large", e.value.body
+    with pytest.raises(openai.APIError, match="too large for llguidance"):
+        list(complete(client, max_tokens=5, stream=True, extra_body={"regex": "(x|y)(a{1000}){1000}"}))

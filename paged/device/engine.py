@@ -170,9 +170,12 @@ class Engine:
     def load_embeddings(self, rows: Sequence[int], vectors: np.ndarray) -> None:
         """Write injected embeddings `vectors` [n, H] into rows `rows` of the table (`paged.embeddings`): a host-side
         scatter and one copy of the table, no compilation."""
-        table = np.array(self.state.extra_embed)
+        old = self.state.extra_embed
+        table = np.array(old)
         table[np.asarray(rows, np.int64)] = vectors
-        self.state = self.state.replace(extra_embed=jax.device_put(table, self.state.extra_embed.sharding))
+        # placed as the old table was: an array given its sharding is "committed", and a jitted program compiled
+        # for uncommitted arguments (one device, no mesh: what warmup() compiled) misses its cache on one
+        self.state = self.state.replace(extra_embed=jax.device_put(table, old.sharding if old.committed else None))
 
     @_under_mesh
     def load_lora(self, slot: int, adapter: Any) -> None:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from paged import DynamicGenerator, Job, MMEmbedding, SamplingSettings
+from paged.device.engine import count_compiles
 from paged.embeddings import RESERVED_ID_BASE, encode_with_embeddings
 from paged.errors import InvalidJobError
 from paged.testing import ByteTokenizer, FakeEngine, drain, tiny_config, tiny_model
@@ -65,6 +66,20 @@ def test_other_vectors_change_the_output():
                                  if r["identifier"] == i and "logits" in r]) for i in ("plain", "emb")}
     # the random tiny model barely attends far back: 1e-4 is still ~1000x the float noise of the identity above
     assert np.max(np.abs(logits["emb"][0] - logits["plain"][0])) > 1e-4
+
+
+def test_after_warmup_an_embedding_job_compiles_nothing_nor_do_the_jobs_after_it():
+    """Writing vectors into the table keeps it placed as warmup() compiled for: it had become a "committed" array
+    (device_put with its sharding), and every step program then compiled again, for every job after it."""
+    g = DynamicGenerator(MODEL, **GEN)
+    g.warmup()
+    before = count_compiles()
+    emb = MMEmbedding(RNG.normal(0, 1.0, size=(3, CFG.hidden_size)))
+    g.enqueue(Job(TEXT[:5] + emb.token_ids + TEXT[5:9], 4, gen_settings=GREEDY, embeddings=[emb]))
+    drain(g)
+    g.enqueue([Job(TEXT[:20], 4, gen_settings=GREEDY), Job(TEXT[20:23], 4, gen_settings=GREEDY)])
+    drain(g)
+    assert count_compiles() == before
 
 
 def test_the_same_image_shares_cached_pages_and_another_does_not():

@@ -232,6 +232,7 @@ class Job:
         self.pending_extras: list[dict] = []  # per-token extras (probs, top-k, logits) not yet released with text
         self.time_enqueue = 0.0  # the generator's clock at enqueue() (`arrival`)
         self.preemptions = 0  # times a policy preempted it (pages released, recomputed on re-admission)
+        self.kv_at_preemption = 0  # the most tokens it had computed when it was preempted (a recompute's end)
         self.drafted_tokens = 0  # speculative decoding: draft tokens verified for this job, and how many were kept
         self.accepted_draft_tokens = 0
         self.prefix_memo: tuple | None = None  # (sequence length, hashes, page tokens) of its cacheable prefix

@@ -268,7 +268,8 @@ class DynamicGenerator:
         self._vocab_bytes: list[bytes] | None = None
         self.lock = threading.RLock()
         self.steps = 0
-        self.tokens_prefilled = 0
+        self.tokens_prefilled = 0  # prompt (and recomputed) tokens run through the model: `_prefilled`
+        self.tokens_recomputed = 0  # of them, tokens a preempted job had computed before (`Job.kv_at_preemption`)
         self.tokens_generated = 0
         self.jobs_completed = 0
         self.jobs_failed = 0
@@ -694,6 +695,8 @@ class DynamicGenerator:
                         and not (job.return_probs or job.return_top_tokens or job.return_logits)):
                     if job.time_first_prefill is None:
                         job.time_first_prefill = now - seconds
+                    if row.start_pos < job.prompt_len:  # a prompt's last chunk of one token, not a decode row
+                        self._prefilled(row, job)
                     advance(job, 1)
                     r = receive(job, tokens[i], {}, now)
                     self.tokens_generated += 1
@@ -707,27 +710,35 @@ class DynamicGenerator:
             except Exception as e:  # noqa: BLE001 (one job's failure must not stop the others)
                 results.append(self._fail(job, e, now))
 
+    def _prefilled(self, row: Any, job: Job) -> None:
+        """Count a row's prefill tokens (not a verification row): all of them but a sampling row's last token when
+        that is a generated one (a decode row's whole row, the pending token after a preempted job's recompute).
+        Those below the job's `kv_at_preemption` were computed before it was preempted: recomputed."""
+        start, end = row.start_pos, row.start_pos + len(row.tokens)
+        if row.sample and end - 1 >= job.prompt_len:
+            end -= 1
+        if end > start:
+            self.tokens_prefilled += end - start
+            self.tokens_recomputed += max(0, min(end, job.kv_at_preemption) - start)
+
     def _collect_row(self, row: Any, job: Job, item: Accepted | _PlainRow, seconds: float, now: float,
                      results: list[dict]) -> None:
         """One row's output: none (a prefill chunk that does not sample), one token, or a speculative row's accepted
         drafts and the target's next token, fed one at a time (`JobOutput.feed`) as if each came from its own step;
         `item.kv_advance` of the row's tokens now have K/V."""
-        n = len(row.tokens)
+        if not row.verify:
+            self._prefilled(row, job)
         if job.cfg_owner is not None:  # a CFG negative prompt: its prefill chunks (its job's row samples for both)
             if not item.tokens:
                 self.output.advance(job, item.kv_advance)
-                self.tokens_prefilled += n
             return
         if job.time_first_prefill is None:
             job.time_first_prefill = now - seconds
         if not item.tokens:
             self.output.advance(job, item.kv_advance)
-            self.tokens_prefilled += n
             results.append({**self.output.base(job, "prefill"), "curr_progress": job.kv_position,
                             "max_progress": len(job.sequence)})
             return
-        if n > 1:
-            self.tokens_prefilled += n
         extras, error = [], None
         for i, t in enumerate(item.tokens):  # tokens up to a non-finite one are kept, then the job fails
             try:
@@ -768,7 +779,7 @@ class DynamicGenerator:
             "tokens_generated": self.tokens_generated, "jobs_completed": self.jobs_completed,
             "jobs_failed": self.jobs_failed, "steps_failed": self.steps_failed,
             "jobs_pending": len(self.pending), "jobs_active": len(self.active),
-            "preemptions": self.scheduler.preemptions, "tokens_recomputed": self.scheduler.tokens_recomputed,
+            "preemptions": self.scheduler.preemptions, "tokens_recomputed": self.tokens_recomputed,
             **(self.speculation.metrics() if self.speculation is not None else empty_metrics()),
             **{f"time_{k}": v for k, v in self.timings.items()},
             **{f"time_engine_{k}": v for k, v in getattr(self.engine, "timings", {}).items()},

@@ -198,7 +198,6 @@ class Scheduler:
         self.watermark = int(WATERMARK * pool.num_pages) if self.on_demand else 0
         self.view = SchedulerView(self)
         self.preemptions = 0
-        self.tokens_recomputed = 0  # tokens of preempted jobs whose KV had to be computed again
         self._started: Callable[[Job], None] = lambda job: None
         self.on_release: Callable[[Job], None] = lambda job: None  # a job lost its pages (speculative state reset)
         self._budget = 0
@@ -363,8 +362,6 @@ class Scheduler:
         requests = self._requests(job)
         for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, self.pool.allocate_many(requests)):
             m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
-            if job.preemptions:
-                self.tokens_recomputed += len(m.sequence) - m.kv_position
         self.remove_waiting(job)
         self.active.append(job)
         if not job.preemptions:
@@ -378,6 +375,7 @@ class Scheduler:
         self.active.remove(job)
         for m in members(job):
             self.pool.release(m.pages)
+            m.kv_at_preemption = max(m.kv_position, m.kv_at_preemption)  # (the generator counts recomputation)
             m.pages = []
             m.page_hashes = []
             m.kv_position = 0

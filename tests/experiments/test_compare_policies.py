@@ -56,8 +56,10 @@ def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp,
     By hand: request 0 is prefilled in the first step (t=0..1): queue time 0, tokens at 1, 2, ..., 16. Request 1
     waits for the second step (t=1..2): queue time 1, first token at 2. At t=10 both have 8 + 9 = 17 tokens and need
     a third page with only 5 in the pool: request 1 (the newest) is preempted, once. Its first two pages (16 tokens,
-    complete and hashed) stay in the prefix cache, so when request 0 ends at 16 and request 1 is re-admitted, 17 - 16
-    = 1 token is recomputed; its tokens resume at 17 and end at 23."""
+    complete and hashed) stay in the prefix cache, so when request 0 ends at 16 and request 1 is re-admitted, no
+    token is recomputed: its 16 computed tokens come from the cache, and its 17th had not run yet (it was to be the
+    next decode row's, and runs as one now); its tokens resume at 17 and end at 23. (The count had been 1: the
+    pending token, which runs whether or not the job was preempted.)"""
     stm = tmp_path / "one_second.json"
     StepTimeModel.constant(1.0).save(stm)
     out = tmp_path / "rec.json"
@@ -70,7 +72,7 @@ def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp,
     assert [r["queue_time"] for r in reqs] == [0.0, 1.0]
     assert point["metrics"]["queue_ms"]["median"] == 500.0 and point["summary"]["queue_p50_ms"] == 500.0
     assert [r["preemptions"] for r in reqs] == [0, 1] and point["preemptions"] == 1
-    assert point["tokens_recomputed"] == 1 and point["summary"]["recomputed"] == 1
+    assert point["tokens_recomputed"] == 0 and point["summary"]["recomputed"] == 0
     assert [r["e2el"] for r in reqs] == [16.0, 23.0] and [r["ttft"] for r in reqs] == [1.0, 2.0]
 
 

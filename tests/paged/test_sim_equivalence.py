@@ -104,7 +104,8 @@ def _requests(case: str, n: int, seed: int) -> list[dict]:
     return out
 
 
-def fingerprint(case: str, policy: str, n: int = 240, rate: float | None = None, seed: int = 0) -> dict:
+def fingerprint(case: str, policy: str, n: int = 240, rate: float | None = None, seed: int = 0,
+                jobs: list | None = None) -> dict:
     """Run `n` seeded requests of `case` ("plain", "text", "burst" or "queue": the plain requests arriving eight times
     as fast, a queue of hundreds) through `policy` on the simulator; returns the run's headline numbers and the
     digests (`DIGESTS`) of what it produced."""
@@ -133,7 +134,10 @@ def fingerprint(case: str, policy: str, n: int = 240, rate: float | None = None,
         now = sim.clock()
         while sent < n and arrivals[sent] <= now:
             q = requests[sent]
-            gen.enqueue(Job(q["prompt"], identifier=sent, **{k: v for k, v in q.items() if k != "prompt"}))
+            job = Job(q["prompt"], identifier=sent, **{k: v for k, v in q.items() if k != "prompt"})
+            gen.enqueue(job)
+            if jobs is not None:
+                jobs.append(job)
             sent += 1
         max_pending = max(max_pending, len(gen.pending))
         if not gen.active and not gen.pending:
@@ -145,6 +149,8 @@ def fingerprint(case: str, policy: str, n: int = 240, rate: float | None = None,
                 times.setdefault(r["identifier"], []).append(sim.clock())
             done += r["eos"]
     metrics = {k: v for k, v in gen.metrics().items() if k not in WALL_TIMINGS}
+    if jobs is not None:
+        jobs.append(metrics)
     return {"steps": metrics["steps"], "preemptions": metrics["preemptions"], "max_pending": max_pending,
             "tokens_generated": metrics["tokens_generated"], "clock": repr(sim.clock()),
             "digests": " ".join(_digest(x) for x in (calls, [(s, repr(dt)) for s, dt in sim.records], results,
@@ -159,36 +165,38 @@ CASES = [("plain", p) for p in ("exllamav2", "fcfs", "sjf", "priority", "vllm", 
 # (the `shapes` digest re-recorded on 2026-12-06, when StepShape gained `attn_pairs` and `padded_rows`; the
 # other four unchanged. The "text" runs' `rows` and `results` re-recorded on 2026-12-07, when token healing became
 # a token mask instead of a +1e4 bias, which the fake engine had ignored: with the healing of that day's scheduler
-# put back, both digests are the old ones)
+# put back, both digests are the old ones. The `metrics` digests re-recorded on 2026-12-07, later, when
+# tokens_prefilled and tokens_recomputed became exact (test_prefilled_tokens_are_the_prompts_less_the_cache_plus_the_
+# recomputed); the other four digests and the headline numbers unchanged)
 EXPECTED = {
     ("plain", "exllamav2"): dict(steps=939, preemptions=0, max_pending=12, tokens_generated=5553,
-        clock="20.15557055457307", digests="558d3507c72a 983d5d600a2b 8c84a76ca1b8 7fd9d5569cd1 3f0343fd8fb9"),
+        clock="20.15557055457307", digests="558d3507c72a 983d5d600a2b 8c84a76ca1b8 7fd9d5569cd1 c3788a873ff0"),
     ("plain", "fcfs"): dict(steps=925, preemptions=0, max_pending=15, tokens_generated=5553,
-        clock="20.158303034573063", digests="834f5017f6fb 70d5fef083ce 9258ab2cb1e5 d43bcc34ff58 a51d044024c5"),
+        clock="20.158303034573063", digests="834f5017f6fb 70d5fef083ce 9258ab2cb1e5 d43bcc34ff58 84537289dba1"),
     ("plain", "sjf"): dict(steps=929, preemptions=0, max_pending=10, tokens_generated=5553,
-        clock="20.16411147457308", digests="c1a3b284aa0f 92e02c56e802 a8231938449b 5551caf07cd7 908acfd0960d"),
+        clock="20.16411147457308", digests="c1a3b284aa0f 92e02c56e802 a8231938449b 5551caf07cd7 9961defdcc2d"),
     ("plain", "priority"): dict(steps=831, preemptions=94, max_pending=14, tokens_generated=5553,
-        clock="20.062051114573084", digests="d929771f1f0f cbd208631169 1c0c543b03d5 105496057283 cddc174bcc24"),
+        clock="20.062051114573084", digests="d929771f1f0f cbd208631169 1c0c543b03d5 105496057283 c60c97fc8e6e"),
     ("plain", "vllm"): dict(steps=935, preemptions=7, max_pending=13, tokens_generated=5553,
-        clock="20.051857194573063", digests="100271c5323c 10394e0ce0a1 6629692f8ce0 3c27632975bd f2b8415d89cf"),
+        clock="20.051857194573063", digests="100271c5323c 10394e0ce0a1 6629692f8ce0 3c27632975bd 4c0224dfacfa"),
     ("plain", "lpm"): dict(steps=929, preemptions=0, max_pending=14, tokens_generated=5553,
-        clock="20.15770015457302", digests="c70dba1bc1f4 39179dd976da 649383b5f03f 262356ffba20 2112e58dbc46"),
+        clock="20.15770015457302", digests="c70dba1bc1f4 39179dd976da 649383b5f03f 262356ffba20 75aeec9bd354"),
     ("plain", "sarathi"): dict(steps=932, preemptions=5, max_pending=12, tokens_generated=5553,
-        clock="20.06590627457305", digests="00a884f21502 66c682ac60f8 e71a57dc56e7 fbb33d78dcbd a0509a1cd0c0"),
+        clock="20.06590627457305", digests="00a884f21502 66c682ac60f8 e71a57dc56e7 fbb33d78dcbd 9da9a0a50e33"),
     ("text", "vllm"): dict(steps=892, preemptions=2, max_pending=15, tokens_generated=5667,
-        clock="19.989517175342453", digests="eb6d371d4fcb 620bf1b1cf86 5cfd0ab72b51 0180d8208bae 5d501613227e"),
+        clock="19.989517175342453", digests="eb6d371d4fcb 620bf1b1cf86 5cfd0ab72b51 0180d8208bae b4670ea3fb9d"),
     ("text", "exllamav2"): dict(steps=890, preemptions=0, max_pending=16, tokens_generated=5667,
-        clock="19.98909549534247", digests="8097614b1fb5 43a28dc3b059 09d7ad875d38 9c768ef81959 c42e0bfe1f51"),
+        clock="19.98909549534247", digests="8097614b1fb5 43a28dc3b059 09d7ad875d38 9c768ef81959 2a3a11cef422"),
     ("burst", "exllamav2"): dict(steps=917, preemptions=0, max_pending=12, tokens_generated=5553,
-        clock="20.192188175342448", digests="0fa417a0d8d6 083405d3c4c2 c7866391bea3 2de66c71169b d560bb69860a"),
+        clock="20.192188175342448", digests="0fa417a0d8d6 083405d3c4c2 c7866391bea3 2de66c71169b 47f02fbf3b0e"),
     ("queue", "exllamav2"): dict(steps=821, preemptions=0, max_pending=211, tokens_generated=5553,
-        clock="19.125148070641114", digests="777f7c400e05 85395dcbdbde 6fac0e5dfa91 0200474298a6 4b76794e90c1"),
+        clock="19.125148070641114", digests="777f7c400e05 85395dcbdbde 6fac0e5dfa91 0200474298a6 880872c9f297"),
     ("queue", "sjf"): dict(steps=831, preemptions=0, max_pending=177, tokens_generated=5553,
         clock="19.304700590641097", digests="d8c633a4fde5 0f765ff5aaf5 118f4fed134d 770f19282afc 6d405f92891f"),
     ("queue", "priority"): dict(steps=740, preemptions=24, max_pending=213, tokens_generated=5553,
-        clock="18.432602670641103", digests="3543b76359b1 9fecb848c568 5772188c9c72 81a9e5967b15 e3d08a20f46e"),
+        clock="18.432602670641103", digests="3543b76359b1 9fecb848c568 5772188c9c72 81a9e5967b15 b9a1a6bb0b10"),
     ("queue", "lpm"): dict(steps=807, preemptions=0, max_pending=210, tokens_generated=5553,
-        clock="18.789884350641103", digests="e54b0883fce8 c350aa9d4a51 e99023693d23 2967cc3eb2cd 295fa2e451fa"),
+        clock="18.789884350641103", digests="e54b0883fce8 c350aa9d4a51 e99023693d23 2967cc3eb2cd 1abf086b67af"),
 }
 
 
@@ -292,3 +300,18 @@ if __name__ == "__main__":
         print(f"    ({key}): dict(" + ", ".join(f"{k}={e[k]!r}" for k in list(e)[:4]) + ",")
         print(f'        clock="{e["clock"]}", digests="{e["digests"]}"),')
     print("}")
+
+
+@pytest.mark.parametrize("case,policy", [("plain", "priority"), ("text", "vllm")])
+def test_prefilled_tokens_are_the_prompts_less_the_cache_plus_the_recomputed(case, policy):
+    """Every prefilled token is a prompt token the cache did not give, or one a preempted job had computed before
+    (94 and 2 preemptions; the "text" run's prompts include CFG negative prompts). The counts had been off both ways: a prompt's
+    last chunk of one token passed for a decode row, and a job preempted before it ran counted its whole sequence
+    as recomputed at every re-admission."""
+    jobs: list = []
+    fingerprint(case, policy, jobs=jobs)
+    metrics = jobs.pop()
+    members = [m for j in jobs for m in (j, j.cfg_partner) if m is not None]
+    assert metrics["preemptions"] > 0 and (case != "text" or any(j.cfg_partner is not None for j in jobs))
+    assert metrics["tokens_prefilled"] == (sum(m.prompt_len for m in members) - sum(m.cached_tokens for m in members)
+                                           + metrics["tokens_recomputed"]) > 0

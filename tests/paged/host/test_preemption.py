@@ -117,9 +117,10 @@ def test_preempted_job_streams_every_token_once_and_reuses_its_cached_pages():
 
 
 def test_recompute_reuses_the_cached_pages_of_prompt_and_output():
-    """Preempted after 9 generated tokens (sequence of 7 + 9 = 16 tokens, page size 4): its 3 complete pages whose
-    tokens are all released stay cached, so re-admission skips 12 tokens and recomputes the last 4 (the last token
-    always runs, since it samples)."""
+    """Preempted after 9 generated tokens (sequence of 7 + 9 = 16 tokens, 15 of them computed, page size 4): its 3
+    complete pages whose tokens are all released stay cached, so re-admission skips 12 tokens and runs a chunk of
+    the last 4, which samples: 3 of them recomputed (12..14), and token 15, which had not run (it was to be the next
+    decode row's). Every prefilled token is a prompt token or a recomputed one."""
     gen = DynamicGenerator(tokenizer=TOK, engine=ContextFakeEngine(num_pages=32, page_size=4), policy="vllm")
     j = Job(TOK.encode("prompt!"), 12, identifier="j")
     gen.enqueue(j)
@@ -130,10 +131,31 @@ def test_recompute_reuses_the_cached_pages_of_prompt_and_output():
     assert j.pages == [] and gen.pending == [j] and gen.active == []
     gen.pool.check({})
     gen.iterate()  # re-admitted: 12 tokens from the cache, one chunk of 4 recomputed, which samples token 10
-    assert gen.metrics()["tokens_recomputed"] == 4 and j.kv_position == 16 and j.new_tokens == 10
+    m = gen.metrics()
+    assert m["tokens_recomputed"] == 3 and j.kv_position == 16 and j.new_tokens == 10
+    assert m["tokens_prefilled"] == 7 + 3
     c = drain(gen)
     ref_text, _ = reference_output(dict(text="prompt!", max_new_tokens=12))
     assert j.full_completion == ref_text and c.finals["j"]["preemptions"] == 1
+
+
+def test_a_job_preempted_before_it_computed_anything_recomputes_nothing():
+    """Preempted right after admission (no step has run for it) and twice mid-prompt: only tokens it had computed
+    count as recomputed, once each (they had all been counted, the whole sequence at every re-admission)."""
+    gen = DynamicGenerator(tokenizer=TOK, engine=ContextFakeEngine(num_pages=32, page_size=4, max_chunk_size=4),
+                           policy="vllm")
+    j = Job(TOK.encode("a prompt of 23 tokens.."), 4, identifier="j")
+    gen.enqueue(j)
+    gen.scheduler.admit(lambda job: None)
+    gen.scheduler.preempt(j)  # admitted, nothing run
+    gen.iterate()  # tokens 0..3 (the chunk size), then preempted again with 2 pages hashed: 8 come back cached
+    gen.iterate()
+    assert j.kv_position == 8
+    gen.scheduler.preempt(j)
+    drain(gen)
+    m = gen.metrics()
+    assert m["preemptions"] == 2 and m["tokens_recomputed"] == 0  # the cache gave back all it had computed
+    assert m["tokens_prefilled"] == 23 and j.new_tokens == 4
 
 
 def test_preemption_while_a_banned_string_is_held_then_rewound():

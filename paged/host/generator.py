@@ -754,10 +754,14 @@ class DynamicGenerator:
         fed = self.output.feed(job, item.tokens[: len(extras)], item.kv_advance, extras, now)
         if job.cfg_partner is not None:
             self.output.follow(job, final=any(r["eos"] for r in fed))
-        for r in fed:
+        for k, r in enumerate(fed):
             self.tokens_generated += 1
             results.append(r)
             if r["eos"]:
+                if getattr(item, "num_accepted", 0) > k and self.speculation is not None:
+                    self.speculation.ended_after(job, item, k + 1)  # it ended inside its accepted drafts
+                    r.update(accepted_draft_tokens=job.accepted_draft_tokens,
+                             rejected_draft_tokens=job.drafted_tokens - job.accepted_draft_tokens)
                 self._retire(job)
                 self.jobs_completed += 1
                 return

@@ -83,6 +83,7 @@ class Accepted:
     kv_advance: int
     num_drafted: int = 0
     num_accepted: int = 0
+    corpus: bool = False  # drafted from the n-gram drafter's corpus table (its own statistics)
 
 
 # a draft model samples with seed ^ this: its draws are independent of the target's (rejection sampling); with

@@ -114,6 +114,13 @@ class SpeculativeStep:
         return out, items
 
     # ------------------------------------------------------------------ bookkeeping
+    def ended_after(self, job: Any, item: Accepted, emitted: int) -> None:
+        """`job` ended after `emitted` tokens of its row's `item`, all accepted drafts: the drafts past them do not
+        count, in the job's statistics or the generator's (`Speculator.unemitted`)."""
+        drafted, accepted = self.speculator.unemitted(item, emitted)
+        job.drafted_tokens -= drafted
+        job.accepted_draft_tokens -= accepted
+
     def release(self, job: Any) -> None:
         """Forget the job's drafter state (finished, failed, cancelled or preempted)."""
         self.speculator.release(job)

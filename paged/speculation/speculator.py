@@ -86,6 +86,7 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0  # verification rows run
+        self.emitted = 0  # tokens they emitted (accepted drafts and the target's token after them; `unemitted`)
         self.accepted_at = np.zeros(k, np.int64)  # rows whose draft j was accepted
         self.corpus_drafted = 0  # drafts the n-gram corpus proposed (evidence class < 0), verified
         self.corpus_accepted = 0
@@ -120,7 +121,7 @@ class Speculator:
         return {"drafted_tokens": self.drafted, "accepted_draft_tokens": self.accepted,
                 "rejected_draft_tokens": self.drafted - self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "mean_accepted_length": 1 + self.accepted / self.rounds if self.rounds else 0.0,
+                "mean_accepted_length": self.emitted / self.rounds if self.rounds else 0.0,
                 "accepted_at_position": self.accepted_at.tolist(), "draft_bursts_ahead": 0,
                 "draft_bursts_ahead_used": 0, **self.drafter.stats(),
                 "corpus_drafted_tokens": self.corpus_drafted, "corpus_accepted_draft_tokens": self.corpus_accepted,
@@ -153,6 +154,23 @@ class Speculator:
         return SpecPlan(rows=vrows, draft_logprobs=p.draft_logprobs, inputs=list(specs), num_drafts=list(p.want),
                         classes=p.classes, draft_tokens=p.on_device)
 
+    def unemitted(self, item: Accepted, emitted: int) -> tuple[int, int]:
+        """A row whose job ended after `emitted` of its tokens, all accepted drafts (a stop token among them): the
+        drafts past that point, accepted or not, are taken out of the statistics (drafted, accepted, by position,
+        the corpus's; the tokens the rows emitted), which count what the job's output used. Returns the (drafted,
+        accepted) drafts taken out."""
+        drafted, accepted = item.num_drafted - emitted, item.num_accepted - emitted
+        if accepted < 0:  # (it ended on the target's own token, after every accepted draft: all of it counts)
+            return 0, 0
+        self.drafted -= drafted
+        self.accepted -= accepted
+        self.emitted -= accepted + 1  # (its row's own token, after the drafts, was not emitted either)
+        self.accepted_at[emitted : item.num_accepted] -= 1
+        if item.corpus:
+            self.corpus_drafted -= drafted
+            self.corpus_accepted -= accepted
+        return drafted, accepted
+
     def accept(self, plan: SpecPlan, out: Any) -> list[Accepted]:
         """One `Accepted` per row of the plan, in order; updates the drafters' state and the statistics."""
         res: list[Accepted] = []
@@ -163,15 +181,17 @@ class Speculator:
                 a = int(out.num_accepted[i])
                 n = a + 1
                 toks = [int(t) for t in out.token[i, :n]]
+                corpus = plan.classes is not None and plan.classes[i] < 0  # (ngram_corpus.corpus_class)
                 item = Accepted(tokens=toks, logprobs=np.asarray(out.logprob[i, :n]), top_ids=out.top_ids[i, :n],
                                 top_logprobs=out.top_logprobs[i, :n],
                                 logits=None if out.logits is None else out.logits[i, :n], kv_advance=1 + a,
-                                num_drafted=m, num_accepted=a)
+                                num_drafted=m, num_accepted=a, corpus=corpus)
                 self.drafted += m
                 self.accepted += a
+                self.emitted += n
                 self.rounds += 1
                 self.accepted_at[:a] += 1
-                if plan.classes is not None and plan.classes[i] < 0:  # a corpus's draft (ngram_corpus.corpus_class)
+                if corpus:
                     self.corpus_drafted += m
                     self.corpus_accepted += a
                 if self.gate is not None:

@@ -305,9 +305,9 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("case,policy", [("plain", "priority"), ("text", "vllm")])
 def test_prefilled_tokens_are_the_prompts_less_the_cache_plus_the_recomputed(case, policy):
     """Every prefilled token is a prompt token the cache did not give, or one a preempted job had computed before
-    (94 and 2 preemptions; the "text" run's prompts include CFG negative prompts). The counts had been off both ways: a prompt's
-    last chunk of one token passed for a decode row, and a job preempted before it ran counted its whole sequence
-    as recomputed at every re-admission."""
+    (94 and 2 preemptions; the "text" run's prompts include CFG negative prompts). The counts had been off both
+    ways: a prompt's last chunk of one token passed for a decode row, and a job preempted before it ran counted its
+    whole sequence as recomputed at every re-admission."""
     jobs: list = []
     fingerprint(case, policy, jobs=jobs)
     metrics = jobs.pop()

@@ -730,6 +730,26 @@ def test_drafts_stop_at_max_new_tokens():
         assert max(r.start_pos + len(r.tokens) for rows in gen.engine.calls for r in rows) <= len(prompt) + n - 1
 
 
+@pytest.mark.parametrize("stop", ["d", "f"])
+def test_the_statistics_count_only_what_the_job_emitted(stop):
+    """A stop token among a row's accepted drafts ends the job there: the drafts past it (accepted or not) and the
+    row's own token count nowhere, so the tokens the rows emitted are mean_accepted_length x verification_rows, and
+    the job's final counts are the generator's (they had counted all of the row's drafts: 4 accepted drafts for a
+    job of 3 tokens, mean accepted length 5 for rows that emitted 2)."""
+    prompt = TOK.encode("abcdef" * 4 + "ab")  # the fake copies 6 tokens back: "cdefab..." drafted and accepted
+    gen, c = run_fake(CopyFakeEngine, {**NGRAM, "num_draft_tokens": 6},
+                      jobs=[Job(prompt, 20, gen_settings=GREEDY, stop_conditions=[ord(stop)])],
+                      page_size=64, num_pages=8, max_seq_len=128)
+    f, m = c.finals[None], gen.metrics()
+    assert f["eos_reason"] == "stop_token" and m["verification_rows"] > 0
+    plain = sum(1 for rows in gen.engine.calls for r in rows if r.sample and not r.verify)
+    assert f["new_tokens"] == plain + round(m["mean_accepted_length"] * m["verification_rows"])
+    assert (f["accepted_draft_tokens"], f["rejected_draft_tokens"]) == (m["accepted_draft_tokens"],
+                                                                        m["rejected_draft_tokens"])
+    assert m["accepted_draft_tokens"] <= f["new_tokens"] - plain
+    assert sum(m["accepted_at_position"]) == m["accepted_draft_tokens"]
+
+
 def test_the_draft_cache_mirrors_the_target_cache():
     """The draft model's cache holds, at every position of a job it records as written, the K/V the target's cache
     holds there (draft = the target's weights): the prompt's prefill chunks reach it through the mirror (forward

@@ -869,8 +869,10 @@ def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int 
     }
 
 
-def format_summary(s: dict) -> str:
+def format_summary(s: dict, compiled: bool = True) -> str:
+    """The bulk run's summary table; `compiled=False` (no --warmup) says that its times include compilation."""
     jobs = f"{s['jobs']}" if s["jobs"] == s["jobs_total"] else f"{s['jobs']} of {s['jobs_total']} (interrupted)"
+    caveat = "" if compiled else " (includes compilation; --warmup compiles first)"
     rows = [
         ("jobs", jobs),
         ("prompt tokens", f"{s['prompt_tokens']}"),
@@ -878,9 +880,10 @@ def format_summary(s: dict) -> str:
         ("cached prompt tokens", f"{s['cached_tokens']} ({100 * s['cached_fraction']:.1f}% of prompt tokens)"),
         ("prefix pages hit", f"{s['prefix_hits']} / {s['prefix_queries']} "
                              f"({100 * s['prefix_hit_rate']:.1f}%)"),
-        ("TTFT mean / median / p90", f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s"),
-        ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}"),
-        ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}"),
+        ("TTFT mean / median / p90",
+         f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s{caveat}"),
+        ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}{caveat}"),
+        ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}{caveat}"),
         ("weights read (steps x bytes / wall)", f"{s.get('weights_gb_s', float('nan')):.2f} GB/s"),
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
@@ -945,7 +948,7 @@ def main(argv):
             result = run_bulk(gen, tok, requests, sink=sink or sys.stdout, progress=FLAGS.progress)
             summary = summarise(result.records, result.metrics, result.wall_s, result.total,
                                 weight_bytes=model.params.step_read_bytes())
-            print(format_summary(summary), file=sys.stderr)
+            print(format_summary(summary, compiled=FLAGS.warmup), file=sys.stderr)
             if result.interrupted:
                 raise SystemExit(130)
         elif mode == "chat":

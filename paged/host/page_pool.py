@@ -59,8 +59,8 @@ class PagePool:
         self.free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low indices first
         self.cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         self.by_hash: dict[bytes, int] = {}
-        self.prefix_queries = 0  # full prompt pages looked up
-        self.prefix_hits = 0  # of which found complete in the cache or a live job
+        self.prefix_queries = 0  # full prompt pages looked up (at a request's first admission)
+        self.prefix_hits = 0  # of which found complete, or shared with a live job that completes it (the scheduler)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -142,10 +142,11 @@ class PagePool:
         return self.allocate_many([(hashes, page_tokens, total)])[0]
 
     def allocate_many(
-        self, requests: Sequence[tuple[Sequence[bytes], Sequence[tuple[int, ...]], int]]
+        self, requests: Sequence[tuple[Sequence[bytes], Sequence[tuple[int, ...]], int]], count: bool = True
     ) -> list[tuple[list[int], int]]:
         """`allocate` for several page lists at once (a CFG job's two prompts): every prefix hit is referenced
-        before any fresh page is taken, so taking pages for one list never evicts a cached page another hits."""
+        before any fresh page is taken, so taking pages for one list never evicts a cached page another hits.
+        `count=False`: not a request's lookup (a preempted job's re-admission), left out of the prefix counts."""
         if self.pages_needed_many(requests) > self.available:
             raise PagePoolError("not enough pages; check pages_needed() before allocate()")
         hits = [self.match(h, t) for h, t, _ in requests]
@@ -154,11 +155,12 @@ class PagePool:
                 self._ref(idx)
         out = []
         for (hashes, page_tokens, total), hit in zip(requests, hits):
-            self.prefix_queries += len(hashes)
             complete = 0
             while complete < len(hit) and self.pages[hit[complete]].filled == self.page_size:
                 complete += 1
-            self.prefix_hits += complete
+            if count:
+                self.prefix_queries += len(hashes)
+                self.prefix_hits += complete
             pages = list(hit)
             prev = hashes[len(hit) - 1] if hit else b""
             for h, toks in zip(hashes[len(hit) :], page_tokens[len(hit) :]):

@@ -360,7 +360,8 @@ class Scheduler:
     def start(self, job: Job) -> None:
         """Admit a waiting job: its pages are allocated."""
         requests = self._requests(job)
-        for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, self.pool.allocate_many(requests)):
+        allocated = self.pool.allocate_many(requests, count=not job.preemptions)
+        for m, (hashes, _, _), (pages, complete) in zip(members(job), requests, allocated):
             m.pages, m.page_hashes, m.kv_position = pages, list(hashes), complete * self.page_size
         self.remove_waiting(job)
         self.active.append(job)
@@ -429,6 +430,7 @@ class Scheduler:
             job.kv_position += ps
             if not job.preemptions:  # a recompute is not a prompt-cache hit of the request
                 job.cached_tokens = max(job.cached_tokens, job.kv_position)
+                self.pool.prefix_hits += 1  # shared with the live job that wrote it: a miss when it was looked up
 
     def row(self, job: Job, tokens: list[int], sample: bool) -> RowInput:
         """The job's row for this step: `tokens` from its KV position, with its sampling settings (and mirostat mu),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from absl import app, flags
 
-from experiments.lib.serving import hardware, metrics, runner, workloads
+from experiments.lib.serving import hardware, metrics, plots, runner, workloads
 from experiments.lib.serving.metrics import RequestRecord
 from paged import DynamicGenerator
 from paged.testing import ByteTokenizer, FakeEngine
@@ -70,6 +70,24 @@ def test_goodput_and_one_token_requests():
     assert m["good_requests"] == 3 and m["goodput"] == pytest.approx(1.5)
     m = metrics.compute_metrics(recs, 2.0, {"e2el": 550.0})
     assert m["good_requests"] == 2
+
+
+def test_itl_has_one_gap_per_delivery_and_tpot_one_per_token():
+    """A decode burst's (or a streamed chunk's) tokens arrive together: one inter-token gap per delivery, as vLLM
+    counts one per chunk (a gap per token had made the median ITL 0 with bursts of 4); TPOT divides by tokens."""
+    burst = RequestRecord(0, 3, 7, token_times=[0.1, 0.4, 0.4, 0.4, 0.7, 0.7, 0.7], eos_reason="max_new_tokens")
+    assert burst.itls == pytest.approx([0.3, 0.3]) and burst.tpot == pytest.approx(0.1)
+    m = metrics.compute_metrics([burst], 1.0)
+    assert m["itl_ms"]["count"] == 2 and m["itl_ms"]["median"] == pytest.approx(300)
+
+
+def test_the_plotted_cdf_counts_the_zeros_it_cannot_draw():
+    """The latency CDF panels draw positive values on a log axis; zeros (had) left out of the count made the curve
+    reach 0.5 at the median of the positive values alone."""
+    x, y = plots.positive_cdf([0.0, 0.0, 0.3, 0.1])
+    assert x.tolist() == [0.1, 0.3] and y.tolist() == [0.75, 1.0]
+    x, y = plots.positive_cdf([])
+    assert x.size == y.size == 0
 
 
 def test_tpot_excludes_single_token_requests():

@@ -441,7 +441,10 @@ def test_summarise_figures():
     assert s["decode_tok_s_mean"] == pytest.approx(20.0) and s["output_tok_s"] == pytest.approx(5.0)
     table = generate.format_summary(s)
     assert "48 (24.0% of prompt tokens)" in table and "6 / 12 (50.0%)" in table
-    assert "4.000 / 2.500 / 7.900 s" in table
+    assert "4.000 / 2.500 / 7.900 s\n" in table and "compilation" not in table
+    cold = generate.format_summary(s, compiled=False)  # without --warmup the times include compiling
+    assert "4.000 / 2.500 / 7.900 s (includes compilation; --warmup compiles first)" in cold
+    assert cold.count("(includes compilation") == 3
 
 
 def test_full_sampler_flags_reach_the_settings(model_dir, tmp_path, chunks):

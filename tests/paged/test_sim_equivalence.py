@@ -167,36 +167,37 @@ CASES = [("plain", p) for p in ("exllamav2", "fcfs", "sjf", "priority", "vllm", 
 # a token mask instead of a +1e4 bias, which the fake engine had ignored: with the healing of that day's scheduler
 # put back, both digests are the old ones. The `metrics` digests re-recorded on 2026-12-07, later, when
 # tokens_prefilled and tokens_recomputed became exact (test_prefilled_tokens_are_the_prompts_less_the_cache_plus_the_
-# recomputed); the other four digests and the headline numbers unchanged)
+# recomputed) and prefix_hits counted pages shared with a live job, prefix_queries not a preempted job's
+# re-admission; the other four digests and the headline numbers unchanged)
 EXPECTED = {
     ("plain", "exllamav2"): dict(steps=939, preemptions=0, max_pending=12, tokens_generated=5553,
-        clock="20.15557055457307", digests="558d3507c72a 983d5d600a2b 8c84a76ca1b8 7fd9d5569cd1 c3788a873ff0"),
+        clock="20.15557055457307", digests="558d3507c72a 983d5d600a2b 8c84a76ca1b8 7fd9d5569cd1 7f00af52a477"),
     ("plain", "fcfs"): dict(steps=925, preemptions=0, max_pending=15, tokens_generated=5553,
         clock="20.158303034573063", digests="834f5017f6fb 70d5fef083ce 9258ab2cb1e5 d43bcc34ff58 84537289dba1"),
     ("plain", "sjf"): dict(steps=929, preemptions=0, max_pending=10, tokens_generated=5553,
-        clock="20.16411147457308", digests="c1a3b284aa0f 92e02c56e802 a8231938449b 5551caf07cd7 9961defdcc2d"),
+        clock="20.16411147457308", digests="c1a3b284aa0f 92e02c56e802 a8231938449b 5551caf07cd7 eeeef4cd2521"),
     ("plain", "priority"): dict(steps=831, preemptions=94, max_pending=14, tokens_generated=5553,
-        clock="20.062051114573084", digests="d929771f1f0f cbd208631169 1c0c543b03d5 105496057283 c60c97fc8e6e"),
+        clock="20.062051114573084", digests="d929771f1f0f cbd208631169 1c0c543b03d5 105496057283 ba4391716c83"),
     ("plain", "vllm"): dict(steps=935, preemptions=7, max_pending=13, tokens_generated=5553,
-        clock="20.051857194573063", digests="100271c5323c 10394e0ce0a1 6629692f8ce0 3c27632975bd 4c0224dfacfa"),
+        clock="20.051857194573063", digests="100271c5323c 10394e0ce0a1 6629692f8ce0 3c27632975bd 619d365f004a"),
     ("plain", "lpm"): dict(steps=929, preemptions=0, max_pending=14, tokens_generated=5553,
         clock="20.15770015457302", digests="c70dba1bc1f4 39179dd976da 649383b5f03f 262356ffba20 75aeec9bd354"),
     ("plain", "sarathi"): dict(steps=932, preemptions=5, max_pending=12, tokens_generated=5553,
-        clock="20.06590627457305", digests="00a884f21502 66c682ac60f8 e71a57dc56e7 fbb33d78dcbd 9da9a0a50e33"),
+        clock="20.06590627457305", digests="00a884f21502 66c682ac60f8 e71a57dc56e7 fbb33d78dcbd b230225ee2b9"),
     ("text", "vllm"): dict(steps=892, preemptions=2, max_pending=15, tokens_generated=5667,
-        clock="19.989517175342453", digests="eb6d371d4fcb 620bf1b1cf86 5cfd0ab72b51 0180d8208bae b4670ea3fb9d"),
+        clock="19.989517175342453", digests="eb6d371d4fcb 620bf1b1cf86 5cfd0ab72b51 0180d8208bae f04a31ad928b"),
     ("text", "exllamav2"): dict(steps=890, preemptions=0, max_pending=16, tokens_generated=5667,
-        clock="19.98909549534247", digests="8097614b1fb5 43a28dc3b059 09d7ad875d38 9c768ef81959 2a3a11cef422"),
+        clock="19.98909549534247", digests="8097614b1fb5 43a28dc3b059 09d7ad875d38 9c768ef81959 834293726842"),
     ("burst", "exllamav2"): dict(steps=917, preemptions=0, max_pending=12, tokens_generated=5553,
-        clock="20.192188175342448", digests="0fa417a0d8d6 083405d3c4c2 c7866391bea3 2de66c71169b 47f02fbf3b0e"),
+        clock="20.192188175342448", digests="0fa417a0d8d6 083405d3c4c2 c7866391bea3 2de66c71169b 069e372a7037"),
     ("queue", "exllamav2"): dict(steps=821, preemptions=0, max_pending=211, tokens_generated=5553,
         clock="19.125148070641114", digests="777f7c400e05 85395dcbdbde 6fac0e5dfa91 0200474298a6 880872c9f297"),
     ("queue", "sjf"): dict(steps=831, preemptions=0, max_pending=177, tokens_generated=5553,
-        clock="19.304700590641097", digests="d8c633a4fde5 0f765ff5aaf5 118f4fed134d 770f19282afc 6d405f92891f"),
+        clock="19.304700590641097", digests="d8c633a4fde5 0f765ff5aaf5 118f4fed134d 770f19282afc eac4a00bd4fc"),
     ("queue", "priority"): dict(steps=740, preemptions=24, max_pending=213, tokens_generated=5553,
-        clock="18.432602670641103", digests="3543b76359b1 9fecb848c568 5772188c9c72 81a9e5967b15 b9a1a6bb0b10"),
+        clock="18.432602670641103", digests="3543b76359b1 9fecb848c568 5772188c9c72 81a9e5967b15 25ea65f1581e"),
     ("queue", "lpm"): dict(steps=807, preemptions=0, max_pending=210, tokens_generated=5553,
-        clock="18.789884350641103", digests="e54b0883fce8 c350aa9d4a51 e99023693d23 2967cc3eb2cd 1abf086b67af"),
+        clock="18.789884350641103", digests="e54b0883fce8 c350aa9d4a51 e99023693d23 2967cc3eb2cd 97fc7697caf4"),
 }
 
 

@@ -39,7 +39,9 @@ def test_bench_serving_over_http_closed_and_open_loop(server, tmp_path):
         assert (m["completed"], m["failed"], m["total_output_tokens"]) == (12, 0, 84), rec["per_request"]
         for name in ("ttft", "tpot", "itl", "e2el"):
             assert m[f"{name}_ms"]["count"] > 0 and m[f"{name}_ms"]["median"] >= 0
-        assert m["itl_ms"]["count"] == 12 * 6  # one gap per token after the first: bursts of 3 counted per token
+        # one gap per delivery after the first (a chunk's tokens arrive together, as vLLM counts): the first token,
+        # then the other 6 in bursts of at most 3 (fewer gaps than tokens)
+        assert 0 < m["itl_ms"]["count"] < 12 * 6, m["itl_ms"]
         assert rec["backend"]["name"] == "openai" and rec["backend"]["served_model"] == "fake"
         assert all(r["output_tokens"] == 7 and r["error"] is None for r in rec["per_request"])
         assert rec["prefix_cache"]["prefix_hits"] > 0  # the shared prefixes, counted by the server's /metrics

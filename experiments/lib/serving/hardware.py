@@ -2,7 +2,7 @@
 
 Peaks are measured on this machine at the start of each invocation (nothing cached): memory bandwidth by a timed
 large-array streaming op under jit (`a * 1.0001`: one read and one write of every byte), peak FLOP/s by a timed
-large float32 `jnp.dot`; the best (fastest) of a few repeats counts.
+large `jnp.dot` (float32 on the CPU, bfloat16 on an accelerator); the best (fastest) of a few repeats counts.
 
 Work per engine step is estimated from the rows the step ran (see `UTILISATION_NOTES`).
 """

@@ -4,7 +4,8 @@ Per request (times in seconds from the benchmark start, taken in the host loop w
 - TTFT = first token time - arrival;
 - E2EL = last token time - arrival;
 - TPOT = (E2EL - TTFT) / (output tokens - 1), only for requests with more than one output token;
-- ITL  = the gaps between successive tokens of a request, pooled over all requests;
+- ITL  = the gaps between successive deliveries of a request's tokens, pooled over all requests: tokens that arrive
+  together (a decode burst's, one streamed chunk's) are one delivery, as vLLM counts one gap per streamed chunk;
 - queue time = the start of the request's first engine step - its enqueue, on the generator's clock (a preempted
   request's later waits are not counted).
 `arrival` is when the request is sent: its scheduled arrival, or, when `max_concurrency` held it back, the moment
@@ -67,8 +68,9 @@ class RequestRecord:
 
     @property
     def itls(self) -> list[float]:
+        """One gap per delivery after the first (`token_times` repeats a time for tokens that came together)."""
         t = self.token_times
-        return [b - a for a, b in zip(t[:-1], t[1:])]
+        return [b - a for a, b in zip(t[:-1], t[1:]) if b != a]
 
 
 def parse_slo(spec: str | None) -> dict[str, float]:

@@ -41,6 +41,14 @@ def style(i: int) -> dict:
             "linewidth": max(2.6 - 0.3 * i, 1.0)}
 
 
+def positive_cdf(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The empirical CDF of `values` at its positive values, sorted (what a log axis can draw): y counts every value,
+    so the curve starts at the fraction of zeros and each y is the fraction of all values <= x."""
+    every = np.sort(np.asarray(values, dtype=np.float64))
+    x = every[every > 0]
+    return x, (every.size - x.size + np.arange(1, x.size + 1)) / max(every.size, 1)
+
+
 def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path: str, title: str = "") -> str:
     """One panel per latency (TTFT, TPOT, ITL, E2EL), one empirical CDF line per (label, records) run; time axes in
     seconds on a log scale (an overloaded run spans milliseconds to minutes), distinct line styles."""
@@ -48,12 +56,11 @@ def plot_latency_cdfs(runs: Sequence[tuple[str, Sequence[RequestRecord]]], path:
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, name in zip(axes.flat, LATENCIES):
         for i, (label, records) in enumerate(runs):
-            v = np.sort(np.asarray(latencies(records)[name], dtype=np.float64))
-            v = v[v > 0]  # (a log axis; a zero latency cannot be drawn)
-            if v.size:
+            x, y = positive_cdf(latencies(records)[name])
+            if x.size:
                 st = style(i)
-                ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=label, color=st["color"],
-                        linestyle=st["linestyle"], linewidth=st["linewidth"])
+                ax.step(x, y, where="post", label=label, color=st["color"], linestyle=st["linestyle"],
+                        linewidth=st["linewidth"])
         ax.set_title(TITLES[name])
         ax.set_xlabel("seconds (log)")
         ax.set_ylabel("fraction of samples")

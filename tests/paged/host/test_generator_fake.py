@@ -200,13 +200,23 @@ def test_prefix_dedup_shares_pages_and_prompt_cache_hits():
     a, b = gen.active
     assert a.pages[:4] == b.pages[:4]  # shared physical pages for the common prefix
     assert set(a.pages[4:]).isdisjoint(b.pages[4:])
-    drain(gen)
+    first = drain(gen).finals
+    assert (first["a"]["cached_tokens"], first["b"]["cached_tokens"]) == (0, 32)  # b's came from a, in flight
     used_pages = gen.pool.num_cached
     gen.enqueue(job(prefix + "c", 3, identifier="c"))
     f = drain(gen).finals["c"]
     assert f["cached_tokens"] == 32 and f["cached_pages"] == 4
     m = gen.metrics()
-    assert m["prefix_hits"] >= 4 and m["pages_used"] == 0 and used_pages >= 4
+    # 4 full prompt pages looked up per request; b's 4, shared with a while a wrote them, are hits (they had been
+    # misses: incomplete when looked up), as are c's 4 from the cache
+    assert (m["prefix_queries"], m["prefix_hits"]) == (12, 8)
+    assert m["pages_used"] == 0 and used_pages >= 4
+    d = job(prefix + "d", 3, identifier="d")  # a preempted job's re-admission is no new lookup
+    gen.enqueue(d)
+    gen.iterate()
+    gen.scheduler.preempt(d)
+    drain(gen)
+    assert (gen.metrics()["prefix_queries"], gen.metrics()["prefix_hits"]) == (16, 12)
 
 
 def test_generated_pages_are_cached_for_a_follow_up_turn():

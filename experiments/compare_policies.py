@@ -316,7 +316,8 @@ STEP_COLUMNS = ("prefill_tokens", "decode_rows", "kv_tokens", "num_steps", "engi
 
 def step_shapes(res) -> dict[str, list]:
     """Per engine call, column-wise: prefill tokens, decode rows, KV tokens read, decode steps, the engine's own
-    seconds and the whole call's seconds (microsecond resolution)."""
+    seconds and the whole call's seconds (microsecond resolution). By the rows' shapes: a row of one sampled token
+    is a decode row (a prompt's last chunk of one token too, which costs what a decode row does)."""
     cols: dict[str, list] = {c: [] for c in STEP_COLUMNS}
     for s in res.steps:
         cols["prefill_tokens"].append(sum(n for _, n, samp in s.rows if not (n == 1 and samp)))

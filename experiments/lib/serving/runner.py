@@ -92,6 +92,8 @@ class EngineProbe:
             "engine_call_seconds": sum(s.wall for s in steps),
             "mean_rows_per_step": num_rows / len(steps) if steps else 0.0,
             "max_rows_per_step": max_rows,
+            # by the rows' shapes, what a step costs: a row of one sampled token is a decode row (a prompt's last
+            # chunk of one token too); generator.metrics()["tokens_prefilled"] counts prompt tokens exactly
             "decode_rows": decode,
             "prefill_tokens": tokens - decode,  # (the decode rows' one token each)
             "tokens_processed": processed,

@@ -8,13 +8,17 @@ each result to its job's queue; `AsyncJob` is an async iterator over one job's r
     await agen.close()
 
 Steps run in a thread (`asyncio.to_thread`), so the event loop stays responsive while the device works. The
-generator's lock serialises `iterate()` with `enqueue()`/`cancel()` from the loop, so a job submitted or cancelled
-mid-step takes effect at the next step.
+generator's lock serialises `iterate()` with `enqueue()`/`cancel()`, so a job submitted or cancelled mid-step takes
+effect at the next step: `submit()` (synchronous: a bad job raises in it) waits for the lock, up to the rest of a
+running step, on the loop's thread; `await asubmit()` and `await cancel()` wait in a thread, so the loop goes on.
+A consumer that stops iterating early should `await job.cancel()` (or iterate inside `async with job:`, which
+cancels the job on leaving the block unless it finished): the job runs on otherwise, to its end.
 
 Errors reach only the stream they belong to. A job that fails on its own ends with its final result
 (`eos_reason="error"`, `error`), like any other final result. If a whole step fails (`StepError`: nothing was lost
 and no job advanced), it is retried; after `max_step_retries` consecutive failures the jobs that were running raise
-the error from their iterators and are cancelled, and the other jobs (pending, or submitted later) go on. Any other
+the error from their iterators and are cancelled, and the other jobs (pending, or submitted later) go on; when none
+was running (the step failed admitting them), the pending jobs are the ones that raise it. Any other
 exception out of a step (a bug) ends every open stream with it, and the next `submit()` starts serving afresh: no
 stream waits for a loop that has died.
 """
@@ -47,22 +51,41 @@ class AsyncJob:
             raise StopAsyncIteration
         item = await self.queue.get()
         if item is _DONE:
-            self.finished = True
+            self._finish()
             raise StopAsyncIteration
         if isinstance(item, BaseException):
-            self.finished = True
+            self._finish()
             raise item
         if item["eos"]:
-            self.finished = True
+            self._finish()
         return item
 
-    async def cancel(self) -> None:
-        """Stop the job (pending or running) and end its iteration; its pages are released."""
-        await asyncio.to_thread(self.agen.generator.cancel, self.job)
-        self.agen._jobs.pop(self.job, None)
-        while not self.queue.empty():  # results not yet consumed are dropped: the job is gone
-            self.queue.get_nowait()
+    def _finish(self) -> None:
+        """The iteration is over: another task waiting on the same job's queue is woken to end too."""
+        self.finished = True
         self.queue.put_nowait(_DONE)
+
+    async def cancel(self) -> None:
+        """Stop the job (pending or running) and end its iteration; its pages are released. The iteration ends even
+        when the task calling this is cancelled meanwhile (the generator's cancel goes on in its thread)."""
+        try:
+            await asyncio.to_thread(self.agen.generator.cancel, self.job)
+        finally:
+            self.agen._jobs.pop(self.job, None)
+            while not self.queue.empty():  # results not yet consumed are dropped: the job is gone
+                self.queue.get_nowait()
+            self.queue.put_nowait(_DONE)
+
+    async def aclose(self) -> None:
+        """Cancel the job unless its iteration has ended (what a consumer that stops early calls)."""
+        if not self.finished:
+            await self.cancel()
+
+    async def __aenter__(self) -> AsyncJob:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
 
 class AsyncDynamicGenerator:
@@ -75,15 +98,36 @@ class AsyncDynamicGenerator:
             "max_step_retries", max_step_retries, 0)
         self._jobs: dict[Job, AsyncJob] = {}
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop `_wake` and `_task` belong to
         self._task: asyncio.Task | None = None
 
     def submit(self, job: Job) -> AsyncJob:
-        """Enqueue `job` (validation errors raise here) and return its async result iterator."""
+        """Enqueue `job` (validation errors raise here) and return its async result iterator. Call it from a
+        running event loop's thread; it waits for the generator's lock (up to the rest of a running step)."""
         return self.register(AsyncJob(self, job))
 
+    async def asubmit(self, job: Job) -> AsyncJob:
+        """`submit` that waits for the generator's lock in a thread: the event loop goes on meanwhile."""
+        self._bind(asyncio.get_running_loop())
+        await asyncio.to_thread(self.generator.enqueue, job)
+        return self._serve_job(AsyncJob(self, job))
+
     def register(self, ajob: AsyncJob) -> AsyncJob:
-        """Enqueue `ajob.job` and route its results to `ajob` (must be called from the event loop's thread)."""
+        """Enqueue `ajob.job` and route its results to `ajob` (from the running event loop's thread: without one,
+        `RuntimeError` and nothing is enqueued)."""
+        self._bind(asyncio.get_running_loop())
         self.generator.enqueue(ajob.job)
+        return self._serve_job(ajob)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from `loop`: a generator used again under another loop (a second `asyncio.run`) gets a new wake-up
+        event and serving task there (an Event belongs to the loop it was first awaited on)."""
+        if self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = None
+
+    def _serve_job(self, ajob: AsyncJob) -> AsyncJob:
         self._jobs[ajob.job] = ajob
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -113,7 +157,7 @@ class AsyncDynamicGenerator:
                     failures += 1
                     if failures > self.max_step_retries:  # persistent: end the jobs that were running, keep serving
                         failures = 0
-                        for job in list(self.generator.active):
+                        for job in list(self.generator.active) or list(self.generator.pending):  # (none admitted)
                             self.generator.cancel(job)
                             ajob = self._jobs.pop(job, None)
                             if ajob is not None:

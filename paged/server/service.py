@@ -116,6 +116,7 @@ class ServingGenerator(AsyncDynamicGenerator):
         400 or 429 when the queue cannot take them (`check_room`), and the generator's named errors for jobs it
         rejects."""
         self.check_room(len(jobs), param)
+        self._bind(asyncio.get_running_loop())
         stream = RequestStream(self, jobs)
         for a in stream.ajobs:  # registered first: results may come back before this coroutine resumes
             self._jobs[a.job] = a
@@ -200,7 +201,7 @@ class ServingGenerator(AsyncDynamicGenerator):
                     log.warning("step failed (%d in a row): %s", failures, e)
                     if failures > self.max_step_retries:  # persistent: end the jobs that were running
                         failures = 0
-                        for job in list(gen.active):
+                        for job in list(gen.active) or list(gen.pending):  # (pending: the step failed admitting)
                             ajob = self._jobs.pop(job, None)
                             await loop.run_in_executor(self._admin, gen.cancel, job)
                             if ajob is not None:

@@ -114,3 +114,123 @@ def test_a_job_submitted_while_close_runs_is_cancelled_not_stranded():
 
 async def _collect(ajob):
     return [r async for r in ajob]
+
+
+def test_an_early_exit_cancels_with_aclose_or_async_with():
+    """A consumer that stops iterating leaves its job running (to its end) unless it cancels: `aclose()`, or
+    `async with job:` around the loop, which cancels on leaving unless the job finished."""
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        async with agen.submit(job("abc", 50)) as aj:
+            async for r in aj:
+                if r["stage"] == "streaming":
+                    break
+        assert gen.num_remaining_jobs() == 0 and gen.pool.num_referenced == 0
+        aj = agen.submit(job("def", 50))
+        await aj.__anext__()
+        await aj.aclose()
+        assert gen.num_remaining_jobs() == 0 and [r async for r in aj] == []
+        async with agen.submit(job("ghi", 2)) as done:  # finished: leaving the block cancels nothing
+            assert [r for r in [x async for x in done]][-1]["eos"]
+        await agen.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancel_whose_task_is_cancelled_still_ends_the_iteration():
+    """`cancel()` awaits the generator's cancel in a thread; a caller cancelled meanwhile (a timeout, a client gone)
+    had left the job's iterator waiting for ever."""
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        aj = agen.submit(job("abc", 50))
+        await aj.__anext__()
+        task = asyncio.ensure_future(aj.cancel())
+        await asyncio.sleep(0)  # (the cancel is in its thread)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        rest = await asyncio.wait_for(_drain(aj), 5)  # ends, whatever was left
+        assert all(not r["eos"] for r in rest) and not agen._jobs
+        await agen.close()
+
+    asyncio.run(main())
+
+
+async def _drain(aj) -> list:
+    return [r async for r in aj]
+
+
+def test_two_tasks_on_one_job_both_end():
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        aj = agen.submit(job("abc", 6))
+        got = await asyncio.wait_for(asyncio.gather(_drain(aj), _drain(aj)), 5)
+        assert sum(len(g) for g in got) >= 2 and sum(r["eos"] for g in got for r in g) == 1
+        await agen.close()
+
+    asyncio.run(main())
+
+
+def test_submit_without_a_running_loop_queues_nothing():
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+    agen = AsyncDynamicGenerator(gen)
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        agen.submit(job("abc", 3))
+    assert gen.num_remaining_jobs() == 0 and not agen._jobs
+
+
+def test_asubmit_waits_for_a_running_step_off_the_loop_and_reuse_under_another_loop():
+    """`asubmit` waits for the generator's lock in a thread; a generator used again under a second asyncio.run gets
+    an event of that loop (it had logged a failure of its serving task each time it went idle)."""
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32))
+        agen = AsyncDynamicGenerator(gen)
+        with gen.lock:  # (as a running step holds it)
+            pending = asyncio.ensure_future(agen.asubmit(job("abc", 3)))
+            await asyncio.sleep(0.05)
+            assert not pending.done()  # waiting, and the loop runs meanwhile
+        aj = await pending
+        texts = [r.get("text", "") async for r in aj]
+        await agen.close()
+        return "".join(texts), agen
+
+    first, agen = asyncio.run(main())
+
+    async def again():
+        aj = agen.submit(job("abc", 3))
+        out = "".join([r.get("text", "") async for r in aj])
+        await asyncio.sleep(0.05)  # (idle: the serving task waits on its event)
+        assert agen._task is not None and not agen._task.done()
+        await agen.close()
+        return out
+
+    assert asyncio.run(again()) == first
+
+
+def test_a_step_that_fails_admitting_ends_the_waiting_jobs_not_a_busy_loop():
+    """A policy whose admit() raises for one waiting job fails every step with nothing running: after the retries
+    the waiting jobs' iterators raise (it had retried for ever, thousands of failed steps a second)."""
+    from paged.errors import PolicyError
+    from paged.policies import Policy
+
+    class Picky(Policy):
+        name = "picky"
+
+        def admit(self, waiting, s):
+            if any(j.identifier == "bad" for j in waiting):
+                raise ValueError("cannot schedule this one")
+            super().admit(waiting, s)
+
+    async def main():
+        gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=32), policy=Picky())
+        agen = AsyncDynamicGenerator(gen, max_step_retries=2)
+        good = await _drain(agen.submit(job("abc", 3)))
+        assert good[-1]["eos"]
+        with pytest.raises(PolicyError, match="cannot schedule this one"):
+            await asyncio.wait_for(_drain(agen.submit(job("bad", 3))), 5)
+        assert gen.steps_failed == 3 and gen.num_remaining_jobs() == 0
+        await agen.close()
+
+    asyncio.run(main())

@@ -552,7 +552,7 @@ class Engine:
             return (jnp.zeros((rows, shape.verify_len - 1, self.vocab_size), jnp.float32) if self.verify_probs
                     else None)
 
-        sampled: dict[bool, set[int]] = {False: set(), True: set()}
+        sampled: dict[bool, set[tuple]] = {False: set(), True: set()}
         outs = []
         # Nothing waits for the warm-up steps to finish (async dispatch): they run while the next variant traces
         # and compiles.
@@ -582,9 +582,10 @@ class Engine:
             if not verify and self.draft_len:  # a draft engine's rows: `run_forward` (mirror) and `draft` (its burst
                 continue  # has its own sampler), never `run`: no plain sampler (~6 s of compile each on the CPU)
             for h, rows in zip(hs, shape.sampled_row_counts, strict=True):  # the sampler of every row count
-                if rows in sampled[verify]:
+                key = (rows, h.sharding)  # (under a dp mesh the hidden states' placement depends on the bucket)
+                if key in sampled[verify]:
                     continue
-                sampled[verify].add(rows)
+                sampled[verify].add(key)
                 small, _ = build_batch([], shape, self.page_size, self.vocab_size, sample_rows=rows)
                 if not verify:
                     outs.append(self._sample(h, small, no).token)

@@ -74,7 +74,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "layers.b_gate_up": ("layers", "gate_up"),
     "hidden": ("tokens", "embed"),
 }
-_SPEC = re.compile(r"^\s*([a-z]+)\s*=\s*(\d+)\s*$")
+_SPEC = re.compile(r"^\s*([a-z]+)\s*=\s*([0-9]+)\s*$")  # (ASCII digits: int() reads "２" too)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -82,7 +82,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
     if not isinstance(spec, str):
         raise InvalidConfigError(f"EngineConfig: mesh must be a string like 'tp=2', got {spec!r}")
     axes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    if not spec.strip():
+        return axes
+    for part in (p.strip() for p in spec.split(",")):
         m = _SPEC.match(part)
         if not m:
             raise InvalidConfigError(f"EngineConfig: mesh={spec!r}: {part!r} is not 'axis=size' (e.g. 'tp=2')")

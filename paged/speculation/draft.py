@@ -103,8 +103,12 @@ class DraftModel:
                                      "Verification(fed_drafts=True) (SpeculationConfig.verification())")
         # the draft engine: the target's sizes, no adapters, no verification; it proposes k drafts per row, padded to
         # the rows of the target's verification steps (`propose`)
-        self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0, verification=None,
-                                                        drafting=Drafting(num_draft_tokens, pad_rows=target.fed_rows)))
+        try:
+            self.engine = Engine(model, dataclasses.replace(target.config, max_loras=0, verification=None,
+                                                            drafting=Drafting(num_draft_tokens,
+                                                                              pad_rows=target.fed_rows)))
+        except InvalidConfigError as e:  # (its mesh is the target's: say which model a message about "the model" is)
+            raise InvalidConfigError(f"draft_model: {e}") from None
         self.kv: dict[Hashable, int] = {}  # per job: tokens with KV in the draft cache (a prefix)
         self.pipeline = True  # dispatch the next step's burst ahead where the step allows (`ahead`)
         self._can_ahead: tuple | None = None  # the last burst's rows, when `ahead` may follow it

@@ -105,6 +105,11 @@ def test_speculative_verification_steps_run_under_the_mesh(check):
     assert not any(d["compiled_after_warmup"].values()), d["compiled_after_warmup"]  # nothing compiles after warmup
 
 
+@pytest.mark.slow  # the 4-device process (`check`)
+def test_nothing_compiles_after_warmup_on_a_dp_mesh(check):
+    assert check["dp_warmup"] == {"backend_compiles": 0}
+
+
 @pytest.mark.slow  # the 4-device process (`check`) runs every mesh end to end
 def test_meshes_that_cannot_work_are_config_errors(check):
     e = check["errors"]
@@ -112,6 +117,7 @@ def test_meshes_that_cannot_work_are_config_errors(check):
     assert "tp=3 must divide the model's num_kv_heads=4" in e["tp=3"]
     assert "axis 'pp' is not supported" in e["pp=2"]
     assert "'tp=two' is not 'axis=size'" in e["tp=two"]
+    assert e["draft tp=2"].startswith("draft_model: ") and "num_kv_heads=1" in e["draft tp=2"]  # which model
 
 
 @pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
@@ -125,7 +131,7 @@ def test_the_pallas_kernel_runs_per_device_on_its_kv_heads(check, mesh):
 
 def test_mesh_settings_here():
     assert sh.parse_mesh("") == {} and sh.parse_mesh(" tp = 2 ") == {"tp": 2}
-    for bad in ("tp", "tp=2,tp=2", "tp=0", "x=2"):
+    for bad in ("tp", "tp=2,tp=2", "tp=0", "x=2", "tp=2,", "tp=２"):  # (a stray comma, a full-width digit)
         with pytest.raises(InvalidConfigError, match="mesh"):
             EngineConfig(mesh=bad)
     with pytest.raises(InvalidConfigError, match="mesh must be a string"):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from paged.errors import InvalidJobError, JobFailure
+from paged.validate import Checker
 
 
 def _llg():
@@ -36,12 +37,8 @@ def _llg():
 
 
 def _check_utf8(text: str, who: str, what: str) -> None:
-    """A lone surrogate (e.g. from a JSON "\\ud800" escape) has no UTF-8 form, and llguidance takes UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidJobError(f"{who}: the {what} holds a lone surrogate {text[e.start]!r} at index {e.start}, which "
-                              "is not a character; pass valid Unicode text") from None
+    """llguidance takes UTF-8: a lone surrogate is an `InvalidJobError` naming `who` and `what`."""
+    Checker(who, InvalidJobError).text(f"the {what}", text)
 
 
 class Filter:

@@ -88,7 +88,7 @@ def _stop_conditions(c: Checker, value: Any) -> tuple[set[int], list[str]]:
         if isinstance(x, str):
             if not x:
                 c.fail("stop_conditions contains an empty string; stop strings must be non-empty")
-            strings.append(x)
+            strings.append(c.text(f"stop_conditions stop string {x!r}", x))
         elif isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
             tokens.add(c.token_id("stop_conditions token id", x))
         else:

@@ -96,6 +96,16 @@ class Checker:
         return value
 
     # ------------------------------------------------------------------ collections
+    def text(self, name: str, text: str) -> str:
+        """`text`, unless it holds a lone surrogate (e.g. from a JSON "\\ud800" escape): no character, so no output
+        or UTF-8 consumer (llguidance) can hold it."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            self.fail(f"{name} holds a lone surrogate {text[e.start]!r} at index {e.start}, which is not a character; "
+                      "pass valid Unicode text")
+        return text
+
     def strings(self, name: str, value: Any) -> list[str]:
         """A list of non-empty strings; a bare string means one string (not one per character)."""
         if value is None:
@@ -111,7 +121,7 @@ class Checker:
                 self.fail_type(f"{name} entry", s, "a non-empty string")
             if not s:
                 self.fail(f"{name} contains an empty string; every entry must be non-empty")
-            out.append(s)
+            out.append(self.text(f"{name} entry {s!r}", s))
         return out
 
     def token_id(self, name: str, value: Any, vocab_size: int | None = None) -> int:

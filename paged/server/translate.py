@@ -73,15 +73,6 @@ def _encode(tok: Any, text: str, param: str) -> list[int]:
     return list(ids)
 
 
-def _check_unicode(text: str, param: str) -> None:
-    """A lone surrogate (a JSON "\\ud800" escape) is no character: no output can contain it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad_request(f"{param} holds a lone surrogate {text[e.start]!r} at index {e.start}, which is not a "
-                          "character; pass valid Unicode text", param=param) from None
-
-
 def render_chat(ctx: Context, messages: list[dict]) -> str:
     """The chat template over `messages` (`[{"role", "content"}]`), with the assistant's turn opened."""
     tok = ctx.tokenizer
@@ -179,10 +170,6 @@ def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative
     stops: list[Any] = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty", param="stop")
-    banned = [req.banned_strings] if isinstance(req.banned_strings, str) else req.banned_strings or []
-    for param, texts in (("stop", stops), ("banned_strings", banned)):
-        for text in texts:
-            _check_unicode(text, param)
     eos = getattr(ctx.tokenizer, "eos_token_id", None)
     stops += sorted(set(req.stop_token_ids or []) | ({eos} if eos is not None and not req.ignore_eos else set()))
     if negative is not None and not negative:

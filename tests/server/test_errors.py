@@ -57,6 +57,8 @@ CASES = {
     "job.max_new_tokens": (lambda: Job([65], 0), "max_tokens"),
     "job.min_new_tokens": (lambda: Job([65], 2, min_new_tokens=5), "min_tokens"),
     "job.empty stop string": (lambda: Job([65], 2, stop_conditions=[""]), "stop"),
+    "job.stop string surrogate": (lambda: Job([65], 2, stop_conditions=["\ud800"]), "stop"),
+    "job.banned_strings surrogate": (lambda: Job([65], 2, banned_strings=["\ud800"]), "banned_strings"),
     "job.stop token id": (lambda: Job([65], 2, stop_conditions=[-1]), "stop_token_ids"),
     "job.seed": (lambda: Job([65], 2, seed="x"), "seed"),
     "job.banned_strings": (lambda: Job([65], 2, banned_strings=[""]), "banned_strings"),

@@ -37,7 +37,7 @@ def run_expecting_usage_error(module: str, *argv: str) -> subprocess.CompletedPr
     process kept for every call with the same environment), as `python -m` runs it: its module code afresh as
     `__main__`, in the environment `script_env` gives now, its output captured at the file descriptors."""
     env = script_env(JAX_PLATFORMS="cpu")
-    driver = _driver({k: v for k, v in env.items() if k.startswith(STARTUP_ENV)})
+    driver = _driver(env)
     driver.stdin.write(json.dumps({"module": module, "argv": list(argv), "env": env}) + "\n")
     driver.stdin.flush()
     if not select.select([driver.stdout], [], [], RUN_TIMEOUT_S)[0]:
@@ -56,14 +56,17 @@ def run_expecting_usage_error(module: str, *argv: str) -> subprocess.CompletedPr
 
 RUN_TIMEOUT_S = 120
 STARTUP_ENV = ("JAX_", "XLA_", "TF_", "PYTHON", "LD_")  # read when a process or JAX starts: a new driver if changed
-_DRIVER: dict = {}  # "env": its environment's STARTUP_ENV variables, "process": the driver
+_DRIVER: dict = {}  # "startup": its environment's STARTUP_ENV variables, "process": the driver
 
 
 def _driver(env: dict[str, str]) -> subprocess.Popen:
-    if _DRIVER and (_DRIVER["env"] != env or _DRIVER["process"].poll() is not None):
+    """The driver for `env`, started in it (each request sets its environment again): a new one when a variable read
+    at start-up differs."""
+    startup = {k: v for k, v in env.items() if k.startswith(STARTUP_ENV)}
+    if _DRIVER and (_DRIVER["startup"] != startup or _DRIVER["process"].poll() is not None):
         _stop_driver()
     if not _DRIVER:
-        _DRIVER["env"] = env
+        _DRIVER["startup"] = startup
         _DRIVER["process"] = subprocess.Popen([sys.executable, "-m", "tests.experiments.script_driver"], cwd=ROOT,
                                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return _DRIVER["process"]

@@ -31,7 +31,8 @@ completion, new_tokens, prompt_tokens, cached_tokens (prompt tokens served by th
 (enqueue to first token, queueing included), decode_tok_s, time_generate_s.
 
 With --chat (default) prompts are wrapped in the model's chat template (--system adds a system message); --nochat
-sends the raw text. The model's EOS token always stops a job; --stop adds comma-separated stop strings.
+sends the raw text. The model's end tokens (its tokenizer's EOS, config.json's eos_token_id list) always stop a
+job; --stop adds comma-separated stop strings.
 
 Comparing kernel implementations (docs/kernels.md, step 5): --compare_to=IMPL runs the prompt(s) greedily twice,
 with the implementation under test (--attn_impl, or --matmul_impl) and with IMPL, every other implementation pinned
@@ -39,7 +40,7 @@ to the same one in both runs, and reports each prompt's first divergent token wi
 (experiments/lib/compare_impls.py; --output: one record per prompt).
     python -m experiments.generate --attn_impl my_kernels:attention --compare_to xla --prompt "Write a haiku."
 
-Constrained decoding (docs/api.md, "Filters"): --json_schema FILE, --regex PATTERN and --grammar FILE (Lark) make
+Constrained decoding (docs/features.md, "Filters"): --json_schema FILE, --regex PATTERN and --grammar FILE (Lark) make
 every job's output follow them (given together, they intersect); such a job ends with eos_reason "end_filter" when
 its output is complete (--filter_prefer_eos: as soon as the filters accept it).
     python -m experiments.generate --json_schema person.json --prompt "Describe a fictional person as JSON."
@@ -92,8 +93,8 @@ flags.DEFINE_float("typical", 0.0, "locally typical sampling mass in [0, 1] (0 =
 flags.DEFINE_float("repetition_penalty", 1.0, ">= 1e-30, 1 = off")
 flags.DEFINE_float("frequency_penalty", 0.0, "subtracted per occurrence (0 = off)")
 flags.DEFINE_float("presence_penalty", 0.0, "subtracted once per present token (0 = off)")
-flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the EOS token always stops)")
-# ExLlamaV2's full sampler (docs/api.md, "Sampling"): one flag per SamplingSettings field, with its default (off)
+flags.DEFINE_list("stop", [], "extra stop strings, comma-separated (the model's end tokens always stop)")
+# ExLlamaV2's full sampler (docs/api.md, "The full sampler"): a flag per SamplingSettings field, its default (off)
 FULL_SAMPLER_FLAGS = {
     "penalty_decay": (0, "penalties fade to neutral over this many tokens beyond their range"),
     "top_a": (0.0, "keep p >= top_a * p_max^2 (0 = off)"),
@@ -118,12 +119,12 @@ FULL_SAMPLER_FLAGS = {
 for _name, (_default, _help) in FULL_SAMPLER_FLAGS.items():
     {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float}[type(_default)](
         _name, _default, _help)
-# --- classifier-free guidance (docs/api.md, "Classifier-free guidance")
+# --- classifier-free guidance (docs/features.md, "Classifier-free guidance")
 flags.DEFINE_string("negative_prompt", None, "CFG: every job is guided away from this prompt (formatted like the "
                     "prompt: chat template, --system); needs --cfg_scale")
 flags.DEFINE_float("cfg_scale", None, "CFG: sample from s * log p(prompt) + (1 - s) * log p(negative prompt); "
                    "1 = the prompt alone, > 1 pushes away from the negative prompt")
-# --- a LoRA adapter (docs/api.md, "Per-job LoRA")
+# --- a LoRA adapter (docs/features.md, "Per-job LoRA")
 flags.DEFINE_string("lora", None, "a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
                     "applied to every job")
 # --- speculative decoding (docs/speculative.md): one drafter at most
@@ -343,6 +344,7 @@ def load_model_from_flags():
     model = engine_flags.load_model()  # (an unknown or broken --model is a usage error there)
     if model.tokenizer is None:
         raise app.UsageError(f"--model {FLAGS.model} has no tokenizer; this job needs one")
+    STOP_TOKEN_IDS[:] = model.stop_token_ids
     return model
 
 
@@ -439,8 +441,14 @@ def speculation_line(metrics: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
+STOP_TOKEN_IDS: list[int] = []  # the loaded model's (`Model.stop_token_ids`), set by load_model_from_flags
+
+
 def stop_conditions(tok, strings: Sequence[str]) -> list:
-    return [t for t in (tok.eos_token_id,) if t is not None] + list(strings)
+    """A job's stops: the model's end-of-reply ids (its tokenizer's EOS and config.json's eos_token_id list) and
+    `strings`."""
+    ids = STOP_TOKEN_IDS or [t for t in (tok.eos_token_id,) if t is not None]
+    return list(ids) + list(strings)
 
 
 def use_template(tok) -> bool:

@@ -35,6 +35,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    # per-frequency divisors of the inverse frequencies [head_dim // 2], applied after the type's scaling: a GGUF's
+    # `rope_freqs.weight` (how llama.cpp's converter stores Llama 3.1 / 3.2's llama3 scaling); None: none
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +127,20 @@ class ModelConfig:
         head_dim = cfg.integer("head_dim", None, minimum=0) or None  # 0 (seen in the wild) means "derive it"
         _check_heads(hidden, heads, kv_heads, head_dim, ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                                          "head_dim"))
+        quantized = cfg.get("quantization_config")
+        if quantized:  # FP8, GPTQ, AWQ, bitsandbytes, ...: tensors this loader cannot read as weights
+            method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+            raise UnsupportedArchitectureError(
+                f"the checkpoint is quantized (quantization_config, quant_method {method!r}), which is not "
+                "supported: use a float (F32/F16/BF16) checkpoint, or a GGUF file (Q8_0/Q4_0/Q4_1 kept with "
+                "quant='keep'), or quantize at load with quant='int8' / 'int4'")
         rope_params = cfg.mapping("rope_parameters")
         rope_scaling = cfg.mapping("rope_scaling")
         merged = _Fields({**rope_params, **rope_scaling}, what="rope_scaling/rope_parameters ")
         rope_theta = merged.number("rope_theta", cfg.number("rope_theta", 10000.0))
-        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        # the legacy rope_scaling wins over rope_parameters where both name a type, as in transformers
+        rope_type = (rope_scaling.get("rope_type", rope_scaling.get("type"))
+                     or rope_params.get("rope_type", rope_params.get("type")) or "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedArchitectureError(
                 f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -144,14 +156,7 @@ class ModelConfig:
         if model_type == "mistral":
             sliding = cfg.integer("sliding_window", None)
         elif model_type == "qwen2" and cfg.flag("use_sliding_window", False):
-            layer_types = cfg.get("layer_types") or []
-            if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
-                raise ModelConfigError(f"'layer_types' must be a list of strings, got {layer_types!r}")
-            if layer_types and len(set(layer_types)) > 1:
-                raise UnsupportedArchitectureError(
-                    "Qwen2 with sliding window on only some layers (mixed layer_types) is not supported"
-                )
-            sliding = cfg.integer("sliding_window", None)
+            sliding = _qwen2_window(cfg, cfg.integer("sliding_window", None), cfg.integer("num_hidden_layers"))
         attention_bias = cfg.flag("attention_bias", False)
         return cls(
             model_type=model_type,
@@ -188,18 +193,23 @@ class ModelConfig:
 
     @classmethod
     def from_gguf(
-        cls, metadata: dict[str, Any], *, tie_word_embeddings: bool, source: str = "GGUF metadata"
+        cls, metadata: dict[str, Any], *, tie_word_embeddings: bool, source: str = "GGUF metadata",
+        biases: tuple[bool, bool, bool] = (False, False, False), rope_freqs: Any = None,
     ) -> ModelConfig:
         """From GGUF key/value metadata (decoded to Python values). GGUF has no tie flag: the caller passes
-        whether the file lacks a separate `output.weight`. Errors are ModelLoadErrors whose message starts with
-        `source` (the file's path)."""
+        whether the file lacks a separate `output.weight`; nor bias flags: `biases` says which of the llama
+        architecture's optional biases the file holds (q/k/v, o, the MLP's), and `rope_freqs` is its
+        `rope_freqs.weight` tensor (Llama 3.1 / 3.2's llama3 scaling as llama.cpp stores it) or None. Errors are
+        ModelLoadErrors whose message starts with `source` (the file's path)."""
         try:
-            return cls._from_gguf(_Fields(metadata, missing="the GGUF metadata lacks it"), tie_word_embeddings)
+            return cls._from_gguf(_Fields(metadata, missing="the GGUF metadata lacks it"), tie_word_embeddings,
+                                  biases, rope_freqs)
         except ModelLoadError as e:
             raise_with_source(e, source)
 
     @classmethod
-    def _from_gguf(cls, metadata: _Fields, tie_word_embeddings: bool) -> ModelConfig:
+    def _from_gguf(cls, metadata: _Fields, tie_word_embeddings: bool, biases: tuple[bool, bool, bool],
+                   rope_freqs: Any) -> ModelConfig:
         arch = metadata.get("general.architecture")
         if arch not in ("llama", "qwen2"):
             raise UnsupportedArchitectureError(
@@ -219,8 +229,18 @@ class ModelConfig:
             raise UnsupportedArchitectureError(
                 f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        factors = None
+        if rope_freqs is not None:
+            import numpy as np
+
+            factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+            dim = head_dim or hidden // heads
+            if factors.shape != (dim // 2,) or not (np.isfinite(factors).all() and (factors > 0).all()):
+                raise ModelConfigError(f"rope_freqs.weight must hold {dim // 2} positive finite numbers (one per "
+                                       f"rotary frequency), got shape {factors.shape}")
+            factors = tuple(float(x) for x in factors)
         scaling = RopeScaling(rope_type=rope_type, factor=metadata.number(k + "rope.scaling.factor", 1.0, minimum=0.0)
-                              or 1.0)
+                              or 1.0, freq_factors=factors)
         vocab = metadata.integer(k + "vocab_size", None)
         if vocab is None:
             tokens = metadata.get("tokenizer.ggml.tokens")
@@ -244,7 +264,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=metadata.integer(k + "context_length", 2048),
             tie_word_embeddings=tie_word_embeddings,
-            qkv_bias=arch == "qwen2",
+            qkv_bias=arch == "qwen2" or biases[0],
+            o_bias=biases[1],
+            mlp_bias=biases[2],
             sliding_window=None,
             bos_token_id=metadata.token_id("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (eos,),
@@ -253,6 +275,28 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------------------------------------------- helpers
 _REQUIRED: Any = object()
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _qwen2_window(cfg: _Fields, window: int | None, num_layers: int) -> int | None:
+    """The sliding window of a Qwen2 config with use_sliding_window, as transformers reads it: `layer_types`, or
+    where absent the layers from `max_window_layers` (default 28) on slide. Every layer sliding: the window; none:
+    None (full attention); a mix is an UnsupportedArchitectureError (one window for every layer here)."""
+    if window is None:
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        first = cfg.integer("max_window_layers", 28, minimum=0)
+        layer_types = [LAYER_TYPES[i >= first] for i in range(num_layers)]
+    if not isinstance(layer_types, list) or not all(t in LAYER_TYPES for t in layer_types):
+        raise ModelConfigError(f"'layer_types' must be a list of {' / '.join(map(repr, LAYER_TYPES))}, got "
+                               f"{_short(layer_types)}")
+    kinds = set(layer_types)
+    if len(kinds) > 1:
+        raise UnsupportedArchitectureError(
+            "Qwen2 with a sliding window on only some layers (layer_types, or max_window_layers below "
+            "num_hidden_layers) is not supported: every layer slides or none does")
+    return window if kinds == {"sliding_attention"} else None
 
 
 def _short(value: Any) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,7 @@ from models.errors import (
     CorruptFileError,
     InvalidLoadOptionError,
     MissingWeightError,
+    ModelConfigError,
     ModelFileNotFoundError,
     ModelLoadError,
     WeightShapeError,
@@ -46,6 +48,13 @@ class Model:
     source: str
     dtype: str = "float32"
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a reply, sorted: the tokenizer's EOS and config.json's `eos_token_id` list (Llama 3.1's
+        `<|eom_id|>` is only there), as transformers' generation stops on either."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return sorted({t for t in (eos, *(self.config.eos_token_ids or ())) if t is not None})
+
 
 def _resolve_dtype(dtype: str):
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -62,7 +71,8 @@ def load_model(
     model.safetensors (or sharded *.safetensors + model.safetensors.index.json; fp32/fp16/bf16), a .gguf file
     (F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized at load), or "preset:NAME" (a real architecture with random
     weights built on the device, no tokenizer: `models.presets`; "preset:NAME@FORMAT" names the weight format
-    outright, overriding `dtype`, see `preset_source_format`).
+    outright, overriding `dtype`, see `preset_source_format`). A file or directory that exists wins over the
+    embedded name; a file starting with the bytes GGUF is a GGUF file whatever its name.
     dtype: "float32" (default; exact parity with the references), "bfloat16" or "float16".
     quant: None (float weights), "keep" (a GGUF's Q4_0/Q4_1/Q8_0 tensors stay quantized, used through the
     dequant-matmul), "int8" / "int4" (round-to-nearest group-wise quantization at load). `Model.params.nbytes()`
@@ -80,19 +90,32 @@ def load_model(
     if is_preset_source(src):
         name, weights, norms_dtype = preset_source_format(src, dtype, quant)
         return dataclasses.replace(preset_model(name, weights=weights, dtype=norms_dtype), source=src)
-    if is_embedded_name(src):
+    if is_embedded_name(src) and not os.path.exists(src):  # a file or directory of that name wins
         return _load_gguf(embedded_gguf_path(), jdtype, dtype, quant, load_tokenizer, name=src)
-    if src.endswith(".gguf"):
-        if not os.path.isfile(src):
-            raise ModelFileNotFoundError(f"GGUF file {src} " + ("is a directory" if os.path.isdir(src) else
-                                                                  "does not exist"))
+    if os.path.isfile(src):
+        if not (src.lower().endswith(".gguf") or _has_gguf_magic(src)):
+            raise ModelFileNotFoundError(
+                f"{src} is a file but not a GGUF file (it does not start with the bytes 'GGUF'); a model is a .gguf "
+                "file, a directory with config.json and *.safetensors, the embedded 'smollm2-135m', or a preset")
         return _load_gguf(src, jdtype, dtype, quant, load_tokenizer, name=src)
+    if src.lower().endswith(".gguf"):
+        raise ModelFileNotFoundError(f"GGUF file {src} " + ("is a directory" if os.path.isdir(src) else
+                                                              "does not exist"))
     if os.path.isdir(src):
         return _load_hf_dir(src, jdtype, dtype, quant, load_tokenizer)
     raise ModelFileNotFoundError(
         f"model source {src!r} is neither the embedded 'smollm2-135m', an existing directory with config.json "
         f"and *.safetensors, a .gguf file, nor a preset ({', '.join('preset:' + p for p in PRESETS)})"
     )
+
+
+def _has_gguf_magic(path: str) -> bool:
+    """Whether the file at `path` starts with GGUF's magic bytes (a GGUF file not named *.gguf)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def preset_source_format(source: str, dtype: str, quant: str | None) -> tuple[str, str, str]:
@@ -127,6 +150,15 @@ def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenize
     where = {name: p for p, h in handles.items() for name in h.keys()}
     if weight_map is not None:
         _check_index(path, weight_map, where)
+    else:
+        for p, h in handles.items():
+            for name in h.keys():
+                if where[name] != p:
+                    raise CorruptFileError(
+                        f"{path}: tensor {name!r} is in both {os.path.basename(p)} and "
+                        f"{os.path.basename(where[name])}, and no {INDEX_FILE} says which one to use; remove the "
+                        "stray file")
+    _check_layers(cfg, where, path)
 
     def get(name: str) -> np.ndarray | None:
         p = where.get(name)
@@ -164,6 +196,19 @@ def _load_hf_dir(path: str, jdtype, dtype: str, quant: str | None, load_tokenize
 
         tokenizer = load_tokenizer_from_dir(path)
     return Model(config=cfg, params=params, tokenizer=tokenizer, source=path, dtype=dtype)
+
+
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_layers(cfg: ModelConfig, names, source: str) -> None:
+    """A checkpoint holding tensors of layers past the config's `num_layers` (a config.json that does not belong to
+    it, or one edited to fewer layers) is a ModelConfigError: those layers would be dropped without a word."""
+    extra = sorted({int(m.group(1)) for n in names if (m := _LAYER_TENSOR.match(n))} - set(range(cfg.num_layers)))
+    if extra:
+        raise ModelConfigError(
+            f"{source}: the checkpoint holds tensors of layer {extra[0]} (layers {extra[0]}..{extra[-1]}), but the "
+            f"config has {cfg.num_layers} layers; the config does not belong to these weights")
 
 
 def _safetensors_files(path: str) -> tuple[list[str], dict[str, str] | None]:
@@ -229,7 +274,12 @@ def _load_gguf(path: str, jdtype, dtype: str, quant: str | None, load_tokenizer:
 
     contents = read_gguf(path, keep_quantized=quant == "keep")
     tensors = contents.tensors
-    cfg = ModelConfig.from_gguf(contents.metadata, tie_word_embeddings="lm_head.weight" not in tensors, source=path)
+    # the llama architecture's optional biases (llama.cpp reads them where present) and llama3 rope factors
+    biases = tuple(f"model.layers.0.{n}.bias" in tensors for n in ("self_attn.q_proj", "self_attn.o_proj",
+                                                                    "mlp.gate_proj"))
+    cfg = ModelConfig.from_gguf(contents.metadata, tie_word_embeddings="lm_head.weight" not in tensors, source=path,
+                                biases=biases, rope_freqs=tensors.get("rope_freqs.weight"))
+    _check_layers(cfg, tensors, path)
     try:
         params = weights_from_state_dict(cfg, tensors.get, jdtype, quant)
     except ModelLoadError as e:

@@ -119,9 +119,9 @@ def _preset(name: str) -> Preset:
 
 def parse_source(source: str) -> tuple[str, str | None]:
     """`"preset:NAME"` or `"preset:NAME@FORMAT"` -> (NAME, FORMAT or None), both checked."""
-    name, _, fmt = source[len(PREFIX):].partition("@")
+    name, at, fmt = source[len(PREFIX):].partition("@")
     _preset(name)
-    if fmt:
+    if at:  # "preset:NAME@" names no format: an error, as any unknown format is
         check_format(fmt)
     return name, fmt or None
 

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 frequency scaling."""
+"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 frequency scaling, and a
+GGUF's per-frequency divisors (`RopeScaling.freq_factors`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    if rs.freq_factors is not None:
+        inv = inv / np.asarray(rs.freq_factors, dtype=np.float64)
     return inv
 
 

@@ -3,8 +3,9 @@
 XLA:CPU's path (`ragged_paged_attention_xla`) gathers each row's pages into a contiguous block per layer before two
 small contractions; at decode and verification sizes the gather (a transposing copy of K and V, per layer and
 step) and the fusions' fixed costs are most of attention's time, and attention is most of a batched decode step
-(docs/performance.md, "The native paged attention"). The kernel reads the pages in place from the engine's stacked
-cache instead, one task per (row, KV head, block of 16 query tokens), with an online softmax over the pages
+(docs/notes/performance-journal.md, "Against the peers, with the native paged attention"). The kernel
+reads the pages in place from the engine's stacked cache instead, one task per (row, KV head, block of 16 query
+tokens), with an online softmax over the pages
 (float32, bfloat16, float16 or int8-with-scales caches; sliding window and soft cap as the contract says).
 
 Every row runs here, prefill windows of any length too: on the AMD EPYC host the kernel prefills a 256-token prompt

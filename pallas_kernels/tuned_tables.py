@@ -5,7 +5,7 @@ shape heuristics.
 Entries come from `python -m experiments.bench_kernels --sweep --json_out F` on the device (its `tuned` list holds
 the best tuning per shape) and are keyed by `jax.devices()[0].device_kind` and `attention_key(...)` /
 `matmul_key(...)`. An entry is added only where the sweep beat the heuristic default by more than the run-to-run
-spread; the record is `experiments/results/kernels_h100.json` (docs/kernels.md, "Measured on an H100").
+spread; the record is `experiments/results/kernels_h100.json` (docs/notes/kernels-journal.md, "Measured on an H100").
 
 Attention: the H100 sweep (decode 64 x 4096 and prefill 2048 x 2048, 8 KV heads x 4 x 128, bf16 pages of 16) found
 the heuristic default within 2% of the best of 96 / 24 tunings, so there is no attention entry.

@@ -195,7 +195,7 @@ def test_checker_restricts_third_party_imports_of_the_kernels(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- rooms inside packages
-# Inside a package the same rule holds between its rooms (docs/architecture.md, "Rooms inside paged/"): a module
+# Inside a package the same rule holds between its rooms (docs/architecture.md, "Rooms inside `paged/`"): a module
 # imports only modules of its own room or of the rooms below, and no package has an import cycle among its modules
 # (function-local imports count: an import placed in a function to dodge a cycle is the cycle still). Package faces
 # (`__init__.py` re-exports) are left out of the cycle check, as a re-export is not coupling.

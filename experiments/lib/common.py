@@ -129,11 +129,12 @@ def read_jsonl(path: str, flag: str, parse: Callable[[Any, int, int], Any], erro
 def load_experiment_model(name: str, *, dtype: str = "float32", quant: str | None = None):
     """`"tiny"` (a random 2-layer Llama for quick runs) or anything `models.load_model` accepts, loaded with `dtype`
     and `quant` (both ignored for "tiny"; quant "none" is None). That includes "preset:NAME[@FORMAT]", a real
-    architecture with random weights and no tokenizer (`models.presets`; docs/api.md, "Presets")."""
+    architecture with random weights and no tokenizer (`models.presets`; docs/api.md, "Presets"). A file or
+    directory named "tiny" is loaded as a model, as `load_model` lets an existing path win over a name."""
     from models import ModelConfig, init_random_weights, load_model
     from models.loader import Model
 
-    if name == "tiny":
+    if name == "tiny" and not os.path.exists(name):
         cfg = ModelConfig(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                           num_heads=4, num_kv_heads=2, head_dim=16)
         return Model(config=cfg, params=init_random_weights(cfg), tokenizer=None, source="tiny")

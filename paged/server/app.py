@@ -159,7 +159,8 @@ class _State:
         self.service.on_step = self.metrics.observe_step
         self.ctx = Context(tokenizer=generator.tokenizer, max_seq_len=generator.max_seq_len,
                            chat_template=chat_template, loras=frozenset(generator.loras),
-                           max_penalty_range=generator.config.max_penalty_range)
+                           max_penalty_range=generator.config.max_penalty_range,
+                           eos_token_ids=_config_eos(generator))
         self.created = int(time.time())
 
     def served(self) -> list[str]:
@@ -172,6 +173,12 @@ class _State:
         if name in self.generator.loras:
             return True
         raise model_not_found(name, self.served())
+
+
+def _config_eos(generator: DynamicGenerator) -> tuple[int, ...]:
+    """config.json's eos_token_id list of the generator's model (a fake engine has none): replies end there too."""
+    config = getattr(getattr(generator.engine, "model", None), "config", None)
+    return tuple(getattr(config, "eos_token_ids", None) or ())
 
 
 def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: str | None = None,

@@ -37,6 +37,7 @@ class Context:
     chat_template: str | None = None  # overrides the tokenizer's
     loras: frozenset[str] = frozenset()  # adapters loaded into the generator (a model name may be one)
     max_penalty_range: int | None = None  # the generator's token history (0: none, so no penalties); None: unchecked
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-reply ids besides the tokenizer's EOS (config.json's)
 
 
 @dataclasses.dataclass
@@ -170,8 +171,8 @@ def _jobs(req: SamplingRequest, ctx: Context, prompts: list[list[int]], negative
     stops: list[Any] = [] if req.stop is None else ([req.stop] if isinstance(req.stop, str) else list(req.stop))
     if any(not s for s in stops):
         raise bad_request("stop strings must be non-empty", param="stop")
-    eos = getattr(ctx.tokenizer, "eos_token_id", None)
-    stops += sorted(set(req.stop_token_ids or []) | ({eos} if eos is not None and not req.ignore_eos else set()))
+    eos = {t for t in (getattr(ctx.tokenizer, "eos_token_id", None), *ctx.eos_token_ids) if t is not None}
+    stops += sorted(set(req.stop_token_ids or []) | (eos if not req.ignore_eos else set()))
     if negative is not None and not negative:
         raise bad_request("negative_prompt is empty (or encodes to no tokens)", param="negative_prompt")
     tag = next(_ids)

@@ -621,3 +621,19 @@ def test_multi_process_flags_are_checked(model_dir):
                              "--policy=lpm"], "does not read the wall clock")):
         with flags_set(*engine_args(model_dir, *extra)), pytest.raises(app.UsageError, match=message):
             generate.validate_flags()
+
+
+def test_jobs_stop_at_every_end_token_of_the_model(model_dir, tmp_path):
+    """config.json's eos_token_id list (Llama 3.1's <|eom_id|> is only there) stops a job as the tokenizer's EOS
+    does."""
+    d = tmp_path / "model"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [3, 7]}))
+    with flags_set(*engine_args(d)):
+        model = generate.load_model_from_flags()
+        assert model.tokenizer.eos_token_id == 3
+        assert generate.stop_conditions(model.tokenizer, ["##"]) == [3, 7, "##"]
+        job = generate.make_job(model.tokenizer, generate.encode_request(model.tokenizer,
+                                                                        generate.single_request("hi")))
+        assert job.stop_tokens == {3, 7}

@@ -12,10 +12,11 @@ from pydantic import ValidationError
 
 from paged import DynamicGenerator, SamplingSettings
 from paged.device.config import EngineConfig
+from paged.server.app import _config_eos
 from paged.server.errors import APIError
 from paged.server.protocol import MAX_SEED, SAMPLING_EXTRAS, ChatCompletionRequest, CompletionRequest
 from paged.server.translate import HISTORY_FIELDS, Context, chat_plan, completion_plan, settings_of
-from paged.testing import ByteTokenizer, FakeEngine
+from paged.testing import ByteTokenizer, FakeEngine, tiny_config, tiny_model
 from tests.server.helpers import DEADLINE_S, LiveServer
 
 TOK = ByteTokenizer()
@@ -90,6 +91,16 @@ def test_penalties_without_a_token_history_are_refused(name):
     with pytest.raises(APIError):
         chat_plan(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **{name: value}),
                   dataclasses.replace(ctx, chat_template="{{ messages[0]['content'] }}"))
+
+
+def test_a_reply_ends_at_the_models_config_eos_ids_too():
+    """config.json's eos_token_id list (Llama 3.1's <|eom_id|> is only there) stops a reply as the tokenizer's EOS
+    does, unless ignore_eos; the app takes it from the generator's model."""
+    ctx = dataclasses.replace(CTX, eos_token_ids=(7, 9))
+    assert completion_plan(request(), ctx).jobs[0].stop_tokens == {TOK.eos_token_id, 7, 9}
+    assert completion_plan(request(ignore_eos=True), ctx).jobs[0].stop_tokens == set()
+    model = tiny_model(dataclasses.replace(tiny_config(258), eos_token_ids=(5, 6)), seed=0, tokenizer=TOK)
+    assert _config_eos(DynamicGenerator(model, num_pages=8, page_size=8, max_batch_size=1, max_seq_len=16)) == (5, 6)
 
 
 def test_the_server_passes_its_history_window_on():

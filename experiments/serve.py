@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
 import socket
 import sys
@@ -77,14 +78,11 @@ def build_generator(model):
         gen = DynamicGenerator(model, **kw)
     except GeneratorError as e:
         raise app.UsageError(str(e)) from e
-    for spec in FLAGS.lora_adapter:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise app.UsageError(f"--lora_adapter {spec!r}: expected NAME=PATH")
+    for name, path in lora_adapters():
         try:
             gen.load_lora(name, path)
         except (GeneratorError, ValueError) as e:
-            raise app.UsageError(f"--lora_adapter {spec}: {e}") from e
+            raise app.UsageError(f"--lora_adapter {name}={path}: {e}") from e
     return gen
 
 
@@ -103,6 +101,7 @@ def check_flags() -> str | None:
     if not 1 <= FLAGS.port <= 65535:  # (70000 had been served on 70000 mod 65536, -5 had failed after loading)
         raise app.UsageError(f"--port must be in [1, 65535], got {FLAGS.port}")
     check_host(FLAGS.host)
+    check_lora_adapters()
     if FLAGS.chat_template:
         try:
             with open(FLAGS.chat_template, encoding="utf-8") as f:
@@ -110,6 +109,39 @@ def check_flags() -> str | None:
         except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--chat_template {FLAGS.chat_template}: cannot read it ({e})") from None
     return SIMPLE_CHAT_TEMPLATE if FLAGS.model == "tiny" else None
+
+
+def lora_adapters() -> list[tuple[str, str]]:
+    """--lora_adapter's (NAME, PATH) pairs; app.UsageError for one not written NAME=PATH."""
+    pairs = []
+    for spec in FLAGS.lora_adapter:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise app.UsageError(f"--lora_adapter {spec!r}: expected NAME=PATH")
+        pairs.append((name, path))
+    return pairs
+
+
+def check_lora_adapters() -> None:
+    """--lora_adapter before the model loads: NAME=PATH, distinct names other than the served model's, existing
+    directories, and room for them all (--max_loras)."""
+    pairs = lora_adapters()
+    served = FLAGS.served_model_name or FLAGS.model
+    seen: set[str] = set()
+    for name, path in pairs:
+        if name in seen:
+            raise app.UsageError(f"--lora_adapter: the name {name!r} is given twice")
+        if name == served:
+            raise app.UsageError(f"--lora_adapter {name}={path}: {name!r} is the served model's name; a request "
+                                 "naming it could not reach both (name the adapter otherwise, or set "
+                                 "--served_model_name)")
+        if not os.path.isdir(path):
+            raise app.UsageError(f"--lora_adapter {name}={path}: {path} is not a directory (a PEFT adapter: "
+                                 "adapter_config.json and adapter_model.safetensors)")
+        seen.add(name)
+    if pairs and FLAGS.max_loras < len(pairs):
+        raise app.UsageError(f"--lora_adapter: {len(pairs)} adapter(s) need --max_loras >= {len(pairs)}, got "
+                             f"{FLAGS.max_loras}")
 
 
 def check_host(host: str) -> None:

@@ -185,8 +185,9 @@ def _block(projection: str) -> str:
 def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
     """The (layer, projection) pairs the adapter's config says it adapts. `target_modules`: a list of module names,
     PEFT's regex (a string, matched in full, `re.fullmatch`, against each module's name
-    `model.layers.{i}.{self_attn|mlp}.{name}`), or "all-linear" (every projection); either is combined with
-    `layers_to_transform`. `exclude_modules` then drops modules: a regex matched in full, or a list of names each
+    `model.layers.{i}.{self_attn|mlp}.{name}`), or "all-linear" (every projection). A list or "all-linear" is
+    combined with `layers_to_transform`; a regex is not (PEFT applies `layers_to_transform` to listed modules only:
+    the regex alone decides). `exclude_modules` then drops modules: a regex matched in full, or a list of names each
     equal to a module's full name or to a suffix of it after a dot ("q_proj", "layers.0.self_attn.q_proj")."""
     value, only = acfg.get("target_modules"), acfg.get("layers_to_transform")
     if only is None:
@@ -209,7 +210,9 @@ def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
             pattern = re.compile(value)
         except re.error as e:
             raise _fail_config(path, f"target_modules regex {value!r} is invalid ({e})") from None
-        pairs = {pair for pair, full in names.items() if pattern.fullmatch(full)}
+        every_layer = {(i, ours): f"model.layers.{i}.{_block(ours)}.{peft}"
+                       for i in range(num_layers) for peft, ours in PROJECTIONS.items()}
+        pairs = {pair for pair, full in every_layer.items() if pattern.fullmatch(full)}
         if not pairs:
             raise _fail_config(path, f"target_modules regex {value!r} matches none of the model's "
                                f"{list(PROJECTIONS)} modules (names like model.layers.0.self_attn.q_proj)")

@@ -376,9 +376,12 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
         return_last_results: bool = False,
         embeddings: list | None = None,
         banned_strings: list[str] | None = None,
+        lora: str | None = None,
         **kwargs: Any,
     ):
-        """ExLlamaV2's `generate()`: the prompt is included in the output unless `completion_only=True`."""
+        """ExLlamaV2's `generate()`: the prompt is included in the output unless `completion_only=True`. `lora`
+        (this framework's; ExLlamaV2 sets adapters on the model) names an adapter loaded with `load_lora`;
+        `embeddings` may be one list per prompt, as ExLlamaV2's batched form."""
         if kwargs:
             raise InvalidJobError(f"generate(): unknown argument(s) {sorted(kwargs)}")
         vocab = getattr(self.tokenizer, "vocab_size", None)
@@ -396,6 +399,7 @@ class ExLlamaV2DynamicGenerator(DynamicGenerator):
             encode_special_tokens=encode_special_tokens, decode_special_tokens=decode_special_tokens,
             abort_event=abort_event, return_last_results=return_last_results, token_healing=token_healing,
             banned_strings=banned_strings, filters=filters, filter_prefer_eos=filter_prefer_eos, embeddings=embeddings,
+            lora=lora,
         )
 
 

@@ -188,8 +188,8 @@ class Engine:
         if stack is None or not 0 <= slot < stack.slots:
             raise InvalidConfigError(f"Engine: no LoRA slot {slot} (max_loras={self.lora_slots})")
         if adapter is not None and adapter.rank > stack.rank:
-            raise InvalidConfigError(f"LoRA adapter {adapter.source}: rank {adapter.rank} exceeds the engine's "
-                                     f"max_lora_rank={stack.rank}; raise max_lora_rank")
+            raise InvalidConfigError(f"LoRA adapter {adapter.source or '(in memory)'}: rank {adapter.rank} exceeds "
+                                     f"the engine's max_lora_rank={stack.rank}; raise max_lora_rank")
         if adapter is None:
             a = {g: np.zeros((x.shape[0], *x.shape[2:]), np.float32) for g, x in stack.a.items()}
             b = {g: np.zeros((x.shape[0], *x.shape[2:]), np.float32) for g, x in stack.b.items()}

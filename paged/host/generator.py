@@ -317,7 +317,10 @@ class DynamicGenerator:
                     adapter = load_lora(source, model_cfg)
             except NonFiniteWeightError as e:
                 raise NonFiniteAdapterError(f"load_lora({name!r}): {e}", tensor=e.tensor) from e
-            self.engine.load_lora(free[0], adapter)
+            try:
+                self.engine.load_lora(free[0], adapter)
+            except InvalidConfigError as e:  # (the engine's checks do not know the name)
+                raise type(e)(f"load_lora({name!r}): {e}") from e
             self.loras[name] = (free[0], adapter)
 
     def unload_lora(self, name: str) -> None:
@@ -882,13 +885,21 @@ class DynamicGenerator:
                                        not isinstance(embeddings, Iterable)):
             c.fail_type("embeddings", embeddings, "a list of paged.embeddings.MMEmbedding")
         embeddings = list(embeddings or ())
-        for e in embeddings:
+        # ExLlamaV2's batched form: one list (or None) per prompt of a list of prompts
+        nested = not single and any(e is None or isinstance(e, (list, tuple)) for e in embeddings)
+        if nested and len(embeddings) != len(prompts):
+            raise InvalidJobError(f"generate(): {len(embeddings)} embedding lists for {len(prompts)} prompts; pass "
+                                  "one list of MMEmbedding per prompt (None or [] for none), or one flat list")
+        per_prompt_embeddings = [list(e or ()) for e in embeddings] if nested else [embeddings] * len(prompts)
+        for e in (x for group in per_prompt_embeddings for x in group):
             if not isinstance(e, MMEmbedding):
-                raise InvalidJobTypeError(f"generate(): embeddings must be paged.embeddings.MMEmbedding objects, got "
+                raise InvalidJobTypeError(f"generate(): embeddings must be paged.embeddings.MMEmbedding objects (or, "
+                                          f"for a list of prompts, one list of them per prompt), got "
                                           f"{type(e).__name__}")
         jobs = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
             encoded = []
+            embeddings = per_prompt_embeddings[i]
             for text in (p if isinstance(p, tuple) else (p,)):
                 try:
                     ids = encode_with_embeddings(self.tokenizer, text, embeddings, add_bos=add_bos,

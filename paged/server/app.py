@@ -14,6 +14,7 @@ one `data: {"error": ...}` event and ends that stream only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -163,8 +164,13 @@ class _State:
                            eos_token_ids=_config_eos(generator))
         self.created = int(time.time())
 
+    def context(self) -> Context:
+        """The translation context with the adapters the generator holds now (one loaded or unloaded after the
+        app was made included)."""
+        return dataclasses.replace(self.ctx, loras=frozenset(self.generator.loras))
+
     def served(self) -> list[str]:
-        return [self.model_name, *sorted(self.generator.loras)]
+        return [self.model_name, *sorted(set(self.generator.loras) - {self.model_name})]
 
     def check_model(self, name: str) -> bool:
         """Whether `name` is a LoRA adapter (else the base model); 404 if neither."""
@@ -193,6 +199,9 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         raise ValueError("create_app: the generator needs a tokenizer (the server takes and returns text)")
     if admission_wait_ms < 0:
         raise ValueError(f"create_app: admission_wait_ms must be >= 0, got {admission_wait_ms}")
+    if model_name in generator.loras:
+        raise ValueError(f"create_app: a LoRA adapter is loaded under the served model's name {model_name!r}; a "
+                         "request naming it could not reach both: load the adapter under another name")
     state = _State(generator, model_name, chat_template, max_queue, max_step_retries, admission_wait_ms)
 
     @asynccontextmanager
@@ -261,7 +270,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         base = {"object": "model", "created": state.created, "owned_by": "paged",
                 "max_model_len": generator.max_seq_len}
         data = [{"id": state.model_name, "root": state.model_name, "parent": None, **base}]
-        data += [{"id": name, "root": name, "parent": state.model_name, **base} for name in sorted(generator.loras)]
+        data += [{"id": name, "root": name, "parent": state.model_name, **base} for name in state.served()[1:]]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{name:path}")
@@ -286,7 +295,7 @@ def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: s
         is_lora = state.check_model(body.model)
         param = "n" if body.n > 1 else "prompt" if kind == "completion" else "messages"
         state.service.check_room(choices_of(body), param)  # before any prompt is encoded or job built
-        plan = await asyncio.to_thread(make_plan, body, state.ctx, is_lora)
+        plan = await asyncio.to_thread(make_plan, body, state.context(), is_lora)
         try:
             stream = await state.service.open(plan.jobs, param)
         except GeneratorError as e:

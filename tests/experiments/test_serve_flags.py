@@ -45,3 +45,21 @@ def test_a_directory_or_non_utf8_file_as_chat_template(tmp_path):
     good.write_text("{{ messages }}")
     assert check(f"--chat_template={good}") == "{{ messages }}"
     assert check("--port=8000", "--host=localhost") == SIMPLE_CHAT_TEMPLATE  # the tiny model's default
+
+
+def test_lora_adapters_are_checked_before_loading(tmp_path):
+    """--lora_adapter had been read only after the model loaded (minutes, for a large one)."""
+    d = tmp_path / "a"
+    d.mkdir()
+    cases = [
+        (("--lora_adapter=foo",), "--lora_adapter 'foo': expected NAME=PATH"),
+        ((f"--lora_adapter=a={tmp_path}/missing", "--max_loras=1"), "is not a directory"),
+        ((f"--lora_adapter=a={d}",), "1 adapter(s) need --max_loras >= 1, got 0"),
+        ((f"--lora_adapter=a={d}", f"--lora_adapter=a={d}", "--max_loras=2"), "the name 'a' is given twice"),
+        ((f"--lora_adapter=tiny={d}", "--max_loras=1"), "'tiny' is the served model's name"),
+    ]
+    for args, message in cases:
+        with pytest.raises(app.UsageError, match=re.escape(message)):
+            check(*args)
+    check(f"--lora_adapter=a={d}", "--max_loras=1")
+    check(f"--lora_adapter=tiny={d}", "--max_loras=1", "--served_model_name=base")

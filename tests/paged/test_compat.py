@@ -361,3 +361,23 @@ def test_async_compat_loop(generator):
     text, final = asyncio.run(main())
     assert final["identifier"] == "async" and final["full_completion"] == text
     check_clean(generator)
+
+
+def test_generate_takes_lora_and_exllamav2s_batched_embeddings(generator):
+    """`generate(lora=)` reaches the jobs (it had been an unknown argument), and `embeddings` may be one list per
+    prompt, ExLlamaV2's batched form, equal to the flat list whose aliases each prompt picks."""
+    with pytest.raises(InvalidJobError, match="lora='tuned'.*not loaded|not loaded.*tuned"):
+        generator.generate(prompt="a", max_new_tokens=2, lora="tuned")
+    rng = np.random.default_rng(0)
+    e1 = ExLlamaV2MMEmbedding(MODEL, embeddings=rng.normal(size=(3, CFG.hidden_size)).astype(np.float32),
+                              text_alias="<i1>")
+    e2 = ExLlamaV2MMEmbedding(MODEL, embeddings=rng.normal(size=(2, CFG.hidden_size)).astype(np.float32),
+                              text_alias="<i2>")
+    greedy = ExLlamaV2Sampler.Settings.greedy()
+    kw = dict(prompt=["A <i1> B", "C <i2> D"], max_new_tokens=3, gen_settings=greedy, completion_only=True)
+    flat = generator.generate(**kw, embeddings=[e1, e2])
+    assert generator.generate(**kw, embeddings=[[e1], [e2]]) == flat
+    assert generator.generate(**{**kw, "prompt": ["A <i1> B", "C D"]}, embeddings=[[e1], None])[0] == flat[0]
+    with pytest.raises(InvalidJobError, match="1 embedding lists for 2 prompts"):
+        generator.generate(**kw, embeddings=[[e1]])
+    check_clean(generator)

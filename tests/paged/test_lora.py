@@ -3,6 +3,7 @@ its own job's adapter; the reference is the model with the adapter merged into i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -318,8 +319,10 @@ def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
         load_lora(adapters["a"], other)
 
     g = DynamicGenerator(MODEL, **GEN)
-    with pytest.raises(InvalidConfigError, match="max_lora_rank=8"):
+    with pytest.raises(InvalidConfigError, match=r"load_lora\('big'\): LoRA adapter .*big: rank 12 .*max_lora_rank=8"):
         g.load_lora("big", write_adapter(tmp_path / "big", r=12))
+    with pytest.raises(InvalidConfigError, match=r"load_lora\('mem'\): LoRA adapter \(in memory\): rank 12"):
+        g.load_lora("mem", dataclasses.replace(load_lora(write_adapter(tmp_path / "big2", r=12), CFG), source=""))
     g.load_lora("a", adapters["a"])
     with pytest.raises(InvalidConfigError, match="loaded already"):
         g.load_lora("a", adapters["b"])
@@ -428,6 +431,12 @@ def test_bf16_adapters_and_peft_regexes_load(adapters, tmp_path):
     assert set(one.weights) == {(1, "q"), (1, "v")}
     with pytest.raises(ModelConfigError, match="matches none"):
         regex("none", r"q_proj", targets=("q",))  # PEFT matches the whole module name
+    # with a regex PEFT ignores layers_to_transform (it applies to listed modules): the regex alone decides
+    d = write_adapter(tmp_path / "regex_layers", targets=("q",))
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": r".*\.q_proj",
+                                                       "layers_to_transform": [0]}))
+    assert {layer for layer, _ in load_lora(d, CFG).weights} == set(range(CFG.num_layers))
 
 
 def test_adapters_given_as_objects_are_checked_and_keyed_by_their_content(adapters):

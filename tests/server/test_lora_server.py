@@ -37,3 +37,23 @@ def test_an_adapter_is_served_by_its_name(server):
     by_model, by_field, base = text(ADAPTER), text("tiny", lora=ADAPTER), text("tiny")
     assert by_model == by_field
     assert by_model != base
+
+
+def test_an_adapter_loaded_after_the_app_is_served_and_a_name_clash_is_refused(server, tmp_path):
+    """The app reads the generator's adapters when a request comes (it had kept the set of create_app's time: a
+    later adapter was listed but every request for it got a 400); an adapter under the served model's name is
+    refused when the app is made, and never listed twice."""
+    from paged.server import create_app
+
+    gen = server.app.state.paged.generator
+    gen.load_lora("late", write_adapter(tmp_path / "late", seed=2))
+    try:
+        models = [m["id"] for m in httpx.get(f"{server.base}/v1/models", timeout=DEADLINE_S).json()["data"]]
+        assert models == ["tiny", "late", ADAPTER]
+        body = {"model": "late", "prompt": "Adapted", "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=DEADLINE_S)
+        assert r.status_code == 200, r.text
+    finally:
+        gen.unload_lora("late")
+    with pytest.raises(ValueError, match="served model's name 'tuned'"):
+        create_app(gen, model_name=ADAPTER)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gguf
@@ -53,8 +54,33 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 @dataclasses.dataclass
 class GGUFContents:
     metadata: dict[str, Any]  # every KV field as plain Python values (str, int, float, bool, list)
-    tensors: dict[str, np.ndarray]  # HF name -> dequantized array in HF orientation ([out, in] for Linear weights)
+    # HF name -> dequantized array in HF orientation ([out, in] for Linear weights), converted when read
+    # (`LazyTensors`): a model's loader reads each tensor once, so the whole file is never dequantized at once
+    tensors: Mapping[str, Any]
     tensor_types: dict[str, str]  # HF name -> GGML type name of the source tensor, e.g. "Q4_1"
+
+
+class LazyTensors(Mapping):
+    """A GGUF's tensors by HF name, each converted (dequantized, q/k rows un-permuted) when it is read and not
+    kept: `load_model` reads each once, so a file is never held dequantized whole (a Q4 file dequantized to float32
+    is 8x its size). Reading the same name again converts it again."""
+
+    def __init__(self, convert: Callable[[str], Any], names: list[str]):
+        self._convert, self._names = convert, names
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._convert(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -116,7 +142,7 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
     arch = metadata.get("general.architecture")
     n_head = metadata.get(f"{arch}.attention.head_count")
     n_head_kv = metadata.get(f"{arch}.attention.head_count_kv", n_head)
-    tensors: dict[str, np.ndarray] = {}
+    by_name: dict[str, tuple[GGUFTensor, int | None]] = {}
     tensor_types: dict[str, str] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
@@ -126,8 +152,13 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
             heads = _head_count(n_head, f"{arch}.attention.head_count", spath)
         elif arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             heads = _head_count(n_head_kv, f"{arch}.attention.head_count_kv", spath)
+        by_name[name] = (t, heads)
+        tensor_types[name] = t.tensor_type.name
+
+    def convert(name: str) -> Any:
+        t, heads = by_name[name]
         try:
-            w = _convert(t, dtype, keep_quantized, heads)
+            return _convert(t, dtype, keep_quantized, heads)
         except ModelLoadError as e:
             raise_with_source(e, f"{spath}: tensor {t.name!r}")
         except (ValueError, TypeError) as e:  # numpy / gguf.quants on bytes that do not form the stated tensor
@@ -135,9 +166,8 @@ def read_gguf(path: str | os.PathLike, *, dtype: Any = np.float32, keep_quantize
                 f"{spath}: tensor {t.name!r} ({t.tensor_type.name}, shape {list(t.shape)}) could not be read ({e}); "
                 "the file is corrupt, re-convert it"
             ) from e
-        tensors[name] = w
-        tensor_types[name] = t.tensor_type.name
-    return GGUFContents(metadata=metadata, tensors=tensors, tensor_types=tensor_types)
+
+    return GGUFContents(metadata=metadata, tensors=LazyTensors(convert, list(by_name)), tensor_types=tensor_types)
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers

@@ -7,7 +7,7 @@ fewer, larger matmuls are faster on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -105,8 +105,11 @@ def weights_from_state_dict(
     def as_float(t) -> np.ndarray:  # -> [in, out]
         return np.asarray(dequantize(t)) if isinstance(t, QuantizedArray) else t.T
 
-    def linear(parts: list, kind: str | None = None):
-        """Fuse `[out_i, in]` tensors along `out` into one `[in, sum out_i]` matrix, float or quantized."""
+    host_dtype = np.dtype(jnp.dtype(dtype))  # (bfloat16: ml_dtypes' numpy type)
+
+    def linear(parts: list, kind: str | None = None, host: bool = False):
+        """Fuse `[out_i, in]` tensors along `out` into one `[in, sum out_i]` matrix, float or quantized; `host`: a
+        float one stays a numpy array of `dtype` (`stack` places the whole stack at once)."""
         qas = [t for t in parts if isinstance(t, QuantizedArray)]
         if quant == "keep" and len(qas) == len(parts) and len({(q.kind, q.group_size) for q in qas}) == 1:
             return qas[0] if len(qas) == 1 else quant_lib.concat_out(qas)
@@ -114,15 +117,26 @@ def weights_from_state_dict(
         want = kind or _KINDS.get(quant)
         if want is not None:
             return quant_lib.quantize(jnp.asarray(w), want, 32)
-        return jnp.asarray(w, dtype)
+        return w.astype(host_dtype) if host else jnp.asarray(w, dtype)
 
-    def stack(mats: list):
-        if all(isinstance(m, QuantizedArray) for m in mats):
-            if len({(m.kind, m.group_size, m.shape) for m in mats}) == 1:
-                return quant_lib.stack(mats)
-            mats = [dequantize(m) for m in mats]  # mixed formats across layers: fall back to float
-        return jnp.stack([m if not isinstance(m, QuantizedArray) else dequantize(m) for m in mats]).astype(
-            dtype)
+    def stack(mats: Iterator):
+        """The layers' matrices (made one at a time by `mats`) stacked `[L, ...]`. Float ones are written into one
+        host array of `dtype` as they come and placed once: no list of per-layer copies besides the stack (a
+        checkpoint had needed 4-5x its size in memory at load)."""
+        first = next(mats)
+        if isinstance(first, QuantizedArray):
+            rest = [first, *mats]
+            if all(isinstance(m, QuantizedArray) for m in rest) and len(
+                    {(m.kind, m.group_size, m.shape) for m in rest}) == 1:
+                return quant_lib.stack(rest)
+            # mixed formats across layers: fall back to float
+            return jnp.stack([np.asarray(dequantize(m)) if isinstance(m, QuantizedArray) else m for m in rest]).astype(
+                dtype)
+        out = np.empty((cfg.num_layers, *np.shape(first)), host_dtype)
+        out[0] = first
+        for i, m in enumerate(mats, 1):
+            out[i] = np.asarray(dequantize(m)) if isinstance(m, QuantizedArray) else m
+        return jnp.asarray(out)
 
     def p(i: int, rest: str) -> str:
         return f"model.layers.{i}.{rest}"
@@ -134,14 +148,14 @@ def weights_from_state_dict(
 
     layers = LayerWeights(
         attn_norm=fstack(lambda i: need(p(i, "input_layernorm.weight"), (h,))),
-        wqkv=stack([linear([need(p(i, "self_attn.q_proj.weight"), (nq, h)),
-                            need(p(i, "self_attn.k_proj.weight"), (nkv, h)),
-                            need(p(i, "self_attn.v_proj.weight"), (nkv, h))]) for i in L]),
-        wo=stack([linear([need(p(i, "self_attn.o_proj.weight"), (h, nq))]) for i in L]),
+        wqkv=stack(linear([need(p(i, "self_attn.q_proj.weight"), (nq, h)),
+                           need(p(i, "self_attn.k_proj.weight"), (nkv, h)),
+                           need(p(i, "self_attn.v_proj.weight"), (nkv, h))], host=True) for i in L),
+        wo=stack(linear([need(p(i, "self_attn.o_proj.weight"), (h, nq))], host=True) for i in L),
         mlp_norm=fstack(lambda i: need(p(i, "post_attention_layernorm.weight"), (h,))),
-        w_gate_up=stack([linear([need(p(i, "mlp.gate_proj.weight"), (f, h)),
-                                 need(p(i, "mlp.up_proj.weight"), (f, h))]) for i in L]),
-        w_down=stack([linear([need(p(i, "mlp.down_proj.weight"), (h, f))]) for i in L]),
+        w_gate_up=stack(linear([need(p(i, "mlp.gate_proj.weight"), (f, h)),
+                                need(p(i, "mlp.up_proj.weight"), (f, h))], host=True) for i in L),
+        w_down=stack(linear([need(p(i, "mlp.down_proj.weight"), (h, f))], host=True) for i in L),
         bqkv=fstack(lambda i: np.concatenate(
             [need(p(i, f"self_attn.{n}_proj.bias"), (s,)) for n, s in (("q", nq), ("k", nkv), ("v", nkv))]))
         if cfg.qkv_bias else None,

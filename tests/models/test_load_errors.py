@@ -43,7 +43,7 @@ from models import (
     load_model,
 )
 from models.gguf_format import read_gguf_file
-from models.gguf_reader import read_gguf_metadata
+from models.gguf_reader import read_gguf, read_gguf_metadata
 from models.tokenizer import Tokenizer, load_tokenizer_from_dir
 
 DATA = Path(__file__).parent / "data"
@@ -604,7 +604,10 @@ def test_gguf_tensor_data_offset_past_the_end(tmp_path: Path) -> None:
 
 def test_gguf_bad_head_count_for_the_qk_unpermute(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "t.gguf", kv=_override(lambda w: w.add_uint32("llama.attention.head_count", 3)))
-    expect_load_error(lambda: load_model(path), WeightShapeError, str(path), "blk.0.attn_q.weight", "un-permute")
+    # load_model checks the config before it reads a tensor; the reader alone names the tensor it cannot un-permute
+    expect_load_error(lambda: load_model(path), ModelConfigError, str(path), "llama.attention.head_count (3)")
+    expect_load_error(lambda: read_gguf(path).tensors["model.layers.0.self_attn.q_proj.weight"], WeightShapeError,
+                      str(path), "blk.0.attn_q.weight", "un-permute")
 
 
 def _gguf_regions(path: Path) -> tuple[int, int, int, int]:

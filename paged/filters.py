@@ -348,10 +348,12 @@ class FilterState:
             self.consumed -= n
 
     def done(self) -> bool:
-        """The output is complete: a matcher accepts nothing more (only EOS), or with `prefer_eos` all accept."""
-        if any(m.is_stopped() for m in self.matchers):
-            return True
-        return self.prefer_eos and all(m.is_accepting() for m in self.matchers)
+        """The output is complete: every matcher accepts it, and one accepts nothing more (only EOS) or
+        `prefer_eos` is set. (One matcher stopped while another does not accept yet is no end: the filters then
+        allow no token, and the job fails saying so; it had ended as complete for the stopped one alone.)"""
+        if not all(m.is_accepting() for m in self.matchers):
+            return False
+        return self.prefer_eos or any(m.is_stopped() for m in self.matchers)
 
 
 def compute_masks(states: Sequence[FilterState]) -> list[np.ndarray]:
@@ -400,6 +402,15 @@ def mask_allows(mask: np.ndarray, token: int) -> bool:
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
+def mask_without(mask: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """A copy of the packed `mask` with `tokens` off (ids past it ignored)."""
+    out = mask.copy()
+    for t in tokens:
+        if 0 <= t < out.size * 32:
+            out[t >> 5] &= ~_bit(t)
+    return out
+
+
 __all__ = [
     "ChoiceFilter",
     "Filter",
@@ -411,4 +422,5 @@ __all__ = [
     "compute_masks",
     "ll_tokenizer",
     "mask_allows",
+    "mask_without",
 ]

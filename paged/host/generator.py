@@ -46,7 +46,7 @@ from paged.errors import (
     PolicyError,
     StepError,
 )
-from paged.filters import FilterState, compute_masks
+from paged.filters import FilterState, compute_masks, mask_without
 from paged.host.job_output import JobOutput
 from paged.host.page_pool import PagePool
 from paged.host.scheduler import Scheduler, members
@@ -666,6 +666,12 @@ class DynamicGenerator:
                 results.append(self._fail(owners[i], JobFailure(
                     f"its filters allow no token after {owners[i].new_tokens} new tokens (filters that exclude each "
                     "other, or text so far that none of them can continue)"), self.clock()))
+            elif not np.any(mask_without(mask, self._banned_by_settings(owners[i]))):
+                bad.add(i)
+                results.append(self._fail(owners[i], JobFailure(
+                    f"its filters allow only tokens its settings ban after {owners[i].new_tokens} new tokens "
+                    "(gen_settings' banned_tokens or a -inf token_bias, or the stop tokens before min_new_tokens)"),
+                    self.clock()))
             else:
                 rows[i].mask = mask
         if not bad:
@@ -673,6 +679,15 @@ class DynamicGenerator:
         ended = {id(owners[i]) for i in bad}  # (and the rows of their CFG negative prompts)
         keep = [i for i in range(len(rows)) if i not in bad and id(owners[i].cfg_owner) not in ended]
         return [rows[i] for i in keep], [owners[i] for i in keep]
+
+    @staticmethod
+    def _banned_by_settings(job: Job) -> list[int]:
+        """The ids the sampler will not draw for `job` now: its settings' bans and -inf biases, and its stop tokens
+        until min_new_tokens are out."""
+        banned = [t for t, b in job.gen_settings.bias_view.items() if b == -math.inf]
+        if job.new_tokens < job.min_new_tokens:
+            banned += list(job.stop_tokens)
+        return banned
 
     def _collect(self, rows: list, owners: list[Job], items: list[Accepted | _PlainRow], seconds: float, now: float,
                  results: list[dict]) -> None:

@@ -139,11 +139,13 @@ class JobOutput:
             job.pending_extras.pop()
             held_ids = [token]
             r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
+        elif self.ends_the_filters(job, token):  # the grammar's EOS: like a stop token, its text is not output
+            reason = "end_filter"
+            text, toks = job.stream.flush()
+            job.pending_extras.pop()
+            held_ids = [token]
+            r.update(eos_triggering_token_id=token, eos_triggering_token_str=self.piece(token))
         else:
-            if job.filter_state is not None and job.healing_allowed and job.new_tokens == 1:
-                job.filter_state.consume_healed(token, job.healing_prefix)
-            elif job.filter_state is not None:
-                job.filter_state.consume(token)
             ev = job.stream.feed(token)
             text, toks = ev.text, ev.tokens
             if ev.rewind:
@@ -179,6 +181,20 @@ class JobOutput:
             self.hash_pages(job, job.kv_position)  # the output is final: its complete pages become reusable
             r.update(self.final_fields(job, reason, now), held={"text": held_text, "token_ids": held_ids or []})
         return r
+
+    @staticmethod
+    def ends_the_filters(job: Job, token: int) -> bool:
+        """Advance the job's filters (if any) by `token`; whether it is the grammar's EOS that completes them (it
+        then ends the job as a stop token does: its text, e.g. `<|im_end|>`, and its id are not part of the
+        completion)."""
+        fs = job.filter_state
+        if fs is None:
+            return False
+        if job.healing_allowed and job.new_tokens == 1:
+            fs.consume_healed(token, job.healing_prefix)
+            return False
+        fs.consume(token)
+        return token == fs.eos and fs.done()
 
     def final_fields(self, job: Job, reason: str, now: float) -> dict:
         """The keys every final result carries."""

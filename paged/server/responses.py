@@ -20,7 +20,7 @@ from paged.server.translate import Plan
 FINISH = {"stop_token": "stop", "stop_string": "stop", "end_filter": "stop", "max_new_tokens": "length"}
 # failures of a job that mean its constraints allowed nothing: its scheduler's and its filter's messages
 _CONSTRAINED = ("is banned at output position", "the filter rejected token", "its filters allow no token",
-                "no token was allowed at this position")
+                "its filters allow only tokens its settings ban", "no token was allowed at this position")
 MIN_LOGPROB = -9999.0  # a probability of 0 (JSON has no -inf); vLLM reports the same
 
 

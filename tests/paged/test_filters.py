@@ -158,6 +158,19 @@ def test_several_filters_intersect():
     assert [chr(t) for t in allowed(compute_masks([st])[0], 256)] == list("abcdef")
 
 
+def test_one_filter_finished_is_no_end_while_another_does_not_accept():
+    """After "ab" the choice filter is finished (only EOS) while a.*c does not accept "ab": the output is not
+    complete (it had ended as `end_filter` with "ab"), and no token is left (the job then fails saying so)."""
+    st = FilterState([ChoiceFilter(["ab"]), RegexFilter("a.*c")], TOK, mask_words(258))
+    st.consume(ord("a"))
+    st.consume(ord("b"))
+    assert not st.done() and not compute_masks([st])[0].any()
+    both = FilterState([ChoiceFilter(["abc"]), RegexFilter("a.*c")], TOK, mask_words(258))
+    for ch in "abc":
+        both.consume(ord(ch))
+    assert both.done()  # every filter accepts and one is finished
+
+
 def test_stop_tokens_are_allowed_where_the_grammar_may_end():
     st = FilterState([RegexFilter("[0-9]+")], TOK, mask_words(258), stop_tokens={ord(":"), 256})
     assert not mask_allows(compute_masks([st])[0], ord(":"))  # nothing yet: the grammar cannot end
@@ -272,6 +285,22 @@ def test_a_failing_filter_ends_its_job_alone(monkeypatch):
     assert c.finals["bad"]["eos_reason"] == "error" and "its filter failed" in c.finals["bad"]["error"]
     assert c.finals["good"]["eos_reason"] in ("max_new_tokens", "end_filter")
     assert c.finals["plain"]["eos_reason"] == "max_new_tokens"
+    check_clean(gen)
+
+
+def test_the_grammars_eos_ends_the_job_like_a_stop_token():
+    """The EOS that completes a filter is not part of the output: its text (`<|im_end|>` with
+    decode_special_tokens) had been appended to the completion (breaking the JSON or regex it completed) and its id
+    to `token_ids`; now it is the final result's `eos_triggering_token_id` and `held`, as a stop token's is."""
+    gen = DynamicGenerator(tokenizer=TOK, engine=FakeEngine())
+    # the fake continues 0, 1, 2, ... then ':' which [0-9]+ cannot take: EOS is the only token left after "9"
+    gen.enqueue(Job([47], 20, filters=RegexFilter("[0-9]+"), decode_special_tokens=True, identifier="d"))
+    c = drain(gen)
+    final = c.finals["d"]
+    assert final["eos_reason"] == "end_filter" and final["full_completion"] == "0123456789"
+    assert final["eos_triggering_token_id"] == TOK.eos_token_id and final["held"]["token_ids"] == [TOK.eos_token_id]
+    streamed = [t for r in c.results if r["identifier"] == "d" for t in r.get("token_ids", [])]
+    assert streamed == [ord(ch) for ch in "0123456789"]
     check_clean(gen)
 
 
@@ -491,6 +520,8 @@ def test_a_job_whose_filters_allow_nothing_fails_alone(engine):
     f = c.finals
     assert f["conflict"]["eos_reason"] == "error" and "its filters allow no token after 0 new tokens" in \
         f["conflict"]["error"]
-    assert f["banned"]["eos_reason"] == "error" and "log-probability -inf" in f["banned"]["error"]
+    # (named before the step: it had reached the sampler, whose -inf draw suggested non-finite logits)
+    assert f["banned"]["eos_reason"] == "error" and "its filters allow only tokens its settings ban after 0 new " \
+        "tokens" in f["banned"]["error"]
     assert f["innocent"]["eos_reason"] == "max_new_tokens" and f["innocent"]["new_tokens"] == 8
     gen.pool.check({})

@@ -14,7 +14,7 @@ simulated seconds, the wall time extrapolated to 100,000 requests, how loaded th
 queue, mean batch rows, mean page use) and the machine's load average before and after. Building the workload
 (`workloads.make_scenario`) and the generator is not timed. `--json_out` writes the figures as one JSON record.
 
-The default `--rate` is near the simulated server's saturation for the workload (batches and pages mostly full, a
+The default `--rate` is near the simulated server's saturation for the workload (about 9 of 16 rows per step, a
 queue that comes and goes without growing for good; `DEFAULT_RATES`); a higher rate runs past saturation, where the
 queue grows with the run: a check that nothing in the host loop is quadratic in the queue length.
 """
@@ -33,10 +33,11 @@ from experiments.lib.common import check_out_flag, out_path_problem, write_recor
 
 FLAGS = flags.FLAGS
 POLICIES = ["exllamav2", "fcfs", "sjf", "priority", "vllm", "lpm", "sarathi"]
-# Near saturation with the default fit (cpu_epyc_smollm2_q4) and the engine below: 13-14 of 16 rows per step, a queue
-# of tens that comes and goes while the server keeps up (10k requests: poisson 5.2/s, sharegpt 2.3/s; at 5.4/s and
-# 2.4/s it falls behind). With the older fit experiments/results/step_time_smollm2_cpu.json (the runs in
-# experiments/results/sim_speed/) those rates were 1.1/s and 0.53/s.
+# Near saturation with the default fit (cpu_epyc_smollm2_q4) and the engine below: about 9 of 16 rows per step
+# (9.2 measured, 2026-12-07), a queue of tens that comes and goes while the server keeps up (10k requests: poisson
+# 5.2/s, sharegpt 2.3/s; at 5.4/s and 2.4/s it falls behind). With the older fit
+# experiments/results/step_time_smollm2_cpu.json (the runs in experiments/results/sim_speed/) those rates were 1.1/s
+# and 0.53/s.
 DEFAULT_RATES = {"poisson": 5.2, "sharegpt": 2.3}
 EXTRAPOLATE_TO = 100_000
 SIM_VOCAB = 258  # the simulated engine's fake model (paged.testing.FakeEngine)

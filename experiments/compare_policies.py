@@ -8,10 +8,11 @@ every policy) or the simulator (`paged.sim`: the same scheduler and page pool on
         --policies=vllm,experiments.policies.edf:EarliestDeadlineFirst
 
 For each policy it prints one row (TTFT p50/p99, TPOT p50/p99, E2E latency p50, output throughput, goodput at
-`--slo` (default here: `DEFAULT_SLO`), prefix-cache hit rate, preemptions, mean page utilisation; on the real engine
-also TTFT in units of the run's median step time, which a loaded machine does not reorder at random) with a progress
-bar while it runs, writes one JSON record (`--json_out`: flags, git sha, device, per-policy metrics, per-request
-metrics, per-step timings and shapes) and, with `--plot`, TTFT/E2E CDFs and per-policy bars. Every request is a job
+`--slo` (default: `--slo_ttft_ms=5000`, `--slo_tpot_ms=500`), prefix-cache hit rate, preemptions, mean page
+utilisation; on the real engine also TTFT in units of the run's median step time, which a loaded machine does not
+reorder at random) with a progress bar while it runs, writes one JSON record (`--json_out`: flags, git sha, device,
+per-policy metrics, per-request metrics, per-step timings and shapes) and, with `--plot`, TTFT/E2E CDFs and
+per-policy bars (at one rate) or latency / goodput against load (over several). Every request is a job
 with no stop condition that produces exactly its output length; `--page_budget` shrinks the KV cache to force memory
 pressure (preemptions for `on_demand` policies, queueing for `reserve` ones). Engine flags:
 experiments/lib/engine_flags.py (`--max_batch_size` defaults to 16, `--max_seq_len` to 1024, `--decode_steps` to 1
@@ -143,8 +144,11 @@ def build_load(vocab_size: int, special_ids, max_seq_len: int) -> Load:
         return Load(wl, base, 1.0)
     rate = workloads.mean_rate(base) if len(base) > 1 else math.inf
     if not (rate > 0 and math.isfinite(rate)):
-        raise app.UsageError(f"--trace_file={FLAGS.trace_file}: its arrivals span no time, so it has no rate to "
-                             "rescale; give a trace whose requests arrive at different times")
+        if FLAGS.rates:  # (replayed at its own rate it is one burst: the arrivals at rate inf)
+            raise app.UsageError(f"--trace_file={FLAGS.trace_file}: its arrivals span no time, so it has no rate "
+                                 "for --rates to rescale; drop --rates to replay it, or give a trace whose requests "
+                                 "arrive at different times")
+        return Load(wl, np.zeros_like(base), math.inf)
     return Load(wl, base, rate)
 
 
@@ -185,6 +189,10 @@ def validate_flags() -> None:
         raise app.UsageError(f"--policies names {', '.join(dups)} more than once (each policy runs once)")
     if FLAGS.seed is not None and FLAGS.seed < 0:
         raise app.UsageError(f"--seed must be >= 0, got {FLAGS.seed}")
+    for name, why in (("policy", "each policy of --policies runs; give them there"),
+                      ("temperature", "every request decodes greedily, so that policies differ only in scheduling")):
+        if FLAGS[name].present:  # (shared engine flags, read by other scripts: here they had been ignored)
+            raise app.UsageError(f"--{name} is not used here: {why}")
     if not (FLAGS.rate > 0):
         raise app.UsageError(f"--rate must be > 0 (or inf), got {FLAGS.rate}")
     if rates_of_flags() is None and not math.isfinite(FLAGS.rate):
@@ -227,7 +235,15 @@ def check_workload_flags() -> None:
     for name in ("input_len", "output_len"):
         if name in reads and FLAGS[name].value < 1:
             raise app.UsageError(f"--{name} must be >= 1 token, got {FLAGS[name].value}")
-    build_load(SIM_VOCAB, [], FLAGS.max_seq_len)
+    load = build_load(SIM_VOCAB, [], FLAGS.max_seq_len)
+    cfg = engine_config().resolve()  # (--page_budget >= 1 checked there; the default: full-length sequences)
+    usable = cfg.num_pages - 1
+    longest = max(load.workload.requests, key=lambda r: r.prompt_len + r.output_len)
+    need = -(-(longest.prompt_len + longest.output_len) // cfg.page_size)
+    if need > usable:  # (the generator had refused it mid-run, after the real engine had compiled, naming num_pages)
+        raise app.UsageError(f"--page_budget={usable}: request {longest.index} needs {need} pages of "
+                             f"{cfg.page_size} tokens ({longest.prompt_len} prompt + {longest.output_len} output); "
+                             f"raise --page_budget to at least {need} or shorten the requests")
 
 
 class RealBackend:
@@ -392,7 +408,7 @@ def sweep_policy(backend, spec: str, load: Load, slo: dict, rates: list[float] |
         runs.append(run)
         r = run.row
         print(f"  {run.policy} @ {rate:.4g}/s: TTFT p50 {_ms(r['ttft_p50_ms'])}, TPOT p50 {_ms(r['tpot_p50_ms'])}, "
-              f"SLO attainment {r['attainment']:.0%} -> {'sustained' if sustained(run) else 'not sustained'}",
+              f"SLO attainment {r['attainment']:.1%} -> {'sustained' if sustained(run) else 'not sustained'}",
               file=sys.stderr)
         return sustained(run)
 
@@ -414,7 +430,7 @@ COLUMNS = [("policy", "policy", "{}"), ("rate", "rate/s", "{:.3g}"), ("ttft_p50_
            ("ttft_p90_ms", "p90", "{:.0f}"), ("ttft_p99_ms", "p99", "{:.0f}"), ("tpot_p50_ms", "TPOT p50", "{:.1f}"),
            ("tpot_p99_ms", "p99", "{:.1f}"), ("itl_p99_ms", "ITL p99", "{:.0f}"), ("e2el_p50_ms", "E2E p50", "{:.0f}"),
            ("queue_p50_ms", "queue p50", "{:.0f}"), ("output_tok_s", "tok/s", "{:.1f}"),
-           ("goodput", "goodput/s", "{:.3f}"), ("attainment", "SLO met", "{:.0%}"),
+           ("goodput", "goodput/s", "{:.3f}"), ("attainment", "SLO met", "{:.1%}"),
            ("prefix_hit", "prefix hit", "{:.2f}"), ("preemptions", "preempt", "{}"),
            ("recomputed", "recomputed", "{}"), ("page_util", "page util", "{:.2f}"),
            ("ttft_p50_steps", "TTFT p50/step", "{:.1f}")]

@@ -315,8 +315,8 @@ class SimulatedEngine(FakeEngine):
                  clock: VirtualClock | None = None, record_steps: bool = False, pad_to_buckets: bool = True,
                  setup: Mapping[str, Any] | None = None):
         if not isinstance(config, EngineConfig) or not config.resolved:
-            raise InvalidConfigError("SimulatedEngine: config must be a resolved paged.EngineConfig (num_pages and "
-                                     "max_seq_len set)")
+            raise InvalidConfigError("SimulatedEngine: config must be a resolved paged.device.config.EngineConfig "
+                                     "(num_pages and max_seq_len set: EngineConfig(...).resolve())")
         if not isinstance(step_time, StepTimeModel):
             raise InvalidConfigError(f"SimulatedEngine: step_time must be a paged.sim.StepTimeModel, got "
                                      f"{type(step_time).__name__}")

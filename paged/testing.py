@@ -118,8 +118,9 @@ class FakeEngine:
         if num_steps > 1:  # like paged.device.step.decode_steps: each sampled token is fed back as the next input
             self.bursts.append(num_steps)
             outs = []
-            for _ in range(num_steps):
-                outs.append(self.run(rows, return_top_k=return_top_k))
+            for _ in range(num_steps):  # (the class's run: a wrapper set on the instance, e.g. an EngineProbe that
+                # records calls, sees the burst once, not each of its steps too)
+                outs.append(type(self).run(self, rows, return_top_k=return_top_k))
                 rows = [dataclasses.replace(r, tokens=[int(t)], start_pos=r.start_pos + 1)
                         for r, t in zip(rows, outs[-1].token)]
             stack = lambda name: np.stack([getattr(o, name) for o in outs])

@@ -445,3 +445,24 @@ def test_bad_workload_and_output_flags_fail_before_measuring_or_loading(bench, t
     with pytest.raises(app.UsageError, match=match):
         bench.main([])
     assert not list(tmp_path.iterdir())  # no record begun
+
+
+def test_a_simulated_burst_is_one_probed_step():
+    """The simulator runs a decode burst as single steps through its class's run: a probe wrapped around the
+    engine records the burst once (it had recorded each inner step and then the burst again, doubling the steps and
+    engine seconds of every `--decode_steps > 1` simulated run); the probe's seconds equal the virtual clock's."""
+    from paged import DynamicGenerator, Job
+    from paged.device.config import EngineConfig
+    from paged.sim import SimulatedEngine, StepTimeModel
+
+    sim = SimulatedEngine(EngineConfig(max_batch_size=4, max_seq_len=256, num_pages=17, decode_steps=4).resolve(),
+                          StepTimeModel.constant(0.01))
+    gen = DynamicGenerator(engine=sim, policy="fcfs")
+    gen.enqueue(Job([1, 2, 3, 4], 17))
+    start = sim.clock()
+    with runner.EngineProbe(sim, sim.clock) as probe:
+        while gen.num_remaining_jobs():
+            gen.iterate()
+    assert any(s.num_steps > 1 for s in probe.steps)
+    assert sum(s.num_steps for s in probe.steps) == 17  # one prefill step, then 16 decode steps in bursts
+    assert sum(s.wall for s in probe.steps) == pytest.approx(sim.clock() - start)

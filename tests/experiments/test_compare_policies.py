@@ -180,6 +180,26 @@ def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_p
     parse_flags(cp, base)
     with pytest.raises(app.UsageError, match=r"t.csv:3"):
         cp.main([])
+    # every request at once (make_trace --rate=inf writes such traces): replayed as one burst; only --rates, which
+    # asks to rescale a rate it has not, is an error
+    path.write_text("arrival_s,prompt_tokens,output_tokens\n0,20,4\n0,30,6\n")
+    parse_flags(cp, base)
+    cp.main([])
+    point = json.loads(out.read_text())["points"][0]
+    assert point["rate"] == "inf" and [r["arrival"] for r in point["per_request"]] == [0.0, 0.0]  # (JSON has no inf)
+    parse_flags(cp, [*base, "--rates=2"])
+    with pytest.raises(app.UsageError, match="no rate for --rates to rescale"):
+        cp.main([])
+
+
+def test_an_infinite_rate_in_a_plotted_sweep_is_left_off_the_load_axis(cp, tmp_path):
+    """--rates=2,inf --plot had written the record, then died in the load-curve plot (a log axis from 2 to inf)."""
+    out = tmp_path / "inf.json"
+    parse_flags(cp, ["--num_requests=12", "--rates=2,inf", "--policies=vllm,sjf", f"--json_out={out}", "--plot",
+                     "--noprogress", "--page_size=16", "--max_seq_len=256"])
+    cp.main([])
+    assert (tmp_path / "inf_load.png").stat().st_size > 0
+    assert [p["rate"] for p in json.loads(out.read_text())["points"]][:2] == [2.0, "inf"]  # (JSON has no inf)
 
 
 def test_validate_sim_names_a_missing_extra_fit_before_loading_the_model(cp, tmp_path):
@@ -200,6 +220,12 @@ def test_validate_sim_names_a_missing_extra_fit_before_loading_the_model(cp, tmp
     (["--engine=real", "--model=tiny", "--input_len=0"], "--input_len must be >= 1"),
     (["--engine=real", "--model=tiny", "--workload=trace", "--trace_file=/nonexist.csv"],
      "--workload=trace: /nonexist.csv"),
+    # a budget no request fits (it had failed mid-run, after the real engine compiled, naming num_pages)
+    (["--engine=real", "--model=tiny", "--page_budget=2"], r"--page_budget=2: request \d+ needs 3 pages"),
+    (["--page_budget=0"], "--page_budget must be >= 1"),
+    # shared engine flags this script does not read (they had been ignored)
+    (["--policy=sjf"], "--policy is not used here"),
+    (["--temperature=1.5"], "--temperature is not used here"),
 ])
 def test_compare_policies_checks_every_workload_flag_before_building_an_engine(cp, monkeypatch, argv, match):
     def too_late(*a, **k):

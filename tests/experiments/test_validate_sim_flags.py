@@ -16,6 +16,9 @@ from tests.experiments.helpers import parse_flags
     (["--fit_source=grid"], "--fit_source says how --fit_interleaved measures its fit"),
     (["--min_rank_gap=-1"], "--min_rank_gap must be a finite fraction >= 0"),
     (["--workload=trace", "--trace_file=/nonexist.csv"], "--workload=trace: /nonexist.csv"),
+    # (fit_and_validate's pre-check: these had passed --check_flags_only and failed once the run had started)
+    (["--page_budget=0"], "--page_budget must be >= 1"),
+    (["--page_budget=1"], "--page_budget=1: request 0 needs"),
 ])
 def test_validate_sim_checks_its_flags_before_loading_the_model(cp, monkeypatch, argv, match):
     from experiments import validate_sim

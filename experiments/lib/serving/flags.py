@@ -35,4 +35,5 @@ def define() -> None:
     flags.DEFINE_enum("trace_format", "auto", list(TRACE_FORMATS), "trace workloads: the trace "
                       "file's layout (auto: from its header or first JSON object)")
     flags.DEFINE_bool("plot", False, "write plots (latency CDFs; bench_serving: throughput / TPOT vs concurrency for "
-                      "a sweep; compare_policies: per-policy bars)")
+                      "a sweep; compare_policies: per-policy bars at one rate, latency / goodput against load over "
+                      "several)")

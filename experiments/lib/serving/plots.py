@@ -3,6 +3,7 @@ concurrency sweeps and per-policy bars."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -82,6 +83,9 @@ def plot_load_curves(series: Sequence[tuple[str, Sequence[dict], float | None]],
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     panels = [("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("e2el", "E2EL (s)"), ("queue", "queue time p50 (s)"),
               ("goodput", "goodput (requests/s meeting the SLO)"), ("attainment", "SLO attainment")]
+    # an offered load of inf (every request at once) has no place on a load axis: the finite rates are drawn (the
+    # record and the CDF plot keep it)
+    series = [(name, [r for r in rows if math.isfinite(r["rate"])], cap) for name, rows, cap in series]
     rates = sorted({r["rate"] for _, rows, _ in series for r in rows})
     for ax, (key, label) in zip(axes.flat, panels):
         for i, (name, rows, cap) in enumerate(series):
@@ -116,7 +120,11 @@ def plot_load_curves(series: Sequence[tuple[str, Sequence[dict], float | None]],
             ax.set_xticks(rates, [f"{r:.3g}" for r in rates])
         if key in ("ttft", "tpot", "e2el", "queue") and ax.has_data():
             ax.set_yscale("log")
-            ax.yaxis.set_minor_formatter(plt.NullFormatter())
+            low, high = ax.get_ylim()
+            if high / low < 10:  # within one decade a log axis has no major tick: label the minor ones instead
+                ax.yaxis.set_minor_formatter(plt.FormatStrFormatter("%.3g"))
+            else:
+                ax.yaxis.set_minor_formatter(plt.NullFormatter())
         if key == "attainment":
             ax.set_ylim(0, 1.05)
         ax.grid(alpha=0.3, which="both")

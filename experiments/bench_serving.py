@@ -439,7 +439,8 @@ def _point_fields(c, loads: tuple, n_warm: int, warm_s: float, m: dict, cache: d
 
 def _per_request(records) -> list[dict]:
     return [{"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
-             "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "scheduled": r.scheduled,
+             "cached_tokens": r.cached_tokens, "prefix_id": r.prefix_id, "priority": r.priority,
+             "deadline": r.deadline, "scheduled": r.scheduled,
              "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
              "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "error": r.error or None,
              **({"token_times": r.token_times} if FLAGS.save_detailed else {})}

@@ -492,7 +492,8 @@ def policy_record(run: PolicyRun) -> dict:
         "per_request": [{"index": r.index, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens,
                          "arrival": r.arrival, "ttft": r.ttft if r.token_times else None,
                          "e2el": r.e2el if r.token_times else None, "tpot": r.tpot, "queue_time": r.queue_time,
-                         "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, "error": r.error or None}
+                         "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, "priority": r.priority,
+                         "deadline": r.deadline, "error": r.error or None}
                         for r in res.records] if FLAGS.save_requests else None,
         "steps": step_shapes(res) if FLAGS.save_steps else None,
     }

@@ -213,6 +213,9 @@ def check_flags():
     from paged.sim import StepTimeModel
 
     cp.validate_flags()  # (the workload included: built once over a stand-in vocabulary)
+    if FLAGS.plot:  # (a compare_policies flag this script inherits and had ignored)
+        raise app.UsageError("--plot is not used by validate_sim (it writes its record only); plot the record "
+                             "with compare_policies' runs")
     if FLAGS.real_repeats < 1:
         raise app.UsageError(f"--real_repeats must be >= 1, got {FLAGS.real_repeats}")
     for name in ("min_rank_gap", "max_step_error", "max_ttft_error"):

@@ -169,6 +169,7 @@ def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_p
     assert point["rate"] == pytest.approx(traces.read_trace(str(path)).mean_rate) == pytest.approx(1.5)
     assert [r["arrival"] for r in point["per_request"]] == [0.0, 0.5, 1.5, 2.0]  # its own arrivals, 4 rows of 10
     assert [r["output_tokens"] for r in point["per_request"]] == [4, 6, 8, 3]
+    assert all(r["priority"] in range(3) and r["deadline"] is None for r in point["per_request"])
     parse_flags(cp, [*base, "--rates=3"])  # twice the trace's rate: every gap halved
     cp.main([])
     arrivals = [r["arrival"] for r in json.loads(out.read_text())["points"][0]["per_request"]]
@@ -176,6 +177,12 @@ def test_compare_policies_replays_a_trace_at_its_own_rate_and_rescaled(cp, tmp_p
     parse_flags(cp, [*base[:2], "--workload=trace", "--noprogress"])
     with pytest.raises(app.UsageError, match="--workload=trace: .*trace_file"):
         cp.main([])
+    # a trace's priorities and deadlines reach the record's requests (the priority classes can be analysed)
+    path.write_text("arrival_s,prompt_tokens,output_tokens,priority,deadline_s\n0,20,4,2,1.5\n0.5,30,6,0,\n")
+    parse_flags(cp, base)
+    cp.main([])
+    rows = json.loads(out.read_text())["points"][0]["per_request"]
+    assert [(r["priority"], r["deadline"]) for r in rows] == [(2, 1.5), (0, None)]
     path.write_text("arrival_s,prompt_tokens,output_tokens\n0,20,4\n0.5,-3,6\n")
     parse_flags(cp, base)
     with pytest.raises(app.UsageError, match=r"t.csv:3"):

@@ -19,6 +19,7 @@ from tests.experiments.helpers import parse_flags
     # (fit_and_validate's pre-check: these had passed --check_flags_only and failed once the run had started)
     (["--page_budget=0"], "--page_budget must be >= 1"),
     (["--page_budget=1"], "--page_budget=1: request 0 needs"),
+    (["--plot"], "--plot is not used by validate_sim"),
 ])
 def test_validate_sim_checks_its_flags_before_loading_the_model(cp, monkeypatch, argv, match):
     from experiments import validate_sim

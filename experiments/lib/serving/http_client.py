@@ -160,7 +160,8 @@ async def _run(base_url: str, model: str, requests: Sequence[Request], sched: li
     url = f"{base_url.rstrip('/')}/v1/completions"
     n = len(requests)
     records = [RequestRecord(index=r.index, prompt_len=r.prompt_len, target_output_len=r.output_len,
-                             scheduled=sched[i], prefix_id=r.prefix_id) for i, r in enumerate(requests)]
+                             scheduled=sched[i], prefix_id=r.prefix_id, priority=r.priority,
+                             deadline=getattr(r, "deadline", None)) for i, r in enumerate(requests)]
     slots = asyncio.Semaphore(int(min(limit, max(n, 1))))
     in_flight = peak = 0
     pbar = None

@@ -40,6 +40,8 @@ class RequestRecord:
     cached_tokens: int = 0
     eos_reason: str | None = None
     prefix_id: int | None = None
+    priority: int = 0  # the request's scheduling priority (the `priority` policy's classes)
+    deadline: float | None = None  # its deadline, s after arrival (the `deadline` flag or the trace's), or None
     error: str = ""
     preemptions: int = 0  # times the scheduling policy preempted it (final result's `preemptions`)
     queue_time: float | None = None  # enqueue -> the start of its first step, on the generator's clock (the final

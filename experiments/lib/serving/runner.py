@@ -204,12 +204,12 @@ def run_benchmark(
                 while next_i < n and sched[next_i] <= now and len(in_flight) < limit:
                     req = requests[next_i]
                     slot = heapq.heappop(free_slots)
+                    due = deadline if getattr(req, "deadline", None) is None else req.deadline
                     rec = RequestRecord(index=req.index, prompt_len=req.prompt_len, target_output_len=req.output_len,
                                         scheduled=sched[next_i], arrival=max(sched[next_i], slot), enqueued=now,
-                                        prefix_id=req.prefix_id)
+                                        prefix_id=req.prefix_id, priority=req.priority, deadline=due)
                     job = Job(req.prompt_ids, req.output_len, gen_settings=gen_settings, seed=seed + req.index,
-                              identifier=("bench_serving", req.index), priority=req.priority,
-                              deadline=deadline if getattr(req, "deadline", None) is None else req.deadline,
+                              identifier=("bench_serving", req.index), priority=req.priority, deadline=due,
                               expected_new_tokens=req.output_len if oracle_lengths else None)
                     generator.enqueue(job)
                     in_flight[id(job)] = rec

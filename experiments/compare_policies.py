@@ -539,6 +539,17 @@ def cdf_rate(sweeps: list[Sweep]) -> float:
     return min(failing) if failing else max(r.rate for s in sweeps for r in s.runs)
 
 
+def runs_near(sweeps: list[Sweep], at: float) -> list[PolicyRun]:
+    """Each policy's run at `at`, or (where its rates differ: --rates=auto) at its rate nearest to it on a log
+    scale: every policy has its CDF (only the policy whose search ran `at` had been drawn)."""
+    def distance(r: PolicyRun) -> float:
+        if r.rate == at:
+            return 0.0
+        return abs(math.log(r.rate / at)) if math.isfinite(r.rate) and math.isfinite(at) else math.inf
+
+    return [min(s.runs, key=distance) for s in sweeps if s.runs]
+
+
 def write_outputs(backend, load: Load, sweeps: list[Sweep], slo: dict, extra: dict | None = None) -> None:
     from experiments.lib.serving import env, plots
 
@@ -560,9 +571,11 @@ def write_outputs(backend, load: Load, sweeps: list[Sweep], slo: dict, extra: di
         os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
         title = f"{FLAGS.engine}: {FLAGS.workload}, {len(wl.requests)} requests"
         at = cdf_rate(sweeps)
-        at_rate = [next(r for r in s.runs if r.rate == at) for s in sweeps if any(r.rate == at for r in s.runs)]
-        paths = [plots.plot_latency_cdfs([(r.policy, r.result.records) for r in at_rate], base + "_cdf.png",
-                                         f"{title} at {at:.3g}/s")]
+        at_rate = runs_near(sweeps, at)
+        same = len({r.rate for r in at_rate}) == 1  # (--rates=auto: each policy's search ran its own rates)
+        paths = [plots.plot_latency_cdfs([(r.policy if same else f"{r.policy} @ {r.rate:.3g}/s", r.result.records)
+                                          for r in at_rate], base + "_cdf.png",
+                                         f"{title} {'at' if same else 'near'} {at:.3g}/s")]
         if len({r.rate for s in sweeps for r in s.runs}) > 1:
             paths.append(plots.plot_load_curves(
                 [(s.policy, [r.row for r in s.runs], s.capacity.rate if s.capacity.bounded else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -243,3 +244,18 @@ def test_compare_policies_checks_every_workload_flag_before_building_an_engine(c
     parse_flags(cp, argv)
     with pytest.raises(app.UsageError, match=match):
         cp.main([])
+
+
+
+def test_an_auto_search_plots_every_policys_cdf_near_the_chosen_rate(cp):
+    """With --rates=auto each policy's search runs its own rates: the CDF plot takes each policy's run at the chosen
+    rate or nearest it (on a log scale); it had drawn only the policies whose search ran that exact rate."""
+    from types import SimpleNamespace as NS
+
+    def sweep(policy, *rates):
+        return NS(policy=policy, runs=[NS(policy=policy, rate=r) for r in rates])
+
+    sweeps = [sweep("priority", 8, 4, 5.66, 4.4), sweep("sjf", 8, 4, 5.66, 6.73), sweep("vllm", 8, 4, math.inf)]
+    assert [(r.policy, r.rate) for r in cp.runs_near(sweeps, 4.4)] == [("priority", 4.4), ("sjf", 4),
+                                                                          ("vllm", 4)]
+    assert [r.rate for r in cp.runs_near(sweeps, 8)] == [8, 8, 8]

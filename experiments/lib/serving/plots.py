@@ -116,7 +116,9 @@ def plot_load_curves(series: Sequence[tuple[str, Sequence[dict], float | None]],
         if len(rates) > 1 and rates[-1] / rates[0] > 4:
             ax.set_xscale("log")
             ax.minorticks_off()
-        if len(rates) <= 12:
+        pos = np.log(rates) if ax.get_xscale() == "log" else np.asarray(rates, float)
+        spaced = len(rates) < 2 or np.diff(pos).min() > 0.05 * (pos[-1] - pos[0])  # labels that do not overlap
+        if len(rates) <= 12 and spaced:  # (a capacity search's close rates keep matplotlib's own ticks)
             ax.set_xticks(rates, [f"{r:.3g}" for r in rates])
         if key in ("ttft", "tpot", "e2el", "queue") and ax.has_data():
             ax.set_yscale("log")

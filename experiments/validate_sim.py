@@ -62,6 +62,9 @@ calibration.define_flags()  # --fit_interleaved: what the fit is measured on (--
 flags.DEFINE_bool("check_flags_only", False, "check the flags (as before a run) and exit: loads no model, runs "
                   "nothing (experiments/fit_and_validate.py checks the flags it passes on this way before it starts)")
 RANK_BY = "ttft_p50_ms"  # the metric the policies are ranked by, per load (lower is better)
+# the record's flags: compare_policies' and this script's own (the calibration's included: min_rank_gap decides the
+# reproducible pairs, and had been left out)
+RECORD_FLAGS = sorted(set(FLAGS) - cp._BEFORE)
 
 
 def mean_step_s(run: cp.PolicyRun) -> float | None:
@@ -309,7 +312,7 @@ def main(argv):
     for name, o in zip(also, priced[1:]):
         print(f"\nthe same real runs against the fit {name!r}:\n" + format_rows(o["errors"], o["rank_agreement"]))
     if FLAGS.json_out:
-        record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in cp.OUR_FLAGS},
+        record = {"schema": "validate_sim/3", "flags": {k: FLAGS[k].value for k in RECORD_FLAGS},
                   "targets": {"max_step_error": FLAGS.max_step_error, "max_ttft_error": FLAGS.max_ttft_error},
                   "real_repeats": FLAGS.real_repeats, "fit_interleaved": FLAGS.fit_interleaved, "timeline": timeline,
                   "git": env.git_info(), "device": real.device, "host": env.host_setup(),

@@ -54,3 +54,12 @@ def test_the_calibration_flag_names_are_the_flags_define_flags_defines(cp):
 
     defined = {f.name for f in flags.FLAGS.get_flags_for_module(calibration.__name__)}
     assert defined == set(calibration.FLAG_NAMES)
+
+
+def test_the_record_keeps_validate_sims_own_flags(cp):
+    """The record's flags had been compare_policies' alone: min_rank_gap (which decides the reproducible pairs),
+    real_repeats and the fit's flags were missing."""
+    from experiments import validate_sim
+
+    assert {"min_rank_gap", "real_repeats", "fit_interleaved", "max_step_error"} <= set(validate_sim.RECORD_FLAGS)
+    assert set(cp.OUR_FLAGS) <= set(validate_sim.RECORD_FLAGS)

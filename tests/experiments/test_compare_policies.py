@@ -204,7 +204,7 @@ def test_an_infinite_rate_in_a_plotted_sweep_is_left_off_the_load_axis(cp, tmp_p
     """--rates=2,inf --plot had written the record, then died in the load-curve plot (a log axis from 2 to inf)."""
     out = tmp_path / "inf.json"
     parse_flags(cp, ["--num_requests=12", "--rates=2,inf", "--policies=vllm,sjf", f"--json_out={out}", "--plot",
-                     "--noprogress", "--page_size=16", "--max_seq_len=256"])
+                     "--noprogress"])
     cp.main([])
     assert (tmp_path / "inf_load.png").stat().st_size > 0
     assert [p["rate"] for p in json.loads(out.read_text())["points"]][:2] == [2.0, "inf"]  # (JSON has no inf)

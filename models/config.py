@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from models.errors import (
     CorruptFileError,
     ModelConfigError,
@@ -231,8 +233,6 @@ class ModelConfig:
             )
         factors = None
         if rope_freqs is not None:
-            import numpy as np
-
             factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
             dim = head_dim or hidden // heads
             if factors.shape != (dim // 2,) or not (np.isfinite(factors).all() and (factors > 0).all()):

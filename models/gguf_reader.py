@@ -66,7 +66,7 @@ class LazyTensors(Mapping):
     is 8x its size). Reading the same name again converts it again."""
 
     def __init__(self, convert: Callable[[str], Any], names: list[str]):
-        self._convert, self._names = convert, names
+        self._convert, self._names = convert, dict.fromkeys(names)  # (ordered, and a set's lookups)
 
     def __getitem__(self, name: str) -> Any:
         if name not in self._names:

@@ -202,17 +202,16 @@ def _adapted(path: str, acfg: dict, num_layers: int) -> set[tuple[int, str]]:
             raise _fail_config(path, f"layers_to_transform {sorted(layers)} is outside the model's {num_layers} "
                                "layers")
     names = {(i, ours): f"model.layers.{i}.{_block(ours)}.{peft}"  # each module's name in PEFT's base model
-             for i in layers for peft, ours in PROJECTIONS.items()}
+             for i in range(num_layers) for peft, ours in PROJECTIONS.items()}
     if isinstance(value, str) and value.lower() == ALL_LINEAR:
-        pairs = set(names)  # PEFT's shorthand: every linear layer but the output head, here the seven projections
+        # PEFT's shorthand (a list of every linear layer but the output head; here the seven projections)
+        pairs = {pair for pair in names if pair[0] in layers}
     elif isinstance(value, str):
         try:
             pattern = re.compile(value)
         except re.error as e:
             raise _fail_config(path, f"target_modules regex {value!r} is invalid ({e})") from None
-        every_layer = {(i, ours): f"model.layers.{i}.{_block(ours)}.{peft}"
-                       for i in range(num_layers) for peft, ours in PROJECTIONS.items()}
-        pairs = {pair for pair, full in every_layer.items() if pattern.fullmatch(full)}
+        pairs = {pair for pair, full in names.items() if pattern.fullmatch(full)}
         if not pairs:
             raise _fail_config(path, f"target_modules regex {value!r} matches none of the model's "
                                f"{list(PROJECTIONS)} modules (names like model.layers.0.self_attn.q_proj)")

@@ -209,6 +209,11 @@ class SamplingSettings:
         return MappingProxyType(self._bias)
 
     @functools.cached_property
+    def banned_ids(self) -> frozenset[int]:
+        """The ids never sampled: `banned_tokens` and the -inf entries of `token_bias`."""
+        return frozenset(t for t, b in self._bias.items() if b == -math.inf)
+
+    @functools.cached_property
     def _bias(self) -> dict[int, float]:
         out = dict(self.token_bias)
         for t in self.banned_tokens:

@@ -393,7 +393,7 @@ class DynamicGenerator:
             raise InvalidJobError(f"Job: return_top_tokens must be an int in [0, vocabulary size {v}], got "
                                   f"{job.return_top_tokens}")
         job.gen_settings.check_vocab(v)
-        banned = {t for t, b in job.gen_settings.bias().items() if b == -float("inf")}
+        banned = job.gen_settings.banned_ids
         if len(banned) >= v:
             raise InvalidJobError(f"Job: gen_settings ban every token of the vocabulary ({v}); nothing could be "
                                   "sampled. Allow at least one token")
@@ -684,10 +684,9 @@ class DynamicGenerator:
     def _banned_by_settings(job: Job) -> list[int]:
         """The ids the sampler will not draw for `job` now: its settings' bans and -inf biases, and its stop tokens
         until min_new_tokens are out."""
-        banned = [t for t, b in job.gen_settings.bias_view.items() if b == -math.inf]
         if job.new_tokens < job.min_new_tokens:
-            banned += list(job.stop_tokens)
-        return banned
+            return [*job.gen_settings.banned_ids, *job.stop_tokens]
+        return list(job.gen_settings.banned_ids)
 
     def _collect(self, rows: list, owners: list[Job], items: list[Accepted | _PlainRow], seconds: float, now: float,
                  results: list[dict]) -> None:

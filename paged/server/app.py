@@ -182,9 +182,9 @@ class _State:
 
 
 def _config_eos(generator: DynamicGenerator) -> tuple[int, ...]:
-    """config.json's eos_token_id list of the generator's model (a fake engine has none): replies end there too."""
-    config = getattr(getattr(generator.engine, "model", None), "config", None)
-    return tuple(getattr(config, "eos_token_ids", None) or ())
+    """The end-of-reply ids of the generator's model (`Model.stop_token_ids`: config.json's eos_token_id list with
+    its tokenizer's EOS; a fake engine has none): replies end there too."""
+    return tuple(getattr(getattr(generator.engine, "model", None), "stop_token_ids", None) or ())
 
 
 def create_app(generator: DynamicGenerator, *, model_name: str, chat_template: str | None = None,

@@ -37,7 +37,7 @@ class Context:
     chat_template: str | None = None  # overrides the tokenizer's
     loras: frozenset[str] = frozenset()  # adapters loaded into the generator (a model name may be one)
     max_penalty_range: int | None = None  # the generator's token history (0: none, so no penalties); None: unchecked
-    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-reply ids besides the tokenizer's EOS (config.json's)
+    eos_token_ids: tuple[int, ...] = ()  # the model's end-of-reply ids (`Model.stop_token_ids`) besides the tokenizer's
 
 
 @dataclasses.dataclass

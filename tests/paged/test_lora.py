@@ -437,6 +437,13 @@ def test_bf16_adapters_and_peft_regexes_load(adapters, tmp_path):
     (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": r".*\.q_proj",
                                                        "layers_to_transform": [0]}))
     assert {layer for layer, _ in load_lora(d, CFG).weights} == set(range(CFG.num_layers))
+    # ... and exclude_modules drops modules of any layer from what the regex matched
+    d = write_adapter(tmp_path / "regex_exclude", targets=("q",), layers=[0])
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    (d / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": r".*\.q_proj",
+                                                       "layers_to_transform": [1],
+                                                       "exclude_modules": ["layers.1.self_attn.q_proj"]}))
+    assert set(load_lora(d, CFG).weights) == {(0, "q")}
 
 
 def test_adapters_given_as_objects_are_checked_and_keyed_by_their_content(adapters):

@@ -100,7 +100,8 @@ def test_a_reply_ends_at_the_models_config_eos_ids_too():
     assert completion_plan(request(), ctx).jobs[0].stop_tokens == {TOK.eos_token_id, 7, 9}
     assert completion_plan(request(ignore_eos=True), ctx).jobs[0].stop_tokens == set()
     model = tiny_model(dataclasses.replace(tiny_config(258), eos_token_ids=(5, 6)), seed=0, tokenizer=TOK)
-    assert _config_eos(DynamicGenerator(model, num_pages=8, page_size=8, max_batch_size=1, max_seq_len=16)) == (5, 6)
+    gen = DynamicGenerator(model, num_pages=8, page_size=8, max_batch_size=1, max_seq_len=16)
+    assert _config_eos(gen) == (5, 6, TOK.eos_token_id)  # (Model.stop_token_ids: the config's and the EOS)
 
 
 def test_the_server_passes_its_history_window_on():

@@ -284,13 +284,26 @@ class RealBackend:
         return {"kind": "real", "model": FLAGS.model, "compile_seconds": self.compile_s, "device": self.device}
 
 
+def setup_mismatches(step_time, setup, what: str, show: bool = True) -> list[str]:
+    """How `step_time`'s fit differs from `setup` (`StepTimeModel.differences`), printed as one "warning: ..." line
+    on stderr where `show` (the `StepTimeMismatchWarning` it raises is caught: not printed a second time)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mismatches = step_time.warn_differences(setup, what)
+    for w in caught if show else ():
+        print(f"warning: {w.message}", file=sys.stderr)
+    return mismatches
+
+
 class SimBackend:
     """A fresh SimulatedEngine (and virtual clock starting at 0) per policy, all priced by one StepTimeModel."""
 
     kind = "sim"
 
-    def __init__(self, step_time=None):
-        """`step_time`: the `StepTimeModel` to price steps with (default: --step_time_model's)."""
+    def __init__(self, step_time=None, warn: bool = True):
+        """`step_time`: the `StepTimeModel` to price steps with (default: --step_time_model's). Its setup is checked
+        against these flags here, once (`warn`: printed; False where the caller warns a fuller comparison itself, as
+        validate_sim does); the generators' engines do not warn it again."""
         from paged.errors import InvalidConfigError
         from paged.sim import StepTimeModel
         from paged.sim import engine_setup as sim_setup
@@ -303,18 +316,16 @@ class SimBackend:
         self.vocab_size = SIM_VOCAB
         self.special_ids = []
         self.setup = {"model": FLAGS.model, "quantization": FLAGS.quant}  # (the config names the rest)
-        with warnings.catch_warnings(record=True) as caught:  # warned once here, not once per policy and rate
-            warnings.simplefilter("always")
-            self.mismatches = self.step_time.warn_differences(sim_setup(self.config, self.setup), "these flags")
-        for w in caught:
-            print(f"warning: {w.message}", file=sys.stderr)
+        # warned once here, not once per policy and rate
+        self.mismatches = setup_mismatches(self.step_time, sim_setup(self.config, self.setup), "these flags",
+                                           show=warn)
 
     def generator(self, policy):
         from paged import DynamicGenerator
         from paged.sim import SimulatedEngine
 
         return DynamicGenerator(engine=SimulatedEngine(self.config, self.step_time, vocab_size=self.vocab_size,
-                                                       setup=self.setup), policy=policy)
+                                                       setup=self.setup, warn_setup=False), policy=policy)
 
     def clock(self, gen):
         return gen.engine.clock, gen.engine.clock.sleep

@@ -259,8 +259,14 @@ def main(argv):
         print("validate_sim: the flags are fine (--check_flags_only: nothing run)")
         return
     env.load_average("at start")
-    sim = None if FLAGS.fit_interleaved else cp.SimBackend()  # (a bad --step_time_model: an error before any run)
+    sim = None if FLAGS.fit_interleaved else cp.SimBackend(warn=False)  # (a bad --step_time_model: an error now)
     real = cp.RealBackend()
+    # each fit's setup against this machine and engine, warned once, before the real runs (--fit_interleaved's own
+    # fit, measured here, after them)
+    here = {**env.host_setup(), **engine_setup(real.config, {"model": FLAGS.model, "quantization": FLAGS.quant})}
+    what = "this machine and engine (the validation measures here)"
+    fits = ({None: sim.step_time} if sim is not None else {}) | also  # None: the main fit
+    mismatches = {name: cp.setup_mismatches(fit, here, what) for name, fit in fits.items()}
     cal = interleaved_calibration(real, plan) if plan is not None else None
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
@@ -290,13 +296,14 @@ def main(argv):
             fit.save(FLAGS.fit_out)
             print(f"the fit measured between the real runs ({cal.slices} slices): {FLAGS.fit_out}")
     if sim is None:
-        sim = cp.SimBackend(fit)
+        sim = cp.SimBackend(fit, warn=False)
     # the simulator priced by each fit (the main one first, then --also_fits'), against the same real runs
-    backends = [sim, *(cp.SimBackend(f) for f in also.values())]
+    backends = [sim, *(cp.SimBackend(f, warn=False) for f in also.values())]
     for b in backends:
         b.config, b.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
-    here = {**env.host_setup(), **engine_setup(real.config, sim.setup)}
-    mismatches = sim.step_time.warn_differences(here, "this machine and engine (the validation measures here)")
+    if None not in mismatches:
+        mismatches[None] = cp.setup_mismatches(sim.step_time, here, what)
+    mismatches = mismatches[None]
     priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []} for b in backends]
     for rate, real_runs in zip(rates, real_by_rate):
         arrivals = load.arrivals_at(rate)

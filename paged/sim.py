@@ -307,13 +307,14 @@ class SimulatedEngine(FakeEngine):
     """The fake model on a virtual clock: each step advances `clock` by `step_time.predict(StepShape)`.
 
     The step-time fit is checked against the engine simulated (`engine_setup(config, setup)`; `setup` adds the
-    model and quantization): a difference is warned (`StepTimeMismatchWarning`), naming it.
+    model and quantization): a difference is warned (`StepTimeMismatchWarning`), naming it, unless `warn_setup` is
+    False (a caller that has checked the fit once for many engines, as compare_policies does per comparison).
 
     `records` (when `record_steps`) holds one `(StepShape, seconds)` per step for the experiment's per-step log."""
 
     def __init__(self, config: EngineConfig, step_time: StepTimeModel, *, vocab_size: int = 258,
                  clock: VirtualClock | None = None, record_steps: bool = False, pad_to_buckets: bool = True,
-                 setup: Mapping[str, Any] | None = None):
+                 setup: Mapping[str, Any] | None = None, warn_setup: bool = True):
         if not isinstance(config, EngineConfig) or not config.resolved:
             raise InvalidConfigError("SimulatedEngine: config must be a resolved paged.device.config.EngineConfig "
                                      "(num_pages and max_seq_len set: EngineConfig(...).resolve())")
@@ -321,7 +322,8 @@ class SimulatedEngine(FakeEngine):
             raise InvalidConfigError(f"SimulatedEngine: step_time must be a paged.sim.StepTimeModel, got "
                                      f"{type(step_time).__name__}")
         self.setup = engine_setup(config, setup)
-        step_time.warn_differences(self.setup)
+        if warn_setup:
+            step_time.warn_differences(self.setup)
         super().__init__(config=config, vocab_size=vocab_size, record=False)
         self.spec = BucketSpec.from_config(config, attn_impl="xla")
         self.step_time = step_time

@@ -13,6 +13,7 @@ from absl import app, flags
 from experiments.lib.serving import hardware, metrics, plots, runner, workloads
 from experiments.lib.serving.metrics import RequestRecord
 from paged import DynamicGenerator
+from paged.policies.base import Policy
 from paged.testing import ByteTokenizer, FakeEngine
 
 SPECIAL = sorted(ByteTokenizer.special_token_ids)
@@ -239,6 +240,22 @@ def test_closed_loop_respects_max_concurrency_and_output_lengths():
     # with no limit the generator's own batch size (4) is the only cap
     res = runner.run_benchmark(fake_gen(), _random(12).requests)
     assert res.max_generator_jobs == 12 and res.step_summary["max_rows_per_step"] == 4
+
+
+class _NeverAdmits(Policy):
+    name = "never_admits"
+
+    def admit(self, waiting, s):
+        pass
+
+
+def test_a_policy_that_never_admits_stalls_the_run_with_an_error_naming_it():
+    gen = DynamicGenerator(engine=FakeEngine(num_pages=64, page_size=8, max_batch_size=4, max_chunk_size=16,
+                                             max_seq_len=64), tokenizer=ByteTokenizer(), policy=_NeverAdmits())
+    with pytest.raises(RuntimeError, match=r"no progress for 20 iterations with 3 requests in flight \(3 waiting, 0 "
+                                           r"running\) under policy _NeverAdmits\(name='never_admits'.*"
+                                           r"test_bench_serving\._NeverAdmits\): its admit\(\) started no"):
+        runner.run_benchmark(gen, _random(3).requests, max_stalls=20)
 
 
 def test_the_step_summary_counts_rows_tokens_and_bursts():

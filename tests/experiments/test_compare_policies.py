@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
 from absl import app
 
 from experiments.lib.serving import workloads
-from paged.sim import StepTimeModel
+from paged.sim import StepTimeMismatchWarning, StepTimeModel
 from tests.experiments.helpers import parse_flags
 
 
@@ -49,6 +50,28 @@ def test_compare_policies_on_the_simulator_writes_table_and_record(cp, tmp_path,
         assert p["metrics"]["queue_ms"]["count"] == 24 and p["tokens_recomputed"] >= 0
     assert rec["points"][1]["preemptions"] > 0  # 24 pages of 8 tokens for 4 rows of up to 80 tokens
     assert (tmp_path / "rec_cdf.png").exists() and (tmp_path / "rec_bars.png").exists()
+
+
+def test_a_fit_from_another_setup_is_warned_once_per_comparison(cp, tmp_path, capsys):
+    """The fit's setup is compared with the flags once: one "warning:" line for two policies, not one more from
+    Python's warnings machinery per engine built; the record names the difference."""
+    stm = tmp_path / "stm.json"
+    StepTimeModel(0.02, {"decode_rows": 1e-3}, device="test", model="test",
+                  setup={"name": "fit_x", "model": "smollm2-135m", "page_size": 8}).save(stm)
+    out = tmp_path / "rec.json"
+    parse_flags(cp, [f"--step_time_model={stm}", "--model=other-model", "--num_requests=4", "--rate=20",
+                     "--input_len=16", "--output_len=4", "--page_size=8", "--max_seq_len=64", "--max_batch_size=2",
+                     "--policies=fcfs,sjf", f"--json_out={out}", "--noprogress"])
+    with warnings.catch_warnings(record=True) as escaped:  # what Python would print besides the line
+        warnings.simplefilter("always")
+        cp.main([])
+    assert not [w for w in escaped if issubclass(w.category, StepTimeMismatchWarning)], escaped
+    err = capsys.readouterr().err
+    assert err.count("was measured on a different setup") == 1, err
+    assert "warning: step-time fit 'fit_x' was measured on a different setup than these flags: model: fit " \
+           "'smollm2-135m', here 'other-model'" in err and "StepTimeMismatchWarning" not in err
+    mismatches = json.loads(out.read_text())["backend"]["setup_mismatches"]
+    assert mismatches == ["model: fit 'smollm2-135m', here 'other-model'"]
 
 
 def test_the_record_holds_queue_time_and_recomputed_tokens_of_one_preemption(cp, tmp_path):

@@ -295,6 +295,8 @@ def test_a_fit_names_how_its_setup_differs_and_the_simulator_warns_it(tmp_path):
         SimulatedEngine(CFG, loaded, setup={"model": "tiny", "quantization": "keep"})  # the same setup: silent
         SimulatedEngine(CFG, StepTimeModel.constant(0.1))  # a synthetic model has no setup to differ from
         SimulatedEngine(CFG, _fit({}))  # built in code without a setup: nothing to compare
+        # a caller that checked the fit once for many engines (compare_policies) builds them silent
+        SimulatedEngine(CFG, loaded, setup={"model": "llama3-8b"}, warn_setup=False)
 
 
 def test_a_fit_file_without_a_setup_is_warned_as_unrecorded(tmp_path):

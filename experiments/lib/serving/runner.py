@@ -249,8 +249,12 @@ def run_benchmark(
                 trace.append((now, len(generator.active), len(generator.pending), len(in_flight)))
                 stalls = 0 if results else stalls + 1
                 if stalls > max_stalls:
-                    raise RuntimeError(f"generator made no progress for {max_stalls} iterations with "
-                                       f"{len(in_flight)} requests in flight")
+                    policy = getattr(generator, "policy", None)
+                    raise RuntimeError(
+                        f"generator made no progress for {max_stalls} iterations with {len(in_flight)} requests in "
+                        f"flight ({len(generator.pending)} waiting, {len(generator.active)} running) under policy "
+                        f"{policy!r} ({type(policy).__module__}.{type(policy).__qualname__}): its admit() started no "
+                        f"waiting job while none was running, or the jobs it started produced nothing")
             duration = clock() - t0
     finally:
         if freeze:

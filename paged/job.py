@@ -58,6 +58,11 @@ def _as_id_list(c: Checker, input_ids: Any) -> list[int]:
     if arr.dtype.kind not in "iu":
         bad = next((x for x in arr.tolist() if isinstance(x, bool) or not isinstance(x, int)), arr.dtype)
         c.fail_type("input_ids", bad, f"integer token ids (got dtype {arr.dtype})")
+    if isinstance(input_ids, (list, tuple)):  # [True, 2] (or [[True, 2]]) converts to ints
+        flat = [x for row in input_ids for x in (row if isinstance(row, (list, tuple)) else [row])]
+        bad = next((x for x in flat if isinstance(x, (bool, np.bool_))), None)
+        if bad is not None:
+            c.fail_type("input_ids", bad, "integer token ids, not bools")
     if (arr < 0).any():
         c.fail(f"input_ids contain negative ids: {arr[arr < 0][:5].tolist()}")
     return [int(x) for x in arr]

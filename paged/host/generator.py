@@ -506,13 +506,15 @@ class DynamicGenerator:
         return lambda t: b"" if (t in special and not keep) else tok.token_bytes(t)
 
     def cancel(self, job: Job) -> None:
-        """Remove a pending or active job; its pages are released. No result is emitted. No-op if finished (or never
-        enqueued here)."""
+        """Remove a pending or active job; its pages are released, and no result is emitted for it from then on. No-op
+        if it has finished (its last results, which `generate()` may have kept for the next `iterate()`, are still
+        returned) or was never enqueued here."""
         if not isinstance(job, Job):
             raise InvalidJobTypeError(f"cancel() takes the paged.Job that enqueue() was given, got {job!r} "
                                       f"({type(job).__name__})")
         with self.lock:
-            if any(r["job"] is job for r in self._stash):  # (kept from a failed step: no result after a cancel)
+            running = job in self.pending or job in self.active
+            if running and any(r["job"] is job for r in self._stash):  # (kept results: none after a cancel)
                 self._stash = [r for r in self._stash if r["job"] is not job]
             if job in self.pending:
                 self._unqueue(job)
@@ -860,8 +862,8 @@ class DynamicGenerator:
             raise InvalidJobTypeError(f"generate(): prompt must be a string or a list of strings, got "
                                       f"{type(prompt).__name__}")
         prompts = list(prompts)
-        if not prompts:
-            raise InvalidJobError("generate(): prompt is an empty list; pass at least one prompt")
+        if not prompts:  # no prompts, no completions (as ExLlamaV2's generate)
+            return ([], []) if return_last_results else []
         for i, p in enumerate(prompts):
             if isinstance(p, tuple):
                 if len(p) != 2 or not all(isinstance(x, str) for x in p):

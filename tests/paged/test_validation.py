@@ -83,6 +83,8 @@ def assert_healthy_unharmed(bad_action, error: type[Exception], match: str | Non
     (dict(input_ids=[2**64, -1]), InvalidJobError, r"negative ids: \[-1\]"),
     (dict(input_ids=[1.5, 2]), InvalidJobTypeError, "integer token ids"),
     (dict(input_ids=[True, False]), InvalidJobTypeError, "integer token ids"),
+    (dict(input_ids=[5, True]), InvalidJobTypeError, r"integer token ids, not bools, got True \(bool\)"),
+    (dict(input_ids=[[5, False]]), InvalidJobTypeError, r"not bools, got False \(bool\)"),
     (dict(input_ids=[[1, 2], [3, 4]]), InvalidJobError, "one sequence"),
     (dict(input_ids=None), InvalidJobTypeError, "input_ids"),
     (dict(max_new_tokens=0), InvalidJobError, "max_new_tokens must be an int >= 1, got 0"),
@@ -365,8 +367,6 @@ def test_generate_rejects_bad_prompts():
         gen.generate(["a", ("b", "c", "d")], 3)
     with pytest.raises(InvalidJobTypeError, match="prompt 0 must be a string"):
         gen.generate([5], 3)
-    with pytest.raises(InvalidJobError, match="empty list"):
-        gen.generate([], 3)
     with pytest.raises(InvalidJobError, match="2 gen_settings for 1 prompts"):
         gen.generate(["a"], 3, gen_settings=[GREEDY, GREEDY])
     with pytest.raises(InvalidJobError, match="no tokens"):

@@ -313,6 +313,34 @@ def test_generate_does_not_swallow_other_jobs_results():
     assert "".join(r["text"] for r in seen if r["stage"] == "streaming") == "{|}"
 
 
+def test_cancelling_a_job_that_generate_finished_keeps_its_last_results():
+    """generate() ran another caller's job to its end and kept its results for the next iterate(): a cancel() of that
+    finished job is a no-op (documented), so its owner still sees the final result; a cancel of a running job whose
+    results are kept drops them (no result after a cancel)."""
+    gen = make()
+    other = job("q", 2, identifier="other")
+    gen.enqueue(other)
+    assert gen.generate("ab", 6, gen_settings=SamplingSettings.greedy()) == "cdefgh"
+    assert other not in gen.active and other not in gen.pending and gen.num_remaining_jobs() == 1
+    gen.cancel(other)
+    results = gen.iterate()
+    assert [(r["identifier"], r["eos"]) for r in results if r["stage"] == "streaming"][-1] == ("other", True)
+    assert gen.num_remaining_jobs() == 0
+    long = job("q", 20, identifier="long")  # still running when generate() returns, its tokens so far kept
+    gen.enqueue(long)
+    gen.generate("ab", 2, gen_settings=SamplingSettings.greedy())
+    assert long in gen.active
+    gen.cancel(long)
+    assert gen.iterate() == [] and gen.num_remaining_jobs() == 0
+    gen.pool.check({})
+
+
+def test_generate_with_no_prompts_returns_no_completions():
+    gen = make()
+    assert gen.generate([], 3) == [] and gen.generate([], 3, return_last_results=True) == ([], [])
+    assert gen.num_remaining_jobs() == 0
+
+
 @pytest.mark.parametrize("bad, exc", [
     (lambda: Job([], 5), InvalidJobError),
     (lambda: Job(["a"], 5), InvalidJobError),

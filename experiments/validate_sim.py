@@ -265,8 +265,8 @@ def main(argv):
     # fit, measured here, after them)
     here = {**env.host_setup(), **engine_setup(real.config, {"model": FLAGS.model, "quantization": FLAGS.quant})}
     what = "this machine and engine (the validation measures here)"
-    fits = ({None: sim.step_time} if sim is not None else {}) | also  # None: the main fit
-    mismatches = {name: cp.setup_mismatches(fit, here, what) for name, fit in fits.items()}
+    for fit in ([sim.step_time] if sim is not None else []) + list(also.values()):
+        cp.setup_mismatches(fit, here, what)
     cal = interleaved_calibration(real, plan) if plan is not None else None
     load = cp.build_load(real.vocab_size, real.special_ids, real.config.max_seq_len)
     real.warm_up(load.workload.requests[: FLAGS.warmup_requests])
@@ -301,9 +301,8 @@ def main(argv):
     backends = [sim, *(cp.SimBackend(f, warn=False) for f in also.values())]
     for b in backends:
         b.config, b.vocab_size = real.config, real.vocab_size  # the same engine configuration and token ids
-    if None not in mismatches:
-        mismatches[None] = cp.setup_mismatches(sim.step_time, here, what)
-    mismatches = mismatches[None]
+    # (recorded; warned above, or now for the fit measured here)
+    mismatches = cp.setup_mismatches(sim.step_time, here, what, show=FLAGS.fit_interleaved)
     priced = [{"backend": b, "errors": [], "rank_agreement": [], "runs": []} for b in backends]
     for rate, real_runs in zip(rates, real_by_rate):
         arrivals = load.arrivals_at(rate)

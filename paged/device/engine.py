@@ -35,6 +35,7 @@ from paged.device.step import (
     fuses_sampler,
     lm_head,
     sample_inputs,
+    sampler_statics,
     step_forward,
     step_sample,
 )
@@ -150,6 +151,7 @@ class Engine:
         self._head = lm_head(model.params)  # what the sampler reads: final norm and LM head
         # every jitted call's static arguments, in one hashable value
         self.statics = StepStatics(self.cfg, self.attn_impl, self.matmul_impl, TOP_K_WIDTH)
+        self.sample_statics = sampler_statics(self.statics, self._head)  # the sampler programs' (shared more widely)
         # Where the wall time of `run` goes (seconds, cumulative): padding the rows into a batch on the host,
         # dispatching the jitted call (tracing on a new shape, then enqueueing), and waiting for the device result
         # (compute not hidden behind the dispatch, plus the device->host copy).
@@ -349,7 +351,7 @@ class Engine:
         return self._sample(hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])], batch, want)
 
     def _sample(self, h: jax.Array, batch: Batch, want: np.bool_) -> Results:
-        return step_sample(self._head, h, sample_inputs(batch), want, statics=self.statics)
+        return step_sample(self._head, h, sample_inputs(batch), want, statics=self.sample_statics)
 
     @_under_mesh
     def run(
@@ -433,7 +435,7 @@ class Engine:
                                               match=self.verify_match)
             return res
         h = self._forward(batch, shape, feed)[shape.sampled_row_counts.index(sampled)]
-        return verify_sample(self._head, h, sample_inputs(batch), verify, want, q, statics=self.statics,
+        return verify_sample(self._head, h, sample_inputs(batch), verify, want, q, statics=self.sample_statics,
                              match=self.verify_match)
 
     def _run_verify(self, rows: Sequence[RowInput], return_top_k: int, return_logits: bool,
@@ -591,7 +593,7 @@ class Engine:
                     outs.append(self._sample(h, small, no).token)
                     continue
                 outs.append(verify_sample(self._head, h, sample_inputs(small), _verify_inputs(small, fed), no,
-                                          warm_q(rows, shape), statics=self.statics,
+                                          warm_q(rows, shape), statics=self.sample_statics,
                                           match=self.verify_match).token)
         jax.block_until_ready((outs, self.state))
         return len(work)

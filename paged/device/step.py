@@ -51,6 +51,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     quantize_kv,
 )
+from pallas_kernels.quant_format import QuantizedArray
 from pallas_kernels.registry import Tuned, split_tuning, with_tuning
 
 ATTN_IMPLS = IMPLS  # "auto" (Pallas on GPU where the shape allows, native on the CPU, else XLA), "xla", "pallas",
@@ -79,6 +80,21 @@ class StepStatics:
     attn_impl: str | Tuned = "auto"
     matmul_impl: str | Tuned = "auto"
     top_k_width: int = TOP_K_WIDTH
+
+
+def sampler_statics(statics: StepStatics, head: Weights) -> StepStatics:
+    """The part of `statics` a sampler program (`step_sample`, `verify_sample`: the final norm, the LM head `head` as
+    `lm_head` gives it, the sampler) reads, the rest neutral: the vocabulary, the hidden size and the norm's epsilon,
+    the matmul implementation where the head is quantized, the top-k width. Engines that differ only in their forward
+    (attention kernel, layers, MLP, heads, rope: a draft model, another kernel under test) then share their sampler
+    programs instead of tracing and compiling them again (the persistent cache would give the compiled one back, but
+    not the tracing and lowering, ~1 s of a tiny model's sampler on the CPU)."""
+    cfg = statics.cfg
+    quantized = any(isinstance(w, QuantizedArray) for w in (head.embed, head.lm_head))
+    return StepStatics(
+        ModelConfig(model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=1,
+                    num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2, rms_norm_eps=cfg.rms_norm_eps),
+        matmul_impl=statics.matmul_impl if quantized else "auto", top_k_width=statics.top_k_width)
 
 
 def resolved_attn_impl(attn_impl: str | Tuned, *, head_dim: int, page_size: int) -> str | Tuned:
@@ -384,7 +400,9 @@ def step(
     statics = StepStatics(cfg, attn_impl, matmul_impl)
     state, hs = step_forward(params, state, forward_inputs(batch), statics=statics, shape=forward_shape(shape))
     h = hs[shape.sampled_row_counts.index(batch.sample_positions.shape[0])]
-    res = step_sample(lm_head(params), h, sample_inputs(batch), jnp.asarray(return_top_k > 0), statics=statics)
+    head = lm_head(params)
+    res = step_sample(head, h, sample_inputs(batch), jnp.asarray(return_top_k > 0),
+                      statics=sampler_statics(statics, head))
     if 0 < return_top_k <= res.top_ids.shape[1]:
         top_logprobs, top_ids = res.top_logprobs[:, :return_top_k], res.top_ids[:, :return_top_k]
     elif return_top_k > 0:  # wider than the sampler prepares: from the final distribution
@@ -595,6 +613,7 @@ __all__ = [
     "lm_head",
     "page_bucket_index",
     "sample_inputs",
+    "sampler_statics",
     "step",
     "step_forward",
     "step_sample",

@@ -233,6 +233,42 @@ def test_jax_compilation_is_bucketed():
     assert len(used) == 2
 
 
+def test_engines_that_differ_only_in_their_forward_share_the_samplers_programs():
+    """The sampler's programs are keyed by what they read (`sampler_statics`: vocabulary, hidden size, norm epsilon, a
+    quantized head's matmul): another attention kernel or fewer layers compile their forward again, not the sampler;
+    another vocabulary, or a quantized head under another matmul, does compile it. Outputs are unchanged."""
+    from models.draft import truncated_model
+    from paged import DynamicGenerator, Job, SamplingSettings
+    from paged.device.engine import count_compiles
+    from paged.testing import ByteTokenizer, drain, quantized_tiny_model, tiny_model
+
+    tok = ByteTokenizer()
+    cfg = dataclasses.replace(tiny_config(258), rope_theta=23456.0)  # no other test's programs
+    model = tiny_model(cfg, tokenizer=tok)
+
+    def run(m, **kw) -> tuple[dict, dict]:
+        before = count_compiles()
+        g = DynamicGenerator(m, num_pages=24, page_size=8, max_batch_size=2, max_chunk_size=16, max_seq_len=64, **kw)
+        g.enqueue([Job(tok.encode("hello"), 4, gen_settings=SamplingSettings(temperature=1.0), seed=i, identifier=i)
+                   for i in range(2)])
+        finals = {k: f["full_completion"] for k, f in drain(g).finals.items()}
+        return finals, {k: v - before[k] for k, v in count_compiles().items()}
+
+    first, compiled = run(model, attn_impl="xla")
+    assert compiled["sample"] > 0 and compiled["step"] > 0
+    other_kernel, compiled = run(model, attn_impl="reference")
+    assert other_kernel == first and compiled["sample"] == 0 and compiled["step"] > 0
+    _, compiled = run(truncated_model(model, 1), attn_impl="xla")  # fewer layers: a draft model's shape
+    assert compiled["sample"] == 0 and compiled["step"] > 0
+    _, compiled = run(tiny_model(dataclasses.replace(cfg, vocab_size=300), tokenizer=tok))  # another vocabulary
+    assert compiled["sample"] > 0
+    q = quantized_tiny_model(tok)  # a Q4_1 head: its matmul is part of the sampler's program
+    _, compiled = run(q, matmul_impl="xla")
+    assert compiled["sample"] > 0
+    _, compiled = run(q, matmul_impl="reference")
+    assert compiled["sample"] > 0
+
+
 @pytest.mark.slow  # fast tier: a lighter test covers the same path
 @pytest.mark.parametrize("impl", ["pallas", "reference"])
 def test_attention_impls_give_the_same_step(impl):

@@ -202,6 +202,8 @@ def validate_flags() -> None:
     if FLAGS.prompts_file is not None:
         if FLAGS["prompt"].present:
             raise app.UsageError("give either --prompt or --prompts_file, not both")
+        if os.path.isdir(FLAGS.prompts_file):
+            raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} is a directory; give a JSONL file")
         if not os.path.isfile(FLAGS.prompts_file):
             raise app.UsageError(f"--prompts_file {FLAGS.prompts_file} does not exist")
     if FLAGS["prompt"].present and not FLAGS.prompt.strip():
@@ -519,6 +521,8 @@ def parse_prompt_line(obj: Any, lineno: int, index: int) -> Request:
                 raise ValueError(f'"messages"[{i}] must be an object with string "role" and "content"')
         if system is not None and messages[0]["role"] == "system":
             raise ValueError('"system" given but "messages" already starts with a system message')
+        if system is None and FLAGS.system is not None and messages[0]["role"] == "system":
+            raise ValueError('--system given but "messages" already starts with a system message (drop one of them)')
     if system is not None and not isinstance(system, str):
         raise ValueError('"system" must be a string')
     rid = obj.get("id", lineno)
@@ -717,12 +721,12 @@ def run_bulk(gen, tok, requests: Sequence[Request], *, sink: IO[str] | None = No
                       metrics=gen.metrics(), interrupted=interrupted)
 
 
-def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str] | None = None,
-             compiled: bool = False) -> list[dict]:
+def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str] | None = None) -> list[dict]:
     """Multi-turn REPL. Each turn re-encodes the whole templated conversation; the generator's prefix cache serves
     the pages of the earlier turns (the timing line shows how many prompt tokens were cached). Without a chat
     template (or with --nochat) every line is an independent raw completion. Returns the turns' records."""
     from paged import InvalidJobError, JobTooLargeError
+    from paged.device.engine import count_compiles
 
     read = read or input
     templated = use_template(tok)
@@ -771,6 +775,7 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
                 break
         if job is None:
             continue
+        programs = sum(count_compiles().values())
         try:
             final = stream_job(gen, job, _stdout_write)
         except KeyboardInterrupt:
@@ -780,7 +785,11 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
         record = make_record(req, final)
         records.append(record)
         write_jsonl(sink, record)
-        print(timing_line(record, compiled=compiled or len(records) > 1), file=sys.stderr)
+        # (a turn may compile after the first: a longer conversation's bucket, a drafter's verification)
+        print(timing_line(record, compiled=sum(count_compiles().values()) == programs), file=sys.stderr)
+        line = speculation_line(gen.metrics())  # (the conversation's so far)
+        if line:
+            print(line, file=sys.stderr)
         if templated:
             history += [user, {"role": "assistant", "content": final["full_completion"]}]
     return records
@@ -944,7 +953,7 @@ def main(argv):
     print(f"[loaded {FLAGS.model} in {time.perf_counter() - t0:.1f}s{note}]", file=sys.stderr)
     if FLAGS.warmup and not comparing:
         t1 = time.perf_counter()
-        n = gen.warmup(progress=True)
+        n = gen.warmup(progress=FLAGS.progress)
         print(f"[compiled {n} step buckets in {time.perf_counter() - t1:.1f}s]", file=sys.stderr)
 
     sink = open(FLAGS.output, "w", encoding="utf-8") if FLAGS.output else None
@@ -960,7 +969,7 @@ def main(argv):
             if result.interrupted:
                 raise SystemExit(130)
         elif mode == "chat":
-            run_chat(gen, tok, sink=sink, compiled=FLAGS.warmup)
+            run_chat(gen, tok, sink=sink)
         else:
             run_single(gen, tok, single_request(prompt), sink=sink, compiled=FLAGS.warmup)
     except KeyboardInterrupt:

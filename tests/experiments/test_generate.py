@@ -287,6 +287,22 @@ def test_chat_keeps_history_and_reuses_the_cache(model_dir, tmp_path, monkeypatc
     assert f"({second['cached_tokens']} cached)" in timing[1]
 
 
+def test_chat_notes_compilation_per_turn_and_shows_the_drafts_acceptance(model_dir, monkeypatch, capsys, chunks):
+    """Each turn's timing line says "includes compilation" when programs were compiled during that turn (the second
+    here: a stand-in counter grows during it), not only on the first; with a drafter each turn is followed by the
+    conversation's acceptance line, as single and bulk modes print theirs."""
+    import paged.device.engine as engine_module
+
+    scripted_input(monkeypatch, ["copy: the cat the cat the cat", "again: the cat the cat the cat"])
+    counts = iter([{"step": 0}, {"step": 0}, {"step": 0}, {"step": 1}])  # before/after turn 1, then turn 2
+    monkeypatch.setattr(engine_module, "count_compiles", lambda: next(counts))
+    run_main(*engine_args(model_dir, "--ngram_draft", "--max_new_tokens=8"))
+    err = capsys.readouterr().err.splitlines()
+    timing = [line for line in err if "tok/s decode" in line]
+    assert len(timing) == 2 and "includes compilation" not in timing[0] and "includes compilation" in timing[1]
+    assert sum(line.startswith("[speculative: ") for line in err) == 2
+
+
 def test_chat_reset_clears_the_history(model_dir, tmp_path, monkeypatch, capsys, chunks):
     scripted_input(monkeypatch, ["Hi!", "/reset", "Hi!", "/quit", "never read"])
     out = tmp_path / "reset.jsonl"
@@ -418,6 +434,31 @@ def test_filter_flags_constrain_every_job(model_dir, tmp_path):
     run_main(*engine_args(model_dir, "--prompt=x", f"--output={out}", "--regex=[0-9]{2}", "--max_new_tokens=8"))
     [rec] = read_jsonl(out)
     assert rec["eos_reason"] == "end_filter" and rec["completion"].isdigit() and len(rec["completion"]) == 2
+
+
+def test_a_directory_as_the_prompts_file_is_named_as_one(model_dir, tmp_path):
+    with pytest.raises(app.UsageError, match=r"--prompts_file .* is a directory; give a JSONL file"):
+        run_main(*engine_args(model_dir, f"--prompts_file={tmp_path}"))
+
+
+def test_system_flag_and_a_line_whose_messages_start_with_a_system_message_conflict(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                             {"messages": [{"role": "system", "content": "be brief"},
+                                                           {"role": "user", "content": "hi"}]}])
+    with pytest.raises(generate.PromptsFileError, match=r"s\.jsonl:2: --system given but \"messages\" already starts "
+                                                        r"with a system message") as e:
+        run_main(*engine_args(model_dir, f"--prompts_file={src}", "--system=flag"))
+    assert "s.jsonl:1" not in str(e.value)
+
+
+def test_warmup_shows_its_progress_bar_only_with_progress(model_dir, monkeypatch):
+    from paged import DynamicGenerator
+
+    asked = []
+    monkeypatch.setattr(DynamicGenerator, "warmup", lambda self, progress=False: asked.append(progress) or 0)
+    run_main(*engine_args(model_dir, "--prompt=x", "--max_new_tokens=1", "--warmup", "--noprogress"))
+    run_main(*engine_args(model_dir, "--prompt=x", "--max_new_tokens=1", "--warmup"))
+    assert asked == [False, True]
 
 
 def test_prompt_and_prompts_file_conflict(model_dir, tmp_path):

@@ -85,7 +85,8 @@ flags.DEFINE_integer("cpu_devices_per_process", None, "CPU only: virtual devices
                      "multi-process mesh on one machine)")
 # --- sampling (a JSONL line may override max_new_tokens, temperature, top_k, top_p, seed and stop)
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
-flags.DEFINE_integer("min_new_tokens", 0, "stop tokens are banned until this many tokens are out")
+flags.DEFINE_integer("min_new_tokens", 0, "stop tokens are banned until this many tokens are out (a stop string "
+                     "still ends the job, as in ExLlamaV2)")
 flags.DEFINE_integer("top_k", 50, "top-k (0 = off)")
 flags.DEFINE_float("top_p", 0.8, "top-p in (0, 1] (1 = off)")
 flags.DEFINE_float("min_p", 0.0, "min-p in [0, 1) (0 = off)")
@@ -633,7 +634,8 @@ def timing_line(record: dict, *, compiled: bool, total_s: float | None = None) -
              f"{_fmt_rate(record['decode_tok_s'])} tok/s decode" + ("" if compiled else " (includes compilation; "
                                                                    "--warmup compiles first)")]
     if record.get("weights_gb_s") is not None:
-        parts.append(f"weights read at {record['weights_gb_s']:.3g} GB/s")
+        parts.append(f"weights read at {record['weights_gb_s']:.3g} GB/s"
+                     + ("" if compiled else " (includes compilation)"))
     if total_s is not None:
         parts.append(f"{total_s:.1f}s total")
     return "[" + "; ".join(parts) + "]"
@@ -686,12 +688,17 @@ def run_bulk(gen, tok, requests: Sequence[Request], *, sink: IO[str] | None = No
         encode_request(tok, r)
     t0 = time.perf_counter()
     tokens0 = gen.tokens_generated
+    errors = []
     for i, r in enumerate(requests):
         try:
             gen.enqueue(make_job(tok, r, identifier=i))
         except (JobTooLargeError, InvalidJobError) as e:
-            gen.clear_queue()
-            raise PromptsFileError(f"{r.where}: {e}") from e
+            errors.append(f"{r.where}: {e}")
+    if errors:  # every prompt that cannot run, together (as the file's bad lines), before any job runs
+        gen.clear_queue()
+        shown = errors[:10] + ([f"... and {len(errors) - 10} more"] if len(errors) > 10 else [])
+        raise PromptsFileError(errors[0] if len(errors) == 1 else
+                               f"{len(errors)} prompts cannot run:\n  " + "\n  ".join(shown))
     records: list[dict | None] = [None] * len(requests)
     writer = OrderedWriter(sink)
     bar = tqdm(total=len(requests), unit="job", desc="generating", file=sys.stderr, disable=not progress,
@@ -901,7 +908,7 @@ def format_summary(s: dict, compiled: bool = True) -> str:
          f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s{caveat}"),
         ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}{caveat}"),
         ("output tok/s (aggregate)", f"{s['output_tok_s']:.1f}{caveat}"),
-        ("weights read (steps x bytes / wall)", f"{s.get('weights_gb_s', float('nan')):.2f} GB/s"),
+        ("weights read (steps x bytes / wall)", f"{s.get('weights_gb_s', float('nan')):.3g} GB/s{caveat}"),
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
     if s.get("drafted_tokens"):

@@ -231,6 +231,14 @@ def test_prompt_too_long_for_the_cache_names_the_line(model_dir, tmp_path):
         run_main(*engine_args(model_dir, f"--prompts_file={src}", "--noprogress"))
 
 
+def test_every_prompt_too_long_for_the_cache_is_named_together(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "word " * 200}, {"prompt": "short"},
+                                                {"prompt": "word " * 300}])
+    with pytest.raises(generate.PromptsFileError, match=r"2 prompts cannot run:\n  .*long\.jsonl:1: .*max_seq_len=128"
+                                                        r".*\n  .*long\.jsonl:3: "):
+        run_main(*engine_args(model_dir, f"--prompts_file={src}", "--noprogress"))
+
+
 def test_messages_need_the_chat_template(model_dir, tmp_path):
     src = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     with pytest.raises(generate.PromptsFileError, match=r"m\.jsonl:1: .*--nochat"):
@@ -485,7 +493,8 @@ def test_summarise_figures():
     assert "4.000 / 2.500 / 7.900 s\n" in table and "compilation" not in table
     cold = generate.format_summary(s, compiled=False)  # without --warmup the times include compiling
     assert "4.000 / 2.500 / 7.900 s (includes compilation; --warmup compiles first)" in cold
-    assert cold.count("(includes compilation") == 3
+    assert cold.count("(includes compilation") == 4 and "2 GB/s (includes compilation" in cold  # the weights row too
+    assert "2 GB/s\n" in table
 
 
 def test_full_sampler_flags_reach_the_settings(model_dir, tmp_path, chunks):

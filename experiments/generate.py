@@ -223,6 +223,7 @@ def validate_flags() -> None:
         if os.path.isdir(FLAGS.output):
             raise app.UsageError(f"--output {FLAGS.output} is a directory; name the file to write")
     check_process_flags()
+    check_speculation_flags()
     build_settings()  # sampling flags
     build_filters()  # a bad schema, regex or grammar is reported here, before the model loads
     compare_plan()
@@ -386,15 +387,12 @@ def build_generator(model, *, max_batch_size: int | None = None, uses_penalties:
     return gen
 
 
-def speculation_kwargs(model) -> dict:
-    """The generator's speculative-decoding arguments from --draft_model / --ngram_draft (empty: none)."""
+def check_speculation_flags() -> None:
+    """The drafter flags that need no model (`validate_flags`, before it loads); app.UsageError naming the flag."""
     if FLAGS.ngram_draft and FLAGS.draft_model:
         raise app.UsageError("--draft_model and --ngram_draft: choose one drafter")
     if FLAGS.num_draft_tokens < 1 or FLAGS.max_ngram < 1:
         raise app.UsageError("--num_draft_tokens and --max_ngram must be >= 1")
-    extra = dict(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost) if FLAGS.adaptive_draft else {}
-    if FLAGS.draft_acceptance != "rejection":
-        extra["draft_acceptance"] = FLAGS.draft_acceptance
     if ((FLAGS.adaptive_draft or FLAGS.draft_token_cost is not None or FLAGS.draft_acceptance != "rejection")
             and not (FLAGS.ngram_draft or FLAGS.draft_model)):
         raise app.UsageError("--adaptive_draft / --draft_token_cost / --draft_acceptance need --ngram_draft or "
@@ -403,6 +401,17 @@ def speculation_kwargs(model) -> dict:
         raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
     if FLAGS.ngram_corpus and not FLAGS.ngram_draft:
         raise app.UsageError("--ngram_corpus is the n-gram drafter's table: add --ngram_draft")
+    src = FLAGS.draft_model or ""
+    if src.startswith("self:") and not (src[5:].isdigit() and int(src[5:]) >= 1):
+        raise app.UsageError(f"--draft_model {src}: 'self:N' takes a layer count >= 1, e.g. self:4")
+
+
+def speculation_kwargs(model) -> dict:
+    """The generator's speculative-decoding arguments from --draft_model / --ngram_draft (empty: none; the flags
+    were checked by `check_speculation_flags`)."""
+    extra = dict(adaptive_draft=True, draft_token_cost=FLAGS.draft_token_cost) if FLAGS.adaptive_draft else {}
+    if FLAGS.draft_acceptance != "rejection":
+        extra["draft_acceptance"] = FLAGS.draft_acceptance
     if FLAGS.ngram_corpus:
         from paged.speculation.ngram_corpus import NgramCorpus, NgramCorpusError
 
@@ -421,11 +430,7 @@ def speculation_kwargs(model) -> dict:
     src = FLAGS.draft_model
     try:
         if src.startswith("self:"):
-            try:
-                n = int(src[5:])
-            except ValueError:
-                raise app.UsageError(f"--draft_model {src}: 'self:N' takes a layer count, e.g. self:4") from None
-            draft = truncated_model(model, n)
+            draft = truncated_model(model, int(src[5:]))  # (its range against the model's layers: ModelError)
         else:
             draft = load_model(src, dtype=FLAGS.dtype)  # its tokenizer, if it has one, must be the model's
     except ModelError as e:

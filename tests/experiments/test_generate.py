@@ -469,6 +469,19 @@ def test_warmup_shows_its_progress_bar_only_with_progress(model_dir, monkeypatch
     assert asked == [False, True]
 
 
+@pytest.mark.parametrize("bad, message", [
+    (("--draft_model=self:abc",), r"'self:N' takes a layer count >= 1"),
+    (("--draft_model=self:0",), r"'self:N' takes a layer count >= 1"),
+    (("--ngram_corpus=table.npz",), "add --ngram_draft"),
+    (("--ngram_draft", "--draft_model=self:1"), "choose one drafter"),
+    (("--adaptive_draft",), "need --ngram_draft or --draft_model"),
+])
+def test_drafter_flags_are_checked_before_the_model_loads(model_dir, monkeypatch, bad, message):
+    monkeypatch.setattr(generate, "load_model_from_flags", lambda: pytest.fail("the model was loaded"))
+    with pytest.raises(app.UsageError, match=message):
+        run_main(*engine_args(model_dir, "--prompt=x", *bad))
+
+
 def test_prompt_and_prompts_file_conflict(model_dir, tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     with pytest.raises(app.UsageError, match="either --prompt or --prompts_file"):

@@ -399,6 +399,9 @@ def check_speculation_flags() -> None:
                              "--draft_model")
     if FLAGS.draft_token_cost is not None and not FLAGS.adaptive_draft:
         raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
+    if FLAGS.mirostat and (FLAGS.ngram_draft or FLAGS.draft_model):  # every job of a run is a mirostat job
+        raise app.UsageError("--mirostat with a drafter: mirostat's target changes after every token, so its jobs "
+                             "never speculate; drop --draft_model / --ngram_draft (or --mirostat)")
     if FLAGS.ngram_corpus and not FLAGS.ngram_draft:
         raise app.UsageError("--ngram_corpus is the n-gram drafter's table: add --ngram_draft")
     src = FLAGS.draft_model or ""
@@ -902,13 +905,15 @@ def format_summary(s: dict, compiled: bool = True) -> str:
     """The bulk run's summary table; `compiled=False` (no --warmup) says that its times include compilation."""
     jobs = f"{s['jobs']}" if s["jobs"] == s["jobs_total"] else f"{s['jobs']} of {s['jobs_total']} (interrupted)"
     caveat = "" if compiled else " (includes compilation; --warmup compiles first)"
+    # the generator's counts cover every job it admitted; the records only the finished ones
+    admitted = "" if s["jobs"] == s["jobs_total"] else " (every admitted job, finished or not)"
     rows = [
         ("jobs", jobs),
         ("prompt tokens", f"{s['prompt_tokens']}"),
         ("generated tokens", f"{s['generated_tokens']}"),
         ("cached prompt tokens", f"{s['cached_tokens']} ({100 * s['cached_fraction']:.1f}% of prompt tokens)"),
         ("prefix pages hit", f"{s['prefix_hits']} / {s['prefix_queries']} "
-                             f"({100 * s['prefix_hit_rate']:.1f}%)"),
+                             f"({100 * s['prefix_hit_rate']:.1f}%){admitted}"),
         ("TTFT mean / median / p90",
          f"{s['ttft_mean_s']:.3f} / {s['ttft_median_s']:.3f} / {s['ttft_p90_s']:.3f} s{caveat}"),
         ("decode tok/s per job (mean)", f"{s['decode_tok_s_mean']:.1f}{caveat}"),
@@ -917,7 +922,8 @@ def format_summary(s: dict, compiled: bool = True) -> str:
         ("wall time", f"{s['wall_s']:.2f} s"),
     ]
     if s.get("drafted_tokens"):
-        rows[-1:-1] = [("draft acceptance rate", f"{100 * s['acceptance_rate']:.1f}% of {s['drafted_tokens']} drafts"),
+        rows[-1:-1] = [("draft acceptance rate",
+                        f"{100 * s['acceptance_rate']:.1f}% of {s['drafted_tokens']} drafts{admitted}"),
                        ("mean accepted length", f"{s['mean_accepted_length']:.2f} tokens per verification")]
     width = max(len(k) for k, _ in rows)
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))

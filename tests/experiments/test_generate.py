@@ -475,6 +475,8 @@ def test_warmup_shows_its_progress_bar_only_with_progress(model_dir, monkeypatch
     (("--ngram_corpus=table.npz",), "add --ngram_draft"),
     (("--ngram_draft", "--draft_model=self:1"), "choose one drafter"),
     (("--adaptive_draft",), "need --ngram_draft or --draft_model"),
+    (("--mirostat", "--ngram_draft"), "mirostat with a drafter: .* never speculate"),
+    (("--mirostat", "--draft_model=self:1"), "mirostat with a drafter"),
 ])
 def test_drafter_flags_are_checked_before_the_model_loads(model_dir, monkeypatch, bad, message):
     monkeypatch.setattr(generate, "load_model_from_flags", lambda: pytest.fail("the model was loaded"))
@@ -508,6 +510,13 @@ def test_summarise_figures():
     assert "4.000 / 2.500 / 7.900 s (includes compilation; --warmup compiles first)" in cold
     assert cold.count("(includes compilation") == 4 and "2 GB/s (includes compilation" in cold  # the weights row too
     assert "2 GB/s\n" in table
+    assert "finished or not" not in table
+    # interrupted: the records are the finished jobs, the generator's prefix and draft counts every admitted job's
+    counts = {"prefix_hits": 6, "prefix_queries": 12, "prefix_hit_rate": 0.5, "drafted_tokens": 9,
+              "acceptance_rate": 0.5}
+    cut = generate.format_summary(generate.summarise(recs[:3], counts, wall_s=4.0, total=4))
+    assert "3 of 4 (interrupted)" in cut and "6 / 12 (50.0%) (every admitted job, finished or not)" in cut
+    assert "of 9 drafts (every admitted job, finished or not)" in cut
 
 
 def test_full_sampler_flags_reach_the_settings(model_dir, tmp_path, chunks):

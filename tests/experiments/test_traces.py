@@ -229,16 +229,11 @@ def test_bad_headers_and_empty_files(tmp_path):
         read_trace(tmp_path / "missing.csv")
 
 
-def test_reading_100k_rows_is_fast(tmp_path):
-    import time
-
+def test_100k_rows_round_trip(tmp_path):
     rows = make_trace.make_rows(100_000, 50.0, input_len=500, output_len=100, range_ratio=0.9, seed=0)
     p = str(tmp_path / "big.csv")
     traces.write_trace(p, rows)
-    t0 = time.perf_counter()
-    t = read_trace(p)
-    assert time.perf_counter() - t0 < 3.0  # ~0.4 s on the 2-core CPU; generous for a loaded machine
-    assert t.rows == rows
+    assert read_trace(p).rows == rows  # (~0.4 s on the 2-core CPU; its speed is no test's business)
 
 
 # ------------------------------------------------------------------------------------------------ trace_workload

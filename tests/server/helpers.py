@@ -30,10 +30,13 @@ class LiveServer:
         from paged.server import create_app, make_server
 
         self.app = create_app(generator, **app_kwargs)
-        self.port = free_port()
+        sock = socket.socket()  # bound here and handed to uvicorn: no other process can take the port in between
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.app, port=self.port, log_level="warning")
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="uvicorn")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name="uvicorn")
         self.thread.start()
         wait_for(lambda: self.server.started, "the server to start")
 

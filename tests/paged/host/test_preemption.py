@@ -10,6 +10,7 @@ import random
 import pytest
 
 from paged import DynamicGenerator, Job
+from paged.clock import VirtualClock
 from paged.policies import make_policy
 from paged.testing import ByteTokenizer, ContextFakeEngine, drain
 
@@ -62,7 +63,11 @@ def test_random_preemption_keeps_pages_exact_and_outputs_identical(policy):
         rng = random.Random(seed)
         engine = ContextFakeEngine(num_pages=rng.randint(13, 17), page_size=4, max_batch_size=rng.randint(2, 4),
                                    max_chunk_size=8, max_seq_len=48, max_prefill_rows=rng.randint(1, 2))
-        gen = DynamicGenerator(tokenizer=TOK, engine=engine, policy=policy, decode_steps=rng.choice([1, 3]))
+        # a clock that moves 20 ms per iterate(): lpm's aging and EDF's deadlines take part, and a failure replays
+        # from its seed whatever the machine's load
+        clock = VirtualClock()
+        gen = DynamicGenerator(tokenizer=TOK, engine=engine, policy=policy, decode_steps=rng.choice([1, 3]),
+                               clock=clock)
         specs, cancelled, jobs = {}, set(), []
         texts, tokens, finals = collections.defaultdict(str), collections.defaultdict(list), {}
 
@@ -80,9 +85,11 @@ def test_random_preemption_keeps_pages_exact_and_outputs_identical(policy):
                     gen.cancel(victim)
                     cancelled.add(victim.identifier)
             collect(gen.iterate(), texts, tokens, finals)
+            clock.advance(0.02)
             check_pool(gen)
         while gen.num_remaining_jobs():
             collect(gen.iterate(), texts, tokens, finals)
+            clock.advance(0.02)
             check_pool(gen)
         gen.pool.check({})
         total_preemptions += gen.metrics()["preemptions"]

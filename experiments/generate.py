@@ -402,6 +402,10 @@ def check_speculation_flags() -> None:
     if FLAGS.mirostat and (FLAGS.ngram_draft or FLAGS.draft_model):  # every job of a run is a mirostat job
         raise app.UsageError("--mirostat with a drafter: mirostat's target changes after every token, so its jobs "
                              "never speculate; drop --draft_model / --ngram_draft (or --mirostat)")
+    if FLAGS.negative_prompt is not None and (FLAGS.ngram_draft or FLAGS.draft_model):  # every job uses CFG
+        raise app.UsageError("--negative_prompt with a drafter: a CFG job samples each token from both prompts' "
+                             "mixture, one token per step, so it never speculates; drop --draft_model / "
+                             "--ngram_draft (or --negative_prompt)")
     if FLAGS.ngram_corpus and not FLAGS.ngram_draft:
         raise app.UsageError("--ngram_corpus is the n-gram drafter's table: add --ngram_draft")
     src = FLAGS.draft_model or ""
@@ -441,14 +445,25 @@ def speculation_kwargs(model) -> dict:
     return dict(draft_model=draft, num_draft_tokens=FLAGS.num_draft_tokens, **extra)
 
 
-def speculation_line(metrics: dict) -> str | None:
-    """"[speculative: ...]" with the acceptance rate and mean accepted length, or None without drafts."""
+SPEC_COUNTS = ("drafted_tokens", "accepted_draft_tokens", "verification_rows", "gated_steps")
+
+
+def speculation_line(metrics: dict, since: dict | None = None) -> str | None:
+    """"[speculative: ...]" with the acceptance rate and mean accepted length (and, adaptive, the steps that did not
+    verify), or None where nothing was drafted or gated. `since`: earlier metrics of the same generator, whose counts
+    are left out (a chat conversation after /reset)."""
+    if since is not None:
+        m = {k: metrics.get(k, 0) - since.get(k, 0) for k in SPEC_COUNTS}
+        m["acceptance_rate"] = m["accepted_draft_tokens"] / m["drafted_tokens"] if m["drafted_tokens"] else 0.0
+        rows = m["verification_rows"]
+        m["mean_accepted_length"] = 1 + m["accepted_draft_tokens"] / rows if rows else 0.0
+        metrics = m
+    gated = metrics.get("gated_steps", 0)
     if not metrics.get("drafted_tokens"):
-        return None
+        return f"[speculative: nothing drafted, {gated} steps not verified (adaptive)]" if gated else None
     return (f"[speculative: {metrics['accepted_draft_tokens']} / {metrics['drafted_tokens']} drafts accepted "
             f"({100 * metrics['acceptance_rate']:.1f}%), mean accepted length {metrics['mean_accepted_length']:.2f} "
-            f"tokens per verification" + (f", {metrics['gated_steps']} steps not verified (adaptive)"
-                                         if metrics.get("gated_steps") else "") + "]")
+            f"tokens per verification" + (f", {gated} steps not verified (adaptive)" if gated else "") + "]")
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
@@ -746,6 +761,7 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
     read = read or input
     templated = use_template(tok)
     history: list[dict] = []
+    since = None  # the generator's metrics at the last /reset
     records: list[dict] = []
     note = "" if templated else " (no chat template: each line is a raw completion, no history)"
     print(f"[chat with {FLAGS.model}{note}; /reset clears the conversation, /quit or Ctrl-D exits]", file=sys.stderr)
@@ -765,6 +781,7 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
             break
         if command == "/reset":
             history.clear()
+            since = gen.metrics()  # the acceptance line is the conversation's
             print("[conversation cleared]", file=sys.stderr)
             continue
         user = {"role": "user", "content": command}
@@ -802,7 +819,7 @@ def run_chat(gen, tok, *, sink: IO[str] | None = None, read: Callable[[str], str
         write_jsonl(sink, record)
         # (a turn may compile after the first: a longer conversation's bucket, a drafter's verification)
         print(timing_line(record, compiled=sum(count_compiles().values()) == programs), file=sys.stderr)
-        line = speculation_line(gen.metrics())  # (the conversation's so far)
+        line = speculation_line(gen.metrics(), since)  # (the conversation's so far)
         if line:
             print(line, file=sys.stderr)
         if templated:
@@ -895,7 +912,7 @@ def summarise(records: Sequence[dict], metrics: dict, wall_s: float, total: int 
         "output_tok_s": generated / wall_s if wall_s > 0 else nan,
         "wall_s": wall_s,
         "weights_gb_s": (weight_bytes * metrics.get("steps", 0) / wall_s / 1e9) if weight_bytes and wall_s > 0 else nan,
-        "drafted_tokens": metrics.get("drafted_tokens", 0),
+        "drafted_tokens": metrics.get("drafted_tokens", 0), "gated_steps": metrics.get("gated_steps", 0),
         "acceptance_rate": metrics.get("acceptance_rate", 0.0),
         "mean_accepted_length": metrics.get("mean_accepted_length", 0.0),
     }
@@ -925,6 +942,8 @@ def format_summary(s: dict, compiled: bool = True) -> str:
         rows[-1:-1] = [("draft acceptance rate",
                         f"{100 * s['acceptance_rate']:.1f}% of {s['drafted_tokens']} drafts{admitted}"),
                        ("mean accepted length", f"{s['mean_accepted_length']:.2f} tokens per verification")]
+    if s.get("gated_steps"):
+        rows[-1:-1] = [("steps not verified (adaptive)", f"{s['gated_steps']}{admitted}")]
     width = max(len(k) for k, _ in rows)
     rule = "-" * (width + 2 + max(len(v) for _, v in rows))
     return "\n".join([rule] + [f"{k:<{width}}  {v}" for k, v in rows] + [rule])

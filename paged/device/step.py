@@ -437,9 +437,10 @@ def decode_burst_jit(
 
 def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.ndarray, forced: jnp.ndarray | None,
            statics: StepStatics, shape: BatchShape, num_steps: int, return_logits: bool,
-           keep_final: bool) -> tuple[EngineState, Results]:
+           keep_final: bool, mask_first: bool = False) -> tuple[EngineState, Results]:
     """The scan of `decode_burst_jit`: each step's sampled token is fed to the next step, or, where `forced`
-    (i32 [num_steps, S], -1: no) is given and >= 0, `forced[t]` is fed after step t instead."""
+    (i32 [num_steps, S], -1: no) is given and >= 0, `forced[t]` is fed after step t instead. `mask_first`: the
+    batch's token mask applies to the first step only (`_unmasked`)."""
     if shape.layout.num_prefill_rows or batch.sample_positions.shape[0] != shape.num_rows:
         raise ValueError("decode_steps needs a decode-only batch shape (num_prefill_rows == 0) sampling every row")
     active = batch.query_lens > 0  # [S]
@@ -451,7 +452,8 @@ def _burst(params: Weights, state: EngineState, batch: Batch, want_top_k: jnp.nd
         res = _sample_rows(head, statics, h, sample_inputs(b), want_top_k, keep_logits=return_logits,
                            keep_final=keep_final)
         tok = res.token if forced_t is None else jnp.where(forced_t >= 0, forced_t, res.token)
-        return (state, _advance(b, tok, active)), res
+        b = _advance(b, tok, active)
+        return (state, _unmasked(b) if mask_first else b), res
 
     (state, _), res = jax.lax.scan(body, (state, batch), forced, length=num_steps)
     return state, res
@@ -466,6 +468,13 @@ def _advance(b: Batch, tok: jnp.ndarray, active: jnp.ndarray) -> Batch:
         history = jnp.concatenate([history[:, 1:], jnp.where(active, tok, -1)[:, None]], axis=1)
     return b.replace(token_ids=tok, positions=b.positions + active, kv_lens=b.kv_lens + active,
                      sample_positions=b.sample_positions + active, history=history)
+
+
+def _unmasked(b: Batch) -> Batch:
+    """`b` with its token mask off: a draft burst's rows carry the mask of their first position (a filter's, the
+    only one the host knows before the drafts exist); later drafts are proposed unmasked, their own positions'
+    masks applied by the verification."""
+    return b if b.token_mask_on is None else b.replace(token_mask_on=jnp.zeros((), jnp.bool_))
 
 
 def catch_up_shape(shape: BatchShape) -> BatchShape:
@@ -555,7 +564,7 @@ def draft_burst_jit(
         raise ValueError("a draft burst needs a decode-only batch shape sampling every row")
     if window is None:
         state, res = _burst(params, state, batch, jnp.asarray(False), None, statics, shape, num_drafts,
-                            return_logits=False, keep_final=True)
+                            return_logits=False, keep_final=True, mask_first=True)
         tokens, final = res.token.T, jnp.swapaxes(res.final, 0, 1)  # [S, k], [S, k, V]
     else:
         batch, catch_up = _moved_on(batch, *window, shape.num_rows, num_drafts)
@@ -565,8 +574,9 @@ def draft_burst_jit(
                              keep_logits=False, keep_final=True)
         tokens, final = first.token[:, None], first.final[:, None]
         if num_drafts > 1:
-            state, res = _burst(params, state, _advance(batch, first.token, batch.query_lens > 0), jnp.asarray(False),
-                                None, statics, shape, num_drafts - 1, return_logits=False, keep_final=True)
+            state, res = _burst(params, state, _unmasked(_advance(batch, first.token, batch.query_lens > 0)),
+                                jnp.asarray(False), None, statics, shape, num_drafts - 1, return_logits=False,
+                                keep_final=True)
             tokens = jnp.concatenate([tokens, res.token.T], axis=1)
             final = jnp.concatenate([final, jnp.swapaxes(res.final, 0, 1)], axis=1)
     if pad_rows > tokens.shape[0]:

@@ -215,7 +215,7 @@ class DraftModel:
             if self.greedy:
                 sampling["temperature"] = 0.0
             drows.append(RowInput(tokens=list(row.tokens), start_pos=row.start_pos, pages=row.pages,
-                                  sampling=sampling, history=row.history, bias=row.bias,
+                                  sampling=sampling, history=row.history, bias=row.bias, mask=row.mask,
                                   dry_breakers=row.dry_breakers, xtc_exempt=row.xtc_exempt))
             # the token before the row's is missing too: fed first, in the same forward
             catch_up.append(int(s.sequence[row.start_pos - 1]) if offsets[i] else -1)

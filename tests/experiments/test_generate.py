@@ -312,14 +312,18 @@ def test_chat_notes_compilation_per_turn_and_shows_the_drafts_acceptance(model_d
 
 
 def test_chat_reset_clears_the_history(model_dir, tmp_path, monkeypatch, capsys, chunks):
-    scripted_input(monkeypatch, ["Hi!", "/reset", "Hi!", "/quit", "never read"])
+    said = "copy: the cat the cat the cat"  # (prompt lookup drafts from the repeats)
+    scripted_input(monkeypatch, [said, "/reset", said, "/quit", "never read"])
     out = tmp_path / "reset.jsonl"
-    run_main(*engine_args(model_dir, f"--output={out}"))
+    run_main(*engine_args(model_dir, f"--output={out}", "--ngram_draft", "--max_new_tokens=8"))
     first, second = read_jsonl(out)
     assert second["prompt"] == first["prompt"]  # a fresh conversation
     assert second["completion"] == first["completion"]  # greedy
     assert second["cached_tokens"] > 0  # the identical prompt is still in the prefix cache
-    assert "[conversation cleared]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "[conversation cleared]" in err
+    spec = [line for line in err.splitlines() if line.startswith("[speculative: ")]
+    assert len(spec) == 2 and spec[0] == spec[1], spec  # the same conversation again: its own counts
 
 
 def test_chat_ctrl_c_at_the_prompt_exits_cleanly(model_dir, monkeypatch, capsys):
@@ -477,6 +481,8 @@ def test_warmup_shows_its_progress_bar_only_with_progress(model_dir, monkeypatch
     (("--adaptive_draft",), "need --ngram_draft or --draft_model"),
     (("--mirostat", "--ngram_draft"), "mirostat with a drafter: .* never speculate"),
     (("--mirostat", "--draft_model=self:1"), "mirostat with a drafter"),
+    (("--negative_prompt=no", "--cfg_scale=1.5", "--ngram_draft"), "negative_prompt with a drafter: .* never "
+                                                                    "speculates"),
 ])
 def test_drafter_flags_are_checked_before_the_model_loads(model_dir, monkeypatch, bad, message):
     monkeypatch.setattr(generate, "load_model_from_flags", lambda: pytest.fail("the model was loaded"))
@@ -653,6 +659,30 @@ def test_several_processes_run_the_same_jobs_and_process_0_alone_writes(model_di
     assert "[wrote" in outs[0][2] and "tok/s" in outs[0][2]
     assert outs[1][1] == "" and "[wrote" not in outs[1][2] and "tok/s" not in outs[1][2]  # process 1 is silent
     assert "[Gloo]" not in outs[0][1]  # the collectives' notices do not mix with what process 0 prints
+
+
+def test_speculation_line_and_summary_show_gated_steps_and_count_since_a_reset():
+    """The adaptive gate's skipped steps are shown even where it skipped every step (nothing drafted), in the line
+    and the bulk summary; `since` (a chat /reset) leaves the earlier conversation's counts out."""
+    line = generate.speculation_line
+    assert line(dict(drafted_tokens=0, accepted_draft_tokens=0, gated_steps=0)) is None  # no drafter at work
+    assert line(dict(drafted_tokens=0, accepted_draft_tokens=0, gated_steps=7)) == (
+        "[speculative: nothing drafted, 7 steps not verified (adaptive)]")
+    before = dict(drafted_tokens=11, accepted_draft_tokens=5, verification_rows=4, gated_steps=0)
+    after = dict(drafted_tokens=15, accepted_draft_tokens=8, verification_rows=6, gated_steps=2,
+                 acceptance_rate=8 / 15, mean_accepted_length=2.33)
+    assert line(after, before) == ("[speculative: 3 / 4 drafts accepted (75.0%), mean accepted length 2.50 tokens "
+                                   "per verification, 2 steps not verified (adaptive)]")
+    assert line(after).startswith("[speculative: 8 / 15 drafts accepted (53.3%)")
+    recs = [dict(ttft_s=1.0, decode_tok_s=10.0, prompt_tokens=4, new_tokens=5, cached_tokens=0)]
+    gated_only = generate.format_summary(generate.summarise(recs, {"gated_steps": 9}, wall_s=1.0))
+    assert re.search(r"steps not verified \(adaptive\) +9\n", gated_only) and "draft acceptance" not in gated_only
+    both = generate.format_summary(generate.summarise(recs, {"drafted_tokens": 4, "accepted_draft_tokens": 2,
+                                                             "acceptance_rate": 0.5, "mean_accepted_length": 1.5,
+                                                             "gated_steps": 3}, wall_s=1.0))
+    assert "50.0% of 4 drafts" in both and re.search(r"steps not verified \(adaptive\) +3\n", both)
+    plain = generate.format_summary(generate.summarise(recs, {}, wall_s=1.0))
+    assert "adaptive" not in plain and "draft" not in plain
 
 
 def _two_processes(model_dir, *extra: str) -> list[tuple[int, str, str]]:

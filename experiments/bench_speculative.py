@@ -7,7 +7,7 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 Drafter names: `none`, `ngram`, `corpus` (prompt lookup with the corpus table of `--ngram_corpus`,
 `DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
 (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
-`paged/speculation/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
+`paged/speculation/draft_gate.py`; not `none`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
 where both): its proposal bursts wait for each verification's results on the host instead of going ahead
 (`paged.speculation.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration
 warms up (compiles) first; then, per workload and batch size b, the same
@@ -39,7 +39,7 @@ from absl import app, flags
 
 from experiments.lib import engine_flags
 from experiments.lib.common import chat_prompt, check_out_flag, workload, write_record
-from paged.speculation.rows import ACCEPTANCE_RULES
+from paged.speculation.rows import ACCEPTANCE_RULES, MAX_DRAFT_TOKENS
 
 flags.DEFINE_string("model", "smollm2-135m", "target model")
 flags.DEFINE_string("draft_dir", None, "distilled draft (experiments.distill_draft --out); skipped when unset")
@@ -91,10 +91,11 @@ def check_flags() -> list[int]:
 
     check_chat_model_flags("this benchmark runs chat prompts")
     unknown = [d for d in FLAGS.drafters if drafter_name(d)[0] not in BASES
-               or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")]
+               or drafter_name(d)[2] and drafter_name(d)[0] not in ("self", "distilled")
+               or drafter_name(d)[1] and drafter_name(d)[0] == "none"]
     if unknown or not FLAGS.drafters:
-        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, corpus, self, distilled (each may "
-                             "end in _adaptive; self and distilled then in _late)")
+        raise app.UsageError(f"--drafters: unknown {unknown}; use none, ngram, corpus, self, distilled (each but "
+                             "none may end in _adaptive; self and distilled then in _late)")
     try:
         batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     except ValueError:
@@ -110,6 +111,8 @@ def check_flags() -> list[int]:
                      ("num_prompts", 0)):
         if getattr(FLAGS, name) < lo:
             raise app.UsageError(f"--{name} must be >= {lo}, got {getattr(FLAGS, name)}")
+    if FLAGS.num_draft_tokens > MAX_DRAFT_TOKENS:
+        raise app.UsageError(f"--num_draft_tokens must be <= {MAX_DRAFT_TOKENS}, got {FLAGS.num_draft_tokens}")
     cost = FLAGS.draft_token_cost
     if cost is not None and not (math.isfinite(cost) and cost >= 0):
         raise app.UsageError(f"--draft_token_cost must be a finite number >= 0, got {cost}")
@@ -168,8 +171,15 @@ def main(argv):
         drafts["distilled"] = distilled
     settings = (SamplingSettings.greedy() if FLAGS.temperature <= 0
                 else SamplingSettings(temperature=FLAGS.temperature))
-    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "draft_dir", "ngram_corpus", "draft_quant",
-                                                        "self_draft_layers",
+    max_seq_len = min(1024, target.config.max_position_embeddings)
+    longest = max(len(tok.encode(chat_prompt(tok, p), encode_special_tokens=True))
+                  for wl in FLAGS.workloads for p in workload(wl, FLAGS.num_prompts or max(batch_sizes), FLAGS.seed))
+    if longest + FLAGS.max_new_tokens > max_seq_len:  # (before any configuration compiles)
+        raise app.UsageError(f"--max_new_tokens={FLAGS.max_new_tokens}: the longest prompt ({longest} tokens) and "
+                             f"the new tokens exceed the generator's max_seq_len of {max_seq_len}; give at most "
+                             f"{max(max_seq_len - longest, 0)}")
+    record = {"flags": {k: getattr(FLAGS, k) for k in ("model", "quant", "warmup", "draft_dir", "ngram_corpus",
+                                                        "draft_quant", "self_draft_layers",
                                                         "drafters",
                                                         "batch_sizes", "workloads", "num_draft_tokens", "max_ngram",
                                                         "max_new_tokens", "temperature", "seed", "num_prompts",
@@ -196,11 +206,14 @@ def main(argv):
         if kw:
             kw.update(draft_acceptance=FLAGS.draft_acceptance)
         # one config: a tuning is checked against its own kernel, so the kernels and tunings go in together
-        config = EngineConfig(fuse_sampler=FLAGS.fuse_sampler, attn_impl=FLAGS.attn_impl,
-                              matmul_impl=FLAGS.matmul_impl, attn_tuning=FLAGS.attn_tuning,
-                              matmul_tuning=FLAGS.matmul_tuning)
-        gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), config=config,
-                               max_seq_len=min(1024, target.config.max_position_embeddings), **kw)
+        try:
+            config = EngineConfig(fuse_sampler=FLAGS.fuse_sampler, attn_impl=FLAGS.attn_impl,
+                                  matmul_impl=FLAGS.matmul_impl, attn_tuning=FLAGS.attn_tuning,
+                                  matmul_tuning=FLAGS.matmul_tuning)
+            gen = DynamicGenerator(target, max_batch_size=max(batch_sizes), config=config, max_seq_len=max_seq_len,
+                                   **kw)
+        except InvalidConfigError as e:  # (a tuning the kernel does not take, say)
+            raise app.UsageError(f"--drafters {drafter}: {e}") from None
         if late:
             gen.speculation.speculator.draft.pipeline = False
         t0 = time.perf_counter()
@@ -208,6 +221,8 @@ def main(argv):
             gen.warmup()
         gens[drafter] = (gen, time.perf_counter() - t0)
     order = list(gens)
+    if not FLAGS.warmup:
+        print("--nowarmup: each configuration's first runs include compiling its programs (tok/s and ratios too)")
     for rnd in range(FLAGS.rounds):
         for wl in FLAGS.workloads:
             for bs in batch_sizes:
@@ -278,7 +293,9 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
                                              - before["corpus_accepted_draft_tokens"]),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
             "fuse_sampler": gen.config.fuse_sampler, "engine": gen.config.to_dict(), "output_hashes": outputs,
-            "metrics": {k: v for k, v in after.items() if not isinstance(v, (list, dict))}}
+            # this run's counts (the generator's totals less those before it; its rates are the fields above)
+            "metrics": {k: v - before[k] for k, v in after.items()
+                        if isinstance(v, int) and not isinstance(v, bool) and isinstance(before.get(k), int)}}
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -52,6 +52,8 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert p.returncode == 0, p.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["flags"]["num_prompts"] == 3 and rec["flags"]["draft_token_cost"] == 0.2
+    assert rec["flags"]["quant"] == "int8" and rec["flags"]["warmup"] is False
+    assert "--nowarmup: each configuration's first runs include compiling" in p.stdout
     runs = {(r["drafter"], r["batch_size"]): r for r in rec["runs"]}
     assert set(runs) == {(d, b) for d in ("none", "ngram", "ngram_adaptive", "corpus") for b in (1, 2)}
     assert runs[("corpus", 1)]["corpus_accepted_draft_tokens"] > 0 and runs[("ngram", 1)]["corpus_drafted_tokens"] == 0
@@ -69,6 +71,10 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
         "none": 3, "ngram": 3, "ngram_adaptive": 3, "corpus": 3}
     assert runs[("none", 2)]["steps"] < runs[("none", 1)]["steps"]  # two jobs at a time share steps
     assert runs[("ngram", 1)]["draft_acceptance"] == "rejection" and runs[("none", 1)]["draft_acceptance"] is None
+    for r in (runs[("corpus", 1)], runs[("corpus", 2)]):  # each run's own counts, not the generator's totals
+        assert r["metrics"]["drafted_tokens"] == r["accepted_draft_tokens"] + r["rejected_draft_tokens"], r
+        assert r["metrics"]["steps"] == r["steps"]
+    assert runs[("corpus", 1)]["metrics"]["drafted_tokens"] > 0
     assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.device.cpu_runtime)
     assert rec["flags"]["fuse_sampler"] is False and not any(r["fuse_sampler"] for r in rec["runs"])
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=ngram", "--batch_sizes=1", "--num_prompts=1",
@@ -82,9 +88,14 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     assert rec["runs"][0]["identical_to_none"] is None  # no plain run to compare with
     bad = run_bench(f"--model={model_dir}", "--drafters=none,bogus")
     assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr
+    bad = run_bench(f"--model={model_dir}", "--drafters=none", "--workloads=copy", "--max_new_tokens=5000")
+    assert bad.returncode != 0 and "exceed the generator's max_seq_len of 256" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
     # The kernel flags reach the generator's config together: a tuning is checked against the kernel named with it
-    bad = run_bench(f"--model={model_dir}", "--drafters=none", "--attn_impl=xla", "--attn_tuning=block_q=8")
+    bad = run_bench(f"--model={model_dir}", "--drafters=none", "--workloads=copy", "--max_new_tokens=2",
+                    "--attn_impl=xla", "--attn_tuning=block_q=8")
     assert bad.returncode != 0 and "attn_impl='xla'" in bad.stderr and "takes no tuning" in bad.stderr
+    assert "Traceback" not in bad.stderr  # a usage error
     p = run_bench(f"--model={model_dir}", "--quant=none", "--drafters=none", "--batch_sizes=1", "--num_prompts=1",
                   "--workloads=copy", "--max_new_tokens=2", "--nowarmup", "--attn_impl=pallas",
                   "--attn_tuning=block_q=8,k_splits=2", "--matmul_impl=xla", f"--json_out={out}")
@@ -142,6 +153,8 @@ def test_rounds_interleave_the_configurations_and_pair_each_ratio_with_its_round
     ("--workloads=copy,bogus", "--workloads: unknown ['bogus']; give some of copy, chat"),  # (had run as chat)
     ("--batch_sizes=1,abc", "--batch_sizes=1,abc: give integers >= 1"),
     ("--draft_dir=/nonexistent/draft", "--draft_dir /nonexistent/draft: no such folder"),
+    ("--drafters=none,none_adaptive", "unknown ['none_adaptive']"),  # (had run as plain decoding)
+    ("--num_draft_tokens=100", "--num_draft_tokens must be <= 64, got 100"),
 ])
 def test_a_bad_flag_is_a_usage_error_before_any_model_loads(tmp_path, bad, message):
     """absl's usage message naming the flag, not a traceback after the target loaded (the model does not exist: a

@@ -101,11 +101,33 @@ def wrap_parts(times: dict, calls: list | None = None) -> None:
         setattr(mod, name, timed)
 
 
+def check_flags() -> None:
+    """app.UsageError naming the flag for a value the run would not use or could not take, before the model loads."""
+    from paged.speculation.rows import MAX_DRAFT_TOKENS
+
+    if FLAGS.drafter == "none" and FLAGS.adaptive:
+        raise app.UsageError("--adaptive needs a drafter (--drafter ngram, self or distilled)")
+    if FLAGS.draft_dir and FLAGS.drafter != "distilled":
+        raise app.UsageError(f"--draft_dir is --drafter=distilled's checkpoint; this run's drafter is {FLAGS.drafter}")
+    if FLAGS.drafter == "distilled" and not FLAGS.draft_dir:
+        raise app.UsageError("--drafter=distilled needs --draft_dir")
+    if not 1 <= FLAGS.num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise app.UsageError(f"--num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {FLAGS.num_draft_tokens}")
+    for name in ("self_draft_layers", "max_new_tokens"):
+        if getattr(FLAGS, name) < 1:
+            raise app.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+    if FLAGS.prompt < 0:
+        raise app.UsageError(f"--prompt must be >= 0 (which prompt of the copy workload), got {FLAGS.prompt}")
+    if not FLAGS.temperature >= 0:
+        raise app.UsageError(f"--temperature must be >= 0 (0: greedy), got {FLAGS.temperature}")
+
+
 def main(argv):
     del argv
+    check_flags()
     import numpy as np
 
-    from experiments.lib.common import chat_prompt, workload
+    from experiments.lib.common import chat_prompt, model_flag, workload
     from experiments.lib.serving.env import device_info, git_info, load_average
     from models import load_model
     from models.draft import truncated_model
@@ -114,18 +136,23 @@ def main(argv):
     times: dict = collections.defaultdict(list)
     calls: list | None = [] if FLAGS.ops else None
     wrap_parts(times, calls)
-    target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
+    with model_flag("model", FLAGS.model):
+        target = load_model(FLAGS.model, quant=None if FLAGS.quant == "none" else FLAGS.quant)
     tok = target.tokenizer
+    if tok is None:
+        raise app.UsageError(f"--model {FLAGS.model} has no tokenizer: this profile runs a chat prompt")
     kw: dict = {}
     if FLAGS.drafter == "ngram":
         kw = dict(use_ngram_draft=True)
     elif FLAGS.drafter == "self":
+        if FLAGS.self_draft_layers > target.config.num_layers:
+            raise app.UsageError(f"--self_draft_layers={FLAGS.self_draft_layers}: the model has "
+                                 f"{target.config.num_layers} layers")
         kw = dict(draft_model=truncated_model(target, FLAGS.self_draft_layers))
     elif FLAGS.drafter == "distilled":
-        if not FLAGS.draft_dir:
-            raise app.UsageError("--drafter=distilled needs --draft_dir")
-        kw = dict(draft_model=load_model(FLAGS.draft_dir, load_tokenizer=False,
-                                         quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant))
+        with model_flag("draft_dir", FLAGS.draft_dir):
+            kw = dict(draft_model=load_model(FLAGS.draft_dir, load_tokenizer=False,
+                                             quant=None if FLAGS.draft_quant == "none" else FLAGS.draft_quant))
     if kw:
         kw.update(num_draft_tokens=FLAGS.num_draft_tokens, adaptive_draft=FLAGS.adaptive)
     gen = DynamicGenerator(target, max_batch_size=1, max_seq_len=min(1024, target.config.max_position_embeddings),
@@ -172,8 +199,8 @@ def main(argv):
             with jax.profiler.trace(trace_dir):
                 run_prompt()
             ops = op_breakdown(trace_dir, calls)
-    names = ("model", "quant", "drafter", "draft_dir", "draft_quant", "num_draft_tokens", "adaptive", "prompt",
-             "max_new_tokens", "temperature")
+    names = ("model", "quant", "drafter", "draft_dir", "draft_quant", "self_draft_layers", "num_draft_tokens",
+             "adaptive", "prompt", "max_new_tokens", "temperature")
     rec = {"flags": {k: getattr(FLAGS, k) for k in names},
            "git": git_info(), "device": device_info(), "load_before": load_before,
            "tokens": tokens, "output_tokens": out_tokens, "iterates": iterates, "wall_s": wall,

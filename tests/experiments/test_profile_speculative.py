@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.experiments.helpers import run_expecting_usage_error
 from tests.experiments.test_generate import model_dir  # noqa: F401 (the fixture)
 
 
@@ -30,6 +31,7 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
     recs = json.loads(out.read_text())
     assert len(recs) == runs
     r = recs[-1]
+    assert r["flags"]["self_draft_layers"] == 1  # (what defines the self-draft)
     assert r["flags"]["temperature"] == (1.5 if runs == 2 else 0.0)
     assert len(r["output_tokens"]) == r["tokens"]
     if runs == 2:  # the sampled job wrote other tokens than the greedy one
@@ -60,3 +62,26 @@ def test_script_end_to_end(model_dir, tmp_path, drafter):  # noqa: F811
         assert b["ops"] and all(o["ms_per_call"] > 0 for o in b["ops"])
         assert sum(o["ms_per_call"] for o in b["ops"]) < 20 * parts[key]["median_ms"] + 50
     assert "by operation" in p.stdout
+
+
+@pytest.mark.parametrize("bad, message", [
+    (("--drafter=none", "--adaptive"), "--adaptive needs a drafter"),  # (had run plain and recorded adaptive)
+    (("--drafter=ngram", "--draft_dir=/tmp/x"), "--draft_dir is --drafter=distilled's checkpoint"),
+    (("--drafter=distilled",), "--drafter=distilled needs --draft_dir"),
+    (("--drafter=ngram", "--num_draft_tokens=0"), "--num_draft_tokens must be in [1, 64], got 0"),
+    (("--drafter=self", "--self_draft_layers=0"), "--self_draft_layers must be >= 1"),
+    (("--temperature=-1",), "--temperature must be >= 0"),
+])
+def test_a_bad_flag_is_a_usage_error_before_the_model_loads(tmp_path, bad, message):
+    """absl's usage message naming the flag, not a traceback (the model does not exist: a check that let the bad
+    value through fails at the model with another message)."""
+    p = run_expecting_usage_error("experiments.profile_speculative", f"--model={tmp_path / 'no-model'}", *bad)
+    assert message in p.stderr, p.stderr[-2000:]
+
+
+def test_a_model_or_layer_count_it_cannot_use_is_a_usage_error(model_dir, tmp_path):  # noqa: F811
+    p = run_expecting_usage_error("experiments.profile_speculative", f"--model={tmp_path / 'no-model'}")
+    assert f"--model {tmp_path / 'no-model'}:" in p.stderr, p.stderr[-2000:]
+    p = run_expecting_usage_error("experiments.profile_speculative", f"--model={model_dir}", "--drafter=self",
+                                  "--self_draft_layers=5")
+    assert "--self_draft_layers=5: the model has 2 layers" in p.stderr, p.stderr[-2000:]

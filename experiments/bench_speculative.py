@@ -5,9 +5,9 @@ distilled draft (`experiments/distill_draft.py`), at several batch sizes, on two
 - `chat`: open questions (the draft model's territory).
 
 Drafter names: `none`, `ngram`, `corpus` (prompt lookup with the corpus table of `--ngram_corpus`,
-`DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each also with the suffix `_adaptive`
-(`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
-`paged/speculation/draft_gate.py`; not `none`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
+`DynamicGenerator(ngram_corpus=)`), `self`, `distilled` (with `--draft_dir`), each but `none` also with the suffix
+`_adaptive` (`DynamicGenerator(adaptive_draft=True)`: a step verifies only where its drafts are expected to pay, see
+`paged/speculation/draft_gate.py`); a draft model (`self`, `distilled`) also with the suffix `_late` (after `_adaptive`
 where both): its proposal bursts wait for each verification's results on the host instead of going ahead
 (`paged.speculation.draft.DraftModel.pipeline = False`; docs/speculative.md, "How a step works"). Each configuration
 warms up (compiles) first; then, per workload and batch size b, the same

@@ -367,6 +367,7 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
         raise CorruptFileError(f"LoRA adapter {file}: cannot read it ({e})") from None
     shapes = projection_shapes(config)
     found: dict[tuple[int, str, str], np.ndarray] = {}
+    named: dict[tuple[int, str, str], str] = {}  # which tensor gave each weight (two for one would be a guess)
     for name, t in tensors.items():
         m = _TENSOR.search(name)
         if m is None or m.group(2) not in PROJECTIONS:
@@ -374,6 +375,11 @@ def load_lora(path: str | os.PathLike, config: ModelConfig) -> LoraAdapter:
                                    "...layers.N.{self_attn|mlp}.{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight)",
                                    tensor=name)
         layer, proj, which = int(m.group(1)), PROJECTIONS[m.group(2)], m.group(3)
+        if (layer, proj, which) in named:  # (two spellings of one tensor, or two adapters' in one file)
+            raise WeightShapeError(f"LoRA adapter {file}: tensors {named[layer, proj, which]!r} and {name!r} are both "
+                                   f"lora_{which} of layer {layer} {proj}; keep one (one adapter per file)",
+                                   tensor=name)
+        named[layer, proj, which] = name
         if (layer, proj) not in adapted:
             raise WeightShapeError(f"LoRA adapter {file}: tensor {name!r} is for layer {layer} {proj}, which "
                                    f"{CONFIG_FILE} does not adapt (target_modules, layers_to_transform)", tensor=name)

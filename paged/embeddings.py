@@ -50,7 +50,10 @@ class MMEmbedding:
 
     def __init__(self, embeddings: Any, text_alias: str | None = None):
         try:
-            arr = np.array(embeddings, dtype=np.float32, copy=True)
+            given = np.asarray(embeddings)
+            if given.dtype.kind not in "fiu" and "float" not in given.dtype.name:  # (bfloat16 is kind 'V')
+                raise TypeError(f"its dtype is {given.dtype}")  # bool, complex (whose imaginary part would go),
+            arr = np.array(given, dtype=np.float32, copy=True)  # strings, objects
         except (TypeError, ValueError) as e:
             raise InvalidJobError(f"MMEmbedding: embeddings must be a float array [n, hidden]: {e}") from e
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:

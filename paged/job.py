@@ -208,7 +208,10 @@ class Job:
         self.expected_new_tokens = c.optional_int("expected_new_tokens", expected_new_tokens, 0)
         self.filters = _filters(c, filters)
         self.filter_prefer_eos = c.bool_("filter_prefer_eos", filter_prefer_eos)
-        self.embeddings = _embeddings(c, embeddings)
+        # the blocks whose reserved ids the prompts hold: one given for another prompt holds no table rows (as in
+        # generate(), whose prompts share one list)
+        used = set(self.input_ids) | set(self.negative_ids or ())
+        self.embeddings = [e for e in _embeddings(c, embeddings) if e.first_id in used]
         if lora is not None and not isinstance(lora, str):
             c.fail_type("lora", lora, "the name of an adapter loaded with generator.load_lora(name, path), or None")
         self.lora = lora

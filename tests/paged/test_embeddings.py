@@ -206,12 +206,25 @@ def test_invalid_embeddings():
         DynamicGenerator(tokenizer=TOK, engine=FakeEngine(num_pages=16)).enqueue(
             Job([1, *emb.token_ids], 3, embeddings=[emb]))
     for bad, match in (([1, 2, 3], r"shape \[n >= 1, hidden\]"), (np.full((2, 4), np.nan), "NaN"),
-                       (np.zeros((0, 4)), "shape")):
+                       (np.zeros((0, 4)), "shape"), (np.ones((2, 4), complex), "dtype is complex128"),
+                       (np.ones((2, 4), bool), "dtype is bool"), ([["a", "b"]], "dtype is <U1")):
         with pytest.raises(InvalidJobError, match=match):
             MMEmbedding(bad)
     with pytest.raises(InvalidJobError, match="MMEmbedding"):
         Job([1], 3, embeddings=["image"])
     assert not g.pending
+    import ml_dtypes
+
+    assert MMEmbedding(np.ones((2, 4), ml_dtypes.bfloat16)).embeddings.dtype == np.float32  # bf16 is a float
+    # a block the prompt does not use holds no table rows (it had taken 30 of 32, refusing the next job's 5)
+    small = DynamicGenerator(MODEL, **{**GEN, "max_embedding_tokens": 32})
+    unused = MMEmbedding(RNG.normal(size=(30, CFG.hidden_size)))
+    used = MMEmbedding(RNG.normal(size=(5, CFG.hidden_size)))
+    plain = Job(TEXT[:5], 2, gen_settings=GREEDY, embeddings=[unused])
+    assert plain.embeddings == []
+    small.enqueue([plain, Job([1, *used.token_ids], 2, gen_settings=GREEDY, embeddings=[unused, used])])
+    drain(small)
+    small.pool.check({})
 
 
 def test_enqueue_is_all_or_nothing_whatever_raises():

@@ -306,6 +306,12 @@ def test_bad_adapters_and_arguments_raise_named_errors(adapters, tmp_path):
     with pytest.raises(WeightShapeError, match="unexpected tensor"):
         load_lora(variant("extra", tensors=lambda t: t.update({"lm_head.weight": np.zeros((2, 2), np.float32)})),
                   CFG)
+    # one weight given twice (another spelling, or a second adapter's name in one file): the last read had won
+    for label, twin in (("dup", "model.layers.1.self_attn.q_proj.lora_A.weight"),
+                        ("named", "base_model.model.model.layers.1.self_attn.q_proj.lora_A.other.weight")):
+        with pytest.raises(WeightShapeError, match=r"are both lora_A of layer 1 q; keep one"):
+            load_lora(variant(label, tensors=lambda t, twin=twin: t.update({twin: np.zeros((4, 32), np.float32)})),
+                      CFG)
     bad_json = variant("json")
     (bad_json / "adapter_config.json").write_text("{not json")
     with pytest.raises(CorruptFileError, match="not valid JSON"):

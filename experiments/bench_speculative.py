@@ -257,6 +257,9 @@ def drafter_name(name: str) -> tuple[str, bool, bool]:
     return name.removesuffix("_adaptive"), name.endswith("_adaptive"), late
 
 
+GAUGES = ("pages_total", "pages_used", "pages_cached", "pages_free", "jobs_pending", "jobs_active")  # not counts
+
+
 def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, tok) -> dict:
     """One run: the workload's `num_prompts` seeded prompts through `gen`, at most `bs` jobs at once."""
     from paged import Job
@@ -293,9 +296,11 @@ def run_config(gen, drafter: str, wl: str, bs: int, num_prompts: int, settings, 
                                              - before["corpus_accepted_draft_tokens"]),
             "draft_acceptance": gen.speculation.speculator.acceptance if gen.speculation else None,
             "fuse_sampler": gen.config.fuse_sampler, "engine": gen.config.to_dict(), "output_hashes": outputs,
-            # this run's counts (the generator's totals less those before it; its rates are the fields above)
-            "metrics": {k: v - before[k] for k, v in after.items()
-                        if isinstance(v, int) and not isinstance(v, bool) and isinstance(before.get(k), int)}}
+            # this run's counts and host-loop seconds (the generator's totals less those before it; the rates are
+            # the fields above), and the gauges (pages, jobs) as the run left them
+            "metrics": {k: (v - before[k] if k not in GAUGES else v) for k, v in after.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_rate")
+                        and k != "mean_accepted_length"}}
 
 
 def summarize(runs: list[dict]) -> list[dict]:

@@ -399,9 +399,6 @@ def check_speculation_flags() -> None:
                              "--draft_model")
     if FLAGS.draft_token_cost is not None and not FLAGS.adaptive_draft:
         raise app.UsageError("--draft_token_cost applies to --adaptive_draft only")
-    if FLAGS.mirostat and (FLAGS.ngram_draft or FLAGS.draft_model):  # every job of a run is a mirostat job
-        raise app.UsageError("--mirostat with a drafter: mirostat's target changes after every token, so its jobs "
-                             "never speculate; drop --draft_model / --ngram_draft (or --mirostat)")
     if FLAGS.negative_prompt is not None and (FLAGS.ngram_draft or FLAGS.draft_model):  # every job uses CFG
         raise app.UsageError("--negative_prompt with a drafter: a CFG job samples each token from both prompts' "
                              "mixture, one token per step, so it never speculates; drop --draft_model / "
@@ -411,6 +408,14 @@ def check_speculation_flags() -> None:
     src = FLAGS.draft_model or ""
     if src.startswith("self:") and not (src[5:].isdigit() and int(src[5:]) >= 1):
         raise app.UsageError(f"--draft_model {src}: 'self:N' takes a layer count >= 1, e.g. self:4")
+
+
+def check_mirostat_with_drafter(settings: Sequence[Any]) -> None:
+    """app.UsageError where a drafter is given and every job (`settings`: each job's SamplingSettings) samples with
+    mirostat, whose target changes after every token: none would ever speculate. (Greedy jobs ignore mirostat.)"""
+    if (FLAGS.ngram_draft or FLAGS.draft_model) and settings and all(s.uses_mirostat for s in settings):
+        raise app.UsageError("--mirostat with a drafter: mirostat's target changes after every token, so its jobs "
+                             "never speculate; drop --draft_model / --ngram_draft (or --mirostat)")
 
 
 def speculation_kwargs(model) -> dict:
@@ -456,7 +461,11 @@ def speculation_line(metrics: dict, since: dict | None = None) -> str | None:
         m = {k: metrics.get(k, 0) - since.get(k, 0) for k in SPEC_COUNTS}
         m["acceptance_rate"] = m["accepted_draft_tokens"] / m["drafted_tokens"] if m["drafted_tokens"] else 0.0
         rows = m["verification_rows"]
-        m["mean_accepted_length"] = 1 + m["accepted_draft_tokens"] / rows if rows else 0.0
+
+        def emitted(x: dict) -> float:  # the tokens verifications emitted (the generator's own count, as its mean)
+            return x.get("mean_accepted_length", 0.0) * x.get("verification_rows", 0)
+
+        m["mean_accepted_length"] = (emitted(metrics) - emitted(since)) / rows if rows else 0.0
         metrics = m
     gated = metrics.get("gated_steps", 0)
     if not metrics.get("drafted_tokens"):
@@ -973,6 +982,7 @@ def main(argv):
     silence_other_processes()
     mode = _mode()
     requests = read_prompts_file(FLAGS.prompts_file) if mode == "bulk" else None
+    check_mirostat_with_drafter([r.settings for r in requests] if requests is not None else [build_settings()])
     prompt = FLAGS.prompt
     if mode == "stdin":
         data = sys.stdin.read() if sys.stdin is not None else ""

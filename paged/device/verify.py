@@ -127,7 +127,10 @@ def accept_drafts(
         q_x = jnp.exp(jnp.take_along_axis(draft_logprobs, d[..., None], axis=-1)[..., 0])
     u = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32)))(
         _point_keys(seeds, positions[:, :k], ACCEPT_TAG))  # [S, k] in [0, 1)
-    ok_sampled = u * q_x < p_x  # accept with probability min(1, p / q); never where p(x) = 0
+    # accept with probability min(1, p / q); never where p(x) = 0, nor where q(x) = 0: a draft its own distribution
+    # could not have drawn (a draft row whose mask left none of its head's tokens: every q -inf, the token a
+    # placeholder), which p / q = inf would take every time
+    ok_sampled = (u * q_x < p_x) & (q_x > 0)
     if always_accept:
         ok_sampled = jnp.ones_like(ok_sampled)
     ok = jnp.where(greedy[:, None] | match, drafts == token[:, :k], ok_sampled) & valid

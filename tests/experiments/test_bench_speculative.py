@@ -74,6 +74,8 @@ def test_bench_runs_every_prompt_at_each_concurrency(model_dir, tmp_path):  # no
     for r in (runs[("corpus", 1)], runs[("corpus", 2)]):  # each run's own counts, not the generator's totals
         assert r["metrics"]["drafted_tokens"] == r["accepted_draft_tokens"] + r["rejected_draft_tokens"], r
         assert r["metrics"]["steps"] == r["steps"]
+        assert r["metrics"]["pages_total"] > 0 and r["metrics"]["jobs_active"] == 0  # gauges as the run left them
+        assert r["metrics"]["time_engine_s"] > 0 and "acceptance_rate" not in r["metrics"]
     assert runs[("corpus", 1)]["metrics"]["drafted_tokens"] > 0
     assert rec["device"]["cpu_dispatch"] == "async"  # JAX's default (paged.device.cpu_runtime)
     assert rec["flags"]["fuse_sampler"] is False and not any(r["fuse_sampler"] for r in rec["runs"])

@@ -479,8 +479,8 @@ def test_warmup_shows_its_progress_bar_only_with_progress(model_dir, monkeypatch
     (("--ngram_corpus=table.npz",), "add --ngram_draft"),
     (("--ngram_draft", "--draft_model=self:1"), "choose one drafter"),
     (("--adaptive_draft",), "need --ngram_draft or --draft_model"),
-    (("--mirostat", "--ngram_draft"), "mirostat with a drafter: .* never speculate"),
-    (("--mirostat", "--draft_model=self:1"), "mirostat with a drafter"),
+    (("--mirostat", "--temperature=0.8", "--ngram_draft"), "mirostat with a drafter: .* never speculate"),
+    (("--mirostat", "--temperature=0.8", "--draft_model=self:1"), "mirostat with a drafter"),
     (("--negative_prompt=no", "--cfg_scale=1.5", "--ngram_draft"), "negative_prompt with a drafter: .* never "
                                                                     "speculates"),
 ])
@@ -488,6 +488,24 @@ def test_drafter_flags_are_checked_before_the_model_loads(model_dir, monkeypatch
     monkeypatch.setattr(generate, "load_model_from_flags", lambda: pytest.fail("the model was loaded"))
     with pytest.raises(app.UsageError, match=message):
         run_main(*engine_args(model_dir, "--prompt=x", *bad))
+
+
+def test_mirostat_with_a_drafter_is_refused_only_where_every_job_samples_with_it(model_dir, tmp_path, monkeypatch):
+    """Greedy jobs ignore mirostat and speculate; a prompts-file line at temperature 0 is such a job."""
+    class Loading(Exception):
+        pass
+
+    monkeypatch.setattr(generate, "load_model_from_flags", lambda: (_ for _ in ()).throw(Loading()))
+    with pytest.raises(Loading):  # past the check: greedy
+        run_main(*engine_args(model_dir, "--prompt=x", "--mirostat", "--temperature=0", "--ngram_draft"))
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a"}, {"prompt": "b", "temperature": 0}])
+    with pytest.raises(Loading):
+        run_main(*engine_args(model_dir, f"--prompts_file={mixed}", "--mirostat", "--temperature=0.8",
+                              "--ngram_draft"))
+    sampled = write_jsonl(tmp_path / "sampled.jsonl", [{"prompt": "a"}, {"prompt": "b", "temperature": 0.5}])
+    with pytest.raises(app.UsageError, match="mirostat with a drafter"):
+        run_main(*engine_args(model_dir, f"--prompts_file={sampled}", "--mirostat", "--temperature=0.8",
+                              "--ngram_draft"))
 
 
 def test_prompt_and_prompts_file_conflict(model_dir, tmp_path):
@@ -668,10 +686,13 @@ def test_speculation_line_and_summary_show_gated_steps_and_count_since_a_reset()
     assert line(dict(drafted_tokens=0, accepted_draft_tokens=0, gated_steps=0)) is None  # no drafter at work
     assert line(dict(drafted_tokens=0, accepted_draft_tokens=0, gated_steps=7)) == (
         "[speculative: nothing drafted, 7 steps not verified (adaptive)]")
-    before = dict(drafted_tokens=11, accepted_draft_tokens=5, verification_rows=4, gated_steps=0)
+    # the mean from the generator's own emitted counts (mean x rows: 2.25 x 4 = 9 before, 15 after; a job that
+    # ended among its accepted drafts emitted fewer than 1 + accepted)
+    before = dict(drafted_tokens=11, accepted_draft_tokens=5, verification_rows=4, gated_steps=0,
+                  mean_accepted_length=2.25)
     after = dict(drafted_tokens=15, accepted_draft_tokens=8, verification_rows=6, gated_steps=2,
-                 acceptance_rate=8 / 15, mean_accepted_length=2.33)
-    assert line(after, before) == ("[speculative: 3 / 4 drafts accepted (75.0%), mean accepted length 2.50 tokens "
+                 acceptance_rate=8 / 15, mean_accepted_length=2.5)
+    assert line(after, before) == ("[speculative: 3 / 4 drafts accepted (75.0%), mean accepted length 3.00 tokens "
                                    "per verification, 2 steps not verified (adaptive)]")
     assert line(after).startswith("[speculative: 8 / 15 drafts accepted (53.3%)")
     recs = [dict(ttft_s=1.0, decode_tok_s=10.0, prompt_tokens=4, new_tokens=5, cached_tokens=0)]

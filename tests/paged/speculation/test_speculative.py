@@ -251,6 +251,21 @@ def test_every_draft_is_accepted_when_q_equals_p():
     np.testing.assert_array_equal(np.asarray(toks)[:, :3], np.asarray(drafts))
 
 
+def test_a_draft_its_distribution_gives_no_probability_is_never_accepted():
+    """A draft row whose mask leaves none of its head's tokens draws from an all -inf q and returns a placeholder
+    token (0): accepting it wherever p(0) > 0 (p / q = inf) had made token 0 the output half the time under a
+    grammar. Rejected, the correction is drawn from the residual max(p - 0, 0) = p: the target's own draw."""
+    n, v = 256, 5
+    final = jnp.asarray(np.log(np.full((n, 2, v), 1.0 / v)), jnp.float32)  # p uniform: p(0) = 0.2
+    q = jnp.full((n, 1, v), -jnp.inf, jnp.float32)
+    toks, a = accept_drafts(final, jnp.zeros((n, 2), jnp.int32), jnp.zeros((n, 1), jnp.int32),
+                            jnp.ones((n,), jnp.int32), jnp.zeros(n, bool), jnp.arange(n, dtype=jnp.uint32),
+                            jnp.tile(jnp.arange(2), (n, 1)), q)
+    assert (np.asarray(a) == 0).all()
+    share = np.bincount(np.asarray(toks)[:, 0], minlength=v) / n  # each ~0.2: the residual is p
+    assert share.min() > 0.1 and share.max() < 0.3, share
+
+
 # ------------------------------------------------------------------------------------- host loop
 def _loop(engine: Engine, spec: Speculator | None, prompts, max_new: int, sampling, pages_per_job: int = 9,
           biases=None):

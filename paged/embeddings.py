@@ -68,6 +68,10 @@ class MMEmbedding:
         self.first_id = _reserve(self.digest, arr.shape[0])
         self.text_alias = text_alias or f"<$EMB_{self.first_id}$>"
 
+    def used_in(self, ids: Iterable[int]) -> bool:
+        """Whether any of the block's reserved ids is among `ids` (a prompt's)."""
+        return any(self.first_id <= t < self.first_id + self.num_tokens for t in ids)
+
     @property
     def num_tokens(self) -> int:
         return self.embeddings.shape[0]

@@ -936,7 +936,7 @@ class DynamicGenerator:
                             decode_special_tokens=decode_special_tokens, identifier=("generate", i),
                             token_healing=token_healing, banned_strings=banned_strings,
                             filters=per_prompt[i] or None, filter_prefer_eos=filter_prefer_eos,
-                            embeddings=[e for e in embeddings if e.first_id in used] or None, lora=lora))
+                            embeddings=[e for e in embeddings if e.used_in(used)] or None, lora=lora))
         # This call's jobs are claimed: whichever thread's iterate() produces their results routes them to `mine`
         # (another thread looping iterate() had taken them: generate() lost tokens, or took its jobs for cancelled).
         mine: list[dict] = []

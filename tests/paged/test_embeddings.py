@@ -222,6 +222,7 @@ def test_invalid_embeddings():
     used = MMEmbedding(RNG.normal(size=(5, CFG.hidden_size)))
     plain = Job(TEXT[:5], 2, gen_settings=GREEDY, embeddings=[unused])
     assert plain.embeddings == []
+    assert Job([1, used.token_ids[3]], 2, embeddings=[used]).embeddings == [used]  # one of its ids is a use
     small.enqueue([plain, Job([1, *used.token_ids], 2, gen_settings=GREEDY, embeddings=[unused, used])])
     drain(small)
     small.pool.check({})

@@ -210,8 +210,8 @@ class Job:
         self.filter_prefer_eos = c.bool_("filter_prefer_eos", filter_prefer_eos)
         # the blocks whose reserved ids the prompts hold: one given for another prompt holds no table rows (as in
         # generate(), whose prompts share one list)
-        used = set(self.input_ids) | set(self.negative_ids or ())
-        self.embeddings = [e for e in _embeddings(c, embeddings) if e.used_in(used)]
+        self.embeddings = [e for e in _embeddings(c, embeddings)
+                           if e.used_in(self.input_ids) or e.used_in(self.negative_ids or ())]
         if lora is not None and not isinstance(lora, str):
             c.fail_type("lora", lora, "the name of an adapter loaded with generator.load_lora(name, path), or None")
         self.lora = lora

@@ -54,6 +54,7 @@ def start_server(tmp_path) -> tuple[subprocess.Popen, Any, str, str]:
             return p, log, base, name
         log.seek(0)
         output = log.read()
+        log.close()
         assert "address already in use" in output.lower(), f"the server exited with {p.returncode}: {output[-3000:]}"
     raise AssertionError("five ports in a row were taken before the server bound them")
 

@@ -12,9 +12,9 @@ import pytest
 
 from paged import DynamicGenerator, Job, SamplingSettings
 from paged.testing import drain
-from tests.paged.speculation.test_speculative_generator import GREEDY, MODEL, TOK, check_draft_cache
+from tests.paged.speculation.test_speculative_generator import GREEDY, MODEL, SETTINGS, TOK, check_draft_cache
 
-SET = dict(num_pages=64, page_size=8, max_batch_size=1, max_chunk_size=16, max_seq_len=96, max_penalty_range=0)
+SET = {**SETTINGS, "max_batch_size": 1}  # the generator tests' engine, one row: the same programs as theirs
 
 
 def run_checked(gen, jobs) -> int:
@@ -76,10 +76,10 @@ def test_pages_of_a_job_that_never_drafts_are_shared_with_their_draft_kv():
     answer reuses both caches' pages, and its drafts (the target drafting for itself) are all accepted."""
     gen = DynamicGenerator(MODEL, **{**SET, "max_batch_size": 2}, draft_model=MODEL, num_draft_tokens=2)
     prompt = TOK.encode("hello world, hello")
-    first = Job(prompt, 30, gen_settings=SamplingSettings(mirostat=True, temperature=1.0), seed=1)
+    first = Job(prompt, 24, gen_settings=SamplingSettings(mirostat=True, temperature=1.0), seed=1)
     gen.enqueue(first)
     drain(gen)
-    follow = Job(list(first.sequence) + TOK.encode(" and"), 20, gen_settings=GREEDY)
+    follow = Job(list(first.sequence) + TOK.encode(" and"), 12, gen_settings=GREEDY)  # 46 + 12 tokens of max_seq_len 64
     gen.enqueue(follow)
     assert run_checked(gen, [follow]) > 0
     m = gen.metrics()

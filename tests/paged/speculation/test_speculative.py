@@ -20,17 +20,17 @@ from paged.errors import InvalidConfigError
 from paged.speculation.config import SpeculationConfig
 from paged.speculation.rows import SpecRow
 from paged.speculation.speculator import Speculator
-from paged.testing import tiny_config, tiny_model
+from paged.testing import tiny_config
 from paged.token_sets import pack
+from tests.paged.speculation.test_speculative_generator import CFG, MODEL, OTHER, SETTINGS
 
 # each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
 pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
 
-CFG = tiny_config(96)
-MODEL = tiny_model(CFG, seed=0)
-OTHER = tiny_model(CFG, seed=7, source="tiny-other")
-SETTINGS = dict(num_pages=40, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_prefill_rows=1,
-                max_penalty_range=16)
+# The generator tests' model and engine settings: the engines here compile the same programs as the generators
+# there (the suite's compilation cache shares them; with a model and engine of their own these tests compiled 33
+# programs no other module used, now 8). `ROWS`: rows with a penalty history (test_fused_step's penalised engine).
+ROWS = {**SETTINGS, "max_penalty_range": 16}
 # penalties strong enough to move every token's probability: the whole final distribution is compared
 SAMPLED = {"temperature": 0.8, "top_p": 0.97, "repetition_penalty": 1.5, "frequency_penalty": 0.7, "seed": 4}
 
@@ -58,7 +58,7 @@ def test_verification_rows_give_the_results_of_single_positions(mixed, first):
     """A verification row's per-position logits, final distribution (top-k) and the target's token at each position
     are those of feeding the positions one at a time, penalties (and DRY, with the full sampler) seeing the earlier
     drafts; also with a prefill chunk sharing the step (a mixed verification bucket)."""
-    a, b = Engine(MODEL, **SETTINGS, verification=Verification(3)), Engine(MODEL, **SETTINGS)
+    a, b = Engine(MODEL, **ROWS, verification=Verification(3)), Engine(MODEL, **ROWS)
     prompts = [[5, 7, 9, 11, 13, 2, 3], [40, 41, 42, 43, 44]]
     pages = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
     other = RowInput(tokens=list(range(60, 72)), start_pos=0, pages=[13, 14, 15], sample=False)
@@ -444,7 +444,7 @@ def test_a_catch_up_window_drafts_what_a_decode_step_after_the_catch_up_token_dr
     row without a catch-up token in the same burst drafts as before. Rows sit at slots with gaps (the target's
     verification rows), one sampled with penalties, one greedy."""
 
-    engine = Engine(MODEL, **SETTINGS, drafting=Drafting(3, pad_rows=4))
+    engine = Engine(MODEL, **ROWS, drafting=Drafting(3, pad_rows=4))
     engine.run_forward([RowInput(tokens=[3, 1, 4, 1], start_pos=0, pages=[1], sample=False)])
     engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
     rows = [RowInput(tokens=[7], start_pos=5, pages=[1], sampling=dict(SAMPLED), history=[3, 1, 4, 1, 6]),
@@ -476,7 +476,7 @@ def test_a_burst_dispatched_ahead_drafts_what_the_next_burst_would():
     next rows laid out on the host; and again after the host moved the burst's rows on to what the first burst ahead
     fed (`Engine.advance_burst`: two steps ahead in a row)."""
 
-    engine = Engine(MODEL, **SETTINGS, drafting=Drafting(2, pad_rows=4))
+    engine = Engine(MODEL, **ROWS, drafting=Drafting(2, pad_rows=4))
     engine.run_forward([RowInput(tokens=[3, 1, 4, 1, 6], start_pos=0, pages=[1, 3], sample=False)])
     engine.run_forward([RowInput(tokens=[5, 9, 2], start_pos=0, pages=[2], sample=False)])
     sampled = {k: v for k, v in SAMPLED.items() if "penalty" not in k}  # (rows without a penalty history go ahead)

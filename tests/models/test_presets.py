@@ -130,7 +130,8 @@ def test_the_small_preset_forward_has_finite_logits(weights):
     assert 0.1 < logits.std() < 10  # neither flat nor blown up
 
 
-@pytest.mark.slow  # (all 30 layers: 9 s; the 2-layer forwards above cover every format in the fast tier)
+@pytest.mark.slow  # (all 30 layers: 3 s; the 2-layer forwards above cover every format in the fast tier)
+@pytest.mark.optimised  # drawing 135M random weights: 16 s in a program compiled without XLA's optimisations
 def test_load_model_builds_the_full_small_preset():
     """All 30 layers, allocated: the arrays hold the published parameter count and `weight_bytes`; a forward runs."""
     m = load_model(f"preset:{SMALL}", dtype="bfloat16")

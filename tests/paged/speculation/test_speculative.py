@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_lim
 
 # The generator tests' model and engine settings: the engines here compile the same programs as the generators
 # there (the suite's compilation cache shares them; with a model and engine of their own these tests compiled 33
-# programs no other module used, now 8). `ROWS`: rows with a penalty history (test_fused_step's penalised engine).
+# programs no other module used, now 5). `ROWS`: rows with a penalty history (test_fused_step's penalised engine).
 ROWS = {**SETTINGS, "max_penalty_range": 16}
 # penalties strong enough to move every token's probability: the whole final distribution is compared
 SAMPLED = {"temperature": 0.8, "top_p": 0.97, "repetition_penalty": 1.5, "frequency_penalty": 0.7, "seed": 4}

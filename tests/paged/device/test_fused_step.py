@@ -18,7 +18,7 @@ from paged.device.engine import count_compiles
 from paged.errors import InvalidConfigError
 from paged.testing import drain
 from tests.paged.device.test_warmup import count_jax_compiles
-from tests.paged.speculation.test_speculative_generator import MODEL, SETTINGS, TOK
+from tests.paged.speculation.test_speculative_generator import MODEL, PENALISED, SETTINGS, TOK
 
 pytestmark = pytest.mark.fresh_programs  # (counts compiled variants)
 
@@ -74,7 +74,7 @@ def test_one_program_gives_the_two_programs_results(drafter, monkeypatch):
     runs = {}
     for fuse in (False, True):
         calls.clear()
-        gen = DynamicGenerator(MODEL, **{**SETTINGS, "max_penalty_range": 16}, fuse_sampler=fuse, **SPECS[drafter])
+        gen = DynamicGenerator(MODEL, **PENALISED, fuse_sampler=fuse, **SPECS[drafter])
         gen.enqueue(jobs())
         c = drain(gen)
         gen.pool.check({})

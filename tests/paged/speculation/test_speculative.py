@@ -22,15 +22,15 @@ from paged.speculation.rows import SpecRow
 from paged.speculation.speculator import Speculator
 from paged.testing import tiny_config
 from paged.token_sets import pack
-from tests.paged.speculation.test_speculative_generator import CFG, MODEL, OTHER, SETTINGS
+from tests.paged.speculation.test_speculative_generator import CFG, MODEL, OTHER, PENALISED, SETTINGS
 
 # each test builds generators with draft models: their compiled programs go once the maps near the limit (conftest)
 pytestmark = pytest.mark.usefixtures("release_compiled_programs_near_the_map_limit")
 
 # The generator tests' model and engine settings: the engines here compile the same programs as the generators
 # there (the suite's compilation cache shares them; with a model and engine of their own these tests compiled 33
-# programs no other module used, now 5). `ROWS`: rows with a penalty history (test_fused_step's penalised engine).
-ROWS = {**SETTINGS, "max_penalty_range": 16}
+# programs no other module used, now 5). `ROWS`: rows with a penalty history (test_fused_step's engine too).
+ROWS = PENALISED
 # penalties strong enough to move every token's probability: the whole final distribution is compared
 SAMPLED = {"temperature": 0.8, "top_p": 0.97, "repetition_penalty": 1.5, "frequency_penalty": 0.7, "seed": 4}
 

@@ -261,6 +261,9 @@ CFG = tiny_config(258)
 MODEL = tiny_model(CFG, seed=0, tokenizer=TOK)
 OTHER = tiny_model(CFG, seed=7, tokenizer=TOK, source="tiny-other")
 SETTINGS = dict(num_pages=48, page_size=8, max_batch_size=4, max_chunk_size=16, max_seq_len=64, max_penalty_range=0)
+# the same engine with a penalty history, for rows that carry one (test_speculative, test_fused_step: one definition,
+# so their programs stay the same and the compilation cache shares them)
+PENALISED = {**SETTINGS, "max_penalty_range": 16}
 
 
 def test_invalid_speculation_arguments():
